@@ -1,0 +1,1 @@
+"""Process groups, Ulysses sequence parallelism and the VAE work split (applied to finished models)."""
