@@ -1,0 +1,435 @@
+"""The batch queue: render a list of jobs with one resident model, job by job, resumable and interruptible.
+
+`run_batch` walks the jobs in order. A job whose MP4 and JSON sidecar already exist, and whose sidecar's
+``"job"`` equals ``job.params()``, is skipped (resume); every other job is rendered by one renderer, built lazily by
+``renderer_factory()`` the first time a job needs it, so the model loads once per queue and not at all when
+everything is already rendered. A job that raises is recorded as failed and the queue goes on (``fail_fast`` stops
+it); SIGINT or SIGTERM stops it cleanly. ``<out_dir>/batch-report.json`` is rewritten atomically after every job,
+so even a queue killed with SIGKILL leaves a report of what finished.
+
+Exit codes (``BatchReport.exit_code``; the CLI exits with it):
+
+====  =====================================================================================================
+0     every job succeeded or was skipped as already rendered (an empty shard too)
+1     at least one job failed; the others still ran (or, with ``fail_fast``, the rest stayed pending)
+2     bad input or usage, found before anything loads: manifest errors, bad ``--shard``. The CLI returns it;
+      ``run_batch`` is never reached. ``run_batch`` itself raises ``ValueError`` for two jobs sharing an output.
+130   interrupted by SIGINT (Ctrl-C) or SIGTERM (``scancel``, a SLURM time limit): 128 + SIGINT, the shell's code
+====  =====================================================================================================
+
+File names, for a job with ``output = "clips/a"``: final ``<out_dir>/clips/a.mp4`` and ``clips/a.json``; the
+renderer writes them through ``clips/a.tmp.mp4`` and ``clips/a.tmp.json`` and renames. Whatever way a job ends
+other than success, those temp names are swept and any final-named file written during the attempt is removed,
+so nothing partial ever sits under a final name.
+
+The renderer contract (``h3render.pipeline.Renderer``): ``render(job, mp4_path, sidecar_path) -> dict``, writing
+the MP4 and then the sidecar (which holds ``"job": job.params()``), both atomically. Jobs need ``id``, ``output``
+and ``params()`` (``h3render.jobs.Job``).
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+import traceback
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Callable, Iterator, Sequence
+
+EXIT_OK = 0
+EXIT_FAILED = 1
+EXIT_USAGE = 2
+EXIT_INTERRUPTED = 130
+
+SUCCEEDED = "succeeded"
+FAILED = "failed"
+SKIPPED = "skipped"
+PENDING = "pending"
+INTERRUPTED = "interrupted"
+STATUSES = (SUCCEEDED, FAILED, SKIPPED, PENDING, INTERRUPTED)
+
+REPORT_FORMAT = 1  # bump when a consumer-visible field of batch-report.json changes
+
+
+class Interrupted(KeyboardInterrupt):
+    """Raised in the main thread when SIGTERM arrives, so it unwinds exactly like Ctrl-C (KeyboardInterrupt)."""
+
+
+@dataclass
+class JobOutcome:
+    """One job's line in the report. ``output`` is the MP4 path relative to the out dir; ``seconds`` is wall time
+    of this job's render (the one-off model load is ``BatchReport.load_seconds``), None when it did not run."""
+
+    id: str | None
+    output: str
+    status: str = PENDING
+    seconds: float | None = None
+    error: str | None = None  # "ExceptionType: message" for failed / interrupted jobs
+    traceback: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        d = {"id": self.id, "output": self.output, "status": self.status,
+             "seconds": None if self.seconds is None else round(self.seconds, 3), "error": self.error}
+        if self.traceback is not None:
+            d["traceback"] = self.traceback
+        return d
+
+
+@dataclass
+class BatchReport:
+    """What happened to each job, in manifest order, and where the report file was written."""
+
+    path: Path
+    jobs: list[JobOutcome]
+    shard: tuple[int, int] | None = None
+    interrupted: bool = False
+    finished: bool = False
+    load_seconds: float | None = None
+    started_at: str = field(default_factory=lambda: _now())
+
+    def count(self, status: str) -> int:
+        return sum(1 for j in self.jobs if j.status == status)
+
+    @property
+    def counts(self) -> dict[str, int]:
+        return {s: self.count(s) for s in STATUSES}
+
+    @property
+    def exit_code(self) -> int:
+        """130 if interrupted, else 1 if any job failed, else 0 (see the module docstring)."""
+        if self.interrupted:
+            return EXIT_INTERRUPTED
+        return EXIT_FAILED if self.count(FAILED) else EXIT_OK
+
+    def to_dict(self) -> dict[str, Any]:
+        state = "interrupted" if self.interrupted else ("finished" if self.finished else "running")
+        return {
+            "format": REPORT_FORMAT,
+            "state": state,
+            "exit_code": self.exit_code if (self.finished or self.interrupted) else None,
+            "shard": None if self.shard is None else {"index": self.shard[0], "count": self.shard[1]},
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "started_at": self.started_at,
+            "updated_at": _now(),
+            "load_seconds": None if self.load_seconds is None else round(self.load_seconds, 3),
+            "counts": self.counts,
+            "jobs": [j.to_dict() for j in self.jobs],
+        }
+
+    def write(self) -> None:
+        """Atomically (temp file in the same folder, fsync, rename) replace the report file."""
+        _write_json_atomic(self.path, self.to_dict())
+
+
+def report_name(shard: tuple[int, int] | None = None) -> str:
+    """``batch-report.json``, or ``batch-report.shard-<i>-of-<n>.json`` (i 0-based) so array tasks writing into one
+    out dir do not overwrite each other's report."""
+    if shard is None:
+        return "batch-report.json"
+    index, count = shard
+    return f"batch-report.shard-{index}-of-{count}.json"
+
+
+def output_paths(out_dir: Path, job) -> tuple[Path, Path]:
+    """Final ``(mp4, sidecar)`` paths of a job: ``<out_dir>/<job.output>.mp4`` and ``.json``."""
+    base = Path(out_dir) / job.output
+    return base.with_name(base.name + ".mp4"), base.with_name(base.name + ".json")
+
+
+def temp_paths(mp4: Path, sidecar: Path) -> tuple[Path, Path]:
+    """The renderer's temp names for a job's final paths: ``<name>.tmp.mp4`` and ``<name>.tmp.json``."""
+    return mp4.with_name(mp4.stem + ".tmp.mp4"), sidecar.with_name(sidecar.stem + ".tmp.json")
+
+
+def render_reason(job, mp4: Path, sidecar: Path, *, overwrite: bool = False) -> str | None:
+    """Why the job must be rendered ("overwrite", "no MP4", "no sidecar", "sidecar unreadable", "parameters
+    changed"), or None when its outputs are complete and were rendered with ``job.params()`` (skip it)."""
+    if overwrite:
+        return "overwrite"
+    if not mp4.is_file():
+        return "no MP4"
+    if not sidecar.is_file():
+        return "no sidecar"
+    try:
+        recorded = json.loads(sidecar.read_text(encoding="utf-8"))["job"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return "sidecar unreadable"
+    # Round-trip through JSON so tuples compare equal to the lists the sidecar holds.
+    if recorded != json.loads(json.dumps(job.params())):
+        return "parameters changed"
+    return None
+
+
+def run_batch(
+    jobs: Sequence,
+    renderer_factory: Callable[[], Any],
+    out_dir: str | os.PathLike,
+    *,
+    overwrite: bool = False,
+    fail_fast: bool = False,
+    quiet: bool = False,
+    progress: bool = True,
+    shard: tuple[int, int] | None = None,
+) -> BatchReport:
+    """Render ``jobs`` in order into ``out_dir`` and return the report (its ``exit_code`` is the process's).
+
+    Args:
+        jobs: ``h3render.jobs.Job`` objects (already sharded); each needs ``id``, ``output`` (relative path
+            without extension) and ``params()``.
+        renderer_factory: zero-argument callable returning an object with ``render(job, mp4_path, sidecar_path)``.
+            Called at most once, just before the first job that needs rendering; never when all are skipped.
+        out_dir: folder for the MP4s, sidecars and the report; created if missing.
+        overwrite: render every job even when its outputs are complete and current (default: resume, skip those).
+        fail_fast: stop after the first failed job; later jobs stay ``pending``.
+        quiet: no progress bars; one line per job on stderr.
+        progress: draw the tqdm queue bar at position 0 (the renderer's step bar takes position 1); with
+            ``progress=False`` (e.g. stderr is not a terminal) the queue logs one line per job like ``quiet``.
+        shard: ``(index, count)`` of this array task, 0-based; only names the report file and is recorded in it.
+
+    Returns:
+        The final ``BatchReport``; ``<out_dir>/batch-report[.shard-i-of-n].json`` holds the same.
+
+    Raises:
+        ValueError: two jobs share an output path (usage error; nothing was rendered).
+
+    SIGINT and SIGTERM do not propagate: the running job is cleaned up, its status becomes ``interrupted``, the
+    report is written and ``exit_code`` is 130. SIGTERM is only trapped when called from the main thread.
+    """
+    out_dir = Path(out_dir)
+    targets = [output_paths(out_dir, job) for job in jobs]
+    seen: dict[Path, int] = {}
+    for i, (mp4, _) in enumerate(targets):
+        if mp4 in seen:
+            raise ValueError(f"jobs {seen[mp4] + 1} and {i + 1} both write {mp4}; give each job its own output")
+        seen[mp4] = i
+    out_dir.mkdir(parents=True, exist_ok=True)
+
+    report = BatchReport(
+        path=out_dir / report_name(shard),
+        jobs=[JobOutcome(id=job.id, output=mp4.relative_to(out_dir).as_posix()) for job, (mp4, _) in zip(jobs, targets)],
+        shard=shard,
+    )
+    reasons = [render_reason(job, mp4, side, overwrite=overwrite) for job, (mp4, side) in zip(jobs, targets)]
+    for outcome, reason in zip(report.jobs, reasons):
+        if reason is None:
+            outcome.status = SKIPPED
+    to_render = sum(r is not None for r in reasons)
+    log = _QueueLog(total=to_render, bar=progress and not quiet)
+    log.line(f"{len(jobs)} jobs: {len(jobs) - to_render} already rendered (skipped), {to_render} to render"
+             + ("" if shard is None else f" [shard {shard[0]} of {shard[1]}]"))
+    report.write()
+
+    renderer = None
+    current: int | None = None
+    try:
+        with _sigterm_raises_interrupt():
+            for i, (job, (mp4, sidecar), reason) in enumerate(zip(jobs, targets, reasons)):
+                if reason is None:
+                    continue
+                outcome = report.jobs[i]
+                current = i
+                if renderer is None:
+                    t0 = time.perf_counter()
+                    try:
+                        renderer = renderer_factory()
+                    except Exception as exc:
+                        _fail_all(report, reasons, f"renderer could not be created: {_describe(exc)}",
+                                  traceback.format_exc())
+                        log.line(f"renderer could not be created: {_describe(exc)}")
+                        break
+                    report.load_seconds = time.perf_counter() - t0
+                ok = _render_one(renderer, job, mp4, sidecar, outcome)
+                current = None
+                _release_memory()
+                log.job_done(i, len(jobs), outcome, reason)
+                report.write()
+                if not ok and fail_fast:
+                    log.line("stopping after the first failure (--fail-fast)")
+                    break
+    except KeyboardInterrupt as exc:
+        with _signals_ignored():
+            report.interrupted = True
+            if current is not None and report.jobs[current].status == PENDING:
+                report.jobs[current].status = INTERRUPTED
+                report.jobs[current].error = _describe(exc) if isinstance(exc, Interrupted) else "KeyboardInterrupt"
+            log.line(f"interrupted ({'SIGTERM' if isinstance(exc, Interrupted) else 'SIGINT'}); report written")
+            report.write()
+            log.close()
+        _release_memory()
+        return report
+
+    report.finished = True
+    report.write()
+    log.close()
+    counts = report.counts
+    log.line(f"done: {counts[SUCCEEDED]} succeeded, {counts[FAILED]} failed, {counts[SKIPPED]} skipped, "
+             f"{counts[PENDING]} pending; report {report.path}")
+    return report
+
+
+def _render_one(renderer, job, mp4: Path, sidecar: Path, outcome: JobOutcome) -> bool:
+    """Render one job, recording the outcome; True on success. On any exit other than success (an Exception or
+    an interrupt) the job's temp files and any final-named file written during the attempt are removed."""
+    mp4.parent.mkdir(parents=True, exist_ok=True)
+    temps = temp_paths(mp4, sidecar)
+    _remove(*temps)  # left by an earlier queue killed with SIGKILL
+    before = {p: _identity(p) for p in (mp4, sidecar)}
+    t0 = time.perf_counter()
+    succeeded = False
+    try:
+        renderer.render(job, mp4, sidecar)
+        if not (mp4.is_file() and sidecar.is_file()):
+            raise RuntimeError(f"renderer returned without writing {mp4.name} and {sidecar.name}")
+        succeeded = True
+    except Exception as exc:
+        # Type and message only: the exception (and through its traceback, the job's tensors) is dropped at the
+        # end of this block so _release_memory can give the device memory back.
+        outcome.status = FAILED
+        outcome.error = _describe(exc)
+        outcome.traceback = traceback.format_exc()
+    finally:
+        outcome.seconds = time.perf_counter() - t0
+        if not succeeded:
+            _remove(*temps)
+            _remove(*(p for p in (mp4, sidecar) if _identity(p) not in (None, before[p])))
+    if succeeded:
+        outcome.status = SUCCEEDED
+    return succeeded
+
+
+def _fail_all(report: BatchReport, reasons: list, error: str, tb: str) -> None:
+    for outcome, reason in zip(report.jobs, reasons):
+        if reason is not None and outcome.status == PENDING:
+            outcome.status, outcome.error, outcome.traceback = FAILED, error, tb
+
+
+def _describe(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
+
+
+def _identity(path: Path) -> tuple[int, int, int] | None:
+    """(inode, mtime ns, size), which changes when a file is replaced or rewritten; None if absent."""
+    try:
+        st = path.stat()
+    except FileNotFoundError:
+        return None
+    return st.st_ino, st.st_mtime_ns, st.st_size
+
+
+def _remove(*paths: Path) -> None:
+    for p in paths:
+        try:
+            p.unlink()
+        except FileNotFoundError:
+            pass
+
+
+def _release_memory() -> None:
+    """Collect cycles (a failed job's traceback frames hold its tensors) and return cached CUDA blocks."""
+    gc.collect()
+    torch = sys.modules.get("torch")  # never import torch just for this: no torch loaded means no device memory
+    if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
+
+
+def _write_json_atomic(path: Path, data: dict) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(data, f, indent=2)
+            f.write("\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        _remove(tmp)
+        raise
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
+def _raise_interrupt(signum, frame) -> None:
+    raise Interrupted(f"{signal.Signals(signum).name} received")
+
+
+@contextmanager
+def _sigterm_raises_interrupt() -> Iterator[None]:
+    """Turn SIGTERM into an ``Interrupted`` (a KeyboardInterrupt) in the main thread while the queue runs, so
+    ``scancel`` and SLURM time limits clean up like Ctrl-C. Signal handlers can only be set from the main thread."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, _raise_interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+@contextmanager
+def _signals_ignored() -> Iterator[None]:
+    """Hold off a second Ctrl-C / SIGTERM while the interrupted queue writes its report (milliseconds)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+class _QueueLog:
+    """The queue's progress: a tqdm bar (done / failed / left, ETA) or, without it, one stderr line per job."""
+
+    def __init__(self, total: int, bar: bool):
+        self.total, self.done, self.failed = total, 0, 0
+        self.bar = None
+        if bar and total:
+            from tqdm.auto import tqdm
+
+            self.bar = tqdm(total=total, position=0, desc="queue", unit="job", file=sys.stderr, dynamic_ncols=True)
+            self._postfix()
+
+    def _postfix(self) -> None:
+        self.bar.set_postfix_str(f"done {self.done}, failed {self.failed}, left {self.total - self.done - self.failed}")
+
+    def line(self, text: str) -> None:
+        if self.bar is not None:
+            self.bar.write(f"h3render batch: {text}", file=sys.stderr)
+        else:
+            print(f"h3render batch: {text}", file=sys.stderr, flush=True)
+
+    def job_done(self, index: int, n_jobs: int, outcome: JobOutcome, reason: str) -> None:
+        if outcome.status == SUCCEEDED:
+            self.done += 1
+        else:
+            self.failed += 1
+        name = outcome.output if outcome.id is None else f"{outcome.id} ({outcome.output})"
+        if self.bar is not None:
+            self.bar.update(1)
+            self._postfix()
+            if outcome.status == FAILED:
+                self.line(f"job {index + 1}/{n_jobs} {name} failed: {outcome.error}")
+        else:
+            tail = f": {outcome.error}" if outcome.status == FAILED else ""
+            self.line(f"job {index + 1}/{n_jobs} {name} {outcome.status} in {outcome.seconds:.1f} s "
+                      f"[{reason}]{tail}; left {self.total - self.done - self.failed}")
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None

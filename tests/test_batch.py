@@ -1,0 +1,292 @@
+"""The batch queue with a fake renderer that writes small files through the real atomic pattern
+(``<name>.tmp.mp4`` / ``<name>.tmp.json`` then rename): resume, failure isolation, fail-fast, interrupts, report."""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import signal
+import sys
+import weakref
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import pytest
+
+from h3render import batch
+from h3render.batch import run_batch
+
+
+@dataclass(frozen=True)
+class FakeJob:
+    id: str | None
+    prompt: str
+    seed: int
+    output: str
+
+    def params(self) -> dict:
+        return {"prompt": self.prompt, "seed": self.seed, "canvas": (64, 32)}
+
+
+def make_jobs(n: int = 4) -> list[FakeJob]:
+    return [FakeJob(id=f"j{i}", prompt=f"prompt {i}", seed=i, output=f"sub/j{i}") for i in range(n)]
+
+
+class FakeRenderer:
+    """Writes MP4 bytes then the sidecar, each via a temp name + rename, like pipeline.Renderer.
+
+    ``fail`` ids raise ValueError after writing the temp MP4; ``interrupt_at`` raises KeyboardInterrupt after the
+    final MP4 and the temp sidecar exist (the worst moment); ``sigterm_at`` sends this process SIGTERM mid-render.
+    """
+
+    def __init__(self, fail=(), interrupt_at=None, sigterm_at=None):
+        self.fail, self.interrupt_at, self.sigterm_at = set(fail), interrupt_at, sigterm_at
+        self.rendered: list[str] = []
+
+    def render(self, job, mp4: Path, sidecar: Path) -> dict:
+        self.rendered.append(job.id)
+        tmp_mp4, tmp_json = mp4.with_name(mp4.stem + ".tmp.mp4"), sidecar.with_name(sidecar.stem + ".tmp.json")
+        tmp_mp4.write_bytes(b"\x00\x00\x00\x18ftypisom" + job.prompt.encode())
+        if job.id in self.fail:
+            raise ValueError("non-finite values in the decoded video (NaN)")
+        if job.id == self.sigterm_at:
+            os.kill(os.getpid(), signal.SIGTERM)
+            for _ in range(1000):  # the handler raises at the next bytecode boundary
+                pass
+        os.replace(tmp_mp4, mp4)
+        tmp_json.write_text(json.dumps({"job": job.params(), "timings": {"total": 0.01}}))
+        if job.id == self.interrupt_at:
+            raise KeyboardInterrupt
+        os.replace(tmp_json, sidecar)
+        return {"seconds": 0.01}
+
+
+class Factory:
+    def __init__(self, renderer):
+        self.renderer, self.calls = renderer, 0
+
+    def __call__(self):
+        self.calls += 1
+        return self.renderer
+
+
+def run(jobs, renderer, out, **kw):
+    factory = Factory(renderer)
+    report = run_batch(jobs, factory, out, progress=False, **kw)
+    return report, factory
+
+
+def read_report(out: Path, name: str = "batch-report.json") -> dict:
+    return json.loads((out / name).read_text())
+
+
+def files_under(out: Path) -> set[str]:
+    return {p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file()}
+
+
+def test_all_succeed_and_report_lists_every_job(tmp_path):
+    jobs = make_jobs(3)
+    report, factory = run(jobs, FakeRenderer(), tmp_path)
+    assert factory.calls == 1 and factory.renderer.rendered == ["j0", "j1", "j2"]
+    assert report.exit_code == 0
+    data = read_report(tmp_path)
+    assert data["state"] == "finished" and data["exit_code"] == 0 and data["shard"] is None
+    assert [j["id"] for j in data["jobs"]] == ["j0", "j1", "j2"]
+    assert [j["output"] for j in data["jobs"]] == ["sub/j0.mp4", "sub/j1.mp4", "sub/j2.mp4"]
+    assert all(j["status"] == "succeeded" and j["error"] is None and j["seconds"] >= 0 for j in data["jobs"])
+    assert data["counts"] == {"succeeded": 3, "failed": 0, "skipped": 0, "pending": 0, "interrupted": 0}
+    assert files_under(tmp_path) == {"batch-report.json"} | {f"sub/j{i}.{e}" for i in range(3) for e in ("mp4", "json")}
+
+
+def test_resume_renders_only_the_deleted_output(tmp_path):
+    jobs = make_jobs(4)
+    run(jobs, FakeRenderer(), tmp_path)
+    (tmp_path / "sub/j2.mp4").unlink()
+    report, factory = run(jobs, FakeRenderer(), tmp_path)
+    assert factory.renderer.rendered == ["j2"]
+    assert [j.status for j in report.jobs] == ["skipped", "skipped", "succeeded", "skipped"]
+    assert report.exit_code == 0 and (tmp_path / "sub/j2.mp4").is_file()
+
+
+def test_changed_seed_rerenders_only_that_job(tmp_path):
+    jobs = make_jobs(4)
+    run(jobs, FakeRenderer(), tmp_path)
+    jobs[1] = replace(jobs[1], seed=99)
+    report, factory = run(jobs, FakeRenderer(), tmp_path)
+    assert factory.renderer.rendered == ["j1"]
+    assert json.loads((tmp_path / "sub/j1.json").read_text())["job"]["seed"] == 99
+
+
+def test_missing_or_unreadable_sidecar_rerenders(tmp_path):
+    jobs = make_jobs(3)
+    run(jobs, FakeRenderer(), tmp_path)
+    (tmp_path / "sub/j0.json").unlink()
+    (tmp_path / "sub/j1.json").write_text("{not json")
+    _, factory = run(jobs, FakeRenderer(), tmp_path)
+    assert factory.renderer.rendered == ["j0", "j1"]
+
+
+def test_overwrite_renders_everything(tmp_path):
+    jobs = make_jobs(3)
+    run(jobs, FakeRenderer(), tmp_path)
+    _, factory = run(jobs, FakeRenderer(), tmp_path, overwrite=True)
+    assert factory.renderer.rendered == ["j0", "j1", "j2"]
+
+
+def test_factory_not_called_when_everything_is_rendered(tmp_path):
+    jobs = make_jobs(3)
+    run(jobs, FakeRenderer(), tmp_path)
+
+    def factory():
+        raise AssertionError("the model must not load when every job is skipped")
+
+    report = run_batch(jobs, factory, tmp_path, progress=False)
+    assert [j.status for j in report.jobs] == ["skipped"] * 3 and report.exit_code == 0
+    assert read_report(tmp_path)["counts"]["skipped"] == 3
+
+
+def test_failing_job_is_isolated_and_exit_code_is_1(tmp_path, monkeypatch):
+    released = []
+    real_release = batch._release_memory
+    monkeypatch.setattr(batch, "_release_memory", lambda: (released.append(1), real_release()))
+    jobs = make_jobs(4)
+    report, factory = run(jobs, FakeRenderer(fail={"j1"}), tmp_path)
+    assert factory.calls == 1 and factory.renderer.rendered == ["j0", "j1", "j2", "j3"]
+    assert [j.status for j in report.jobs] == ["succeeded", "failed", "succeeded", "succeeded"]
+    assert report.exit_code == 1
+    data = read_report(tmp_path)
+    assert data["exit_code"] == 1
+    assert data["jobs"][1]["error"] == "ValueError: non-finite values in the decoded video (NaN)"
+    assert "Traceback" in data["jobs"][1]["traceback"]
+    assert len(released) >= 4  # memory handed back after every job, the failed one included
+    # The failed job leaves nothing: neither its temp MP4 nor a final name.
+    assert not any(p.startswith("sub/j1.") for p in files_under(tmp_path))
+    # A second run retries only the failed job.
+    _, factory = run(jobs, FakeRenderer(), tmp_path)
+    assert factory.renderer.rendered == ["j1"]
+
+
+class Payload:
+    """Stands in for a job's device tensors."""
+
+
+class LeakyRenderer(FakeRenderer):
+    """A failing job whose payload sits in a reference cycle with its frame (as an exception kept in a local
+    makes): only a garbage collection frees it. Records, at each next render, whether it was freed."""
+
+    def __init__(self):
+        super().__init__()
+        self.ref, self.freed_before_next = None, []
+
+    def render(self, job, mp4, sidecar):
+        if self.ref is not None:
+            self.freed_before_next.append(self.ref() is None)
+        if job.id == "j0":
+            payload = Payload()
+            self.ref = weakref.ref(payload)
+            frame = sys._getframe()  # noqa: F841  (frame -> locals -> frame: a cycle)
+            raise MemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return super().render(job, mp4, sidecar)
+
+
+def test_failed_job_memory_is_released_before_the_next_job(tmp_path):
+    renderer = LeakyRenderer()
+    gc.disable()  # only the queue's own collection may free the cycle
+    try:
+        report, _ = run(make_jobs(2), renderer, tmp_path)
+    finally:
+        gc.enable()
+    assert [j.status for j in report.jobs] == ["failed", "succeeded"]
+    assert report.jobs[0].error == "MemoryError: CUDA out of memory. Tried to allocate 2.00 GiB"
+    assert renderer.freed_before_next == [True]
+
+
+def test_fail_fast_stops_after_first_failure(tmp_path):
+    jobs = make_jobs(4)
+    report, factory = run(jobs, FakeRenderer(fail={"j1"}), tmp_path, fail_fast=True)
+    assert factory.renderer.rendered == ["j0", "j1"]
+    assert [j.status for j in report.jobs] == ["succeeded", "failed", "pending", "pending"]
+    assert report.exit_code == 1 and read_report(tmp_path)["counts"]["pending"] == 2
+
+
+def test_interrupt_writes_report_and_leaves_nothing_partial(tmp_path):
+    jobs = make_jobs(4)
+    report, factory = run(jobs, FakeRenderer(interrupt_at="j1"), tmp_path)
+    assert factory.renderer.rendered == ["j0", "j1"]
+    assert report.exit_code == 130
+    data = read_report(tmp_path)
+    assert data["state"] == "interrupted" and data["exit_code"] == 130
+    assert [j["status"] for j in data["jobs"]] == ["succeeded", "interrupted", "pending", "pending"]
+    # j1 had renamed its MP4 and written its temp sidecar when interrupted: both are gone, j0 is intact.
+    assert files_under(tmp_path) == {"batch-report.json", "sub/j0.mp4", "sub/j0.json"}
+    _, factory = run(jobs, FakeRenderer(), tmp_path)
+    assert factory.renderer.rendered == ["j1", "j2", "j3"]
+
+
+def test_sigterm_is_handled_like_ctrl_c(tmp_path):
+    before = signal.getsignal(signal.SIGTERM)
+    jobs = make_jobs(3)
+    report, _ = run(jobs, FakeRenderer(sigterm_at="j1"), tmp_path)
+    assert report.exit_code == 130
+    data = read_report(tmp_path)
+    assert [j["status"] for j in data["jobs"]] == ["succeeded", "interrupted", "pending"]
+    assert data["jobs"][1]["error"] == "Interrupted: SIGTERM received"
+    assert files_under(tmp_path) == {"batch-report.json", "sub/j0.mp4", "sub/j0.json"}
+    assert signal.getsignal(signal.SIGTERM) is before  # handler restored
+
+
+def test_interrupt_while_loading_the_model(tmp_path):
+    def factory():
+        raise KeyboardInterrupt
+
+    report = run_batch(make_jobs(2), factory, tmp_path, progress=False)
+    assert report.exit_code == 130
+    assert [j["status"] for j in read_report(tmp_path)["jobs"]] == ["interrupted", "pending"]
+
+
+def test_factory_error_fails_every_job_to_render(tmp_path):
+    jobs = make_jobs(3)
+    run(jobs[:1], FakeRenderer(), tmp_path)
+
+    def factory():
+        raise FileNotFoundError("checkpoint folder /ckpt has no transformer/")
+
+    report = run_batch(jobs, factory, tmp_path, progress=False)
+    assert [j.status for j in report.jobs] == ["skipped", "failed", "failed"]
+    assert report.jobs[1].error.startswith("renderer could not be created: FileNotFoundError: checkpoint folder")
+    assert report.exit_code == 1
+
+
+def test_shard_report_name_and_content(tmp_path):
+    report, _ = run(make_jobs(2), FakeRenderer(), tmp_path, shard=(1, 3))
+    assert report.path == tmp_path / "batch-report.shard-1-of-3.json"
+    assert not (tmp_path / "batch-report.json").exists()
+    assert read_report(tmp_path, "batch-report.shard-1-of-3.json")["shard"] == {"index": 1, "count": 3}
+
+
+def test_empty_shard_exits_0_with_a_report(tmp_path):
+    report = run_batch([], Factory(None), tmp_path, progress=False, shard=(3, 4))
+    assert report.exit_code == 0 and read_report(tmp_path, "batch-report.shard-3-of-4.json")["jobs"] == []
+
+
+def test_duplicate_outputs_rejected_before_anything_runs(tmp_path):
+    jobs = [FakeJob("a", "p", 0, "same"), FakeJob("b", "q", 1, "same")]
+    factory = Factory(FakeRenderer())
+    with pytest.raises(ValueError, match="jobs 1 and 2 both write"):
+        run_batch(jobs, factory, tmp_path, progress=False)
+    assert factory.calls == 0 and not (tmp_path / "batch-report.json").exists()
+
+
+def test_quiet_logs_one_line_per_job(tmp_path, capsys):
+    run(make_jobs(3), FakeRenderer(fail={"j2"}), tmp_path, quiet=True)
+    lines = [ln for ln in capsys.readouterr().err.splitlines() if " job " in f" {ln}"]
+    assert len(lines) == 3
+    assert "j0 (sub/j0.mp4) succeeded" in lines[0] and "[no MP4]" in lines[0]
+    assert "j2 (sub/j2.mp4) failed" in lines[2] and "ValueError: non-finite" in lines[2]
+
+
+def test_progress_bar_counts(tmp_path, capsys):
+    run_batch(make_jobs(2), Factory(FakeRenderer(fail={"j1"})), tmp_path, progress=True)
+    err = capsys.readouterr().err
+    assert "queue" in err and "done 1, failed 1, left 0" in err

@@ -1,0 +1,98 @@
+"""scripts/h3render.sbatch on a real one-node SLURM cluster (Debian's Slurm 22.05 + munge, started here by
+scripts/slurm_local.sh): a 2-task array renders a 4-job manifest with the built-in tiny model, and every job is
+rendered by exactly one task. Needs root (CI runs it as root); installs the packages if missing. Never skips: if
+SLURM cannot start, the test fails and prints the daemons' logs."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SLURM_LOCAL = REPO / "scripts" / "slurm_local.sh"
+SBATCH_SCRIPT = REPO / "scripts" / "h3render.sbatch"
+# Options after MANIFEST OUT_DIR: the built-in tiny model, on CPU (CI has no GPU).
+H3RENDER_OPTIONS = ["--checkpoint", "tiny", "--quiet"]
+
+pytestmark = pytest.mark.slow
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _logs(cluster_dir: Path) -> str:
+    return subprocess.run([str(SLURM_LOCAL), "logs", str(cluster_dir)], capture_output=True, text=True).stdout
+
+
+@pytest.fixture(scope="module")
+def slurm_conf():
+    """Start munged, slurmctld and slurmd in a temp dir; yield the SLURM_CONF path; stop them afterwards."""
+    if os.geteuid() != 0:
+        pytest.fail("test_slurm needs root: it installs slurm-wlm + munge and runs a one-node cluster as root")
+    install = subprocess.run([str(SLURM_LOCAL), "install"], capture_output=True, text=True, timeout=600)
+    if install.returncode:
+        pytest.fail(f"installing slurm failed:\n{install.stdout}\n{install.stderr}")
+    # Not under pytest's tmp_path: munged wants every parent of its socket searchable by all.
+    cluster_dir = Path(tempfile.mkdtemp(prefix="h3render-slurm-"))
+    env = {**os.environ, "SLURMCTLD_PORT": str(_free_port()), "SLURMD_PORT": str(_free_port())}
+    try:
+        start = subprocess.run([str(SLURM_LOCAL), "start", str(cluster_dir)], env=env, capture_output=True,
+                               text=True, timeout=180)
+        if start.returncode:
+            pytest.fail(f"SLURM did not start:\n{start.stdout}\n{start.stderr}\n{_logs(cluster_dir)}")
+        yield cluster_dir / "slurm.conf"
+    finally:
+        subprocess.run([str(SLURM_LOCAL), "stop", str(cluster_dir)], capture_output=True, timeout=120)
+
+
+def test_array_job_renders_every_job_exactly_once(slurm_conf, tmp_path):
+    manifest = tmp_path / "queue.jsonl"
+    manifest.write_text("".join(json.dumps({"id": f"clip-{i}", "prompt": f"A paper boat drifts down gutter {i}, "
+                                            f"rain drumming on tin.", "seed": i}) + "\n" for i in range(4)))
+    out = tmp_path / "out"
+    env = {
+        **os.environ,
+        "SLURM_CONF": str(slurm_conf),
+        # The array tasks inherit this (--export=ALL): the venv's python and h3render first, this checkout importable.
+        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+    }
+    cmd = ["sbatch", "--wait", "--array=0-1", "--export=ALL", f"--chdir={tmp_path}",
+           f"--output={tmp_path}/task-%A_%a.out", str(SBATCH_SCRIPT), str(manifest), str(out), *H3RENDER_OPTIONS]
+    try:
+        result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    except subprocess.TimeoutExpired:
+        queue = subprocess.run(["squeue"], env=env, capture_output=True, text=True).stdout
+        pytest.fail(f"sbatch --wait did not return in 600 s\n{queue}\n{_logs(slurm_conf.parent)}")
+    task_logs = "\n".join(f"===== {p.name}\n{p.read_text()}" for p in sorted(tmp_path.glob("task-*.out")))
+    print(task_logs)
+    assert result.returncode == 0, (f"sbatch exit {result.returncode}\n{result.stdout}{result.stderr}\n{task_logs}\n"
+                                    f"{_logs(slurm_conf.parent)}")
+    assert len(list(tmp_path.glob("task-*.out"))) == 2, task_logs
+
+    # Each MP4 exists exactly once, complete (with its sidecar), and nothing temporary is left behind.
+    assert sorted(p.name for p in out.rglob("*.mp4")) == [f"clip-{i}.mp4" for i in range(4)]
+    assert sorted(p.name for p in out.rglob("*.json") if not p.name.startswith("batch-report")) == \
+        [f"clip-{i}.json" for i in range(4)]
+    assert not [p for p in out.rglob("*") if ".tmp" in p.name]
+
+    # Each job was rendered by exactly one task: the shard reports split the manifest i % 2.
+    rendered: dict[str, list[int]] = {}
+    for index in (0, 1):
+        report = json.loads((out / f"batch-report.shard-{index}-of-2.json").read_text())
+        assert report["shard"] == {"index": index, "count": 2} and report["exit_code"] == 0
+        for job in report["jobs"]:
+            assert job["status"] == "succeeded", job
+            rendered.setdefault(job["id"], []).append(index)
+    assert rendered == {"clip-0": [0], "clip-1": [1], "clip-2": [0], "clip-3": [1]}
+    assert not (out / "batch-report.json").exists()
