@@ -1,0 +1,606 @@
+"""The MiniMax-H3 diffusion transformer (DiT) over one packed sequence, in pure torch.
+
+One stream of blocks runs full self-attention over the rows `[text | audio | video]` of a single request (see
+`h3render.packing`). Modality enters only through the input projections, the per-row AdaLN modality tag and the two
+output heads. Parameter names are the NATIVE ones of the official `MiniMaxAI/MiniMax-H3` shards
+(`blocks.{i}.attn.qkv_proj`, `final_layer.video_out`, ...), so that layout loads without renaming:
+
+* `attn.qkv_proj.weight` rows are interleaved per head, `[head0: q k v, head1: q k v, ...]`, i.e. the output of the
+  projection reshapes to `[S, heads, 3, head_dim]`.
+* `mlp.fc1.weight` is gate-first: rows `[gate; value]`, the SwiGLU output is `value * silu(gate)`.
+* `rope.inv_freq` is not a parameter here; it is recomputed from the config.
+
+AdaLN modulation depends only on (timestep, modality), so it is computed ahead of the denoising loop into
+`ModulationTables` (`DiT.modulation_tables`) and `DiT.forward` reads the tables only. After the tables of a schedule
+are built, `DiT.drop_adaln_weights_()` frees the AdaLN projections (about 13 B of the 33 B released parameters).
+
+Swap points for fused kernels and sequence parallelism are the small functions `qk_norm_rope`, `modulate`,
+`gated_residual`, `swiglu` and the `attention` attribute of every `Attention` module.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Callable, Mapping
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from h3render.packing import PackedLayout
+
+# Modality tags of the packed sequence (released model): 0 video, 1 text, 2 audio. Block AdaLN tables hold one row per
+# (timestep, modality), addressed as `timestep_index * NUM_MODALITIES + tag`.
+NUM_MODALITIES = 3
+
+AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class DiTConfig:
+    """Architecture of the DiT. Field names equal the `__init__` arguments of diffusers'
+    `MiniMaxH3Transformer3DModel`; defaults are the released checkpoint (`MiniMaxAI/MiniMax-H3`, 33.1 B parameters).
+
+    `num_attention_heads * attention_head_dim` (7168 released) differs from `hidden_size` (5376). RoPE rotates the
+    leading `2 * 3 * rope_freq_dim` channels of every head (96 of 128 released).
+    """
+
+    num_attention_heads: int = 56
+    attention_head_dim: int = 128
+    hidden_size: int = 5376
+    num_layers: int = 50
+    num_refiner_layers: int = 2
+    ffn_dim: int = 14336
+    in_channels: int = 24
+    audio_in_channels: int = 32
+    patch_size: tuple[int, int, int] = (1, 2, 2)
+    text_dim: int = 5120
+    freq_dim: int = 256
+    time_embed_hidden_dim: int = 5376
+    time_embed_dim: int = 2688
+    rope_freq_dim: int = 16
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    qk_norm_eps: float = 1e-5
+    final_norm_eps: float = 1e-5
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "patch_size", tuple(int(p) for p in self.patch_size))
+        if len(self.patch_size) != 3:
+            raise ValueError(f"DiTConfig.patch_size must have 3 entries (t, h, w), got {self.patch_size}")
+        if 6 * self.rope_freq_dim > self.attention_head_dim:
+            raise ValueError(
+                f"DiTConfig: RoPE rotates 2*3*rope_freq_dim = {6 * self.rope_freq_dim} channels, more than "
+                f"attention_head_dim = {self.attention_head_dim}"
+            )
+        if self.freq_dim % 2:
+            raise ValueError(f"DiTConfig.freq_dim must be even (cos and sin halves), got {self.freq_dim}")
+
+    @property
+    def video_patch_dim(self) -> int:
+        """Width of one video row: `in_channels * prod(patch_size)` (96 released)."""
+        pt, ph, pw = self.patch_size
+        return self.in_channels * pt * ph * pw
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, object]) -> "DiTConfig":
+        """Build from a `config.json` dict. Keys starting with `_` (diffusers' `_class_name`, `_diffusers_version`)
+        are ignored.
+
+        Raises:
+            ValueError: on an unknown key.
+        """
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(k for k in d if not k.startswith("_") and k not in names)
+        if unknown:
+            raise ValueError(f"DiT config: unknown keys {unknown}")
+        return cls(**{k: v for k, v in d.items() if k in names})
+
+
+# Tiny test model: runs a t2va render on CPU in seconds. 4 heads x 32 (inner 128 != hidden 64, as released);
+# rope_freq_dim 4 rotates 24 of the 32 head channels.
+DIT_TINY = DiTConfig(
+    num_attention_heads=4,
+    attention_head_dim=32,
+    hidden_size=64,
+    num_layers=2,
+    num_refiner_layers=2,
+    ffn_dim=128,
+    text_dim=48,
+    freq_dim=32,
+    time_embed_hidden_dim=64,
+    time_embed_dim=32,
+    rope_freq_dim=4,
+)
+
+# Small model for CPU end-to-end runs with some depth: 8 heads x 64 (rope 48 of 64 channels).
+DIT_SMALL = DiTConfig(
+    num_attention_heads=8,
+    attention_head_dim=64,
+    hidden_size=384,
+    num_layers=4,
+    num_refiner_layers=2,
+    ffn_dim=1024,
+    text_dim=256,
+    freq_dim=64,
+    time_embed_hidden_dim=384,
+    time_embed_dim=192,
+    rope_freq_dim=8,
+)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Element-wise ops, kept as small named functions so fused kernels can replace them one by one.
+
+
+def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Full non-causal attention, no mask, default scale 1/sqrt(head_dim).
+
+    Args:
+        q, k, v: `[B, S, H, D]`.
+    Returns:
+        `[B, S, H, D]`, dtype of `q`.
+    """
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))  # [B, H, S, D]
+    return out.transpose(1, 2)
+
+
+def rotate_half_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate the leading `R = cos.shape[-1]` channels of every head (rotate_half convention); the rest pass through.
+
+    Args:
+        x: `[S, H, D]`.
+        cos, sin: `[S, R]` float32, `R <= D`; cast to `x.dtype` first (as the reference does in bf16).
+    Returns:
+        `[S, H, D]`, dtype of `x`.
+    """
+    r = cos.shape[-1]
+    cos = cos.to(x.dtype)[:, None, :]  # [S, 1, R]
+    sin = sin.to(x.dtype)[:, None, :]
+    x_rot, x_pass = x[..., :r], x[..., r:]
+    x1, x2 = x_rot.chunk(2, dim=-1)
+    rotated = torch.cat((-x2, x1), dim=-1)
+    return torch.cat((x_rot * cos + rotated * sin, x_pass), dim=-1)
+
+
+def qk_norm_rope(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    q_weight: torch.Tensor,
+    k_weight: torch.Tensor,
+    eps: float,
+    rope: tuple[torch.Tensor, torch.Tensor] | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-head RMSNorm of q and k, then partial RoPE (none when `rope` is None: the token refiner).
+
+    Args:
+        q, k: `[S, H, D]`; q_weight, k_weight: `[D]`; rope: `(cos, sin)` each `[S, R]` float32.
+    Returns:
+        `(q, k)`, each `[S, H, D]`.
+    """
+    q = F.rms_norm(q, (q.shape[-1],), q_weight, eps)
+    k = F.rms_norm(k, (k.shape[-1],), k_weight, eps)
+    if rope is not None:
+        q = rotate_half_rope(q, *rope)
+        k = rotate_half_rope(k, *rope)
+    return q, k
+
+
+def modulate(
+    x: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    shift: torch.Tensor,
+    scale: torch.Tensor,
+    rows: torch.Tensor,
+) -> torch.Tensor:
+    """AdaLN: `rms_norm(x) * (1 + scale[rows]) + shift[rows]`, the table rows gathered per packed row.
+
+    Args:
+        x: `[S, C]`; norm_weight: `[C]`; shift, scale: `[R, C]` tables; rows: `[S]` int64 into the tables.
+    Returns:
+        `[S, C]`, dtype of `x`.
+    """
+    h = F.rms_norm(x, (x.shape[-1],), norm_weight, eps)
+    return h * (1.0 + scale.index_select(0, rows)) + shift.index_select(0, rows)
+
+
+def gated_residual(x: torch.Tensor, y: torch.Tensor, gate: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """`x + gate[rows] * y`. x, y: `[S, C]`; gate: `[R, C]`; rows: `[S]` int64."""
+    return x + gate.index_select(0, rows) * y
+
+
+def swiglu(h: torch.Tensor) -> torch.Tensor:
+    """SwiGLU on a gate-first fused projection: `h = [gate | value]` `[S, 2F]` -> `value * silu(gate)` `[S, F]`."""
+    gate, value = h.chunk(2, dim=-1)
+    return value * F.silu(gate)
+
+
+def timestep_sinusoid(t: torch.Tensor, dim: int, max_period: float = 10000.0) -> torch.Tensor:
+    """Sinusoidal embedding of unscaled timesteps `t` in [0, 1], cos half first.
+
+    Args:
+        t: `[K]`.
+        dim: even embedding width (released: 256).
+    Returns:
+        `[K, dim]` float32: `[cos(t * f_i), sin(t * f_i)]` with `f_i = max_period ** (-i / (dim / 2))`.
+    """
+    half = dim // 2
+    exponent = -math.log(max_period) * torch.arange(half, dtype=torch.float32, device=t.device) / half
+    angles = t.float()[:, None] * torch.exp(exponent)[None, :]  # [K, half]
+    return torch.cat((torch.cos(angles), torch.sin(angles)), dim=-1)
+
+
+def rope_tables(
+    positions: torch.Tensor, freq_dim: int, theta: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin of the 3-axis RoPE of every packed row.
+
+    Positions are rounded to float32 before the angles are formed, as in the reference. The three axes share one set
+    of `freq_dim` inverse frequencies `theta ** (-2i / (2 * freq_dim))`; angles are laid out `[t | h | w]` and
+    repeated twice (rotate_half convention).
+
+    Args:
+        positions: `[S, 3]` (t, h, w), float64 from the layout.
+        freq_dim: frequencies per axis (released: 16).
+        theta: RoPE base (released: 1e4).
+    Returns:
+        `(cos, sin)`, each `[S, 6 * freq_dim]` float32 on `positions.device`.
+    """
+    if positions.ndim != 2 or positions.shape[-1] != 3:
+        raise ValueError(f"rope positions must be [S, 3], got {list(positions.shape)}")
+    inv_freq = 1.0 / (
+        theta ** (torch.arange(0, 2 * freq_dim, 2, dtype=torch.float32, device=positions.device) / (2 * freq_dim))
+    )
+    angles = positions.to(torch.float32)[:, :, None] * inv_freq[None, None, :]  # [S, 3, F]
+    angles = angles.flatten(1)  # [S, 3F]: t block, h block, w block
+    angles = torch.cat((angles, angles), dim=-1)  # [S, 6F]
+    return angles.cos(), angles.sin()
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Modules (native parameter names).
+
+
+class Attention(nn.Module):
+    """Self-attention over one sequence with per-head QK RMSNorm and optional partial RoPE; no biases.
+
+    `attention` is the one swap point for attention backends and sequence parallelism (Ulysses): a callable
+    `(q, k, v) -> out`, all `[B, S, H, D]` with B = 1. Default `sdpa_attention`.
+    """
+
+    def __init__(self, hidden_size: int, heads: int, head_dim: int, qk_norm_eps: float):
+        super().__init__()
+        self.heads = heads
+        self.head_dim = head_dim
+        self.qk_norm_eps = qk_norm_eps
+        self.qkv_proj = nn.Linear(hidden_size, 3 * heads * head_dim, bias=False)  # rows per head: q, k, v
+        self.q_norm = nn.RMSNorm(head_dim, eps=qk_norm_eps)
+        self.k_norm = nn.RMSNorm(head_dim, eps=qk_norm_eps)
+        self.out_proj = nn.Linear(heads * head_dim, hidden_size, bias=False)
+        self.attention: AttentionFn = sdpa_attention
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+        """x: `[S, hidden]` -> `[S, hidden]`; rope: `(cos, sin)` `[S, R]` or None."""
+        s = x.shape[0]
+        qkv = self.qkv_proj(x).view(s, self.heads, 3, self.head_dim)  # interleaved per head
+        q, k, v = qkv.unbind(2)  # each [S, H, D]
+        q, k = qk_norm_rope(q, k, self.q_norm.weight, self.k_norm.weight, self.qk_norm_eps, rope)
+        out = self.attention(q[None], k[None], v.contiguous()[None])  # [1, S, H, D]
+        return self.out_proj(out.reshape(s, self.heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    """SwiGLU feed-forward, no biases; `fc1` is gate-first `[gate; value]`."""
+
+    def __init__(self, hidden_size: int, ffn_dim: int):
+        super().__init__()
+        self.fc1 = nn.Linear(hidden_size, 2 * ffn_dim, bias=False)
+        self.fc2 = nn.Linear(ffn_dim, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """`[S, hidden]` -> `[S, hidden]`."""
+        return self.fc2(swiglu(self.fc1(x)))
+
+
+class RefinerBlock(nn.Module):
+    """Plain pre-norm block on the text rows: no AdaLN, no RoPE."""
+
+    def __init__(self, cfg: DiTConfig):
+        super().__init__()
+        self.norm1 = nn.RMSNorm(cfg.hidden_size, eps=cfg.norm_eps)
+        self.attn = Attention(cfg.hidden_size, cfg.num_attention_heads, cfg.attention_head_dim, cfg.qk_norm_eps)
+        self.norm2 = nn.RMSNorm(cfg.hidden_size, eps=cfg.norm_eps)
+        self.mlp = MLP(cfg.hidden_size, cfg.ffn_dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """`[Nt, hidden]` -> `[Nt, hidden]`."""
+        x = x + self.attn(self.norm1(x), None)
+        return x + self.mlp(self.norm2(x))
+
+
+class TokenRefiner(nn.Module):
+    """Refines the projected text rows before they are packed (released: 2 blocks + a final RMSNorm)."""
+
+    def __init__(self, cfg: DiTConfig):
+        super().__init__()
+        self.blocks = nn.ModuleList(RefinerBlock(cfg) for _ in range(cfg.num_refiner_layers))
+        self.final_norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.final_norm_eps)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """`[Nt, hidden]` -> `[Nt, hidden]`."""
+        for block in self.blocks:
+            x = block(x)
+        return self.final_norm(x)
+
+
+class AdaLNProj(nn.Module):
+    """`linear(silu(temb))` -> one modulation table. Only used to build `ModulationTables` ahead of the loop."""
+
+    def __init__(self, time_embed_dim: int, out_features: int):
+        super().__init__()
+        self.linear = nn.Linear(time_embed_dim, out_features, bias=True)
+
+    def forward(self, temb: torch.Tensor) -> torch.Tensor:
+        # SiLU runs at temb's precision (fp32) and only its result is cast to the projection dtype: every block reads
+        # the same temb, so an early bf16 rounding would bias all blocks alike at every step.
+        return self.linear(F.silu(temb).to(self.linear.weight.dtype))
+
+
+class Block(nn.Module):
+    """One DiT block: AdaLN-modulated pre-norm attention (with RoPE) and SwiGLU MLP, gated residuals."""
+
+    def __init__(self, cfg: DiTConfig):
+        super().__init__()
+        self.norm1 = nn.RMSNorm(cfg.hidden_size, eps=cfg.norm_eps)
+        self.attn = Attention(cfg.hidden_size, cfg.num_attention_heads, cfg.attention_head_dim, cfg.qk_norm_eps)
+        self.norm2 = nn.RMSNorm(cfg.hidden_size, eps=cfg.norm_eps)
+        self.mlp = MLP(cfg.hidden_size, cfg.ffn_dim)
+        # 6 vectors x 3 modalities per timestep (released: 18 x 5376 outputs).
+        self.adaln_proj: AdaLNProj | None = AdaLNProj(cfg.time_embed_dim, 6 * NUM_MODALITIES * cfg.hidden_size)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        table: torch.Tensor,
+        rows: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+    ) -> torch.Tensor:
+        """
+        Args:
+            x: `[S, hidden]` packed hidden states.
+            table: `[K*3, 6, hidden]` (shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp).
+            rows: `[S]` int64, `timestep_index * 3 + tag`.
+            rope: `(cos, sin)` `[S, R]` float32.
+        Returns:
+            `[S, hidden]`.
+        """
+        eps = self.norm1.eps
+        h = modulate(x, self.norm1.weight, eps, table[:, 0], table[:, 1], rows)
+        x = gated_residual(x, self.attn(h, rope), table[:, 2], rows)
+        h = modulate(x, self.norm2.weight, self.norm2.eps, table[:, 3], table[:, 4], rows)
+        return gated_residual(x, self.mlp(h), table[:, 5], rows)
+
+
+class TimeEmbedder(nn.Module):
+    """Timestep MLP `proj_out(silu(proj_in(sinusoid)))` (fp32 in the release)."""
+
+    def __init__(self, cfg: DiTConfig):
+        super().__init__()
+        self.proj_in = nn.Linear(cfg.freq_dim, cfg.time_embed_hidden_dim, bias=True)
+        self.proj_out = nn.Linear(cfg.time_embed_hidden_dim, cfg.time_embed_dim, bias=True)
+
+    def forward(self, emb: torch.Tensor) -> torch.Tensor:
+        """`[K, freq_dim]` -> `[K, time_embed_dim]`."""
+        return self.proj_out(F.silu(self.proj_in(emb)))
+
+
+class FinalLayer(nn.Module):
+    """Final RMSNorm modulated per timestep (shift then scale; no modality), then one head per modality (fp32)."""
+
+    def __init__(self, cfg: DiTConfig):
+        super().__init__()
+        self.norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.final_norm_eps)
+        self.adaln_proj: AdaLNProj | None = AdaLNProj(cfg.time_embed_dim, 2 * cfg.hidden_size)
+        self.video_out = nn.Linear(cfg.hidden_size, cfg.video_patch_dim, bias=True)
+        self.audio_out = nn.Linear(cfg.hidden_size, cfg.audio_in_channels, bias=True)
+
+
+@dataclass(frozen=True, eq=False)
+class ModulationTables:
+    """AdaLN modulation of every block for a set of timesteps, computed ahead of the denoising loop.
+
+    Attributes:
+        timesteps: `[K]` float32, the timesteps (t = 1 - sigma) the tables were built for, in the given order.
+        blocks: one `[K*3, 6, hidden]` tensor per block, model dtype; row `k*3 + tag` (tag 0 video, 1 text, 2 audio),
+            slots (shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp).
+        final: `[K, 2, hidden]`, (shift, scale) of the final norm.
+    """
+
+    timesteps: torch.Tensor
+    blocks: tuple[torch.Tensor, ...]
+    final: torch.Tensor
+
+    def index_of(self, t: float | torch.Tensor) -> int:
+        """Index of timestep `t` in `timesteps` (exact float32 match).
+
+        Raises:
+            ValueError: when `t` is not one of the tabulated timesteps.
+        """
+        t = torch.as_tensor(t, dtype=torch.float32).to(self.timesteps.device)
+        hits = (self.timesteps == t).nonzero()
+        if hits.numel() == 0:
+            raise ValueError(f"timestep {float(t)} is not in the modulation tables ({self.timesteps.numel()} entries)")
+        return int(hits[0, 0])
+
+    def to(self, device: torch.device | str) -> "ModulationTables":
+        return ModulationTables(
+            self.timesteps.to(device), tuple(b.to(device) for b in self.blocks), self.final.to(device)
+        )
+
+
+class DiT(nn.Module):
+    """MiniMax-H3 transformer over one packed sequence (native checkpoint names).
+
+    Precision policy of the release (`apply_precision_`): `video_patch_proj`, `audio_patch_proj`, `time_embedder`,
+    `final_layer.video_out`, `final_layer.audio_out` stay float32; everything else runs in the model dtype (bf16 on
+    GPU), including `condition_proj`, the norms and the AdaLN projections.
+    """
+
+    FP32_MODULES = ("video_patch_proj", "audio_patch_proj", "time_embedder", "final_layer.video_out",
+                    "final_layer.audio_out")
+
+    def __init__(self, cfg: DiTConfig):
+        super().__init__()
+        self.cfg = cfg
+        h = cfg.hidden_size
+        self.video_patch_proj = nn.Linear(cfg.video_patch_dim, h, bias=True)
+        self.audio_patch_proj = nn.Linear(cfg.audio_in_channels, h, bias=True)
+        self.condition_proj = nn.Linear(cfg.text_dim, h, bias=True)
+        self.time_embedder = TimeEmbedder(cfg)
+        self.token_refiner = TokenRefiner(cfg)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.num_layers))
+        self.final_layer = FinalLayer(cfg)
+
+    # -- setup ------------------------------------------------------------------------------------------------------
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The model (block stack) dtype."""
+        return self.condition_proj.weight.dtype
+
+    def apply_precision_(self, dtype: torch.dtype) -> "DiT":
+        """Cast in place to the release's split: `FP32_MODULES` float32, all else `dtype`. Returns self."""
+        self.to(dtype)
+        for name in self.FP32_MODULES:
+            self.get_submodule(name).float()
+        return self
+
+    def set_attention(self, fn: AttentionFn, refiner: bool = False) -> None:
+        """Use `fn(q, k, v)` (`[B, S, H, D]` each) in every block's attention; also in the token refiner when
+        `refiner` (the refiner sees only the text rows, so a sequence-parallel wrapper must not touch it)."""
+        for block in self.blocks:
+            block.attn.attention = fn
+        if refiner:
+            for block in self.token_refiner.blocks:
+                block.attn.attention = fn
+
+    def drop_adaln_weights_(self) -> None:
+        """Delete `blocks.*.adaln_proj` and `final_layer.adaln_proj` (the forward reads `ModulationTables` only).
+        Afterwards `modulation_tables` raises RuntimeError."""
+        for block in self.blocks:
+            block.adaln_proj = None
+        self.final_layer.adaln_proj = None
+
+    @property
+    def has_adaln_weights(self) -> bool:
+        return self.final_layer.adaln_proj is not None and all(b.adaln_proj is not None for b in self.blocks)
+
+    # -- step-independent precomputation ----------------------------------------------------------------------------
+
+    def rope_tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin `[S, 6 * rope_freq_dim]` float32 from layout positions `[S, 3]` float64; once per layout."""
+        return rope_tables(positions, self.cfg.rope_freq_dim, self.cfg.rope_theta)
+
+    @torch.no_grad()
+    def modulation_tables(self, timesteps: torch.Tensor) -> ModulationTables:
+        """AdaLN tables for timesteps `[K]` (t = 1 - sigma, unscaled in [0, 1]); see `ModulationTables`.
+
+        Raises:
+            RuntimeError: after `drop_adaln_weights_()`.
+        """
+        if not self.has_adaln_weights:
+            raise RuntimeError("DiT.modulation_tables: the AdaLN weights were dropped; build the tables before that")
+        timesteps = torch.as_tensor(timesteps, dtype=torch.float32).reshape(-1)
+        k, h = timesteps.numel(), self.cfg.hidden_size
+        te = self.time_embedder.proj_in.weight
+        temb = self.time_embedder(timestep_sinusoid(timesteps.to(te.device), self.cfg.freq_dim).to(te.dtype))
+        blocks = tuple(b.adaln_proj(temb).view(k * NUM_MODALITIES, 6, h) for b in self.blocks)
+        final = self.final_layer.adaln_proj(temb).view(k, 2, h)
+        return ModulationTables(timesteps.to(te.device), blocks, final)
+
+    # -- forward ----------------------------------------------------------------------------------------------------
+
+    def forward(
+        self,
+        video_rows: torch.Tensor,
+        audio_rows: torch.Tensor,
+        text: torch.Tensor,
+        layout: PackedLayout,
+        tables: ModulationTables,
+        timestep_index: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Velocity of every video and audio row (data-ward: x0 = x + sigma * v).
+
+        Args:
+            video_rows: `[Nv, in_channels * prod(patch)]` (96 released), in `layout.video_index` order.
+            audio_rows: `[Na, audio_in_channels]` (32), channel-major, in `layout.audio_index` order.
+            text: `[Nt, text_dim]` text-encoder states, in `layout.text_index` order.
+            layout: the packed layout (index tensors on the model's device).
+            tables: from `modulation_tables`; `timestep_index` addresses its `timesteps`.
+            timestep_index: `[S]` int64, per packed row, index into `tables.timesteps`.
+            rope: `(cos, sin)` from `rope_tables(layout.positions)`; computed here when None.
+        Returns:
+            `(video_velocity [Nv, 96], audio_velocity [Na, 32])`, dtype of the output heads (float32 in the release).
+        Raises:
+            ValueError: on row counts or widths that do not match the layout/config.
+        """
+        cfg = self.cfg
+        s = layout.seq_len
+        _check_rows("video_rows", video_rows, layout.video_index.numel(), cfg.video_patch_dim)
+        _check_rows("audio_rows", audio_rows, layout.audio_index.numel(), cfg.audio_in_channels)
+        _check_rows("text", text, layout.text_index.numel(), cfg.text_dim)
+        if timestep_index.shape != (s,):
+            raise ValueError(f"timestep_index must be [{s}], got {list(timestep_index.shape)}")
+        if len(tables.blocks) != len(self.blocks):
+            raise ValueError(f"modulation tables hold {len(tables.blocks)} blocks, the model has {len(self.blocks)}")
+        if rope is None:
+            rope = self.rope_tables(layout.positions)
+
+        dtype = self.dtype
+        x = self.token_refiner(self.condition_proj(text.to(dtype)))  # [Nt, hidden]
+        x = x.new_zeros(s, cfg.hidden_size).index_copy_(0, layout.text_index, x)  # [S, hidden]
+        _scatter_projected(x, self.video_patch_proj, video_rows, layout.video_index)
+        _scatter_projected(x, self.audio_patch_proj, audio_rows, layout.audio_index)
+
+        rows = timestep_index * NUM_MODALITIES + layout.token_tags  # [S] into the block tables
+        for block, table in zip(self.blocks, tables.blocks):
+            x = block(x, table, rows, rope)
+
+        final = tables.final
+        x = modulate(x, self.final_layer.norm.weight, self.final_layer.norm.eps, final[:, 0], final[:, 1],
+                     timestep_index)
+        video = _head(self.final_layer.video_out, x, layout.video_index)
+        audio = _head(self.final_layer.audio_out, x, layout.audio_index)
+        return video, audio
+
+
+# Rows per chunk when projecting into / out of the packed sequence: bounds the transient fp32 activations of the
+# fp32 projections (a full [72576, 5376] fp32 copy would be 1.6 GB at the released size).
+_ROW_CHUNK = 16384
+
+
+def _check_rows(name: str, t: torch.Tensor, n: int, width: int) -> None:
+    if t.ndim != 2 or t.shape[0] != n or t.shape[1] != width:
+        raise ValueError(f"{name} must be [{n}, {width}] for this layout, got {list(t.shape)}")
+
+
+def _scatter_projected(x: torch.Tensor, proj: nn.Linear, rows: torch.Tensor, index: torch.Tensor) -> None:
+    """`x[index] = proj(rows)` in row chunks; rows are cast to the projection dtype, results to `x.dtype`."""
+    for start in range(0, rows.shape[0], _ROW_CHUNK):
+        part = proj(rows[start:start + _ROW_CHUNK].to(proj.weight.dtype))
+        x.index_copy_(0, index[start:start + _ROW_CHUNK], part.to(x.dtype))
+
+
+def _head(proj: nn.Linear, x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """`proj(x[index])` in row chunks, at the head's dtype. x: `[S, hidden]`, index: `[N]` -> `[N, out]`."""
+    parts = [
+        proj(x.index_select(0, index[start:start + _ROW_CHUNK]).to(proj.weight.dtype))
+        for start in range(0, index.numel(), _ROW_CHUNK)
+    ]
+    if not parts:
+        return x.new_zeros(0, proj.out_features, dtype=proj.weight.dtype)
+    return torch.cat(parts)

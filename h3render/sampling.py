@@ -1,0 +1,177 @@
+"""Rectified-flow sampling for MiniMax-H3: sigma schedules, the Euler step, noise, and the denoising loop.
+
+Conventions of the released model (diffusers 0.42.1 `MiniMaxH3Scheduler` is the reference):
+
+* sigma = 1 is pure noise, 0 is data. The model sees `t = 1 - sigma` in [0, 1] (no x1000).
+* The velocity is data-ward: `x0 = x + sigma * v` (the opposite sign of flux).
+* The Euler step is the blend `r * x + (1 - r) * x0` with `r = sigma_next / sigma`, in float32.
+* Video and audio follow their own schedules (released: shift 12 video, 3 audio) through one forward per step.
+* Guidance-distilled: one forward per step, no negative prompt.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import torch
+
+from h3render.packing import (
+    AUDIO_LATENT_CHANNELS,
+    VIDEO_LATENT_CHANNELS,
+    PackedLayout,
+)
+
+# model_fn(video_rows, audio_rows, video_t, audio_t) -> (video_velocity, audio_velocity); t are 0-d float32 tensors.
+ModelFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+StepCallback = Callable[[int, torch.Tensor, torch.Tensor], None]
+
+
+def _shift(sigmas: torch.Tensor, shift: float) -> torch.Tensor:
+    """`s * sigma / (1 + (s - 1) * sigma)` in float32; maps 0 -> 0 and 1 -> 1."""
+    return shift * sigmas / (1 + (shift - 1) * sigmas)
+
+
+def sigma_schedule(num_points: int, shift: float) -> torch.Tensor:
+    """Base schedule: `linspace(1, 0, num_points)` pushed through the shift, consecutive float32 duplicates removed.
+
+    `num_points` counts the terminal 0, so N points drive N - 1 forwards (released default 50 -> 49 forwards).
+
+    Args:
+        num_points: grid points N >= 2, terminal zero included.
+        shift: released checkpoint: video 12, audio 3.
+    Returns:
+        `[M]` float32 CPU, strictly decreasing from 1 to 0, M <= N.
+    Raises:
+        ValueError: on N < 2 or shift <= 0.
+    """
+    if num_points < 2:
+        raise ValueError(f"num_points must be >= 2 (terminal zero included), got {num_points}")
+    if shift <= 0:
+        raise ValueError(f"shift must be positive, got {shift}")
+    base = torch.linspace(1.0, 0.0, int(num_points), dtype=torch.float32)
+    return torch.unique_consecutive(_shift(base, float(shift)))
+
+
+def shifted_sigmas(positions: Sequence[float], shift: float) -> torch.Tensor:
+    """Explicit pre-shift positions (FastH3: e.g. (0.999, 0.749, 0.5, 0.25, 0)) pushed through the shift; no
+    de-duplication. len(positions) - 1 forwards.
+
+    Returns:
+        `[len(positions)]` float32 CPU.
+    Raises:
+        ValueError: unless positions are >= 2 values in [0, 1], strictly decreasing, ending at 0; or shift <= 0.
+    """
+    if shift <= 0:
+        raise ValueError(f"shift must be positive, got {shift}")
+    p = torch.as_tensor(list(positions), dtype=torch.float32).flatten()
+    if p.numel() < 2 or bool((p[1:] >= p[:-1]).any()) or float(p[-1]) != 0.0 or float(p[0]) > 1.0:
+        raise ValueError(f"sigma positions must be strictly decreasing values in [0, 1] ending at 0, got {positions}")
+    return _shift(p, float(shift))
+
+
+def timesteps_of(sigmas: torch.Tensor) -> torch.Tensor:
+    """`t = 1 - sigma` for every forward of a schedule: `[M]` -> `[M - 1]` float32 (the terminal 0 has none)."""
+    return 1.0 - sigmas[:-1]
+
+
+def euler_step(
+    x: torch.Tensor, velocity: torch.Tensor, sigma: torch.Tensor, sigma_next: torch.Tensor
+) -> torch.Tensor:
+    """One deterministic Euler step in float32: `x0 = x + sigma * v`, `r = sigma_next / sigma`, `r * x + (1 - r) * x0`.
+
+    The sigma in `x0` is recovered from the model's timestep, `1 - (1 - sigma)`, as the reference does: for
+    sigma < 0.5 that float32 round trip is not exact, and the ratio `r` uses the grid values.
+
+    Args:
+        x, velocity: same shape; sigma, sigma_next: 0-d (float32 schedule entries).
+    Returns:
+        float32 tensor shaped like `x`.
+    """
+    x = x.float()
+    sigma = torch.as_tensor(sigma, dtype=torch.float32, device=x.device)
+    sigma_next = torch.as_tensor(sigma_next, dtype=torch.float32, device=x.device)
+    sigma_seen = 1 - (1 - sigma)
+    x0 = x + sigma_seen * velocity.float()
+    ratio = sigma_next / sigma
+    return ratio * x + (1.0 - ratio) * x0
+
+
+def draw_noise(seed: int, layout: PackedLayout) -> tuple[torch.Tensor, torch.Tensor]:
+    """Initial noise from one CPU generator seeded with `seed`: video first, then audio directly in row layout.
+
+    The draw order and shapes are the reference's (a CUDA generator would give other numbers).
+
+    Returns:
+        `(video_latent [1, 24, T, h, w], audio_rows [2 * Ta, 32])`, float32 on CPU.
+    """
+    gen = torch.Generator(device="cpu").manual_seed(int(seed))
+    video = torch.randn(
+        (1, VIDEO_LATENT_CHANNELS, layout.latent_frames, layout.latent_height, layout.latent_width),
+        generator=gen,
+        dtype=torch.float32,
+    )
+    audio = torch.randn((layout.num_audio_rows, AUDIO_LATENT_CHANNELS), generator=gen, dtype=torch.float32)
+    return video, audio
+
+
+def schedule_timesteps(video_sigmas: torch.Tensor, audio_sigmas: torch.Tensor) -> torch.Tensor:
+    """All distinct timesteps a run visits, sorted ascending `[K]` float32: what `DiT.modulation_tables` needs once
+    per schedule pair."""
+    return torch.unique(torch.cat([timesteps_of(video_sigmas), timesteps_of(audio_sigmas)]), sorted=True)
+
+
+def denoise(
+    model_fn: ModelFn,
+    video_rows: torch.Tensor,
+    audio_rows: torch.Tensor,
+    video_sigmas: torch.Tensor,
+    audio_sigmas: torch.Tensor,
+    on_step: StepCallback | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run the deterministic Euler loop over both schedules, one forward per step.
+
+    Args:
+        model_fn: `(video_rows, audio_rows, video_t, audio_t) -> (video_velocity, audio_velocity)`, t = 1 - sigma as
+            0-d float32 tensors.
+        video_rows: `[Nv, 96]` noise (float32); audio_rows: `[Na, 32]`.
+        video_sigmas, audio_sigmas: `[M]` schedules of equal length (M - 1 forwards).
+        on_step: called as `on_step(i, video_rows, audio_rows)` after step i.
+    Returns:
+        `(video_rows, audio_rows)` float32 at sigma 0.
+    Raises:
+        ValueError: when the two schedules differ in length.
+    """
+    if video_sigmas.numel() != audio_sigmas.numel():
+        raise ValueError(
+            f"video and audio schedules must have the same length, got {video_sigmas.numel()} and "
+            f"{audio_sigmas.numel()}"
+        )
+    video_rows, audio_rows = video_rows.float(), audio_rows.float()
+    for i in range(video_sigmas.numel() - 1):
+        video_t, audio_t = 1.0 - video_sigmas[i], 1.0 - audio_sigmas[i]
+        video_v, audio_v = model_fn(video_rows, audio_rows, video_t, audio_t)
+        video_rows = euler_step(video_rows, video_v, video_sigmas[i], video_sigmas[i + 1])
+        audio_rows = euler_step(audio_rows, audio_v, audio_sigmas[i], audio_sigmas[i + 1])
+        if on_step is not None:
+            on_step(i, video_rows, audio_rows)
+    return video_rows, audio_rows
+
+
+def dit_model_fn(dit, text: torch.Tensor, layout: PackedLayout, tables, rope=None) -> ModelFn:
+    """Adapt a `DiT` to `denoise`'s `model_fn` for one request.
+
+    Args:
+        dit: `h3render.models.dit.DiT`.
+        text: `[Nt, text_dim]` text-encoder states.
+        layout: the request's layout, tensors on the model's device.
+        tables: `ModulationTables` holding every timestep of the run (see `schedule_timesteps`).
+        rope: `(cos, sin)` from `dit.rope_tables(layout.positions)`; computed once here when None.
+    """
+    if rope is None:
+        rope = dit.rope_tables(layout.positions)
+
+    def model_fn(video_rows, audio_rows, video_t, audio_t):
+        index = layout.row_timestep_index(tables.index_of(video_t), tables.index_of(audio_t))
+        return dit(video_rows, audio_rows, text, layout, tables, index, rope)
+
+    return model_fn
