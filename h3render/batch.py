@@ -18,7 +18,7 @@ Exit codes (``BatchReport.exit_code``; the CLI exits with it):
 ====  =====================================================================================================
 
 File names, for a job with ``output = "clips/a"``: final ``<out_dir>/clips/a.mp4`` and ``clips/a.json``; the
-renderer writes them through ``clips/a.tmp.mp4`` and ``clips/a.tmp.json`` and renames. Whatever way a job ends
+renderer writes them through ``clips/a.tmp.mp4`` and ``clips/a.json.tmp`` (or ``clips/a.tmp.json``) and renames. Whatever way a job ends
 other than success, those temp names are swept and any final-named file written during the attempt is removed,
 so nothing partial ever sits under a final name.
 
@@ -145,9 +145,11 @@ def output_paths(out_dir: Path, job) -> tuple[Path, Path]:
     return base.with_name(base.name + ".mp4"), base.with_name(base.name + ".json")
 
 
-def temp_paths(mp4: Path, sidecar: Path) -> tuple[Path, Path]:
-    """The renderer's temp names for a job's final paths: ``<name>.tmp.mp4`` and ``<name>.tmp.json``."""
-    return mp4.with_name(mp4.stem + ".tmp.mp4"), sidecar.with_name(sidecar.stem + ".tmp.json")
+def temp_paths(mp4: Path, sidecar: Path) -> tuple[Path, ...]:
+    """The temp names a job's final files pass through: ``<name>.tmp.mp4`` (media.Mp4Writer), and for the
+    sidecar both ``<name>.json.tmp`` (timing.write_sidecar) and ``<name>.tmp.json``."""
+    return (mp4.with_name(mp4.stem + ".tmp.mp4"), sidecar.with_name(sidecar.name + ".tmp"),
+            sidecar.with_name(sidecar.stem + ".tmp.json"))
 
 
 def render_reason(job, mp4: Path, sidecar: Path, *, overwrite: bool = False) -> str | None:

@@ -40,13 +40,14 @@ class FakeRenderer:
     final MP4 and the temp sidecar exist (the worst moment); ``sigterm_at`` sends this process SIGTERM mid-render.
     """
 
-    def __init__(self, fail=(), interrupt_at=None, sigterm_at=None):
+    def __init__(self, fail=(), interrupt_at=None, sigterm_at=None, sidecar_tmp=".tmp.json"):
         self.fail, self.interrupt_at, self.sigterm_at = set(fail), interrupt_at, sigterm_at
+        self.sidecar_tmp = sidecar_tmp  # ".tmp.json" -> a.tmp.json; ".json.tmp" -> a.json.tmp (timing.py)
         self.rendered: list[str] = []
 
     def render(self, job, mp4: Path, sidecar: Path) -> dict:
         self.rendered.append(job.id)
-        tmp_mp4, tmp_json = mp4.with_name(mp4.stem + ".tmp.mp4"), sidecar.with_name(sidecar.stem + ".tmp.json")
+        tmp_mp4, tmp_json = mp4.with_name(mp4.stem + ".tmp.mp4"), sidecar.with_name(sidecar.stem + self.sidecar_tmp)
         tmp_mp4.write_bytes(b"\x00\x00\x00\x18ftypisom" + job.prompt.encode())
         if job.id in self.fail:
             raise ValueError("non-finite values in the decoded video (NaN)")
@@ -210,9 +211,10 @@ def test_fail_fast_stops_after_first_failure(tmp_path):
     assert report.exit_code == 1 and read_report(tmp_path)["counts"]["pending"] == 2
 
 
-def test_interrupt_writes_report_and_leaves_nothing_partial(tmp_path):
+@pytest.mark.parametrize("sidecar_tmp", [".tmp.json", ".json.tmp"])
+def test_interrupt_writes_report_and_leaves_nothing_partial(tmp_path, sidecar_tmp):
     jobs = make_jobs(4)
-    report, factory = run(jobs, FakeRenderer(interrupt_at="j1"), tmp_path)
+    report, factory = run(jobs, FakeRenderer(interrupt_at="j1", sidecar_tmp=sidecar_tmp), tmp_path)
     assert factory.renderer.rendered == ["j0", "j1"]
     assert report.exit_code == 130
     data = read_report(tmp_path)
