@@ -25,7 +25,7 @@ cmd_install() {
     [ "$(id -u)" = 0 ] || die "installing needs root (apt-get install slurmd slurmctld slurm-client munge)"
     export DEBIAN_FRONTEND=noninteractive
     apt-get update -q
-    apt-get install -y -q --no-install-recommends slurmd slurmctld slurm-client munge
+    apt-get install -y -q slurmd slurmctld slurm-client munge
     # Debian's postinst may start the packaged services when an init system is present; ours use their own
     # key, socket and ports, so the two do not meet.
 }
