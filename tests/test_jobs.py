@@ -1,0 +1,446 @@
+"""Manifest → Job: canvas and time rules, schema errors with lines, output names, presets, shards."""
+
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from h3render import jobs as J
+from h3render.jobs import Job, Limits, ManifestError, load_manifest
+
+REPO = Path(__file__).resolve().parent.parent
+RELEASED = Limits(min_frames=107, max_frames=362, default_canvas=(1344, 768), default_frames=243, default_steps=50)
+TINY = Limits(min_frames=22, max_frames=362, default_canvas=(128, 96), default_frames=39, default_steps=8)
+
+
+def write(tmp_path, name, text):
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(text).lstrip("\n"), encoding="utf-8")
+    return path
+
+
+def errors_of(path, limits=RELEASED, overrides=None):
+    with pytest.raises(ManifestError) as info:
+        load_manifest(path, limits, overrides)
+    return info.value.errors
+
+
+# --- canvas ----------------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("aspect, canvas", [((9, 5), (1376, 768)), ((2, 1), (1440, 704)), ((16, 9), (1344, 768)),
+                                            ((9, 16), (768, 1344)), ((4, 3), (1024, 768)), ((1, 1), (768, 768))])
+def test_canvas_for_aspect_examples(aspect, canvas):
+    assert J.canvas_for_aspect(*aspect) == canvas
+
+
+def test_canvas_for_aspect_matches_diffusers_over_a_sweep():
+    from diffusers.modular_pipelines.minimax_h3.modular_pipeline import resolve_canvas_size
+
+    aspects = [(w, h) for w in range(1, 41) for h in range(1, 41) if 0.25 <= w / h <= 4]
+    aspects += [(2.39, 1), (1.85, 1), (1, 4), (4, 1), (21, 9), (3, 2)]
+    mismatches = [(w, h) for w, h in aspects
+                  if J.canvas_for_aspect(w, h) != resolve_canvas_size(w, h, 32, 768, 768 * 1344)[::-1]]
+    print(f"canvas rule: {len(aspects)} aspects compared with diffusers, {len(mismatches)} mismatches")
+    assert not mismatches
+    # another checkpoint's rule (short edge, area cap) goes through the same arithmetic
+    assert J.canvas_for_aspect(16, 9, short_edge=96, max_pixels=96 * 160) == resolve_canvas_size(
+        16, 9, 32, 96, 96 * 160)[::-1]
+
+
+@pytest.mark.parametrize("aspect", [(5, 1), (1, 5), (0, 1), (-16, 9)])
+def test_canvas_for_aspect_refuses_out_of_range(aspect):
+    with pytest.raises(ValueError, match="aspect"):
+        J.canvas_for_aspect(*aspect)
+
+
+def test_explicit_canvas_rules():
+    J.check_canvas(960, 544)
+    J.check_canvas(128, 512)  # exactly 1:4
+    for width, height, text in [(1000, 544, "width 1000"), (960, 540, "height 540"), (160, 32, "1:4"),
+                                (0, 64, "width 0")]:
+        with pytest.raises(ValueError, match=text):
+            J.check_canvas(width, height)
+
+
+def test_parse_aspect():
+    assert J.parse_aspect("16:9") == (16, 9)
+    assert J.parse_aspect(" 2.39 : 1 ") == (2.39, 1)
+    for bad in ["16x9", "16:", "0:1", "a:b", "16:9:1"]:
+        with pytest.raises(ValueError, match="16:9"):
+            J.parse_aspect(bad)
+
+
+# --- time ------------------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("duration, frames", [(10, 243), (15, 362), (4.46, 107), (4, 107), (10.125, 243),
+                                              (5, 124), (15.08, 362), (1, 39)])
+def test_snap_duration(duration, frames):
+    assert J.snap_frames(duration=duration) == frames
+
+
+def test_snap_frames_matches_diffusers_alignment():
+    from diffusers.modular_pipelines.minimax_h3.modular_pipeline import (
+        align_num_frames, audio_latent_num_frames, video_latent_num_frames)
+
+    for frames in range(1, 400):
+        snapped = J.snap_frames(frames=frames)
+        assert snapped == align_num_frames(frames, 17, 5)
+        assert J.latent_frames(snapped) == video_latent_num_frames(snapped, 17, 5)
+        assert J.audio_rows(snapped) == 2 * audio_latent_num_frames(snapped)
+    assert J.snap_frames(frames=107) == 107 and J.snap_frames(frames=108) == 124
+
+
+def test_snap_limits_and_bad_requests():
+    assert J.snap_frames(duration=4.46, limits=RELEASED) == 107
+    with pytest.raises(ValueError, match="107–362 frames") as info:
+        J.snap_frames(duration=16, limits=RELEASED)
+    assert "4.458–15.083 s" in str(info.value)
+    with pytest.raises(ValueError, match="107–362"):
+        J.snap_frames(frames=90, limits=RELEASED)
+    for kwargs in [dict(frames=0), dict(frames=-17), dict(duration=0), dict(duration=-1.0), dict(), dict(frames=5,
+                                                                                                       duration=1)]:
+        with pytest.raises(ValueError):
+            J.snap_frames(**kwargs)
+
+
+def test_row_counts_at_the_released_canvas():
+    assert J.latent_frames(243) == 72
+    assert J.video_rows(1344, 768, 243) == 72_576
+    assert J.audio_rows(243) == 810
+
+
+# --- manifests: success paths ----------------------------------------------------------------------------------------
+
+def test_jsonl_and_yaml_give_the_same_jobs(tmp_path):
+    jsonl = write(tmp_path, "m.jsonl", """
+        # comment lines and blank lines are skipped
+        {"defaults": {"seed": 5, "aspect": "1:1"}}
+
+        {"id": "a", "prompt": "A red fox.", "duration": 10}
+        {"prompt": "A blue boat.", "width": 960, "height": 544, "frames": 100, "seed": 1, "output": "shots/boat"}
+        {"id": "c", "prompt": "Rain.", "preset": "portrait-9x16", "mode": "fasth3"}
+    """)
+    yml = write(tmp_path, "m.yaml", """
+        defaults:
+          seed: 5
+          aspect: 1:1          # unquoted: YAML 1.1 would read base-60 969; the text is kept
+        jobs:
+          - id: a
+            prompt: A red fox.
+            duration: 10
+          - prompt: A blue boat.
+            width: 960
+            height: 544
+            frames: 100
+            seed: 1
+            output: shots/boat.mp4
+          - {id: c, prompt: Rain., preset: portrait-9x16, mode: fasth3}
+    """)
+    a, b = load_manifest(jsonl, RELEASED), load_manifest(yml, RELEASED)
+    assert [j.params() for j in a] == [j.params() for j in b]
+    assert [j.output for j in a] == [j.output for j in b] == ["a", "shots/boat", "c"]
+    first, second, third = a
+    assert (first.width, first.height, first.frames, first.seed, first.steps) == (768, 768, 243, 5, 50)
+    assert first.time_note() == "10 s → 243 frames = 10.125 s"
+    assert (second.width, second.height, second.frames, second.seed) == (960, 544, 107, 1)
+    assert second.mp4_path("out") == Path("out/shots/boat.mp4")
+    assert second.sidecar_path("out") == Path("out/shots/boat.json")
+    assert (third.width, third.height, third.frames, third.steps, third.mode) == (768, 1344, 124, 5, "fasth3")
+    assert first.source == J.Source(str(jsonl), 4) and b[1].source == J.Source(str(yml), 8)
+    assert first.params() == {"prompt": "A red fox.", "seed": 5, "width": 768, "height": 768, "frames": 243,
+                              "steps": 50, "mode": "t2va"}
+
+
+def test_precedence_job_over_command_line_over_defaults_over_limits(tmp_path):
+    path = write(tmp_path, "p.yaml", """
+        defaults: {seed: 3, steps: 20, preset: square}
+        jobs:
+          - {id: plain, prompt: x}
+          - {id: own, prompt: x, seed: 9, aspect: "16:9", duration: 10}
+          - {id: fast, prompt: x, mode: fasth3}
+    """)
+    plain, own, fast = load_manifest(path, RELEASED)
+    assert (plain.seed, plain.steps, plain.width, plain.height, plain.frames) == (3, 20, 768, 768, 124)
+    assert plain.requested.preset == "square"
+    assert (own.seed, own.width, own.height, own.frames) == (9, 1344, 768, 243)
+    assert fast.steps == RELEASED.fasth3_steps  # an inherited steps does not apply to the distilled schedule
+    plain, own, _ = load_manifest(path, RELEASED, {"seed": 11, "steps": None, "frames": 107})
+    assert (plain.seed, plain.steps, plain.frames, own.seed, own.frames) == (11, 20, 107, 9, 243)
+    bare = J.job_from_fields({"prompt": "x"}, TINY)
+    assert (bare.width, bare.height, bare.frames, bare.steps, bare.seed) == (128, 96, 39, 8, J.DEFAULT_SEED)
+    assert bare.time_note() == "39 frames = 1.625 s (default)"
+
+
+# --- manifests: errors name file, line and field --------------------------------------------------------------------
+
+def test_jsonl_errors_are_collected_with_lines(tmp_path):
+    path = write(tmp_path, "bad.jsonl", """
+        {"id": "a", "prompt": "ok"}
+        {"id": "b", "prompt": "x", "seed": "7"}
+        {"id": "c", "prompt": "x", "sed": 7}
+        {"id": "a", "prompt": "again"}
+        {"id": "e", "prompt": "x", "preset": "square", "width": 960}
+        {"id": "f", "prompt": "x", "duration": 5, "frames": 124}
+        {"id": "g", "prompt": "x", "output": "../escape"}
+        {"id": "h", "prompt": "x", "duration": 60}
+        {"id": "i", "prompt": "x"
+        {"id": "j"}
+        {"defaults": {"seed": 1}}
+        {"id": "k", "prompt": "x", "width": 1000, "height": 544, "mode": "t2v"}
+        {"id": "l", "prompt": "x", "prompt": "y"}
+    """)
+    errors = errors_of(path)
+    print("\n".join(errors))
+    expected = [
+        (2, "seed: must be an integer"), (3, "sed: unknown field (did you mean seed?)"), (4, "id: duplicate id 'a'"),
+        (5, "preset: conflicts with"), (6, "duration: conflicts with frames"), (7, "output: path components"),
+        (8, "duration: duration 60 s (1440 frames) snaps to 1450 frames, outside this checkpoint's range 107–362"),
+        (9, "not valid JSON"), (10, "prompt: missing"), (11, "defaults: a defaults line"),
+        (12, "width: 1000 is not a positive multiple of 32"), (12, "mode: 't2v' is not one of t2va, fasth3"),
+        (13, "prompt: field given twice"),
+    ]
+    for line, text in expected:
+        assert any(e.startswith(f"{path}:{line}: ") and text in e for e in errors), (line, text)
+    assert len(errors) == len(expected)
+    assert not any(f"{path}:1:" in e for e in errors)
+
+
+def test_yaml_errors_point_at_the_field_line(tmp_path):
+    path = write(tmp_path, "bad.yaml", """
+        defaults:
+          seed: -1
+          prompt: not here
+        jobs:
+          - id: a
+            prompt: ok
+          - id: b
+            prompt: x
+            steps: many
+          - id: c
+            prompt: x
+            colour: red
+          - id: a
+            prompt: twin
+          - id: e
+            prompt: x
+            width: 960
+            preset: square
+          - id: f
+            prompt: x
+            output: /abs/path
+          - id: g
+            prompt: x
+            aspect: "5:1"
+          - id: g2
+            prompt: x
+            prompt: y
+          - just a string
+    """)
+    errors = errors_of(path)
+    print("\n".join(errors))
+    expected = [
+        (2, "seed: -1 is outside"), (3, "prompt: may only be set on a job"), (9, "steps: must be an integer"),
+        (12, "colour: unknown field"), (13, "id: duplicate id 'a' (first at"), (18, "preset: conflicts"),
+        (21, "output: must be relative"), (24, "aspect: aspect 5:1 is outside"), (27, "prompt: field given twice"),
+        (28, "each job must be a mapping"),
+    ]
+    for line, text in expected:
+        assert any(e.startswith(f"{path}:{line}: ") and text in e for e in errors), (line, text)
+    assert len(errors) == len(expected)
+
+
+def test_yaml_syntax_error_and_file_level_errors(tmp_path):
+    broken = write(tmp_path, "broken.yaml", """
+        jobs:
+          - id: a
+            prompt: "unterminated
+          - id: b
+    """)
+    [error] = errors_of(broken)
+    assert error.startswith(f"{broken}:") and "not valid YAML" in error
+    empty = write(tmp_path, "empty.jsonl", "# nothing\n")
+    assert errors_of(empty) == [f"{empty}: the manifest has no jobs"]
+    assert "unknown manifest type '.txt'" in errors_of(write(tmp_path, "m.txt", "x"))[0]
+    assert errors_of(tmp_path / "missing.yaml") == [f"{tmp_path / 'missing.yaml'}: manifest not found"]
+    wrong_top = write(tmp_path, "top.yaml", "job:\n  - prompt: x\n")
+    assert any("top.yaml:1: job: unknown top-level key" in e for e in errors_of(wrong_top))
+
+
+def test_yaml_anchors_and_merges(tmp_path):
+    path = write(tmp_path, "a.yaml", """
+        x-wide: &wide {aspect: "2:1", seed: 4}
+        jobs:
+          - <<: *wide
+            id: one
+            prompt: first
+          - <<: *wide
+            id: two
+            prompt: second
+            seed: 5
+    """)
+    one, two = load_manifest(path, RELEASED)
+    assert (one.width, one.height, one.seed, two.seed, two.source.line) == (1440, 704, 4, 5, 6)
+
+
+def test_command_line_defaults_are_validated(tmp_path):
+    path = write(tmp_path, "ok.jsonl", '{"prompt": "x"}\n')
+    errors = errors_of(path, overrides={"seed": "1", "output": "x"})
+    assert "<command line>: seed: must be an integer, got a string" in errors
+    assert "<command line>: output: may only be set on a job, not in defaults" in errors
+
+
+def test_fasth3_refuses_its_own_steps(tmp_path):
+    path = write(tmp_path, "f.jsonl", '{"prompt": "x", "mode": "fasth3", "steps": 50}\n'
+                                      '{"prompt": "y", "mode": "fasth3", "steps": 5}\n')
+    [error] = errors_of(path)
+    assert error.startswith(f"{path}:1: steps: mode fasth3 runs its fixed distilled schedule of 5")
+
+
+# --- output names -----------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("output", ["../x", "a/../../b", "/etc/passwd", "C:/x", "c:x", "a\\b", "a//b", "./a", "",
+                                    "a/", "batch-report", "Batch-Report.shard-0-of-2", "con", "a\nb", "~/x"])
+def test_output_paths_that_escape_or_break_are_refused(tmp_path, output):
+    assert J.output_path_problem(output) is not None
+    path = tmp_path / "o.jsonl"
+    path.write_text(J.json.dumps({"prompt": "x", "output": output}) + "\n", encoding="utf-8")
+    [error] = errors_of(path)
+    assert error.startswith(f"{path}:1: output: ")
+
+
+def test_id_that_is_not_a_safe_name_needs_an_output(tmp_path):
+    path = write(tmp_path, "i.jsonl", '{"id": "../up", "prompt": "x"}\n{"id": "../ok", "prompt": "x", "output": "ok"}\n')
+    [error] = errors_of(path)
+    assert error.startswith(f"{path}:1: id: cannot serve as the output name")
+
+
+def test_long_non_ascii_prompts_get_safe_short_unique_names(tmp_path):
+    long_prompt = ("Ein älterer Fischer flüstert: «Ça va très bien», während die Möwen über dem Hafen kreisen — " * 6
+                   + "終わり")
+    path = tmp_path / "n.jsonl"
+    lines = [{"prompt": long_prompt}, {"prompt": long_prompt}, {"prompt": long_prompt, "seed": 3},
+             {"prompt": "東京の夜、雨のネオン街を歩く女性。"}, {"prompt": "東京の朝。"},
+             {"prompt": "Sunset", "output": "sunset-s0"}, {"prompt": "Sunset"}, {"prompt": "SUNSET!"}]
+    path.write_text("\n".join(J.json.dumps(line, ensure_ascii=False) for line in lines), encoding="utf-8")
+    jobs = load_manifest(path, RELEASED)
+    names = [job.output for job in jobs]
+    print(names)
+    for name in names:
+        assert name.isascii() and len(name.encode()) <= J.MAX_AUTO_NAME_BYTES and J.output_path_problem(name) is None
+    assert len({n.casefold() for n in names}) == len(names)
+    assert names[0].startswith("ein-alterer-fischer-flustert-ca-va-tres-bien") and names[0].endswith("-s0")
+    assert names[1] == names[0] + "-2"
+    assert names[2].endswith("-s3")
+    assert names[3].startswith("h3-") and names[4].startswith("h3-") and names[3] != names[4]
+    assert names[5:] == ["sunset-s0", "sunset-s0-2", "sunset-s0-3"]
+    # a name at the byte limit still fits with a collision counter
+    assert len(J.prompt_slug("x" * 500, 2**64 - 1, counter=12)) == J.MAX_AUTO_NAME_BYTES
+
+
+def test_explicit_outputs_clash_case_insensitively(tmp_path):
+    path = write(tmp_path, "c.jsonl", '{"prompt": "x", "output": "Shot"}\n{"id": "shot", "prompt": "y"}\n')
+    [error] = errors_of(path)
+    assert error.startswith(f"{path}:2: id: output 'shot' is also written by the job at {path}:1")
+
+
+# --- presets ----------------------------------------------------------------------------------------------------------
+
+def test_presets_listing():
+    infos = {info.name: info for info in J.list_presets()}
+    assert {"landscape-16x9", "portrait-9x16", "square", "4x3", "fast-960x544"} <= set(infos)
+    expected = {"landscape-16x9": (1344, 768), "portrait-9x16": (768, 1344), "square": (768, 768),
+                "4x3": (1024, 768), "fast-960x544": (960, 544)}
+    for name, canvas in expected.items():
+        info = infos[name]
+        assert (info.width, info.height) == canvas
+        assert info.video_rows == J.latent_frames(info.frames) * (canvas[0] // 32) * (canvas[1] // 32)
+        assert info.audio_rows == 2 * round(info.frames / 24 * 40)
+    assert (infos["landscape-16x9"].frames, infos["landscape-16x9"].video_rows) == (124, 37 * 24 * 42)
+    lines = J.preset_lines()
+    assert lines[0].startswith("preset") and any("fast-960x544" in l and "960x544" in l for l in lines)
+    # aspect presets follow the checkpoint's canvas rule; explicit ones do not
+    small = Limits(22, 362, (128, 96), 39, 8, canvas_short_edge=96, canvas_max_pixels=96 * 160)
+    infos = {info.name: info for info in J.list_presets(small)}
+    assert (infos["landscape-16x9"].width, infos["landscape-16x9"].height) == (160, 96)
+    assert (infos["fast-960x544"].width, infos["fast-960x544"].height) == (960, 544)
+
+
+def test_unknown_and_broken_presets(tmp_path):
+    path = write(tmp_path, "u.jsonl", '{"prompt": "x", "preset": "sqare"}\n')
+    [error] = errors_of(path)
+    assert error.startswith(f"{path}:1: preset: unknown preset 'sqare'; available: ") and "square" in error
+    folder = tmp_path / "presets"
+    folder.mkdir()
+    (folder / "odd.yaml").write_text("description: x\naspect: '16:9'\nwidth: 960\nduration: 5\n")
+    with pytest.raises(ValueError, match="odd.yaml: give either aspect or width"):
+        J.load_presets(folder)
+    (folder / "odd.yaml").write_text("description: x\naspect: '16:9'\nduration: 5\nfps: 30\n")
+    with pytest.raises(ValueError, match="odd.yaml: unknown preset key"):
+        J.load_presets(folder)
+
+
+# --- shards -----------------------------------------------------------------------------------------------------------
+
+def _jobs(n):
+    return [Job(id=None, prompt=f"p{i}", width=128, height=96, frames=22, seed=i, steps=8, mode="t2va",
+                output=f"job-{i}") for i in range(n)]
+
+
+@pytest.mark.parametrize("count", [1, 2, 3, 4, 5])
+def test_shards_cover_every_job_exactly_once(count):
+    jobs = _jobs(13)
+    shards = [J.shard_jobs(jobs, index, count) for index in range(count)]
+    outputs = [job.output for shard in shards for job in shard]
+    assert sorted(outputs) == sorted(job.output for job in jobs) and len(outputs) == len(jobs)
+    assert shards == [J.shard_jobs(jobs, index, count) for index in range(count)]  # deterministic
+    assert all(shard == sorted(shard, key=jobs.index) for shard in shards)  # manifest order kept
+
+
+def test_parse_shard():
+    assert J.parse_shard("0/4") == (0, 4) and J.parse_shard(" 3 / 4 ") == (3, 4)
+    for bad in ["4/4", "1/0", "-1/2", "a/b", "1", "1/2/3"]:
+        with pytest.raises(ValueError, match="shard"):
+            J.parse_shard(bad)
+    with pytest.raises(ValueError, match="0 … 1"):
+        J.shard_jobs(_jobs(2), 2, 2)
+
+
+def test_shard_from_slurm():
+    assert J.shard_from_slurm({}) is None
+    env = {"SLURM_ARRAY_TASK_ID": "5", "SLURM_ARRAY_TASK_COUNT": "4", "SLURM_ARRAY_TASK_MIN": "3"}
+    assert J.shard_from_slurm(env) == (2, 4)
+    assert J.shard_from_slurm({**env, "SLURM_ARRAY_TASK_MIN": "0", "SLURM_ARRAY_TASK_ID": "3"}) == (3, 4)
+    assert J.shard_from_slurm({"SLURM_ARRAY_TASK_ID": "4", "SLURM_ARRAY_TASK_COUNT": "4",
+                               "SLURM_ARRAY_TASK_MIN": "0", "SLURM_ARRAY_TASK_STEP": "2"}) == (2, 4)
+    bad_envs = [{**env, "SLURM_ARRAY_TASK_ID": "x"}, {"SLURM_ARRAY_TASK_ID": "1"},
+                {**env, "SLURM_ARRAY_TASK_ID": "9"}, {**env, "SLURM_ARRAY_TASK_ID": "2"},
+                {**env, "SLURM_ARRAY_TASK_ID": "6", "SLURM_ARRAY_TASK_STEP": "2"}]
+    for bad in bad_envs:
+        with pytest.raises(ValueError, match="SLURM"):
+            J.shard_from_slurm(bad)
+
+
+# --- Job and examples ---------------------------------------------------------------------------------------------------
+
+def test_job_invariants():
+    good = dict(id=None, prompt="x", width=128, height=96, frames=22, seed=0, steps=8, mode="t2va", output="x")
+    Job(**good)
+    for change, text in [({"frames": 23}, "17n\\+5"), ({"width": 100}, "width"), ({"mode": "i2v"}, "mode"),
+                         ({"output": "../x"}, "output")]:
+        with pytest.raises(ValueError, match=text):
+            Job(**{**good, **change})
+    with pytest.raises(ValueError, match="default_frames"):
+        Limits(107, 362, (1344, 768), 100, 50)
+
+
+def test_showcase_examples_render_on_the_default_canvas():
+    from_yaml = load_manifest(REPO / "examples/prompts/showcase.yaml", TINY)
+    from_jsonl = load_manifest(REPO / "examples/prompts/showcase.jsonl", TINY)
+    assert len(from_yaml) >= 8
+    assert [j.params() for j in from_yaml] == [j.params() for j in from_jsonl]
+    assert [j.output for j in from_yaml] == [j.output for j in from_jsonl]
+    assert all((j.width, j.height, j.frames) == (128, 96, 39) for j in from_yaml)
+    assert sum('[Speaker 1]: "' in j.prompt for j in from_yaml) >= 4
+    assert J.plan_lines(from_yaml)[-1] == f"{len(from_yaml)} job(s), {len(from_yaml) * 1.625:.3f} s of video"
+    released = load_manifest(REPO / "examples/prompts/showcase.yaml", RELEASED)
+    assert all((j.width, j.height, j.frames) == (1344, 768, 243) for j in released)
