@@ -96,3 +96,23 @@ def test_array_job_renders_every_job_exactly_once(slurm_conf, tmp_path):
             rendered.setdefault(job["id"], []).append(index)
     assert rendered == {"clip-0": [0], "clip-1": [1], "clip-2": [0], "clip-3": [1]}
     assert not (out / "batch-report.json").exists()
+
+
+@pytest.mark.parametrize("args, env, expected", [
+    (["m.jsonl", "out dir", "--checkpoint", "tiny"], {}, "<batch><m.jsonl><--out-dir><out dir><--checkpoint><tiny>"),
+    ([], {"MANIFEST": "q.yaml", "OUT_DIR": "/o"}, "<batch><q.yaml><--out-dir></o>"),
+])
+def test_sbatch_script_passes_manifest_out_dir_and_options(args, env, expected, tmp_path):
+    # Run outside SLURM with H3RENDER=printf: prints each argument a task would exec with, in <>.
+    run_env = {k: v for k, v in os.environ.items() if k not in ("MANIFEST", "OUT_DIR")}
+    result = subprocess.run(["bash", str(SBATCH_SCRIPT), *args], env={**run_env, **env, "H3RENDER": "printf <%s>"},
+                            capture_output=True, text=True, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == expected
+
+
+def test_sbatch_script_without_manifest_exits_2(tmp_path):
+    run_env = {k: v for k, v in os.environ.items() if k not in ("MANIFEST", "OUT_DIR")}
+    result = subprocess.run(["bash", str(SBATCH_SCRIPT)], env={**run_env, "H3RENDER": "echo"},
+                            capture_output=True, text=True, cwd=tmp_path)
+    assert result.returncode == 2 and "give MANIFEST and OUT_DIR" in result.stderr
