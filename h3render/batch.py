@@ -179,7 +179,7 @@ def run_batch(
     overwrite: bool = False,
     fail_fast: bool = False,
     quiet: bool = False,
-    progress: bool = True,
+    progress: bool | None = None,
     shard: tuple[int, int] | None = None,
 ) -> BatchReport:
     """Render ``jobs`` in order into ``out_dir`` and return the report (its ``exit_code`` is the process's).
@@ -193,8 +193,9 @@ def run_batch(
         overwrite: render every job even when its outputs are complete and current (default: resume, skip those).
         fail_fast: stop after the first failed job; later jobs stay ``pending``.
         quiet: no progress bars; one line per job on stderr.
-        progress: draw the tqdm queue bar at position 0 (the renderer's step bar takes position 1); with
-            ``progress=False`` (e.g. stderr is not a terminal) the queue logs one line per job like ``quiet``.
+        progress: draw the tqdm queue bar at position 0 (the renderer's step bar takes position 1). None (the
+            default): only when stderr is a terminal. Without the bar (False, a SLURM log, ``quiet``) the queue
+            logs one line per job instead.
         shard: ``(index, count)`` of this array task, 0-based; only names the report file and is recorded in it.
 
     Returns:
@@ -225,6 +226,8 @@ def run_batch(
         if reason is None:
             outcome.status = SKIPPED
     to_render = sum(r is not None for r in reasons)
+    if progress is None:
+        progress = sys.stderr.isatty()
     log = _QueueLog(total=to_render, bar=progress and not quiet)
     log.line(f"{len(jobs)} jobs: {len(jobs) - to_render} already rendered (skipped), {to_render} to render"
              + ("" if shard is None else f" [shard {shard[0]} of {shard[1]}]"))

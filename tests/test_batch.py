@@ -292,3 +292,9 @@ def test_progress_bar_counts(tmp_path, capsys):
     run_batch(make_jobs(2), Factory(FakeRenderer(fail={"j1"})), tmp_path, progress=True)
     err = capsys.readouterr().err
     assert "queue" in err and "done 1, failed 1, left 0" in err
+
+
+def test_no_bar_when_stderr_is_not_a_terminal(tmp_path, capsys):
+    run_batch(make_jobs(2), Factory(FakeRenderer()), tmp_path)  # progress=None: decided by stderr.isatty()
+    err = capsys.readouterr().err
+    assert "queue" not in err and err.count("succeeded in") == 2
