@@ -1,0 +1,631 @@
+"""MP4 output: H.264 (libx264, yuv420p, High, BT.709 limited) + AAC-LC stereo, written with PyAV.
+
+The writer is streaming: the caller (the GPU VAE decode) hands over chunks of frames and returns to work at
+once, while a background thread converts, encodes and muxes. A bounded queue gives back-pressure. The file
+is written as ``<name>.tmp.mp4`` beside the target, fsynced and renamed only when complete and valid; any
+error or interrupt removes the temp file, so a path either holds a finished clip or nothing.
+
+Frames reach the writer in one of two layouts (see :mod:`h3render.colour`):
+    rgb    [n, H, W, 3] uint8  -> libswscale (rgb24 -> yuv420p, BT.709 limited) on the encoder thread
+    i420   [n, H*3//2, W] uint8 (or a (Y, U, V) tuple) -> straight to libx264, no swscale pass
+On a GPU, convert there with :func:`h3render.colour.rgb_to_i420` and stage through
+:class:`PinnedFrameStager`: the copy is half the bytes of RGB and the encoder thread skips swscale.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from fractions import Fraction
+from pathlib import Path
+from typing import Callable, Sequence, Union
+
+import numpy as np
+import torch
+
+from h3render.colour import MediaError, frames_to_uint8, rgb_to_i420
+
+__all__ = [
+    "AUDIO_FRAME_SAMPLES",
+    "FPS",
+    "MediaError",
+    "Mp4Writer",
+    "PinnedFrameStager",
+    "SAMPLE_RATE",
+    "StagedChunk",
+    "audio_samples_for",
+    "temp_path_for",
+    "write_mp4",
+]
+
+FPS = 24  # released model: fixed 24 fps
+SAMPLE_RATE = 32_000  # released audio VAE: mono 32 kHz, stereo as a batch of 2
+AUDIO_FRAME_SAMPLES = 1024  # AAC-LC frame length (32 ms at 32 kHz)
+# The audio VAE emits round(frames/24*40) latents x 800 samples, which can fall short of
+# round(frames*32000/24) by up to half a latent (400 samples); one whole latent (25 ms) of zero padding is
+# accepted, anything shorter is refused.
+_MAX_AUDIO_PAD = 800
+
+# AVColorPrimaries / AVColorTransferCharacteristic / AVColorSpace BT709 = 1; AVColorRange MPEG (limited) = 1.
+_BT709 = 1
+_RANGE_MPEG = 1
+
+Frames = Union[np.ndarray, torch.Tensor, Sequence[np.ndarray], Sequence[torch.Tensor], "StagedChunk"]
+
+
+def audio_samples_for(frames: int, sample_rate: int = SAMPLE_RATE, fps: int = FPS) -> int:
+    """Samples per channel that belong to ``frames`` video frames: ``round(frames * sample_rate / fps)``
+    (half rounds up; exact integer arithmetic). 243 frames -> 324,000 samples at 32 kHz / 24 fps."""
+    return (2 * frames * sample_rate + fps) // (2 * fps)
+
+
+def temp_path_for(path: Union[str, os.PathLike]) -> Path:
+    """``clip.mp4`` -> ``clip.tmp.mp4`` in the same folder (same filesystem, so the final rename is atomic)."""
+    p = Path(path)
+    return p.with_name(p.stem + ".tmp" + p.suffix)
+
+
+@dataclass
+class StagedChunk:
+    """Host frames whose buffer is on loan from :class:`PinnedFrameStager`.
+
+    ``array`` may only be read after ``wait()`` (the device-to-host copy may still be in flight) and must not
+    be touched after ``release()`` (the stager reuses the buffer). :class:`Mp4Writer` does both itself.
+    """
+
+    array: np.ndarray
+    wait: Callable[[], None] = field(default=lambda: None)
+    release: Callable[[], None] = field(default=lambda: None)
+
+
+class _Slot:
+    def __init__(self) -> None:
+        self.buffer: torch.Tensor | None = None
+        self.event = None  # torch.cuda.Event once used
+        self.free = threading.Event()
+        self.free.set()
+
+
+class PinnedFrameStager:
+    """Reused pinned host buffers for non-blocking device-to-host copies of uint8 frame chunks.
+
+    ``stage(chunk)`` starts the copy of a CUDA tensor on a side stream into the next of ``num_buffers``
+    pinned buffers, records a CUDA event, and returns at once with a :class:`StagedChunk` whose numpy array is
+    a view of that buffer (no further host copy). Whoever reads it calls ``wait()`` (event sync) and then
+    ``release()``; ``stage`` blocks only if every buffer is still on loan. Buffers grow to the largest chunk
+    seen and are kept. On CPU tensors (or without CUDA) it is a pass-through: ``array`` is
+    ``chunk.numpy()``, with no-op wait/release.
+
+    Args:
+        num_buffers: pinned buffers in the ring; use at least the writer's ``queue_chunks + 2`` so that the
+            producer never waits on the encoder for a buffer before the queue itself pushes back.
+    """
+
+    def __init__(self, num_buffers: int = 6) -> None:
+        if num_buffers < 1:
+            raise ValueError(f"num_buffers: need at least 1, got {num_buffers}")
+        self._slots = [_Slot() for _ in range(num_buffers)]
+        self._next = 0
+        self._stream = None
+
+    def stage(self, chunk: torch.Tensor) -> StagedChunk:
+        """Args: chunk uint8 ``[n, ...]`` (RGB ``[n, H, W, 3]`` or I420 ``[n, H*3//2, W]``), any device."""
+        if chunk.dtype != torch.uint8:
+            raise MediaError(f"stage: expected uint8 frames, got {chunk.dtype}")
+        if chunk.device.type != "cuda":
+            return StagedChunk(chunk.detach().contiguous().numpy())
+
+        slot = self._slots[self._next]
+        self._next = (self._next + 1) % len(self._slots)
+        slot.free.wait()  # the writer thread still reads this buffer: back-pressure
+        slot.free.clear()
+        numel = chunk.numel()
+        if slot.buffer is None or slot.buffer.numel() < numel:
+            slot.buffer = torch.empty(numel, dtype=torch.uint8, pin_memory=True)
+        host = slot.buffer[:numel].view(chunk.shape)
+
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(device=chunk.device)
+        producer = torch.cuda.current_stream(chunk.device)
+        self._stream.wait_stream(producer)  # the copy must see the finished conversion
+        with torch.cuda.stream(self._stream):
+            host.copy_(chunk, non_blocking=True)
+            slot.event = torch.cuda.Event()
+            slot.event.record(self._stream)
+        chunk.record_stream(self._stream)  # keep the allocator from reusing chunk before the copy ends
+        event = slot.event
+        return StagedChunk(host.numpy(), wait=event.synchronize, release=slot.free.set)
+
+
+_CLOSE = object()
+
+
+class Mp4Writer:
+    """Streaming MP4 writer (context manager) with a background encoder thread.
+
+    Video: libx264, yuv420p, profile High, BT.709 primaries/transfer/matrix, limited range, chroma sited at
+    the centre (what swscale and :func:`h3render.colour.rgb_to_i420` produce), CRF ``crf`` with preset
+    ``preset``, constant ``fps`` (frame i has pts i in time base 1/fps). libx264 threads: ``threads=0`` lets
+    x264 choose (about 1.5 threads per core) with frame threading, which gives the most throughput per frame.
+    Audio: AAC-LC stereo at ``sample_rate``, trimmed to ``audio_samples_for(frames)`` before encoding; the
+    encoder's 1024-sample priming is hidden by the MP4 edit list that libavformat writes, so a decoder
+    returns the trimmed length (within one AAC frame). Muxed with ``movflags=+faststart`` (index first).
+
+    Args:
+        path: final ``.mp4`` path; its folder must exist. An existing file there is replaced on success.
+        width, height: frame size in pixels, both even (yuv420p).
+        frames: exact frame count the clip must end with (checked at ``close``).
+        crf: x264 constant rate factor (0..51; 18 ~ visually lossless).
+        preset: x264 preset name ("ultrafast" .. "placebo").
+        sample_rate, fps: released model: 32000 Hz, 24 fps.
+        audio: whether an audio track is written (then ``write_audio`` must be called once before close).
+        audio_bitrate: AAC bit rate in bit/s.
+        queue_chunks: bound of the hand-off queue, in chunks (back-pressure on the producer).
+        threads: libx264 threads, 0 = auto.
+
+    Raises:
+        MediaError: bad arguments, bad chunks/audio, wrong final frame count, or an encoder failure. Every
+        error aborts the writer: the temp file is removed and nothing exists under ``path``.
+
+    After ``close()``, ``stats`` holds wall-clock facts in ``time.perf_counter`` seconds: ``start``/``end``
+    (open to rename), ``encode_s`` (encoder-thread busy time), ``audio_s`` (AAC part of it),
+    ``finalize_s`` (flush, trailer, faststart rewrite, fsync, rename), ``blocked_s`` (producer waiting on
+    back-pressure).
+    """
+
+    def __init__(
+        self,
+        path: Union[str, os.PathLike],
+        width: int,
+        height: int,
+        frames: int,
+        *,
+        crf: int = 18,
+        preset: str = "veryfast",
+        sample_rate: int = SAMPLE_RATE,
+        fps: int = FPS,
+        audio: bool = True,
+        audio_bitrate: int = 128_000,
+        queue_chunks: int = 4,
+        threads: int = 0,
+    ) -> None:
+        import av  # imported here so that importing h3render does not load libav
+
+        self.path = Path(path)
+        if self.path.suffix.lower() != ".mp4":
+            raise MediaError(f"{self.path}: output name must end in .mp4")
+        if not self.path.parent.is_dir():
+            raise MediaError(f"{self.path}: output folder {self.path.parent} does not exist")
+        if not os.access(self.path.parent, os.W_OK):
+            raise MediaError(f"{self.path}: output folder {self.path.parent} is not writable")
+        if width <= 0 or height <= 0 or width % 2 or height % 2:
+            raise MediaError(f"{self.path}: width and height must be positive and even, got {width}x{height}")
+        if frames < 1:
+            raise MediaError(f"{self.path}: frames must be >= 1, got {frames}")
+        if not 0 <= crf <= 51:
+            raise MediaError(f"{self.path}: crf must be in 0..51, got {crf}")
+        self.tmp_path = temp_path_for(self.path)
+        self.width, self.height, self.frames, self.fps = width, height, frames, fps
+        self.sample_rate = sample_rate
+        self.audio_samples = audio_samples_for(frames, sample_rate, fps)
+        self.stats: dict[str, float] = {"start": time.perf_counter(), "encode_s": 0.0, "audio_s": 0.0,
+                                        "finalize_s": 0.0, "blocked_s": 0.0}
+
+        self._frames_in = 0  # frames accepted from the producer
+        self._audio: np.ndarray | None = None
+        self._has_audio = audio
+        self._error: BaseException | None = None
+        self._state = "open"  # open -> closed | aborted
+        self._abort_flag = threading.Event()
+        self._queue: queue.Queue = queue.Queue(maxsize=max(1, queue_chunks))
+
+        try:
+            self._container = av.open(str(self.tmp_path), "w", format="mp4", options={"movflags": "+faststart"})
+        except Exception as exc:
+            raise MediaError(f"{self.path}: cannot create {self.tmp_path.name}: {exc}") from exc
+        try:
+            self._setup_streams(av, crf, preset, audio_bitrate, threads)
+        except Exception as exc:
+            self._discard()
+            raise MediaError(f"{self.path}: cannot set up the encoders: {exc}") from exc
+
+        self._thread = threading.Thread(target=self._run, name=f"mp4-encode:{self.path.name}", daemon=True)
+        self._thread.start()
+
+    # ---------------------------------------------------------------- setup
+
+    def _setup_streams(self, av, crf: int, preset: str, audio_bitrate: int, threads: int) -> None:
+        v = self._container.add_stream(
+            "libx264",
+            rate=Fraction(self.fps),
+            options={"crf": str(crf), "preset": preset, "profile": "high",
+                     "chroma_sample_location": "center"},
+        )
+        v.width, v.height, v.pix_fmt = self.width, self.height, "yuv420p"
+        v.time_base = Fraction(1, self.fps)
+        cc = v.codec_context
+        cc.color_primaries = _BT709
+        cc.color_trc = _BT709
+        cc.colorspace = _BT709
+        cc.color_range = _RANGE_MPEG
+        cc.thread_count = threads
+        cc.thread_type = "FRAME"  # PyAV defaults encoders to SLICE, which x264 runs as sliced threads
+        cc.open()  # now, so a bad preset or size fails here rather than on the encoder thread
+        self._video = v
+        self._reformatter = av.video.reformatter.VideoReformatter()
+        self._av = av
+        self._pts = 0
+
+        self._aac = None
+        if self._has_audio:
+            a = self._container.add_stream("aac", rate=self.sample_rate, layout="stereo")
+            a.bit_rate = audio_bitrate
+            a.time_base = Fraction(1, self.sample_rate)
+            self._aac = a
+        self._audio_pos = 0  # samples already handed to the AAC encoder
+
+    # ---------------------------------------------------------------- producer side
+
+    def __enter__(self) -> "Mp4Writer":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.abort()
+
+    def write_frames(self, chunk: Frames) -> None:
+        """Queue a chunk of frames for encoding; returns once queued (blocks while the queue is full).
+
+        Args:
+            chunk: uint8 RGB ``[n, H, W, 3]``, uint8 I420 ``[n, H*3//2, W]``, a ``(Y, U, V)`` tuple of uint8
+                planes ``[n, H, W]``, ``[n, H/2, W/2]`` x2, or a :class:`StagedChunk`; numpy or CPU torch.
+                The writer reads the array later on its thread: do not modify it after this call.
+        Raises:
+            MediaError: wrong layout/dtype/size, a CUDA tensor, more frames than ``frames``, or an earlier
+                encoder failure (the writer is then aborted).
+        """
+        staged = chunk if isinstance(chunk, StagedChunk) else None
+        queued = False
+        try:
+            self._check_usable()
+            kind, array = self._classify(staged.array if staged else chunk)
+            n = array.shape[0]
+            if self._frames_in + n > self.frames:
+                raise MediaError(f"{self.path}: got {self._frames_in + n} frames, expected {self.frames}")
+            self._frames_in += n
+            self._put((kind, array, staged))
+            queued = True
+        except BaseException:
+            if staged is not None and not queued:
+                staged.release()
+            self.abort()
+            raise
+
+    def write_audio(self, waveform: Union[np.ndarray, torch.Tensor]) -> None:
+        """Hand over the whole soundtrack (once, any time before ``close``).
+
+        Args:
+            waveform: float ``[2, samples]`` (left, right) at ``sample_rate``, nominally in [-1, 1] (the
+                released audio VAE clamps to it; values beyond are clipped). Longer than
+                ``audio_samples_for(frames)`` is trimmed; up to 800 samples (one audio latent) short is
+                zero-padded.
+        Raises:
+            MediaError: not ``[2, samples]``, NaN/inf, too short, a second call, or no audio track.
+        """
+        try:
+            self._check_usable()
+            if not self._has_audio:
+                raise MediaError(f"{self.path}: writer was opened with audio=False")
+            if self._audio is not None:
+                raise MediaError(f"{self.path}: write_audio called twice")
+            self._audio = prepare_audio(waveform, self.audio_samples, name=str(self.path))
+            self._put(("audio", None, None))
+        except BaseException:
+            self.abort()
+            raise
+
+    def close(self) -> None:
+        """Finish encoding, write the trailer, fsync and rename the temp file onto ``path``.
+
+        Raises:
+            MediaError: frame count short of ``frames``, audio missing, or an encoder failure (aborted).
+        """
+        if self._state == "closed":
+            return
+        try:
+            self._check_usable()
+            if self._frames_in != self.frames:
+                raise MediaError(f"{self.path}: got {self._frames_in} frames, expected {self.frames}")
+            if self._has_audio and self._audio is None:
+                raise MediaError(f"{self.path}: no audio was written (call write_audio before close)")
+            self._put(_CLOSE)
+            self._join()
+            self._check_usable()
+            t0 = time.perf_counter()
+            _fsync_file(self.tmp_path)
+            os.replace(self.tmp_path, self.path)
+            _fsync_dir(self.path.parent)
+            self.stats["finalize_s"] += time.perf_counter() - t0
+            self.stats["end"] = time.perf_counter()
+            self._state = "closed"
+        except BaseException:
+            self.abort()
+            raise
+
+    def abort(self) -> None:
+        """Stop encoding and delete the temp file; nothing is left under ``path``'s temp or final name
+        by this writer. Safe to call more than once and after errors."""
+        if self._state != "open":
+            return
+        self._state = "aborted"
+        self._abort_flag.set()
+        self._drain_queue()  # unblocks a thread waiting on a full queue and frees staged buffers
+        try:
+            self._queue.put_nowait(_CLOSE)
+        except queue.Full:
+            pass
+        self._join()
+        self._drain_queue()
+        self._discard()
+
+    # ---------------------------------------------------------------- internals (producer thread)
+
+    def _check_usable(self) -> None:
+        if self._state != "open":
+            raise MediaError(f"{self.path}: writer is {self._state}")
+        if self._error is not None:
+            raise MediaError(f"{self.path}: encoding failed: {self._error!r}") from self._error
+
+    def _classify(self, chunk) -> tuple[str, np.ndarray]:
+        if isinstance(chunk, (tuple, list)):
+            if len(chunk) != 3:
+                raise MediaError(f"{self.path}: a plane tuple must be (Y, U, V), got {len(chunk)} items")
+            y, u, v = (self._to_numpy(p) for p in chunk)
+            n = y.shape[0] if y.ndim == 3 else -1
+            luma, chroma = (n, self.height, self.width), (n, self.height // 2, self.width // 2)
+            if y.shape != luma or u.shape != chroma or v.shape != chroma:
+                raise MediaError(
+                    f"{self.path}: planes must be Y [n, {self.height}, {self.width}] and U, V "
+                    f"[n, {self.height // 2}, {self.width // 2}], got {[y.shape, u.shape, v.shape]}")
+            flat = np.concatenate([y.reshape(n, -1), u.reshape(n, -1), v.reshape(n, -1)], axis=1)
+            return "i420", flat.reshape(n, self.height * 3 // 2, self.width)
+        array = self._to_numpy(chunk)
+        if array.ndim == 4 and array.shape[1:] == (self.height, self.width, 3):
+            return "rgb", array
+        if array.ndim == 3 and array.shape[1:] == (self.height * 3 // 2, self.width):
+            return "i420", array
+        raise MediaError(
+            f"{self.path}: frames must be uint8 [n, {self.height}, {self.width}, 3] RGB or "
+            f"[n, {self.height * 3 // 2}, {self.width}] I420, got shape {tuple(array.shape)}")
+
+    def _to_numpy(self, x) -> np.ndarray:
+        if isinstance(x, torch.Tensor):
+            if x.device.type != "cpu":
+                raise MediaError(
+                    f"{self.path}: frames are on {x.device}; stage them with PinnedFrameStager (or .cpu())")
+            x = x.detach().numpy()
+        if not isinstance(x, np.ndarray):
+            raise MediaError(f"{self.path}: frames must be a numpy array or torch tensor, got {type(x).__name__}")
+        if x.dtype != np.uint8:
+            raise MediaError(
+                f"{self.path}: frames must be uint8, got {x.dtype} (convert float video with frames_to_uint8)")
+        return x
+
+    def _put(self, item) -> None:
+        t0 = time.perf_counter()
+        while True:
+            try:
+                self._queue.put(item, timeout=0.1)
+                break
+            except queue.Full:
+                if not self._thread.is_alive():
+                    raise MediaError(f"{self.path}: encoder thread stopped") from self._error
+        self.stats["blocked_s"] += time.perf_counter() - t0
+
+    def _join(self) -> None:
+        while self._thread.is_alive():
+            self._thread.join(timeout=0.1)
+
+    def _drain_queue(self) -> None:
+        while True:
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(item, tuple) and item[2] is not None:
+                item[2].release()
+
+    def _discard(self) -> None:
+        try:
+            self._container.close()
+        except Exception:
+            pass  # the file is being thrown away; a trailer error changes nothing
+        try:
+            self.tmp_path.unlink()
+        except FileNotFoundError:
+            pass
+
+    # ---------------------------------------------------------------- encoder thread
+
+    def _run(self) -> None:
+        item = None
+        try:
+            while True:
+                item = self._queue.get()
+                if item is _CLOSE:
+                    if not self._abort_flag.is_set():
+                        self._finish()
+                    return
+                self._consume(item)
+        except BaseException as exc:  # handed to the producer at its next call
+            self._error = exc
+        # Failed (or finishing failed): keep consuming until the producer's close/abort, so that a producer
+        # blocked on put() wakes up and staged buffers go back to the stager.
+        while item is not _CLOSE:
+            item = self._queue.get()
+            if item is not _CLOSE and item[2] is not None:
+                item[2].release()
+
+    def _consume(self, item) -> None:
+        kind, array, staged = item
+        if self._abort_flag.is_set():
+            if staged is not None:
+                staged.release()
+            return
+        t0 = time.perf_counter()
+        try:
+            if staged is not None:
+                staged.wait()
+            if kind != "audio":
+                self._encode_video(kind, array)
+        finally:
+            if staged is not None:
+                staged.release()
+        self._encode_audio_until(audio_samples_for(self._pts, self.sample_rate, self.fps))
+        self.stats["encode_s"] += time.perf_counter() - t0
+
+    def _encode_video(self, kind: str, array: np.ndarray) -> None:
+        av = self._av
+        for i in range(array.shape[0]):
+            if self._abort_flag.is_set():
+                return
+            if kind == "rgb":
+                rgb = av.VideoFrame.from_numpy_buffer(np.ascontiguousarray(array[i]), format="rgb24")
+                frame = self._reformatter.reformat(
+                    rgb, format="yuv420p", src_colorspace="ITU709", dst_colorspace="ITU709",
+                    src_color_range="JPEG", dst_color_range="MPEG")
+            else:
+                frame = av.VideoFrame.from_ndarray(np.ascontiguousarray(array[i]), format="yuv420p")
+                frame.colorspace, frame.color_range = _BT709, _RANGE_MPEG
+            frame.pts = self._pts
+            frame.time_base = Fraction(1, self.fps)
+            self._pts += 1
+            self._container.mux(self._video.encode(frame))
+
+    def _encode_audio_until(self, end: int) -> None:
+        """Feed the AAC encoder the soundtrack up to sample ``end`` (interleaves audio with video)."""
+        if self._audio is None or self._aac is None:
+            return
+        end = min(end, self._audio.shape[1])
+        if end <= self._audio_pos:
+            return
+        t0 = time.perf_counter()
+        block = np.ascontiguousarray(self._audio[:, self._audio_pos:end])  # [2, n] float32 planar
+        frame = self._av.AudioFrame.from_ndarray(block, format="fltp", layout="stereo")
+        frame.sample_rate = self.sample_rate
+        frame.pts = self._audio_pos
+        frame.time_base = Fraction(1, self.sample_rate)
+        self._audio_pos = end
+        self._container.mux(self._aac.encode(frame))
+        self.stats["audio_s"] += time.perf_counter() - t0
+
+    def _finish(self) -> None:
+        t0 = time.perf_counter()
+        self._container.mux(self._video.encode(None))
+        if self._aac is not None:
+            self._encode_audio_until(self._audio.shape[1])
+            self._container.mux(self._aac.encode(None))
+        self._container.close()  # trailer; +faststart rewrites the file with the index first
+        dt = time.perf_counter() - t0
+        self.stats["finalize_s"] += dt
+        self.stats["encode_s"] += dt
+
+
+def prepare_audio(waveform: Union[np.ndarray, torch.Tensor], samples: int, *, name: str = "audio") -> np.ndarray:
+    """Check, trim/pad and clip a stereo soundtrack for the AAC encoder.
+
+    Args:
+        waveform: float ``[2, n]``, numpy or torch (any device).
+        samples: wanted length per channel (``audio_samples_for(frames)``).
+    Returns:
+        float32 ``[2, samples]`` C-contiguous, clipped to [-1, 1]; zero-padded at the end if ``n`` is short by
+        at most 800 samples.
+    Raises:
+        MediaError: wrong shape, non-float dtype, NaN/inf (never a silent file), or more than 800 samples short.
+    """
+    if isinstance(waveform, torch.Tensor):
+        if not waveform.is_floating_point():
+            raise MediaError(f"{name}: audio must be float, got {waveform.dtype}")
+        waveform = waveform.detach().float().cpu().numpy()
+    if not isinstance(waveform, np.ndarray) or waveform.dtype.kind != "f":
+        raise MediaError(f"{name}: audio must be a float array [2, samples]")
+    if waveform.ndim != 2 or waveform.shape[0] != 2:
+        raise MediaError(f"{name}: audio must be [2, samples] (stereo), got shape {waveform.shape}")
+    if not np.isfinite(waveform).all():
+        raise MediaError(f"{name}: audio contains NaN or inf (the decode diverged); refusing to write it")
+    n = waveform.shape[1]
+    if n < samples - _MAX_AUDIO_PAD:
+        raise MediaError(f"{name}: audio has {n} samples per channel, need {samples} (at most 800 short)")
+    out = np.zeros((2, samples), dtype=np.float32)
+    keep = min(n, samples)
+    np.clip(waveform[:, :keep], -1.0, 1.0, out=out[:, :keep])
+    return out
+
+
+def write_mp4(
+    path: Union[str, os.PathLike],
+    frames: Union[np.ndarray, torch.Tensor],
+    audio: Union[np.ndarray, torch.Tensor, None],
+    *,
+    crf: int = 18,
+    preset: str = "veryfast",
+    sample_rate: int = SAMPLE_RATE,
+    fps: int = FPS,
+    **writer_options,
+) -> Path:
+    """Write a whole clip at once (the simple path; :class:`Mp4Writer` streams).
+
+    Args:
+        path: final ``.mp4`` path.
+        frames: float video ``[3, F, H, W]`` in [0, 1] (any device; quantized with ``frames_to_uint8``), or
+            uint8 RGB ``[F, H, W, 3]`` (numpy or CPU torch).
+        audio: float ``[2, samples]`` stereo at ``sample_rate``, or None for a video-only file.
+        crf, preset, sample_rate, fps, writer_options: as for :class:`Mp4Writer`.
+    Returns:
+        ``Path(path)``.
+    Raises:
+        MediaError: non-finite frames or audio (checked before any file is created), bad shapes, encoder errors.
+    """
+    if isinstance(frames, torch.Tensor) and frames.is_floating_point():
+        frames = frames_to_uint8(frames)
+    if isinstance(frames, torch.Tensor):
+        frames = frames.cpu()
+    elif isinstance(frames, np.ndarray) and frames.dtype.kind == "f":
+        raise MediaError(f"{path}: float frames must be a torch tensor [3, F, H, W]; numpy frames must be uint8")
+    if frames.ndim != 4 or frames.shape[-1] != 3:
+        raise MediaError(f"{path}: frames must be [3, F, H, W] float or [F, H, W, 3] uint8, got {tuple(frames.shape)}")
+    n, h, w, _ = frames.shape
+    if audio is not None:
+        audio = prepare_audio(audio, audio_samples_for(n, sample_rate, fps), name=str(path))
+    with Mp4Writer(path, w, h, n, crf=crf, preset=preset, sample_rate=sample_rate, fps=fps,
+                   audio=audio is not None, **writer_options) as writer:
+        writer.write_frames(frames)
+        if audio is not None:
+            writer.write_audio(audio)
+    return Path(path)
+
+
+def _fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return  # some filesystems do not open folders; the rename is still atomic
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)

@@ -1,0 +1,324 @@
+"""Stage timing for one job, software versions, and the JSON sidecar written beside each MP4.
+
+Times are wall-clock ``time.perf_counter`` seconds. On CUDA a stage synchronizes the device at its edges,
+so a stage's time includes the kernels it queued (without that, asynchronous launches would bill their
+work to whichever stage syncs next). Each stage keeps its wall intervals ``[start, end]``; totals come from
+the intervals, so stages that run at the same time (VAE decode on the GPU while the encoder thread muxes)
+are reported as they happened and the job total is the union of intervals, never a double-counted sum.
+
+Stage names used by the pipeline: load, text_encode, denoise (with per-step entries), vae_video, vae_audio,
+to_uint8_d2h, encode_mux, total.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import shutil
+import subprocess
+import threading
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator, Mapping, Union
+
+import torch
+
+__all__ = ["STAGES", "StageTimer", "merge_intervals", "versions", "write_sidecar"]
+
+STAGES = ("load", "text_encode", "denoise", "vae_video", "vae_audio", "to_uint8_d2h", "encode_mux", "total")
+SIDECAR_SCHEMA = 1
+
+Interval = tuple[float, float]
+
+
+def merge_intervals(intervals: list[Interval]) -> list[Interval]:
+    """Union of closed intervals, sorted and non-overlapping: [(0, 2), (1, 3), (5, 6)] -> [(0, 3), (5, 6)]."""
+    merged: list[list[float]] = []
+    for start, end in sorted(intervals):
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    return [(s, e) for s, e in merged]
+
+
+def _length(intervals: list[Interval]) -> float:
+    return sum(e - s for s, e in merge_intervals(intervals))
+
+
+def _intersect(a: list[Interval], b: list[Interval]) -> list[Interval]:
+    out, i, j = [], 0, 0
+    a, b = merge_intervals(a), merge_intervals(b)
+    while i < len(a) and j < len(b):
+        lo, hi = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
+        if lo < hi:
+            out.append((lo, hi))
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return out
+
+
+class StageTimer:
+    """Per-job stage timer. Make a new one per job: construction resets the device's peak-memory counter.
+
+    Args:
+        device: where the job runs; a CUDA device makes stage edges synchronize it and enables peak memory.
+
+    Usage::
+
+        timer = StageTimer(device)
+        with timer.stage("denoise"):
+            for i in range(steps):
+                with timer.step("denoise"):
+                    ...
+        timer.add_interval("encode_mux", writer.stats["start"], writer.stats["end"])  # from another thread
+        with timer.warmup("compile"):  # kept apart from the stage totals
+            ...
+        timer.summary()
+
+    Thread-safe for recording; ``stage``'s synchronization only touches ``device``.
+    """
+
+    def __init__(self, device: Union[torch.device, str, None] = None) -> None:
+        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        self._cuda = self.device.type == "cuda" and torch.cuda.is_available()
+        self._lock = threading.Lock()
+        self.intervals: dict[str, list[Interval]] = {}
+        self.steps: dict[str, list[float]] = {}
+        self.warmups: dict[str, float] = {}
+        self.stage_peak_bytes: dict[str, int] = {}
+        self._depth = 0
+        self._job_peak = 0
+        if self._cuda:
+            torch.cuda.reset_peak_memory_stats(self.device)
+
+    @staticmethod
+    def now() -> float:
+        """The clock every interval is on (``time.perf_counter``, seconds)."""
+        return time.perf_counter()
+
+    def _sync(self) -> None:
+        if self._cuda:
+            torch.cuda.synchronize(self.device)
+
+    def add_interval(self, name: str, start: float, end: float) -> None:
+        """Record that stage ``name`` ran over ``[start, end]`` (``perf_counter`` seconds), e.g. measured on
+        the encoder thread. Raises ValueError if end < start."""
+        if end < start:
+            raise ValueError(f"stage {name!r}: interval ends before it starts ({start} > {end})")
+        with self._lock:
+            self.intervals.setdefault(name, []).append((start, end))
+
+    @contextmanager
+    def stage(self, name: str) -> Iterator[None]:
+        """Time a stage, synchronizing the CUDA device at both edges. Outermost stages also record their
+        peak allocated device memory (bytes) in ``stage_peak_bytes``; a stage may be entered several times."""
+        outer = self._depth == 0
+        self._sync()
+        if self._cuda and outer:
+            torch.cuda.reset_peak_memory_stats(self.device)
+        self._depth += 1
+        start = self.now()
+        try:
+            yield
+        finally:
+            self._sync()
+            end = self.now()
+            self._depth -= 1
+            self.add_interval(name, start, end)
+            if self._cuda and outer:
+                peak = torch.cuda.max_memory_allocated(self.device)
+                self._job_peak = max(self._job_peak, peak)
+                self.stage_peak_bytes[name] = max(self.stage_peak_bytes.get(name, 0), peak)
+
+    @contextmanager
+    def step(self, name: str) -> Iterator[None]:
+        """Time one step inside stage ``name`` (e.g. one denoising forward); appended to ``steps[name]``.
+        Synchronizes at both edges on CUDA."""
+        self._sync()
+        start = self.now()
+        try:
+            yield
+        finally:
+            self._sync()
+            elapsed = self.now() - start
+            with self._lock:
+                self.steps.setdefault(name, []).append(elapsed)
+
+    @contextmanager
+    def warmup(self, name: str) -> Iterator[None]:
+        """Time warm-up or compilation work apart from the stage totals (summed per name)."""
+        self._sync()
+        start = self.now()
+        try:
+            yield
+        finally:
+            self._sync()
+            with self._lock:
+                self.warmups[name] = self.warmups.get(name, 0.0) + self.now() - start
+
+    def total(self, name: str) -> float:
+        """Seconds stage ``name`` was running: the length of the union of its intervals (0 if never run)."""
+        return _length(self.intervals.get(name, []))
+
+    def overlap(self, *names: str) -> float:
+        """Seconds during which all the named stages were running at once."""
+        if not names:
+            raise ValueError("overlap: name at least one stage")
+        common = merge_intervals(self.intervals.get(names[0], []))
+        for name in names[1:]:
+            common = _intersect(common, self.intervals.get(name, []))
+        return _length(common)
+
+    def peak_memory_bytes(self) -> int | None:
+        """Peak allocated device memory over the job so far (None off CUDA)."""
+        if not self._cuda:
+            return None
+        return max(self._job_peak, torch.cuda.max_memory_allocated(self.device))
+
+    def summary(self) -> dict[str, Any]:
+        """JSON-ready report.
+
+        ``stages[name]``: ``seconds`` (union of its intervals), ``intervals`` (relative to the first recorded
+        start), and ``steps`` where per-step entries exist. ``wall_s``: union of every interval except an
+        explicit ``total`` (or that stage's length if recorded). ``overlapped_s``: sum of the stage seconds
+        (``total`` excluded) minus their union: time hidden by running stages concurrently. Stages other than
+        ``total`` are meant not to nest: time inside a nested stage counts as overlapped.
+        """
+        with self._lock:
+            intervals = {k: list(v) for k, v in self.intervals.items()}
+            steps = {k: list(v) for k, v in self.steps.items()}
+            warmups = dict(self.warmups)
+        every = [iv for k, v in intervals.items() if k != "total" for iv in v]
+        origin = min((s for s, _ in every + intervals.get("total", [])), default=0.0)
+        stages: dict[str, Any] = {}
+        for name, ivs in intervals.items():
+            entry: dict[str, Any] = {
+                "seconds": _length(ivs),
+                "intervals": [[s - origin, e - origin] for s, e in sorted(ivs)],
+            }
+            if name in steps:
+                entry["steps"] = steps[name]
+            stages[name] = entry
+        for name, st in steps.items():
+            stages.setdefault(name, {"seconds": sum(st), "intervals": [], "steps": st})
+        stage_sum = sum(_length(v) for k, v in intervals.items() if k != "total")
+        wall = _length(intervals["total"]) if "total" in intervals else _length(every)
+        return {
+            "stages": stages,
+            "wall_s": wall,
+            "overlapped_s": max(0.0, stage_sum - _length(every)),
+            "warmup_s": warmups,
+            "peak_memory_bytes": self.peak_memory_bytes(),
+            "stage_peak_memory_bytes": dict(self.stage_peak_bytes),
+        }
+
+
+def _nvidia_driver() -> str | None:
+    exe = shutil.which("nvidia-smi")
+    if exe is None:
+        return None
+    try:
+        out = subprocess.run([exe, "--query-gpu=driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=10, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    first = out.strip().splitlines()
+    return first[0].strip() if first else None
+
+
+def versions() -> dict[str, Any]:
+    """Software and hardware this job ran on: h3render, Python, torch, CUDA runtime (None on a CPU build),
+    cuDNN, NVIDIA driver (from ``nvidia-smi``; None without it), GPU names, PyAV and its FFmpeg."""
+    import h3render
+
+    try:
+        import av
+
+        pyav, ffmpeg = av.__version__, av.ffmpeg_version_info
+    except ImportError:
+        pyav = ffmpeg = None
+    cuda_ok = torch.cuda.is_available()
+    return {
+        "h3render": h3render.__version__,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "cudnn": torch.backends.cudnn.version() if cuda_ok else None,
+        "driver": _nvidia_driver() if cuda_ok else None,
+        "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if cuda_ok else [],
+        "pyav": pyav,
+        "ffmpeg": ffmpeg,
+    }
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu().tolist()
+    if hasattr(value, "tolist") and not isinstance(value, (str, bytes)):  # numpy arrays and scalars
+        return value.tolist()
+    if isinstance(value, os.PathLike):
+        return os.fspath(value)
+    if isinstance(value, (set, frozenset)):
+        return sorted(value)
+    if hasattr(value, "__dataclass_fields__"):
+        import dataclasses
+
+        return dataclasses.asdict(value)
+    raise TypeError(f"sidecar: cannot store {type(value).__name__} as JSON")
+
+
+def write_sidecar(
+    path: Union[str, os.PathLike],
+    *,
+    job_params: Mapping[str, Any],
+    checkpoint: Mapping[str, Any],
+    sigmas: Mapping[str, Any],
+    timings: Union[StageTimer, Mapping[str, Any]],
+    versions: Mapping[str, Any],
+    extra: Mapping[str, Any] | None = None,
+) -> Path:
+    """Write the job's JSON sidecar atomically (``<name>.tmp`` in the same folder, fsync, rename).
+
+    Args:
+        path: target file, e.g. ``clip.json`` beside ``clip.mp4``.
+        job_params: the resolved job (prompt, seed, canvas, frames, steps, ...).
+        checkpoint: which weights (layout, path, revision/hashes, adapters fused).
+        sigmas: schedules actually used, e.g. ``{"video": [...], "audio": [...]}`` (tensors accepted).
+        timings: a :class:`StageTimer` (its ``summary()`` is stored) or a ready dict.
+        versions: :func:`versions` output.
+        extra: anything else, stored under ``"extra"``.
+    Returns:
+        ``Path(path)``.
+    Raises:
+        ValueError: a value JSON cannot hold (NaN/inf included: the sidecar is strict JSON).
+    """
+    path = Path(path)
+    doc = {
+        "schema": SIDECAR_SCHEMA,
+        "job": dict(job_params),
+        "checkpoint": dict(checkpoint),
+        "sigmas": dict(sigmas),
+        "timings": timings.summary() if isinstance(timings, StageTimer) else dict(timings),
+        "versions": dict(versions),
+        "extra": dict(extra or {}),
+    }
+    try:
+        text = json.dumps(doc, indent=2, default=_jsonable, allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"{path}: sidecar not JSON-serializable: {exc}") from exc
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        with open(tmp, "w", encoding="utf-8") as fh:
+            fh.write(text + "\n")
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return path
