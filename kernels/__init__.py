@@ -1,1 +1,13 @@
-"""Triton kernels, each beside its plain-torch reference (naive.py)."""
+"""Triton kernels, each beside its plain-torch reference (naive.py).
+
+Each public function runs Triton on CUDA tensors and the reference elsewhere (`use_triton=` forces either).
+The DiT's element-wise work per block: `qk_norm_rope_qkv` (qkv split + per-head RMSNorm + RoPE), `modulate`
+(AdaLN RMSNorm + scale/shift), `gated_residual` (x + gate * y) and `swiglu` (FFN activation).
+"""
+
+from kernels.gated_residual import gated_residual
+from kernels.modulate import modulate
+from kernels.qk_norm_rope import qk_norm_rope, qk_norm_rope_qkv
+from kernels.swiglu import swiglu
+
+__all__ = ["gated_residual", "modulate", "qk_norm_rope", "qk_norm_rope_qkv", "swiglu"]

@@ -1,0 +1,70 @@
+"""Plain-torch reference for the per-head QK RMSNorm + partial RoPE (MiniMax-H3 attention input)."""
+
+from __future__ import annotations
+
+import torch
+
+
+def rms_norm_heads(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last axis, fp32 math.
+
+    Args:
+        x: [S, H, D] any float dtype.
+        weight: [D].
+        eps: added to the mean square (released checkpoint: 1e-5).
+
+    Returns:
+        [S, H, D] float32.
+    """
+    x = x.float()
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight.float()
+
+
+def rope_rotate_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate the leading R channels of every head (rotate_half convention), pass the rest through.
+
+    With x1, x2 = x[..., :R/2], x[..., R/2:R]: out[..., :R] = x[..., :R] * cos + cat(-x2, x1) * sin.
+
+    Args:
+        x: [S, H, D] float32.
+        cos, sin: [S, R] angles' cosine and sine, R even and <= D (released: R = 96 of D = 128).
+
+    Returns:
+        [S, H, D] float32.
+    """
+    rot = cos.shape[-1]
+    x_rot, x_pass = x[..., :rot], x[..., rot:]
+    x1, x2 = x_rot.chunk(2, dim=-1)  # [S, H, R/2] each
+    cos = cos.float()[:, None, :]  # [S, 1, R]
+    sin = sin.float()[:, None, :]
+    x_rot = x_rot * cos + torch.cat((-x2, x1), dim=-1) * sin
+    return torch.cat((x_rot, x_pass), dim=-1)
+
+
+def qk_norm_rope_naive(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor | None,
+    q_weight: torch.Tensor,
+    k_weight: torch.Tensor,
+    cos: torch.Tensor | None,
+    sin: torch.Tensor | None,
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Reference: q, k -> RoPE(RMSNorm(.)) in fp32 (no RoPE when cos is None), cast back; v copied contiguous.
+
+    Args:
+        q, k, v: [S, H, D] (views of the qkv projection are fine); v may be None.
+        q_weight, k_weight: [D] per-head RMSNorm weights.
+        cos, sin: [S, R] float32, or None for no RoPE.
+        eps: RMSNorm epsilon.
+
+    Returns:
+        (q, k, v): contiguous [S, H, D] in the input dtype; v is None when v was None.
+    """
+    q_out, k_out = rms_norm_heads(q, q_weight, eps), rms_norm_heads(k, k_weight, eps)
+    if cos is not None:
+        q_out, k_out = rope_rotate_half(q_out, cos, sin), rope_rotate_half(k_out, cos, sin)
+    q_out, k_out = q_out.to(q.dtype), k_out.to(k.dtype)
+    v_out = None if v is None else v.contiguous()
+    return q_out, k_out, v_out

@@ -1,0 +1,97 @@
+"""Attention backend chooser and dispatch, on CPU: auto picks SDPA, SDPA equals explicit softmax attention, and
+the FlashAttention-3 path hands [B, S, H, D] through unchanged (checked with a stand-in FA3 function)."""
+
+import pytest
+import torch
+
+import h3render.models.attention as attn_mod
+from h3render.models.attention import attention, current_backend, naive_attention, select_backend
+
+
+@pytest.fixture(autouse=True)
+def fresh_selection(monkeypatch):
+    # The choice is process-wide: start each test unselected and restore afterwards. CPU-only machine semantics
+    # are forced so that the test means the same on a GPU host.
+    monkeypatch.setattr(attn_mod, "_selected", None)
+    monkeypatch.setattr(attn_mod, "_fa3_func", None)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+
+
+def rel_err(ours, ref):
+    return ((ours.double() - ref.double()).norm() / ref.double().norm()).item()
+
+
+def test_auto_selects_sdpa_without_gpu():
+    assert attn_mod.available_backends() == ["sdpa"]
+    assert current_backend() == "sdpa"  # first use selects
+    assert select_backend(None) == "sdpa"
+    assert select_backend("auto") == "sdpa"
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 1, 8), (2, 37, 3, 16), (1, 129, 2, 128)])
+def test_sdpa_matches_naive_softmax_attention(shape):
+    g = torch.Generator().manual_seed(shape[1])
+    q, k, v = (torch.randn(shape, generator=g) * 2 for _ in range(3))
+    out = attention(q, k, v)
+    assert current_backend() == "sdpa"
+    assert out.shape == shape
+    ref = naive_attention(q, k, v)
+    err = rel_err(out, ref)
+    print(f"attention (sdpa) vs naive softmax {shape}: rel err {err:.2e}")
+    assert err <= 1e-5
+    # Non-causal: the first query sees the last key.
+    v2 = v.clone()
+    v2[:, -1] += 100.0
+    if shape[1] > 1:
+        assert not torch.allclose(attention(q, k, v2)[:, 0], out[:, 0])
+
+
+def test_naive_attention_is_softmax_attention():
+    q = torch.tensor([[[[1.0, 0.0]]], [[[0.0, 0.0]]]]).view(1, 2, 1, 2)  # [B=1, S=2, H=1, D=2]
+    k = torch.tensor([[1.0, 0.0], [0.0, 0.0]]).view(1, 2, 1, 2)
+    v = torch.tensor([[1.0, 2.0], [3.0, 4.0]]).view(1, 2, 1, 2)
+    w = torch.tensor([1.0, 0.0]) / 2**0.5
+    p0 = torch.softmax(w, 0)  # query 0's weights over the two keys
+    expected0 = p0[0] * v[0, 0, 0] + p0[1] * v[0, 1, 0]
+    expected1 = (v[0, 0, 0] + v[0, 1, 0]) / 2  # query 1 scores both keys 0
+    out = naive_attention(q, k, v)
+    torch.testing.assert_close(out[0, 0, 0], expected0)
+    torch.testing.assert_close(out[0, 1, 0], expected1)
+
+
+def test_named_backends_that_cannot_run_are_refused():
+    with pytest.raises(ValueError, match="not available"):
+        select_backend("fa3")
+    with pytest.raises(ValueError, match="not available"):
+        select_backend("cudnn")
+    with pytest.raises(ValueError, match="unknown attention backend"):
+        select_backend("flash")
+    assert select_backend("sdpa") == "sdpa"
+
+
+def test_fa3_path_passes_bshd_and_unwraps_tuple(monkeypatch):
+    calls = []
+
+    def fake_flash_attn_func(q, k, v, softmax_scale=None, causal=False):
+        calls.append((tuple(q.shape), causal, softmax_scale))
+        out = naive_attention(q, k, v)
+        return out, torch.zeros(q.shape[0], q.shape[2], q.shape[1])  # older FA3 builds return (out, lse)
+
+    monkeypatch.setattr(attn_mod, "_load_fa3", lambda: fake_flash_attn_func)
+    assert attn_mod.available_backends() == ["fa3", "sdpa"]
+    assert select_backend("fa3") == "fa3"
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 37, 3, 16, generator=g) for _ in range(3))
+    out = attention(q, k, v)
+    assert calls == [((2, 37, 3, 16), False, None)]
+    torch.testing.assert_close(out, naive_attention(q, k, v))
+
+
+def test_attention_rejects_mismatched_inputs():
+    q = torch.randn(1, 5, 2, 8)
+    with pytest.raises(ValueError, match=r"\[B, S, H, D\]"):
+        attention(q, q[:, :4], q)
+    with pytest.raises(ValueError, match=r"\[B, S, H, D\]"):
+        attention(q[0], q[0], q[0])
+    with pytest.raises(ValueError, match="dtype"):
+        attention(q, q.double(), q)
