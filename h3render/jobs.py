@@ -38,7 +38,6 @@ RELEASED_MAX_PIXELS = 768 * 1344  # ... with the area capped at the 16:9 canvas
 MODES = ("t2va", "fasth3")
 DEFAULT_MODE = "t2va"
 DEFAULT_SEED = 0  # a fixed value, so a manifest without seeds renders the same twice
-FASTH3_SIGMA_POINTS = 5  # FastH3 (DMD2 student): 4 forwards on a fixed distilled schedule (DESIGN.md §1)
 MAX_SEED = 2**64 - 1  # torch.Generator.manual_seed accepts 0 … 2**64 − 1
 MAX_AUTO_NAME_BYTES = 120  # automatic output names (prompt slug + seed) stay at most this long
 MAX_NAME_COMPONENT_BYTES = 200  # a path component of an explicit output; leaves room for ".tmp.json" under 255
@@ -95,7 +94,6 @@ class Limits:
         default_canvas: (width, height) in px for jobs that name no canvas; multiples of 32.
         default_frames: frame count (17n + 5) for jobs that name no duration.
         default_steps: sigma points of the base sampler for jobs that name none (released: 50 → 49 forwards).
-        fasth3_steps: sigma points of the FastH3 schedule (released: 5 → 4 forwards).
         canvas_short_edge, canvas_max_pixels: the aspect-ratio canvas rule (released: 768, 768 × 1344).
 
     Raises:
@@ -107,7 +105,6 @@ class Limits:
     default_canvas: tuple[int, int]
     default_frames: int
     default_steps: int
-    fasth3_steps: int = FASTH3_SIGMA_POINTS
     canvas_short_edge: int = RELEASED_SHORT_EDGE
     canvas_max_pixels: int = RELEASED_MAX_PIXELS
 
@@ -119,7 +116,7 @@ class Limits:
                              f"{self.min_frames}–{self.max_frames}")
         width, height = self.default_canvas
         check_canvas(width, height)
-        if self.default_steps < 2 or self.fasth3_steps < 2:
+        if self.default_steps < 2:
             raise ValueError("Limits: a schedule needs at least 2 sigma points")
 
 
@@ -149,8 +146,9 @@ class Job:
         width, height: canvas in px, multiples of 32.
         frames: frame count at 24 fps, of the form 17n + 5.
         seed: seed of the CPU generator that draws the noise (0 … 2**64 − 1).
-        steps: sigma points of the schedule (N points → N − 1 DiT forwards); None = the release default.
-        mode: "t2va" (base sampler) or "fasth3" (distilled 4-forward student).
+        steps: sigma points of the base schedule (N points → N − 1 DiT forwards); None for "fasth3" jobs, whose
+            fixed few-step schedule comes with the FastH3 adapter (4 forwards; 8 for the V2 checkpoint).
+        mode: "t2va" (base sampler) or "fasth3" (distilled FastH3 student).
         output: relative POSIX path without extension; the MP4 is `<out_dir>/<output>.mp4`, the sidecar
             `<out_dir>/<output>.json`.
         requested: what the user asked for (`Requested`).
@@ -863,7 +861,7 @@ def _field_problem(name: str, value: Any, presets: Mapping[str, Preset]) -> str 
 
 def _type_name(value: Any) -> str:
     return {bool: "a boolean", type(None): "null", list: "a list", dict: "a mapping", str: "a string",
-            float: "a number with a fraction", int: "an integer"}.get(type(value), type(value).__name__)
+            float: "a decimal number", int: "an integer"}.get(type(value), type(value).__name__)
 
 
 def _strip_mp4(output: str) -> str:
@@ -935,12 +933,13 @@ def _resolve_job(job: _Layer, layers: list[_Layer], limits: Limits, presets: Map
     mode = mode_layer.get("mode") if mode_layer else DEFAULT_MODE
     steps_layer = _first(layers, ["steps"])
     if mode == "fasth3":
-        # The distilled student only works on its own schedule: a steps inherited from defaults does not apply.
-        if "steps" in job.fields and job.get("steps") != limits.fasth3_steps:
-            errors.add(job.where("steps"), f"mode fasth3 runs its fixed distilled schedule of {limits.fasth3_steps} "
-                                           f"sigma points; remove steps")
+        # The student only works on the schedule it was distilled for, which comes with the adapter: a steps
+        # inherited from defaults does not apply, one on the job itself is a mistake.
+        if "steps" in job.fields:
+            errors.add(job.where("steps"), "mode fasth3 runs the FastH3 adapter's fixed distilled schedule; "
+                                           "remove steps")
             return None
-        steps = limits.fasth3_steps
+        steps = None
     else:
         steps = steps_layer.get("steps") if steps_layer else limits.default_steps
     seed_layer = _first(layers, ["seed"])
@@ -1022,8 +1021,9 @@ def plan_lines(jobs: list[Job]) -> list[str]:
     lines = []
     for number, job in enumerate(jobs, start=1):
         label = job.output if job.id is None or job.id == job.output else f"{job.id} → {job.output}"
+        steps = "adapter schedule" if job.steps is None else f"{job.steps} sigma points"
         lines.append(f"[{number}/{len(jobs)}] {label}: {job.canvas_note()}, {job.time_note()}, {job.mode} "
-                     f"{job.steps} sigma points, seed {job.seed}, rows video {job.video_rows:,} + audio "
+                     f"{steps}, seed {job.seed}, rows video {job.video_rows:,} + audio "
                      f"{job.audio_rows:,} ({job.source})")
     total = sum(job.seconds for job in jobs)
     lines.append(f"{len(jobs)} job(s), {total:.3f} s of video")

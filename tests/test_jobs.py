@@ -145,7 +145,7 @@ def test_jsonl_and_yaml_give_the_same_jobs(tmp_path):
     assert (second.width, second.height, second.frames, second.seed) == (960, 544, 107, 1)
     assert second.mp4_path("out") == Path("out/shots/boat.mp4")
     assert second.sidecar_path("out") == Path("out/shots/boat.json")
-    assert (third.width, third.height, third.frames, third.steps, third.mode) == (768, 1344, 124, 5, "fasth3")
+    assert (third.width, third.height, third.frames, third.steps, third.mode) == (768, 1344, 124, None, "fasth3")
     assert first.source == J.Source(str(jsonl), 4) and b[1].source == J.Source(str(yml), 8)
     assert first.params() == {"prompt": "A red fox.", "seed": 5, "width": 768, "height": 768, "frames": 243,
                               "steps": 50, "mode": "t2va"}
@@ -163,7 +163,7 @@ def test_precedence_job_over_command_line_over_defaults_over_limits(tmp_path):
     assert (plain.seed, plain.steps, plain.width, plain.height, plain.frames) == (3, 20, 768, 768, 124)
     assert plain.requested.preset == "square"
     assert (own.seed, own.width, own.height, own.frames) == (9, 1344, 768, 243)
-    assert fast.steps == RELEASED.fasth3_steps  # an inherited steps does not apply to the distilled schedule
+    assert fast.steps is None  # an inherited steps does not apply to the adapter's distilled schedule
     plain, own, _ = load_manifest(path, RELEASED, {"seed": 11, "steps": None, "frames": 107})
     assert (plain.seed, plain.steps, plain.frames, own.seed, own.frames) == (11, 20, 107, 9, 243)
     bare = J.job_from_fields({"prompt": "x"}, TINY)
@@ -290,10 +290,10 @@ def test_command_line_defaults_are_validated(tmp_path):
 
 
 def test_fasth3_refuses_its_own_steps(tmp_path):
-    path = write(tmp_path, "f.jsonl", '{"prompt": "x", "mode": "fasth3", "steps": 50}\n'
+    path = write(tmp_path, "f.jsonl", '{"prompt": "x", "mode": "fasth3"}\n'
                                       '{"prompt": "y", "mode": "fasth3", "steps": 5}\n')
     [error] = errors_of(path)
-    assert error.startswith(f"{path}:1: steps: mode fasth3 runs its fixed distilled schedule of 5")
+    assert error.startswith(f"{path}:2: steps: mode fasth3 runs the FastH3 adapter's fixed distilled schedule")
 
 
 # --- output names -----------------------------------------------------------------------------------------------------
