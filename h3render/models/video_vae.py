@@ -1,0 +1,610 @@
+"""MiniMax-H3 video VAE: causal 3D-CNN encoder and non-causal ViT decoder, with the released tiled decode.
+
+Parameter names equal diffusers 0.42.1 `AutoencoderKLMiniMaxH3` state-dict keys, so both the official `video_vae/`
+and diffusers `vae/` folders load with `load_state_dict(strict=True)` after the loader's name mapping.
+
+Conventions (released; diffusers `MiniMaxH3VideoDecodeStep` / `encode_vae_condition`):
+* latents handed to `decode*` are normalized: the VAE sees `latent * latents_std + latents_mean`;
+* pixels are RGB in [0, 1]; the network itself works in ImageNet-normalized space (mean 0.485/0.456/0.406,
+  std 0.229/0.224/0.225), and decode clamps to [0, 1] after blending;
+* `17n + 5` frames <-> `5n + 2` latent frames; 16x spatial compression, 24 latent channels.
+
+Decode is split into independent work items (temporal window x spatial tile, see `vae_tiling.py`) that run through the
+ViT decoder in batches and are blended exactly like the reference.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Callable, Iterator, Sequence
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from h3render.models.vae_tiling import (
+    RELEASED_TILING,
+    DecodeItem,
+    DecodePlan,
+    TemporalGeometry,
+    TilingConfig,
+    assemble_frames,
+    plan_decode,
+    split_axis,
+    stitch_tiles,
+    stitch_window,
+)
+
+# ImageNet statistics: the video VAE's pixel convention (diffusers `MiniMaxH3ModularPipeline.pixel_mean/pixel_std`).
+PIXEL_MEAN = (0.485, 0.456, 0.406)
+PIXEL_STD = (0.229, 0.224, 0.225)
+
+
+@dataclass(frozen=True)
+class VideoVAEConfig:
+    """Architecture of the video VAE; fields and defaults equal diffusers' `AutoencoderKLMiniMaxH3.__init__`.
+
+    The defaults are the released checkpoint's architecture (2.6 B params: encoder levels 128..1024, 36 decoder
+    layers of width 32 x 64 = 2048). `latents_mean` / `latents_std` default to identity here; the released values are
+    read from the checkpoint's config.
+    """
+
+    in_channels: int = 3
+    out_channels: int = 3
+    latent_channels: int = 24
+    block_out_channels: tuple[int, ...] = (128, 256, 256, 512, 512, 1024)
+    layers_per_block: int = 2
+    spatial_downsample_factors: tuple[int, ...] = (2, 2, 2, 2, 1, 1)
+    temporal_downsample_factors: tuple[int, ...] = (1, 2, 2, 1, 1, 1)
+    norm_num_groups: int = 32
+    norm_eps: float = 1e-6
+    spatial_padding_mode: str = "reflect"
+    decoder_num_layers: int = 36
+    decoder_num_attention_heads: int = 32
+    decoder_attention_head_dim: int = 64
+    decoder_num_register_tokens: int = 4
+    decoder_ffn_mult: int = 4
+    decoder_rope_theta: float = 100.0
+    decoder_rope_dim_ratio: float = 0.75
+    decoder_norm_eps: float = 1e-5
+    clip_length: int = 17
+    token_drop: int = 3
+    latents_mean: tuple[float, ...] = (0.0,) * 24
+    latents_std: tuple[float, ...] = (1.0,) * 24
+
+    def __post_init__(self) -> None:
+        levels = len(self.block_out_channels)
+        if len(self.spatial_downsample_factors) != levels or len(self.temporal_downsample_factors) != levels:
+            raise ValueError("video VAE config: block_out_channels and the downsample factors must have equal length")
+        if len(self.latents_mean) != self.latent_channels or len(self.latents_std) != self.latent_channels:
+            raise ValueError(f"video VAE config: latents_mean/latents_std need {self.latent_channels} values each")
+
+    @property
+    def spatial_ratio(self) -> int:
+        return math.prod(self.spatial_downsample_factors)
+
+    @property
+    def temporal_ratio(self) -> int:
+        return math.prod(self.temporal_downsample_factors)
+
+    @property
+    def geometry(self) -> TemporalGeometry:
+        return TemporalGeometry(self.clip_length, self.temporal_ratio, self.token_drop)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "VideoVAEConfig":
+        """Build from a diffusers `config.json` dict; `_class_name`/`_diffusers_version` are ignored.
+
+        Raises:
+            ValueError: a key that is not a field of this config.
+        """
+        fields = {f.name for f in dataclasses.fields(cls)}
+        data = {k: v for k, v in data.items() if not k.startswith("_")}
+        unknown = sorted(set(data) - fields)
+        if unknown:
+            raise ValueError(f"video VAE config.json: unknown keys {unknown}")
+        tuples = {"block_out_channels", "spatial_downsample_factors", "temporal_downsample_factors",
+                  "latents_mean", "latents_std"}
+        return cls(**{k: tuple(v) if k in tuples else v for k, v in data.items()})
+
+
+# Tiny test model: keeps the 16x spatial / 4x temporal compression and the 17-frame clip geometry; decodes
+# 39 frames at 128x128 in about a second on CPU.
+VIDEO_VAE_TINY = VideoVAEConfig(
+    block_out_channels=(8, 16, 16, 16),
+    layers_per_block=1,
+    spatial_downsample_factors=(2, 2, 2, 2),
+    temporal_downsample_factors=(1, 2, 2, 1),
+    norm_num_groups=4,
+    decoder_num_layers=2,
+    decoder_num_attention_heads=2,
+    decoder_attention_head_dim=16,
+    decoder_ffn_mult=2,
+)
+
+# Small model for GPU smoke runs and benchmarks of the decode machinery at full canvas sizes.
+VIDEO_VAE_SMALL = VideoVAEConfig(
+    block_out_channels=(32, 64, 64, 128),
+    layers_per_block=1,
+    spatial_downsample_factors=(2, 2, 2, 2),
+    temporal_downsample_factors=(1, 2, 2, 1),
+    norm_num_groups=8,
+    decoder_num_layers=4,
+    decoder_num_attention_heads=4,
+    decoder_attention_head_dim=64,
+)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Encoder: causal 3D CNN
+# ---------------------------------------------------------------------------------------------------------------
+
+
+class CausalConv3d(nn.Conv3d):
+    """Conv3d with symmetric spatial padding (`padding_mode`, reflect at release) and causal temporal padding.
+
+    Temporal padding prepends `temporal_padding` zero frames and appends none, so frame t only sees frames <= t.
+    """
+
+    def __init__(self, in_ch: int, out_ch: int, kernel_size: int, stride=1, spatial_padding: int = 0,
+                 temporal_padding: int = 0, padding_mode: str = "reflect") -> None:
+        super().__init__(in_ch, out_ch, kernel_size, stride=stride, padding=0)
+        self.spatial_padding = spatial_padding
+        self.temporal_padding = temporal_padding
+        self.spatial_padding_mode = padding_mode
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [B, C, T, H, W] -> [B, C_out, T', H', W']."""
+        p = self.spatial_padding
+        if p:
+            x = F.pad(x, (p, p, p, p, 0, 0), mode=self.spatial_padding_mode)
+        if self.temporal_padding:
+            x = F.pad(x, (0, 0, 0, 0, self.temporal_padding, 0))
+        return F.conv3d(x, self.weight, self.bias, self.stride)
+
+
+class FrameGroupNorm(nn.GroupNorm):
+    """GroupNorm over each frame separately (`use_t_isolated_gn` in the original config): stats never mix frames."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, c, t, h, w = x.shape
+        y = x.transpose(1, 2).reshape(b * t, c, h, w)  # [B*T, C, H, W]
+        y = F.group_norm(y, self.num_groups, self.weight, self.bias, self.eps)
+        return y.reshape(b, t, c, h, w).transpose(1, 2)
+
+
+class ResnetBlock3d(nn.Module):
+    def __init__(self, in_ch: int, out_ch: int, groups: int, eps: float, padding_mode: str) -> None:
+        super().__init__()
+        self.norm1 = FrameGroupNorm(groups, in_ch, eps=eps)
+        self.conv1 = CausalConv3d(in_ch, out_ch, 3, spatial_padding=1, temporal_padding=2, padding_mode=padding_mode)
+        self.norm2 = FrameGroupNorm(groups, out_ch, eps=eps)
+        self.conv2 = CausalConv3d(out_ch, out_ch, 3, spatial_padding=1, temporal_padding=2, padding_mode=padding_mode)
+        self.conv_shortcut = CausalConv3d(in_ch, out_ch, 1) if in_ch != out_ch else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.conv1(F.silu(self.norm1(x)))
+        h = self.conv2(F.silu(self.norm2(h)))
+        skip = self.conv_shortcut(x) if self.conv_shortcut is not None else x
+        return skip + h
+
+
+class Downsample3d(nn.Module):
+    """Strided 3x3x3 conv; a spatial stride of 2 first pads bottom/right by 1 so the output is ceil(size / 2)."""
+
+    def __init__(self, channels: int, temporal_stride: int, spatial_stride: int, padding_mode: str) -> None:
+        super().__init__()
+        self.spatial_stride = spatial_stride
+        self.padding_mode = padding_mode
+        self.conv = CausalConv3d(channels, channels, 3, stride=(temporal_stride, spatial_stride, spatial_stride),
+                                 temporal_padding=2, padding_mode=padding_mode)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.spatial_stride == 2:
+            x = F.pad(x, (0, 1, 0, 1, 0, 0), mode=self.padding_mode)
+        return self.conv(x)
+
+
+class DownBlock3d(nn.Module):
+    def __init__(self, in_ch: int, out_ch: int, layers: int, t_factor: int, s_factor: int, groups: int, eps: float,
+                 padding_mode: str) -> None:
+        super().__init__()
+        self.resnets = nn.ModuleList(
+            ResnetBlock3d(in_ch if i == 0 else out_ch, out_ch, groups, eps, padding_mode) for i in range(layers)
+        )
+        self.downsamplers = None
+        if t_factor * s_factor > 1:
+            self.downsamplers = nn.ModuleList([Downsample3d(out_ch, t_factor, s_factor, padding_mode)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for resnet in self.resnets:
+            x = resnet(x)
+        if self.downsamplers is not None:
+            x = self.downsamplers[0](x)
+        return x
+
+
+class Encoder3d(nn.Module):
+    """Causal 3D CNN: [B, 3, T, H, W] -> moments [B, 2*latent_channels, T', H/16, W/16] (mean then logvar)."""
+
+    def __init__(self, cfg: VideoVAEConfig) -> None:
+        super().__init__()
+        ch = cfg.block_out_channels
+        mode = cfg.spatial_padding_mode
+        self.conv_in = CausalConv3d(cfg.in_channels, ch[0], 3, spatial_padding=1, temporal_padding=2,
+                                    padding_mode=mode)
+        ins = (ch[0],) + tuple(ch[:-1])
+        self.down_blocks = nn.ModuleList(
+            DownBlock3d(ins[i], ch[i], cfg.layers_per_block, cfg.temporal_downsample_factors[i],
+                        cfg.spatial_downsample_factors[i], cfg.norm_num_groups, cfg.norm_eps, mode)
+            for i in range(len(ch))
+        )
+        self.norm_out = FrameGroupNorm(cfg.norm_num_groups, ch[-1], eps=cfg.norm_eps)
+        self.conv_out = CausalConv3d(ch[-1], 2 * cfg.latent_channels, 3, spatial_padding=1, temporal_padding=2,
+                                     padding_mode=mode)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.conv_in(x)
+        for block in self.down_blocks:
+            x = block(x)
+        return self.conv_out(F.silu(self.norm_out(x)))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Decoder: non-causal ViT
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Full (non-causal) attention. q, k, v, out: [B, heads, S, head_dim], any float dtype.
+
+    The one place the decoder calls attention; `VideoVAE.set_attention` swaps in a kernel with this signature.
+    """
+    return F.scaled_dot_product_attention(q, k, v)
+
+
+def rope_angles(frames: int, height: int, width: int, extra: int, inv_freq: torch.Tensor) -> torch.Tensor:
+    """RoPE angles of a (frames, height, width) token grid followed by `extra` tokens at position 0.
+
+    Each axis is length-normalized to [-1, 1) at cell centres and scaled by 2*pi (released decoder); the t, h, w
+    angles are concatenated and then duplicated (rotate-half layout).
+
+    Returns: [S, 2 * 3 * len(inv_freq)] float32, S = frames*height*width + extra.
+    """
+    device = inv_freq.device
+    axes = [2.0 * (torch.arange(0.5, n, dtype=torch.float32, device=device) / n) - 1.0 for n in (frames, height, width)]
+    pos = torch.stack(torch.meshgrid(*axes, indexing="ij"), dim=-1).reshape(-1, 3)  # [T*h*w, 3]
+    pos = torch.cat([pos, pos.new_zeros(extra, 3)])  # [S, 3]
+    angles = 2.0 * math.pi * pos[:, :, None] * inv_freq  # [S, 3, F]
+    return angles.flatten(1).repeat(1, 2)  # [S, 6F]
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE on the first cos.shape[-1] channels of x [B, heads, S, D]; cos/sin [S, R]."""
+    r = cos.shape[-1]
+    rot, keep = x[..., :r], x[..., r:]
+    first, second = rot.chunk(2, dim=-1)
+    rotated = torch.cat([-second, first], dim=-1)
+    return torch.cat([rot * cos + rotated * sin, keep], dim=-1)
+
+
+class ViTAttention(nn.Module):
+    """Self-attention with per-head RMS-normed q/k (in fp32) and 3-axis RoPE."""
+
+    def __init__(self, dim: int, heads: int, head_dim: int, eps: float) -> None:
+        super().__init__()
+        self.heads, self.head_dim, self.eps = heads, head_dim, eps
+        inner = heads * head_dim
+        self.to_q = nn.Linear(dim, inner)
+        self.to_k = nn.Linear(dim, inner)
+        self.to_v = nn.Linear(dim, inner)
+        # ModuleList index 0 keeps the checkpoint name `to_out.0.*`.
+        self.to_out = nn.ModuleList([nn.Linear(inner, dim)])
+        self.attention_fn: Callable = sdpa_attention
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x: [B, S, dim] in the linears' dtype; cos/sin: [S, R] float32."""
+        b, s, _ = x.shape
+
+        def heads(t: torch.Tensor) -> torch.Tensor:
+            return t.view(b, s, self.heads, self.head_dim).transpose(1, 2)  # [B, H, S, D]
+
+        q, k, v = heads(self.to_q(x)), heads(self.to_k(x)), heads(self.to_v(x))
+        q = F.rms_norm(q.float(), (self.head_dim,), eps=self.eps).to(v.dtype)
+        k = F.rms_norm(k.float(), (self.head_dim,), eps=self.eps).to(v.dtype)
+        cos, sin = cos.to(v.dtype), sin.to(v.dtype)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        out = self.attention_fn(q, k, v)  # [B, H, S, D]
+        return self.to_out[0](out.transpose(1, 2).reshape(b, s, -1))
+
+
+class SwiGLUIn(nn.Module):
+    """Fused value/gate projection: first half is the value, second half the gate (diffusers `SwiGLU`)."""
+
+    def __init__(self, dim: int, inner: int) -> None:
+        super().__init__()
+        self.proj = nn.Linear(dim, 2 * inner)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        value, gate = self.proj(x).chunk(2, dim=-1)
+        return value * F.silu(gate)
+
+
+class FeedForward(nn.Module):
+    def __init__(self, dim: int, mult: int) -> None:
+        super().__init__()
+        # Indices 0 and 2 keep the checkpoint names `ff.net.0.proj.*` / `ff.net.2.*` (index 1 was a dropout).
+        self.net = nn.ModuleList([SwiGLUIn(dim, dim * mult), nn.Identity(), nn.Linear(dim * mult, dim)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net[2](self.net[0](x))
+
+
+class ViTBlock(nn.Module):
+    """Pre-norm block with learned residual gains; residual stream and norms fp32, linears in any dtype."""
+
+    def __init__(self, dim: int, heads: int, head_dim: int, ffn_mult: int, eps: float) -> None:
+        super().__init__()
+        self.norm1 = nn.RMSNorm(dim, eps=eps)
+        self.attn = ViTAttention(dim, heads, head_dim, eps)
+        self.scale1 = nn.Parameter(torch.zeros(dim))
+        self.norm2 = nn.RMSNorm(dim, eps=eps)
+        self.ff = FeedForward(dim, ffn_mult)
+        self.scale2 = nn.Parameter(torch.zeros(dim))
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x: [B, S, dim] float32."""
+        dtype = self.attn.to_q.weight.dtype
+        x = x + self.attn(self.norm1(x).to(dtype), cos, sin) * self.scale1
+        return x + self.ff(self.norm2(x).to(dtype)) * self.scale2
+
+
+class ViTDecoder3d(nn.Module):
+    """Latent [B, C, T, h, w] -> pixels [B, 3, T*pt, h*p, w*p] (ImageNet-normalized).
+
+    Every latent voxel is one token; `num_register_tokens` learned tokens and one all-zero token (all at position
+    0) join the attention and are dropped before the patch projection.
+    """
+
+    def __init__(self, cfg: VideoVAEConfig) -> None:
+        super().__init__()
+        dim = cfg.decoder_num_attention_heads * cfg.decoder_attention_head_dim
+        rope_dim = int(cfg.decoder_attention_head_dim * cfg.decoder_rope_dim_ratio)
+        if rope_dim % 6:
+            raise ValueError(f"video VAE config: RoPE width {rope_dim} must be divisible by 6 (3 axes x cos/sin)")
+        self.patch, self.patch_t, self.out_channels = cfg.spatial_ratio, cfg.temporal_ratio, cfg.out_channels
+        self.num_register_tokens = cfg.decoder_num_register_tokens
+        # Released: theta 100, 8 frequencies per axis over 48 of 64 head channels.
+        exponents = torch.arange(0, 1, 6 / rope_dim, dtype=torch.float32)
+        self.register_buffer("inv_freq", 1.0 / cfg.decoder_rope_theta**exponents, persistent=False)
+        self.proj_in = nn.Linear(cfg.latent_channels, dim)
+        self.register_tokens = nn.Parameter(torch.zeros(1, cfg.decoder_num_register_tokens, dim))
+        self.transformer_blocks = nn.ModuleList(
+            ViTBlock(dim, cfg.decoder_num_attention_heads, cfg.decoder_attention_head_dim, cfg.decoder_ffn_mult,
+                     cfg.decoder_norm_eps)
+            for _ in range(cfg.decoder_num_layers)
+        )
+        self.norm_out = nn.LayerNorm(dim, eps=cfg.decoder_norm_eps)
+        self.proj_out = nn.Linear(dim, cfg.out_channels * self.patch_t * self.patch**2)
+
+    def forward(self, z: torch.Tensor) -> torch.Tensor:
+        b, c, t, h, w = z.shape
+        n = t * h * w
+        x = self.proj_in(z.permute(0, 2, 3, 4, 1).reshape(b, n, c).to(self.proj_in.weight.dtype)).float()  # [B, N, dim]
+        registers = self.register_tokens.float().expand(b, -1, -1)
+        x = torch.cat([x, registers, x.new_zeros(b, 1, x.shape[-1])], dim=1)  # [B, N + R + 1, dim] fp32 residual
+        angles = rope_angles(t, h, w, self.num_register_tokens + 1, self.inv_freq)
+        cos, sin = angles.cos(), angles.sin()
+        for block in self.transformer_blocks:
+            x = block(x, cos, sin)
+        x = self.norm_out(x[:, :n]).to(self.proj_out.weight.dtype)
+        x = self.proj_out(x).float()  # [B, N, 3*pt*p*p]
+        p, pt = self.patch, self.patch_t
+        x = x.view(b, t, h, w, self.out_channels, pt, p, p)
+        x = x.permute(0, 4, 1, 5, 2, 6, 3, 7)  # [B, 3, t, pt, h, p, w, p]
+        return x.reshape(b, self.out_channels, t * pt, h * p, w * p)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The VAE
+# ---------------------------------------------------------------------------------------------------------------
+
+
+class VideoVAE(nn.Module):
+    """MiniMax-H3 video VAE with the released windowed + tiled decode, batched.
+
+    Args:
+        config: architecture (`VideoVAEConfig`).
+        tiling: spatial tiles for encode and decode (released: 256 px, >= 64 px overlap).
+    """
+
+    def __init__(self, config: VideoVAEConfig = VideoVAEConfig(), tiling: TilingConfig = RELEASED_TILING) -> None:
+        super().__init__()
+        self.config = config
+        self.tiling = tiling
+        c = config.latent_channels
+        self.encoder = Encoder3d(config)
+        self.quant_conv = nn.Conv3d(2 * c, 2 * c, 1)
+        self.post_quant_conv = nn.Conv3d(c, c, 1)
+        self.decoder = ViTDecoder3d(config)
+        self.register_buffer("latents_mean", torch.tensor(config.latents_mean).view(c, 1, 1, 1), persistent=False)
+        self.register_buffer("latents_std", torch.tensor(config.latents_std).view(c, 1, 1, 1), persistent=False)
+        self.register_buffer("pixel_mean", torch.tensor(PIXEL_MEAN).view(3, 1, 1, 1), persistent=False)
+        self.register_buffer("pixel_std", torch.tensor(PIXEL_STD).view(3, 1, 1, 1), persistent=False)
+
+    # -- precision, kernels -------------------------------------------------------------------------------------
+
+    def apply_precision_(self, dtype: torch.dtype) -> "VideoVAE":
+        """Cast the decoder's matmul weights (block linears, proj_out) to `dtype`; keep the rest fp32.
+
+        Released precision split (diffusers `_keep_in_fp32_modules`): encoder, quant convs, norms and the residual
+        gains scale1/scale2 stay fp32, and the decoder residual stream is fp32; block linears may run in bf16/fp16.
+        proj_in and the register tokens also stay fp32 (negligible cost, first-layer precision).
+        """
+        self.float()
+        for block in self.decoder.transformer_blocks:
+            for lin in (block.attn.to_q, block.attn.to_k, block.attn.to_v, block.attn.to_out[0],
+                        block.ff.net[0].proj, block.ff.net[2]):
+                lin.to(dtype)
+        self.decoder.proj_out.to(dtype)
+        return self
+
+    def set_attention(self, fn: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]) -> None:
+        """Use `fn(q, k, v) -> out` (all [B, heads, S, head_dim]) for every decoder attention."""
+        for block in self.decoder.transformer_blocks:
+            block.attn.attention_fn = fn
+
+    # -- decode ------------------------------------------------------------------------------------------------
+
+    def plan_decode(self, latent_frames: int, latent_h: int, latent_w: int) -> DecodePlan:
+        """Work items (temporal window x spatial tile) and pixel regions for a [C, T, h, w] latent.
+
+        Raises:
+            ValueError: too few latent frames for one window, or a tile/overlap pair that cannot tile.
+        """
+        return plan_decode(latent_frames, latent_h, latent_w, geometry=self.config.geometry,
+                           spatial_ratio=self.config.spatial_ratio, tiling=self.tiling)
+
+    def _check_latent(self, latent: torch.Tensor) -> None:
+        c = self.config.latent_channels
+        if latent.ndim != 4 or latent.shape[0] != c:
+            raise ValueError(f"video latent must be [{c}, T, h, w], got {tuple(latent.shape)}")
+
+    @torch.no_grad()
+    def decode_items(self, latent: torch.Tensor, items: Sequence[DecodeItem], batch_size: int = 8) -> list[torch.Tensor]:
+        """Decode work items through the ViT decoder, `batch_size` at a time.
+
+        Args:
+            latent: [24, T, h, w] normalized video latent (any float dtype), on the decoder's device.
+            items: items of `plan_decode(T, h, w)`, any order and any subset (all share one tile shape).
+            batch_size: items per decoder forward.
+
+        Returns:
+            One [3, frames_per_item, tile_h_px, tile_w_px] float32 tensor per item, in `items` order: the window's
+            clip frames then its tail frames, ImageNet-normalized (not yet blended, not clamped).
+        """
+        self._check_latent(latent)
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        last = latent.shape[1] - 1
+        head, tail = self.config.geometry.kept_frames()
+        outputs: list[torch.Tensor] = []
+        for start in range(0, len(items), batch_size):
+            batch = items[start : start + batch_size]
+            clips = []
+            for it in batch:
+                # Window latents past the end repeat the last latent frame (the reference's padding).
+                t_index = torch.arange(*it.latent_t, device=latent.device).clamp_(max=last)
+                clip = latent[:, t_index, it.latent_y[0] : it.latent_y[1], it.latent_x[0] : it.latent_x[1]]
+                clips.append(clip.float() * self.latents_std + self.latents_mean)
+            z = self.post_quant_conv(torch.stack(clips))  # [B, 24, window_latents, th, tw]
+            pixels = self.decoder(z)  # [B, 3, window_latents * 4, th*16, tw*16]
+            outputs.extend(torch.cat([pixels[:, :, head], pixels[:, :, tail]], dim=2).unbind(0))
+        return outputs
+
+    def _to_rgb(self, frames: torch.Tensor) -> torch.Tensor:
+        return (frames * self.pixel_std + self.pixel_mean).clamp_(0, 1)
+
+    def blend(self, plan: DecodePlan, item_outputs: Sequence[torch.Tensor] | dict[int, torch.Tensor]) -> torch.Tensor:
+        """Blend item outputs into the video. `item_outputs[i]` belongs to `plan.items[i]` (list or dict by index).
+
+        Returns: [3, plan.num_frames, H, W] float32 RGB in [0, 1].
+        """
+        outputs = item_outputs if isinstance(item_outputs, dict) else dict(enumerate(item_outputs))
+        if len(outputs) != len(plan.items):
+            raise ValueError(f"blend: got {len(outputs)} item outputs, the plan has {len(plan.items)} items")
+        windows = (stitch_window(plan, outputs, w) for w in range(plan.num_windows))
+        parts = [self._to_rgb(frames) for _, frames in assemble_frames(plan, windows)]
+        return torch.cat(parts, dim=1)
+
+    @torch.no_grad()
+    def decode_stream(self, latent: torch.Tensor, *, batch_size: int = 8) -> Iterator[tuple[int, torch.Tensor]]:
+        """Decode and yield `(first_frame, frames [3, n, H, W] float32 in [0, 1])` in order, as soon as final.
+
+        Items run in plan order (window-major) in batches that may span windows; only the raw tiles of windows not
+        yet stitched are held, so peak memory is bounded by `batch_size + tiles_per_window` tiles plus one window.
+        """
+        self._check_latent(latent)
+        plan = self.plan_decode(*latent.shape[1:])
+        yield from ((first, self._to_rgb(frames)) for first, frames in
+                    assemble_frames(plan, self._stitched_windows(latent, plan, batch_size)))
+
+    def _stitched_windows(self, latent: torch.Tensor, plan: DecodePlan, batch_size: int) -> Iterator[torch.Tensor]:
+        pending: dict[int, torch.Tensor] = {}
+        next_window = 0
+        per_window = plan.tiles_per_window
+        for start in range(0, len(plan.items), batch_size):
+            batch = plan.items[start : start + batch_size]
+            for item, out in zip(batch, self.decode_items(latent, batch, batch_size)):
+                pending[item.index] = out
+            while next_window < plan.num_windows and (next_window + 1) * per_window <= start + len(batch):
+                yield stitch_window(plan, pending, next_window)
+                for item in plan.window_items(next_window):
+                    del pending[item.index]
+                next_window += 1
+
+    @torch.no_grad()
+    def decode(self, latent: torch.Tensor, *, batch_size: int = 8) -> torch.Tensor:
+        """Released decode of a normalized latent [24, T, h, w] -> video [3, F, 16h, 16w] float32 RGB in [0, 1].
+
+        F = 17n + 5 for T = 5n + 2 (other T: the frame count diffusers returns). Equal to plan + decode_items +
+        blend; runs window by window so raw tiles of finished windows are freed.
+        """
+        self._check_latent(latent)
+        plan = self.plan_decode(*latent.shape[1:])
+        video = torch.empty(3, plan.num_frames, plan.height, plan.width, device=latent.device)
+        for first, frames in self.decode_stream(latent, batch_size=batch_size):
+            video[:, first : first + frames.shape[1]] = frames
+        return video
+
+    # -- encode ------------------------------------------------------------------------------------------------
+
+    def _encode_clip(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [1, 3, t, H, W] ImageNet-normalized -> moments [1, 48, t', H/16, W/16], spatially tiled."""
+        r = self.config.spatial_ratio
+        rows = split_axis(x.shape[-2], self.tiling.tile_height, self.tiling.overlap_height, r, name="tile height")
+        cols = split_axis(x.shape[-1], self.tiling.tile_width, self.tiling.overlap_width, r, name="tile width")
+        grid = [[self.quant_conv(self.encoder(x[..., y : y + rows.size, xx : xx + cols.size]))
+                 for xx in cols.starts] for y in rows.starts]
+        return stitch_tiles(grid, [o // r for o in rows.overlaps], [o // r for o in cols.overlaps])
+
+    @torch.no_grad()
+    def encode_moments(self, video: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Posterior of a clip: video [3, F, H, W] RGB in [0, 1] (H, W multiples of 16) -> (mean, logvar).
+
+        F = 1 encodes one image to 1 latent frame. Otherwise frames are padded to whole 17-frame clips by
+        repeating the last frame, each clip is encoded (5 latents), and the last `token_drop` (3) latents are
+        dropped: 17n + 5 frames -> 5n + 2 latents. Returns un-normalized [24, T, h, w] float32 each; logvar is
+        clamped to [-30, 20] as in the reference posterior.
+        """
+        if video.ndim != 4 or video.shape[0] != self.config.in_channels:
+            raise ValueError(f"video must be [3, F, H, W], got {tuple(video.shape)}")
+        x = ((video.float() - self.pixel_mean) / self.pixel_std)[None]  # [1, 3, F, H, W]
+        clip = self.config.clip_length
+        if x.shape[2] == 1:
+            moments = self._encode_clip(x)
+        else:
+            pad = (-x.shape[2]) % clip
+            if pad:
+                x = torch.cat([x, x[:, :, -1:].expand(-1, -1, pad, -1, -1)], dim=2)
+            moments = torch.cat([self._encode_clip(x[:, :, i : i + clip]) for i in range(0, x.shape[2], clip)], dim=2)
+            if self.config.token_drop:
+                moments = moments[:, :, : -self.config.token_drop]
+        mean, logvar = moments[0].chunk(2, dim=0)
+        return mean, logvar.clamp(-30.0, 20.0)
+
+    @torch.no_grad()
+    def encode_condition(self, video: torch.Tensor, *, seed: int = 42) -> torch.Tensor:
+        """The released keyframe/reference encode: normalized latent [24, T, h, w] float32 on the input's device.
+
+        Recipe (diffusers `encode_vae_condition`): the posterior is *sampled* with a fresh CPU generator seeded with
+        `seed` (released `keyframe_encode_seed` 42), the sample is rounded through float16, then normalized with
+        latents_mean/std. `video` should be uint8 pixels / 255.
+        """
+        mean, logvar = self.encode_moments(video)
+        generator = torch.Generator().manual_seed(seed)
+        noise = torch.randn((1, *mean.shape), generator=generator, dtype=mean.dtype)[0].to(mean.device)
+        sample = (mean + torch.exp(0.5 * logvar) * noise).half().float()
+        return (sample - self.latents_mean) / self.latents_std
