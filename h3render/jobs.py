@@ -507,11 +507,15 @@ def output_path_problem(output: str) -> str | None:
 def prompt_slug(prompt: str, seed: int, *, counter: int = 1, max_bytes: int = MAX_AUTO_NAME_BYTES) -> str:
     """An output name for a job without id or output: "<words of the prompt>-s<seed>[-<counter>]".
 
-    The prompt is NFKD-normalized and reduced to ASCII (accents dropped; other scripts vanish), lower-cased, and its
-    letter/digit runs joined with "-", cut at a word boundary so the whole name is at most `max_bytes`. A prompt
-    with no ASCII letters or digits becomes "h3-<first 8 hex of its SHA-1>". `counter` > 1 appends "-<counter>".
+    The prompt is NFKD-normalized and reduced to ASCII (accents dropped; other scripts vanish; non-ASCII spaces
+    and punctuation separate words), lower-cased, and its letter/digit runs joined with "-", cut at a word
+    boundary so the whole name is at most `max_bytes`. A prompt with no ASCII letters or digits becomes
+    "h3-<first 8 hex of its SHA-1>". `counter` > 1 appends "-<counter>".
     """
-    ascii_text = unicodedata.normalize("NFKD", prompt).encode("ascii", "ignore").decode("ascii")
+    # NFKD splits "ö" into "o" + a combining mark; marks and non-ASCII letters are dropped, while non-ASCII spaces
+    # and punctuation (U+2028, "«", "—") still separate words.
+    ascii_text = "".join(c if c.isascii() else "" if unicodedata.category(c)[0] in "LM" else " "
+                         for c in unicodedata.normalize("NFKD", prompt))
     words = re.findall(r"[a-z0-9]+", ascii_text.lower())
     if not words:
         words = ["h3", hashlib.sha1(prompt.encode("utf-8")).hexdigest()[:8]]
@@ -645,7 +649,8 @@ def _load_presets_for(errors: _Errors, where: str, presets_dir: str | Path | Non
 def _read_jsonl(text: str, file: str, errors: _Errors) -> tuple[_Layer, list[_Layer]]:
     defaults = _Layer(file, 0)
     jobs: list[_Layer] = []
-    for number, raw in enumerate(text.splitlines(), start=1):
+    # split on "\n" only: str.splitlines() also breaks at U+2028, which json.dumps(ensure_ascii=False) leaves raw
+    for number, raw in enumerate(text.split("\n"), start=1):
         stripped = raw.strip()
         if not stripped or stripped.startswith("#"):
             continue

@@ -320,7 +320,8 @@ def test_long_non_ascii_prompts_get_safe_short_unique_names(tmp_path):
     path = tmp_path / "n.jsonl"
     lines = [{"prompt": long_prompt}, {"prompt": long_prompt}, {"prompt": long_prompt, "seed": 3},
              {"prompt": "東京の夜、雨のネオン街を歩く女性。"}, {"prompt": "東京の朝。"},
-             {"prompt": "Sunset", "output": "sunset-s0"}, {"prompt": "Sunset"}, {"prompt": "SUNSET!"}]
+             {"prompt": "Sunset", "output": "sunset-s0"}, {"prompt": "Sunset"}, {"prompt": "SUNSET!"},
+             {"prompt": "line\u2028separator", "seed": 1}]
     path.write_text("\n".join(J.json.dumps(line, ensure_ascii=False) for line in lines), encoding="utf-8")
     jobs = load_manifest(path, RELEASED)
     names = [job.output for job in jobs]
@@ -332,7 +333,8 @@ def test_long_non_ascii_prompts_get_safe_short_unique_names(tmp_path):
     assert names[1] == names[0] + "-2"
     assert names[2].endswith("-s3")
     assert names[3].startswith("h3-") and names[4].startswith("h3-") and names[3] != names[4]
-    assert names[5:] == ["sunset-s0", "sunset-s0-2", "sunset-s0-3"]
+    assert names[5:] == ["sunset-s0", "sunset-s0-2", "sunset-s0-3", "line-separator-s1"]
+    assert jobs[-1].prompt == "line\u2028separator" and jobs[-1].source.line == 9
     # a name at the byte limit still fits with a collision counter
     assert len(J.prompt_slug("x" * 500, 2**64 - 1, counter=12)) == J.MAX_AUTO_NAME_BYTES
 
