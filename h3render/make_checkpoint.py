@@ -1,0 +1,209 @@
+"""Write a random MiniMax-H3 checkpoint ("tiny" or "small") in a real on-disk layout.
+
+The weights are the built-in random model's (`h3render.checkpoint.build_random` with the same seed gives the same
+values), stored with the release's dtypes: DiT bf16 except its fp32 islands (patch projections, time embedder,
+output heads), text encoder bf16, both VAEs fp32. Layouts:
+
+* "official": `OUT/FL2VA/` with `model_index.json` (`_minimax_h3.sigma_shift_scales`, text-encoder read layer,
+  frame limits), `transformer/` (>= 2 shards + `diffusion_pytorch_model.safetensors.index.json`, native names),
+  `text_encoder/` (the whole Qwen3-VL incl. vision tower and LM head, 2 shards + index), `tokenizer/`, `processor/`,
+  `video_vae/`, `audio_vae/`.
+* "diffusers": `OUT/model_index.json`, `transformer/` (diffusers names and row orders), `vae/`, `audio_vae/`,
+  `scheduler/`, `audio_scheduler/`, `text_encoder/`, `tokenizer/`.
+* "single-file": `OUT` is one `.safetensors` file holding the DiT, native names with q/k/v stacked `[q; k; v]`
+  (ComfyUI style), the DiT config in its `config` metadata.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+from safetensors.torch import save_file
+from torch import Tensor
+
+from h3render.checkpoint import (
+    BUILTIN,
+    RELEASES,
+    Release,
+    deinterleave_qkv,
+    dit_state_dict_to_diffusers,
+    random_entries,
+    tiny_tokenizer,
+)
+
+LAYOUTS = ("official", "diffusers", "single-file")
+DIFFUSERS_VERSION = "0.42.1"
+# Tensor files of a diffusers model folder and of a transformers model folder.
+DIFFUSERS_WEIGHTS = "diffusion_pytorch_model"
+TRANSFORMERS_WEIGHTS = "model"
+
+
+def make_checkpoint(
+    out_dir: str | Path,
+    config: str = "tiny",
+    layout: str = "official",
+    seed: int = 0,
+    *,
+    shards: int = 2,
+    adapter: str | Path | None = None,
+) -> Path:
+    """Write the random `config` model as a checkpoint in `layout` under `out_dir`.
+
+    Args:
+        out_dir: a new (or empty) folder; for "single-file" the `.safetensors` path to write.
+        config: "tiny" | "small".
+        layout: "official" | "diffusers" | "single-file".
+        seed: weights seed (as `build_random`).
+        shards: transformer shard count (>= 2 exercises the index path).
+        adapter: also write a synthetic FastH3 adapter (`fastvideo-lora-v2`) for this DiT at this path.
+
+    Returns:
+        The path to pass to `load_components` (the repository root for "official").
+
+    Raises:
+        ValueError: unknown config / layout, `shards < 1`, or `out_dir` exists and is not empty.
+    """
+    if config not in BUILTIN:
+        raise ValueError(f"make-checkpoint: unknown config {config!r} (choose from {', '.join(BUILTIN)})")
+    if layout not in LAYOUTS:
+        raise ValueError(f"make-checkpoint: unknown layout {layout!r} (choose from {', '.join(LAYOUTS)})")
+    if shards < 1:
+        raise ValueError(f"make-checkpoint: shards must be >= 1, got {shards}")
+    out = Path(out_dir)
+    if out.exists() and (out.is_file() or any(out.iterdir())):
+        raise ValueError(f"make-checkpoint: {out} already exists and is not empty")
+    release = RELEASES[config]
+
+    if layout == "single-file":
+        _write_single_file(out, release, seed)
+    else:
+        part = out / "FL2VA" if layout == "official" else out
+        _write_partition(part, release, seed, layout, shards)
+    if adapter is not None:
+        from h3render.fasth3 import write_synthetic_adapter
+
+        write_synthetic_adapter(adapter, release.dit, seed=seed)
+    return out
+
+
+def _materialize(component: str, release: Release, seed: int) -> dict[str, Tensor]:
+    return {entry.name: entry.load() for entry in random_entries(component, release, seed)}
+
+
+def _write_json(path: Path, data: Mapping[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=2, sort_keys=False) + "\n")
+
+
+def _jsonable(obj: Any) -> Any:
+    if isinstance(obj, Mapping):
+        return {k: _jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_jsonable(v) for v in obj]
+    return obj
+
+
+def _diffusers_config(class_name: str, config: Any) -> dict[str, Any]:
+    return {"_class_name": class_name, "_diffusers_version": DIFFUSERS_VERSION,
+            **_jsonable(dataclasses.asdict(config))}
+
+
+def _save_sharded(folder: Path, tensors: Mapping[str, Tensor], stem: str, shards: int) -> None:
+    """`stem.safetensors`, or `stem-0000i-of-0000n.safetensors` + `stem.safetensors.index.json` (HF index format)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    tensors = {name: t.contiguous() for name, t in tensors.items()}
+    if shards == 1:
+        save_file(tensors, str(folder / f"{stem}.safetensors"), metadata={"format": "pt"})
+        return
+    names = list(tensors)
+    per_shard = -(-len(names) // shards)
+    weight_map: dict[str, str] = {}
+    for i in range(shards):
+        chunk = names[i * per_shard:(i + 1) * per_shard]
+        file = f"{stem}-{i + 1:05d}-of-{shards:05d}.safetensors"
+        save_file({n: tensors[n] for n in chunk}, str(folder / file), metadata={"format": "pt"})
+        weight_map.update((n, file) for n in chunk)
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    _write_json(folder / f"{stem}.safetensors.index.json", {"metadata": {"total_size": total},
+                                                             "weight_map": weight_map})
+
+
+def _write_partition(part: Path, release: Release, seed: int, layout: str, shards: int) -> None:
+    from transformers import Qwen3VLConfig
+
+    official = layout == "official"
+    meta: dict[str, Any] = {
+        "text_encoder_layer": release.text_read_layer,
+        "frame_limits": {"min": release.min_frames, "max": release.max_frames},
+        "h3render_random": {"config": release.name, "seed": seed},
+    }
+    video_dir = "video_vae" if official else "vae"
+    index: dict[str, Any] = {
+        "_class_name": "MiniMaxH3ModularPipeline",
+        "_diffusers_version": DIFFUSERS_VERSION,
+        "transformer": ["diffusers", "MiniMaxH3Transformer3DModel"],
+        video_dir: ["diffusers", "AutoencoderKLMiniMaxH3"],
+        "audio_vae": ["diffusers", "AutoencoderKLMiniMaxH3Audio"],
+        "text_encoder": ["transformers", "Qwen3VLForConditionalGeneration"],
+        "tokenizer": ["transformers", "Qwen2TokenizerFast"],
+    }
+    if official:
+        index["processor"] = ["transformers", "Qwen3VLProcessor"]
+        meta = {"sigma_shift_scales": {"video": release.video_shift, "audio": release.audio_shift},
+                "tasks": ["t2va", "fl2va"], **meta}
+    else:
+        index["scheduler"] = ["diffusers", "MiniMaxH3Scheduler"]
+        index["audio_scheduler"] = ["diffusers", "MiniMaxH3Scheduler"]
+    index["_minimax_h3"] = meta
+    _write_json(part / "model_index.json", index)
+
+    # Transformer.
+    dit = _materialize("dit", release, seed)
+    if not official:
+        dit = dit_state_dict_to_diffusers(dit, release.dit)
+    _write_json(part / "transformer" / "config.json", _diffusers_config("MiniMaxH3Transformer3DModel", release.dit))
+    _save_sharded(part / "transformer", dit, DIFFUSERS_WEIGHTS, shards)
+
+    # VAEs (diffusers names in both layouts).
+    _write_json(part / video_dir / "config.json", _diffusers_config("AutoencoderKLMiniMaxH3", release.video_vae))
+    _save_sharded(part / video_dir, _materialize("video_vae", release, seed), DIFFUSERS_WEIGHTS, 1)
+    _write_json(part / "audio_vae" / "config.json",
+                _diffusers_config("AutoencoderKLMiniMaxH3Audio", release.audio_vae))
+    _save_sharded(part / "audio_vae", _materialize("audio_vae", release, seed), DIFFUSERS_WEIGHTS, 1)
+
+    # Text encoder: the whole Qwen3-VL, as released (the loader reads only layers < read layer).
+    text_config = Qwen3VLConfig.from_dict(dict(release.text_encoder))
+    text_config.architectures = ["Qwen3VLForConditionalGeneration"]
+    text_config.dtype = "bfloat16"
+    text_config.save_pretrained(str(part / "text_encoder"))
+    _save_sharded(part / "text_encoder", _materialize("text_encoder", release, seed), TRANSFORMERS_WEIGHTS, 2)
+    tiny_tokenizer(text_config.text_config.vocab_size).save_pretrained(str(part / "tokenizer"))
+
+    if official:
+        # Vision preprocessing for fl2va keyframes; t2va never reads it.
+        _write_json(part / "processor" / "preprocessor_config.json", {
+            "image_processor_type": "Qwen2VLImageProcessorFast", "processor_class": "Qwen3VLProcessor",
+            "patch_size": text_config.vision_config.patch_size, "temporal_patch_size": 2, "merge_size": 2,
+            "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5],
+        })
+    else:
+        for folder, shift in (("scheduler", release.video_shift), ("audio_scheduler", release.audio_shift)):
+            _write_json(part / folder / "scheduler_config.json", {
+                "_class_name": "MiniMaxH3Scheduler", "_diffusers_version": DIFFUSERS_VERSION, "shift": shift})
+
+
+def _write_single_file(path: Path, release: Release, seed: int) -> None:
+    """ComfyUI-style: native names, q/k/v stacked `[q; k; v]` (the reference model's post-load order)."""
+    cfg = release.dit
+    tensors = {}
+    for name, tensor in _materialize("dit", release, seed).items():
+        if name.endswith("attn.qkv_proj.weight"):
+            tensor = torch.cat(deinterleave_qkv(tensor, cfg.num_attention_heads, cfg.attention_head_dim), dim=0)
+        tensors[name] = tensor.contiguous()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    metadata = {"format": "pt", "config": json.dumps(_jsonable(dataclasses.asdict(cfg)))}
+    save_file(tensors, str(path), metadata=metadata)
