@@ -11,7 +11,7 @@ Conventions of the released model (diffusers 0.42.1 `MiniMaxH3Scheduler` is the 
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import torch
 
@@ -20,6 +20,9 @@ from h3render.packing import (
     VIDEO_LATENT_CHANNELS,
     PackedLayout,
 )
+
+if TYPE_CHECKING:
+    from h3render.models.dit import DiT, ModulationTables
 
 # model_fn(video_rows, audio_rows, video_t, audio_t) -> (video_velocity, audio_velocity); t are 0-d float32 tensors.
 ModelFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
@@ -157,7 +160,13 @@ def denoise(
     return video_rows, audio_rows
 
 
-def dit_model_fn(dit, text: torch.Tensor, layout: PackedLayout, tables, rope=None) -> ModelFn:
+def dit_model_fn(
+    dit: "DiT",
+    text: torch.Tensor,
+    layout: PackedLayout,
+    tables: "ModulationTables",
+    rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> ModelFn:
     """Adapt a `DiT` to `denoise`'s `model_fn` for one request.
 
     Args:

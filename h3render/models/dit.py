@@ -168,48 +168,55 @@ def rotate_half_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> t
 def qk_norm_rope(
     q: torch.Tensor,
     k: torch.Tensor,
+    v: torch.Tensor,
     q_weight: torch.Tensor,
     k_weight: torch.Tensor,
+    cos: torch.Tensor | None,
+    sin: torch.Tensor | None,
     eps: float,
-    rope: tuple[torch.Tensor, torch.Tensor] | None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-head RMSNorm of q and k, then partial RoPE (none when `rope` is None: the token refiner).
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-head RMSNorm of q and k, then partial RoPE (skipped when `cos` is None: the token refiner); v is made
+    contiguous for attention. Same signature as `kernels.qk_norm_rope.qk_norm_rope`.
 
     Args:
-        q, k: `[S, H, D]`; q_weight, k_weight: `[D]`; rope: `(cos, sin)` each `[S, R]` float32.
+        q, k, v: `[S, H, D]` (views of the qkv projection); q_weight, k_weight: `[D]`;
+        cos, sin: `[S, R]` float32 or None; eps: RMSNorm epsilon (released 1e-5).
     Returns:
-        `(q, k)`, each `[S, H, D]`.
+        `(q, k, v)`, each `[S, H, D]` in the input dtype.
     """
     q = F.rms_norm(q, (q.shape[-1],), q_weight, eps)
     k = F.rms_norm(k, (k.shape[-1],), k_weight, eps)
-    if rope is not None:
-        q = rotate_half_rope(q, *rope)
-        k = rotate_half_rope(k, *rope)
-    return q, k
+    if cos is not None:
+        q = rotate_half_rope(q, cos, sin)
+        k = rotate_half_rope(k, cos, sin)
+    return q, k, v.contiguous()
 
 
 def modulate(
     x: torch.Tensor,
     norm_weight: torch.Tensor,
-    eps: float,
     shift: torch.Tensor,
     scale: torch.Tensor,
-    rows: torch.Tensor,
+    row_index: torch.Tensor,
+    eps: float,
 ) -> torch.Tensor:
-    """AdaLN: `rms_norm(x) * (1 + scale[rows]) + shift[rows]`, the table rows gathered per packed row.
+    """AdaLN: `rms_norm(x) * (1 + scale[row_index]) + shift[row_index]`, table rows gathered per packed row.
+    Same signature as `kernels.modulate.modulate`.
 
     Args:
-        x: `[S, C]`; norm_weight: `[C]`; shift, scale: `[R, C]` tables; rows: `[S]` int64 into the tables.
+        x: `[S, C]`; norm_weight: `[C]`; shift, scale: `[R, C]` tables (strided views of `[R, 6, C]` are fine);
+        row_index: `[S]` int64 into the tables; eps: RMSNorm epsilon.
     Returns:
-        `[S, C]`, dtype of `x`.
+        `[S, C]`, dtype of `x` (the math runs in x's dtype, as the reference does).
     """
     h = F.rms_norm(x, (x.shape[-1],), norm_weight, eps)
-    return h * (1.0 + scale.index_select(0, rows)) + shift.index_select(0, rows)
+    return h * (1.0 + scale.index_select(0, row_index)) + shift.index_select(0, row_index)
 
 
-def gated_residual(x: torch.Tensor, y: torch.Tensor, gate: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """`x + gate[rows] * y`. x, y: `[S, C]`; gate: `[R, C]`; rows: `[S]` int64."""
-    return x + gate.index_select(0, rows) * y
+def gated_residual(x: torch.Tensor, y: torch.Tensor, gate: torch.Tensor, row_index: torch.Tensor) -> torch.Tensor:
+    """`x + gate[row_index] * y`. x, y: `[S, C]`; gate: `[R, C]`; row_index: `[S]` int64. Same signature as
+    `kernels.gated_residual.gated_residual`."""
+    return x + gate.index_select(0, row_index) * y
 
 
 def swiglu(h: torch.Tensor) -> torch.Tensor:
@@ -287,8 +294,9 @@ class Attention(nn.Module):
         s = x.shape[0]
         qkv = self.qkv_proj(x).view(s, self.heads, 3, self.head_dim)  # interleaved per head
         q, k, v = qkv.unbind(2)  # each [S, H, D]
-        q, k = qk_norm_rope(q, k, self.q_norm.weight, self.k_norm.weight, self.qk_norm_eps, rope)
-        out = self.attention(q[None], k[None], v.contiguous()[None])  # [1, S, H, D]
+        cos, sin = rope if rope is not None else (None, None)
+        q, k, v = qk_norm_rope(q, k, v, self.q_norm.weight, self.k_norm.weight, cos, sin, self.qk_norm_eps)
+        out = self.attention(q[None], k[None], v[None])  # [1, S, H, D]
         return self.out_proj(out.reshape(s, self.heads * self.head_dim))
 
 
@@ -377,10 +385,9 @@ class Block(nn.Module):
         Returns:
             `[S, hidden]`.
         """
-        eps = self.norm1.eps
-        h = modulate(x, self.norm1.weight, eps, table[:, 0], table[:, 1], rows)
+        h = modulate(x, self.norm1.weight, table[:, 0], table[:, 1], rows, self.norm1.eps)
         x = gated_residual(x, self.attn(h, rope), table[:, 2], rows)
-        h = modulate(x, self.norm2.weight, self.norm2.eps, table[:, 3], table[:, 4], rows)
+        h = modulate(x, self.norm2.weight, table[:, 3], table[:, 4], rows, self.norm2.eps)
         return gated_residual(x, self.mlp(h), table[:, 5], rows)
 
 
@@ -449,8 +456,14 @@ class DiT(nn.Module):
     GPU), including `condition_proj`, the norms and the AdaLN projections.
     """
 
-    FP32_MODULES = ("video_patch_proj", "audio_patch_proj", "time_embedder", "final_layer.video_out",
-                    "final_layer.audio_out")
+    # Released checkpoint: these are float32 on disk and stay float32 (diffusers' `_keep_in_fp32_modules`).
+    FP32_MODULES = (
+        "video_patch_proj",
+        "audio_patch_proj",
+        "time_embedder",
+        "final_layer.video_out",
+        "final_layer.audio_out",
+    )
 
     def __init__(self, cfg: DiTConfig):
         super().__init__()
@@ -571,8 +584,8 @@ class DiT(nn.Module):
             x = block(x, table, rows, rope)
 
         final = tables.final
-        x = modulate(x, self.final_layer.norm.weight, self.final_layer.norm.eps, final[:, 0], final[:, 1],
-                     timestep_index)
+        x = modulate(x, self.final_layer.norm.weight, final[:, 0], final[:, 1], timestep_index,
+                     self.final_layer.norm.eps)
         video = _head(self.final_layer.video_out, x, layout.video_index)
         audio = _head(self.final_layer.audio_out, x, layout.audio_index)
         return video, audio
