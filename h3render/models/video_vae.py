@@ -504,8 +504,14 @@ class VideoVAE(nn.Module):
             outputs.extend(torch.cat([pixels[:, :, head], pixels[:, :, tail]], dim=2).unbind(0))
         return outputs
 
-    def _to_rgb(self, frames: torch.Tensor) -> torch.Tensor:
+    def to_rgb(self, frames: torch.Tensor) -> torch.Tensor:
+        """Blended decoder output [3, n, H, W] (ImageNet-normalized) -> RGB in [0, 1], float32.
+
+        Apply only after blending: the reference blends unclamped values, and clamping does not commute with it.
+        """
         return (frames * self.pixel_std + self.pixel_mean).clamp_(0, 1)
+
+    _to_rgb = to_rgb  # name used by h3render/parallel/vae.py
 
     def blend(self, plan: DecodePlan, item_outputs: Sequence[torch.Tensor] | dict[int, torch.Tensor]) -> torch.Tensor:
         """Blend item outputs into the video. `item_outputs[i]` belongs to `plan.items[i]` (list or dict by index).
@@ -516,7 +522,7 @@ class VideoVAE(nn.Module):
         if len(outputs) != len(plan.items):
             raise ValueError(f"blend: got {len(outputs)} item outputs, the plan has {len(plan.items)} items")
         windows = (stitch_window(plan, outputs, w) for w in range(plan.num_windows))
-        parts = [self._to_rgb(frames) for _, frames in assemble_frames(plan, windows)]
+        parts = [self.to_rgb(frames) for _, frames in assemble_frames(plan, windows)]
         return torch.cat(parts, dim=1)
 
     @torch.no_grad()
@@ -528,7 +534,7 @@ class VideoVAE(nn.Module):
         """
         self._check_latent(latent)
         plan = self.plan_decode(*latent.shape[1:])
-        yield from ((first, self._to_rgb(frames)) for first, frames in
+        yield from ((first, self.to_rgb(frames)) for first, frames in
                     assemble_frames(plan, self._stitched_windows(latent, plan, batch_size)))
 
     def _stitched_windows(self, latent: torch.Tensor, plan: DecodePlan, batch_size: int) -> Iterator[torch.Tensor]:
