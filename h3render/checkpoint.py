@@ -386,8 +386,11 @@ class Entry(NamedTuple):
 
 
 def _open(path: Path, device: torch.device, tensor: str | None = None):
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
     try:
-        return safe_open(str(path), framework="pt", device=str(device) if device.type != "cpu" else "cpu")
+        # Opened for the target device, safetensors copies each tensor straight there (no host-RAM staging copy).
+        return safe_open(str(path), framework="pt", device=str(device))
     except Exception as exc:  # safetensors raises its own SafetensorError / OSError subclasses
         what = f" (holding tensor {tensor!r})" if tensor else ""
         raise CheckpointError(f"{path}: unreadable safetensors header{what}: {exc}") from None
@@ -649,6 +652,9 @@ class CheckpointInfo:
         transformer: folder (or file) of the DiT weights; None for a built-in.
         transformer_names: "native" (official), "diffusers", or "native-stacked" (single file).
         text_encoder, tokenizer, video_vae, audio_vae: component folders; None for a built-in / single file.
+        random_model: "tiny" / "small" for a built-in or a checkpoint written by `make_checkpoint` (its
+            `_minimax_h3.h3render_random` / `h3render_random` metadata), else None: a FastH3 adapter for it states
+            h3render's synthetic base model rather than the release's.
     """
 
     path: str
@@ -660,6 +666,7 @@ class CheckpointInfo:
     tokenizer: str | None = None
     video_vae: str | None = None
     audio_vae: str | None = None
+    random_model: str | None = None
 
     @property
     def config_hash(self) -> str:
@@ -765,14 +772,15 @@ def read_checkpoint_info(path: str | Path) -> CheckpointInfo:
         CheckpointError: unknown layout, a missing or malformed config (naming the file and field).
     """
     if isinstance(path, str) and path in BUILTIN:
-        return CheckpointInfo(path=path, layout="builtin", release=RELEASES[path])
+        return CheckpointInfo(path=path, layout="builtin", release=RELEASES[path], random_model=path)
     root = Path(path)
     if root.suffix == ".safetensors":
         if not root.is_file():
             raise CheckpointError(f"{root}: missing")
         release = dataclasses.replace(_single_file_release(root), name=str(root))
+        origin = (_open(root, torch.device("cpu")).metadata() or {}).get("h3render_random")
         return CheckpointInfo(path=str(root), layout="single-file", release=release, transformer=str(root),
-                              transformer_names="native-stacked")
+                              transformer_names="native-stacked", random_model=origin)
     if not root.is_dir():
         raise CheckpointError(f"{root}: no such checkpoint folder (or built-in name: {', '.join(BUILTIN)})")
     layout, part = _find_partition(root)
@@ -810,6 +818,7 @@ def read_checkpoint_info(path: str | Path) -> CheckpointInfo:
         path=str(root), layout=layout, release=release, transformer=str(part / "transformer"),
         transformer_names=transformer_names, text_encoder=str(part / "text_encoder"),
         tokenizer=str(part / "tokenizer"), video_vae=str(part / video_dir), audio_vae=str(part / audio_dir),
+        random_model=(meta.get("h3render_random") or {}).get("config"),
     )
 
 
@@ -1157,7 +1166,7 @@ def build_random(
     if name not in BUILTIN:
         raise CheckpointError(f"no built-in model {name!r} (choose from {', '.join(BUILTIN)})")
     release = RELEASES[name]
-    info = CheckpointInfo(path=name, layout="builtin", release=release)
+    info = CheckpointInfo(path=name, layout="builtin", release=release, random_model=name)
     where = f"<builtin {name}>"
     dit = video_vae = audio_vae = text_encoder = None
     if "dit" in parts:

@@ -205,5 +205,6 @@ def _write_single_file(path: Path, release: Release, seed: int) -> None:
             tensor = torch.cat(deinterleave_qkv(tensor, cfg.num_attention_heads, cfg.attention_head_dim), dim=0)
         tensors[name] = tensor.contiguous()
     path.parent.mkdir(parents=True, exist_ok=True)
-    metadata = {"format": "pt", "config": json.dumps(_jsonable(dataclasses.asdict(cfg)))}
+    metadata = {"format": "pt", "config": json.dumps(_jsonable(dataclasses.asdict(cfg))),
+                "h3render_random": release.name}
     save_file(tensors, str(path), metadata=metadata)

@@ -177,6 +177,8 @@ def test_read_checkpoint_info(ckpts, tmp_path):
         assert (info.min_frames, info.max_frames) == (22, 362)
         assert info.release.dit == RELEASES["tiny"].dit and info.release.text_read_layer == 2
     assert official.config_hash == diffusers.config_hash == builtin.config_hash
+    assert official.random_model == diffusers.random_model == builtin.random_model == "tiny"
+    assert read_checkpoint_info(ckpts["single-file"]).random_model == "tiny"
     assert official.config_hash != read_checkpoint_info("small").config_hash
     assert official.limits().default_frames == 39 and official.release.default_canvas == (224, 128)
 

@@ -19,7 +19,6 @@ import copy
 
 import torch
 from torch import Tensor, nn
-from transformers.masking_utils import create_causal_mask
 from transformers.models.qwen3_vl.configuration_qwen3_vl import Qwen3VLTextConfig
 from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLTextDecoderLayer, Qwen3VLTextRotaryEmbedding
 
@@ -88,15 +87,10 @@ class TextEncoder(nn.Module):
         positions = torch.arange(num_tokens, device=input_ids.device)
         position_ids = positions.view(1, 1, -1).expand(3, 1, -1)  # [3, 1, Nt]
         position_embeddings = self.rotary_emb(hidden, position_ids)
-        mask = create_causal_mask(
-            config=self.config,
-            inputs_embeds=hidden,
-            attention_mask=torch.ones_like(input_ids),
-            cache=None,
-            position_ids=positions.view(1, -1),
-        )
         for layer in self.layers:
-            hidden = layer(hidden, position_embeddings=position_embeddings, attention_mask=mask)
+            # One unpadded sequence: no mask tensor, so transformers' SDPA backend runs its causal path
+            # (`is_causal=True`), as the full model does when its causal mask is skipped.
+            hidden = layer(hidden, position_embeddings=position_embeddings, attention_mask=None)
         return hidden
 
     def tokenize(self, prompt: str) -> Tensor:
