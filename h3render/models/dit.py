@@ -545,8 +545,14 @@ class DiT(nn.Module):
         tables: ModulationTables,
         timestep_index: torch.Tensor,
         rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+        window: tuple[int, int] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Velocity of every video and audio row (data-ward: x0 = x + sigma * v).
+
+        With `window=(start, end)` only packed rows `start..end-1` are embedded, run through the blocks and sent
+        through the heads (rows at or past `seq_len` are zero padding): the row-sharded half of sequence
+        parallelism. Attention must then be a wrapper that sees the other rows (`h3render.parallel.ulysses`); the
+        token refiner still runs on all text rows (it attends among them only).
 
         Args:
             video_rows: `[Nv, in_channels * prod(patch)]` (96 released), in `layout.video_index` order.
@@ -556,10 +562,12 @@ class DiT(nn.Module):
             tables: from `modulation_tables`; `timestep_index` addresses its `timesteps`.
             timestep_index: `[S]` int64, per packed row, index into `tables.timesteps`.
             rope: `(cos, sin)` from `rope_tables(layout.positions)`; computed here when None.
+            window: `(start, end)` packed-row window, `end` may exceed `seq_len` by padding; None = all rows.
         Returns:
-            `(video_velocity [Nv, 96], audio_velocity [Na, 32])`, dtype of the output heads (float32 in the release).
+            `(video_velocity [Nv, 96], audio_velocity [Na, 32])`, dtype of the output heads (float32 in the release);
+            with a window, only the video/audio rows inside it, in order.
         Raises:
-            ValueError: on row counts or widths that do not match the layout/config.
+            ValueError: on row counts or widths that do not match the layout/config, or a bad window.
         """
         cfg = self.cfg
         s = layout.seq_len
@@ -573,22 +581,51 @@ class DiT(nn.Module):
         if rope is None:
             rope = self.rope_tables(layout.positions)
 
-        dtype = self.dtype
-        x = self.token_refiner(self.condition_proj(text.to(dtype)))  # [Nt, hidden]
-        x = x.new_zeros(s, cfg.hidden_size).index_copy_(0, layout.text_index, x)  # [S, hidden]
-        _scatter_projected(x, self.video_patch_proj, video_rows, layout.video_index)
-        _scatter_projected(x, self.audio_patch_proj, audio_rows, layout.audio_index)
+        start, end = (0, s) if window is None else window
+        if not 0 <= start < end or start >= s:
+            raise ValueError(f"window {window} does not overlap the {s} packed rows")
+        n = end - start
+        spans = {name: _span(index, start, end) for name, index in
+                 (("text", layout.text_index), ("video", layout.video_index), ("audio", layout.audio_index))}
 
-        rows = timestep_index * NUM_MODALITIES + layout.token_tags  # [S] into the block tables
+        dtype = self.dtype
+        t = self.token_refiner(self.condition_proj(text.to(dtype)))  # [Nt, hidden]
+        x = t.new_zeros(n, cfg.hidden_size)  # [n, hidden]: this window's packed rows
+        i0, i1 = spans["text"]
+        x.index_copy_(0, layout.text_index[i0:i1] - start, t[i0:i1])
+        for name, proj, rows_in in (("video", self.video_patch_proj, video_rows),
+                                    ("audio", self.audio_patch_proj, audio_rows)):
+            i0, i1 = spans[name]
+            index = getattr(layout, f"{name}_index")
+            _scatter_projected(x, proj, rows_in[i0:i1], index[i0:i1] - start)
+
+        t_index = _window_rows(timestep_index, start, end)  # [n]
+        rows = t_index * NUM_MODALITIES + _window_rows(layout.token_tags, start, end)  # [n] into the block tables
+        rope = (_window_rows(rope[0], start, end), _window_rows(rope[1], start, end))
         for block, table in zip(self.blocks, tables.blocks):
             x = block(x, table, rows, rope)
 
         final = tables.final
-        x = modulate(x, self.final_layer.norm.weight, final[:, 0], final[:, 1], timestep_index,
-                     self.final_layer.norm.eps)
-        video = _head(self.final_layer.video_out, x, layout.video_index)
-        audio = _head(self.final_layer.audio_out, x, layout.audio_index)
+        x = modulate(x, self.final_layer.norm.weight, final[:, 0], final[:, 1], t_index, self.final_layer.norm.eps)
+        i0, i1 = spans["video"]
+        video = _head(self.final_layer.video_out, x, layout.video_index[i0:i1] - start)
+        i0, i1 = spans["audio"]
+        audio = _head(self.final_layer.audio_out, x, layout.audio_index[i0:i1] - start)
         return video, audio
+
+
+def _span(index: torch.Tensor, start: int, end: int) -> tuple[int, int]:
+    """Positions `[i0, i1)` of the entries of an ascending index that fall in `[start, end)`."""
+    bounds = torch.searchsorted(index, torch.tensor([start, end], dtype=index.dtype, device=index.device))
+    return int(bounds[0]), int(bounds[1])
+
+
+def _window_rows(t: torch.Tensor, start: int, end: int) -> torch.Tensor:
+    """`t[start:end]` along dim 0, zero-padded past the end of `t` (pad rows of the last shard)."""
+    part = t[start:end]
+    if part.shape[0] < end - start:
+        part = torch.cat([part, part.new_zeros(end - start - part.shape[0], *part.shape[1:])])
+    return part
 
 
 # Rows per chunk when projecting into / out of the packed sequence: bounds the transient fp32 activations of the

@@ -1,0 +1,385 @@
+"""The `h3render` command: wiring only. Reads top to bottom: resolve jobs -> load -> render -> report.
+
+Exit codes: 0 success (every job succeeded or was already done), 1 a job failed, 2 bad input (nothing rendered, one
+line on stderr, no traceback), 130 interrupted.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import click
+
+from h3render import jobs as jobs_mod
+
+EXIT_USAGE = 2
+TINY_NOTICE = ("h3render: no checkpoint given (--checkpoint / H3RENDER_CHECKPOINT): using the built-in tiny model "
+               "with random weights, which renders noise")
+
+
+class UsageError(Exception):
+    """Bad command-line input: printed as one line, exit code 2."""
+
+
+def _fail(message: str) -> "NoReturn":  # noqa: F821
+    raise UsageError(message)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# shared options
+
+def _engine_options(f):
+    options = [
+        click.option("--checkpoint", type=str, default=None,
+                     help="Checkpoint folder (official, diffusers layout) or single file; default $H3RENDER_CHECKPOINT, "
+                          "else the built-in tiny random model."),
+        click.option("--mode", type=click.Choice(jobs_mod.MODES), default=None, help="t2va (base) or fasth3."),
+        click.option("--adapter", type=str, default=None, help="FastH3 adapter (.safetensors) fused at load time."),
+        click.option("--device", type=click.Choice(["cuda", "cpu"]), default=None,
+                     help="Default: cuda when available."),
+        click.option("--dtype", type=click.Choice(["bf16", "fp32"]), default=None,
+                     help="Default: bf16 on CUDA, fp32 on CPU."),
+        click.option("--gpus", type=int, default=None, help="GPUs to use (default: every visible GPU)."),
+        click.option("--crf", type=click.IntRange(0, 51), default=18, show_default=True, help="x264 CRF."),
+        click.option("--x264-preset", default="veryfast", show_default=True, help="x264 speed preset."),
+        click.option("--attention", type=click.Choice(["fa3", "cudnn", "sdpa"]), default=None,
+                     help="Attention backend (default: fastest available, by measurement)."),
+        click.option("--save-latents", is_flag=True, hidden=True,
+                     help="Also write <name>.latents.pt (final latents) beside each MP4, for comparing runs."),
+        click.option("--vae-batch", type=click.IntRange(1, 256), default=8, show_default=True,
+                     help="Video VAE work items (window x tile) per decoder forward."),
+    ]
+    for option in reversed(options):
+        f = option(f)
+    return f
+
+
+def _canvas_time_options(f):
+    options = [
+        click.option("--preset", default=None, help="Canvas/duration preset (see `h3render presets`)."),
+        click.option("--aspect", default=None, help='Aspect ratio "W:H" (released canvas rule).'),
+        click.option("--width", type=int, default=None, help="Canvas width in px (multiple of 32)."),
+        click.option("--height", type=int, default=None, help="Canvas height in px (multiple of 32)."),
+        click.option("--duration", type=float, default=None, help="Seconds; snapped up to 17n+5 frames at 24 fps."),
+        click.option("--frames", type=int, default=None, help="Frame count; snapped up to 17n+5."),
+        click.option("--steps", type=int, default=None, help="Sigma points (50 -> 49 forwards, released default)."),
+        click.option("--seed", type=int, default=None, help="Noise seed (default 0)."),
+    ]
+    for option in reversed(options):
+        f = option(f)
+    return f
+
+
+def _say(message: str) -> None:
+    """Print on the launcher's rank 0 only (under torchrun/srun every rank parses the command line)."""
+    from h3render.parallel.groups import launcher_env
+
+    if launcher_env()[0] == 0:
+        print(message, file=sys.stderr)
+
+
+def _resolve_checkpoint(checkpoint: str | None) -> str:
+    checkpoint = checkpoint or os.environ.get("H3RENDER_CHECKPOINT") or None
+    if checkpoint is None:
+        _say(TINY_NOTICE)
+        return "tiny"
+    if checkpoint not in ("tiny", "small") and not Path(checkpoint).exists():
+        _fail(f"checkpoint {checkpoint} does not exist")
+    return checkpoint
+
+
+def _checkpoint_info(checkpoint: str):
+    from h3render.checkpoint import read_checkpoint_info
+
+    try:
+        return read_checkpoint_info(checkpoint)
+    except (OSError, ValueError) as exc:
+        _fail(str(exc).splitlines()[0])
+
+
+def _device(device: str | None) -> str:
+    import torch
+
+    if device == "cuda" and not torch.cuda.is_available():
+        _fail("--device cuda: no CUDA device is available")
+    return device or ("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def _dtype(dtype: str | None, device: str):
+    import torch
+
+    return {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype or ("bf16" if device == "cuda" else "fp32")]
+
+
+def _check_mode(mode: str | None, adapter: str | None) -> None:
+    if mode == "fasth3" and adapter is None:
+        _fail("--mode fasth3 needs --adapter PATH (the FastH3 student adapter)")
+    if adapter is not None and not Path(adapter).is_file():
+        _fail(f"--adapter {adapter}: no such file")
+
+
+def _check_writable(folder: Path) -> None:
+    if folder.exists() and not folder.is_dir():
+        _fail(f"output folder {folder} is not a directory")
+    probe = folder
+    while not probe.exists():
+        probe = probe.parent
+    if not os.access(probe, os.W_OK):
+        _fail(f"output folder {folder} is not writable")
+
+
+def _main_guard(fn, *args) -> int:
+    try:
+        return fn(*args)
+    except UsageError as exc:
+        _say(f"h3render: error: {exc}")
+        return EXIT_USAGE
+    except jobs_mod.ManifestError as exc:
+        for line in getattr(exc, "errors", [str(exc)]):
+            _say(f"h3render: error: {line}")
+        return EXIT_USAGE
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="h3render")
+def cli() -> None:
+    """Render MiniMax-H3 prompts to H.264/AAC MP4s."""
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# h3render prompt
+
+@cli.command("prompt")
+@click.argument("text")
+@click.option("-o", "--output", required=True, help="Output .mp4 path (sidecar: same name, .json).")
+@_canvas_time_options
+@_engine_options
+def prompt_command(text, output, **opts) -> None:
+    """Render one prompt to OUTPUT (MP4) and its JSON sidecar."""
+    sys.exit(_main_guard(_prompt, text, output, opts))
+
+
+def _prompt(text: str, output: str, opts: dict) -> int:
+    out = Path(output)
+    if out.suffix.lower() != ".mp4":
+        _fail(f"output {output} must end in .mp4")
+    _check_writable(out.parent if str(out.parent) else Path("."))
+    _check_mode(opts["mode"], opts["adapter"])
+    checkpoint = _resolve_checkpoint(opts["checkpoint"])
+    info = _checkpoint_info(checkpoint)
+    fields = {k: opts[k] for k in ("preset", "aspect", "width", "height", "duration", "frames", "steps", "seed",
+                                   "mode")}
+    fields.update(prompt=text, output=out.stem)
+    job = jobs_mod.job_from_fields(fields, info.limits())
+    _say(f"h3render: {job.canvas_note()}, {job.time_note()}")
+    sidecar = out.with_suffix(".json")
+    return _run(checkpoint, info, [job], opts, single=(out, sidecar))
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# h3render batch
+
+@cli.command("batch")
+@click.argument("manifest", type=click.Path(dir_okay=False))
+@click.option("--out-dir", default="renders", show_default=True, help="Folder for MP4s, sidecars and the report.")
+@click.option("--shard", default=None, help='This task\'s shard "i/n" (0-based); default from SLURM_ARRAY_TASK_*.')
+@click.option("--skip-existing/--overwrite", default=True, show_default=True,
+              help="Resume (skip finished, current jobs) or render everything again.")
+@click.option("--fail-fast", is_flag=True, help="Stop after the first failed job.")
+@click.option("--dry-run", is_flag=True, help="Validate and print the plan; load nothing.")
+@click.option("--quiet", is_flag=True, help="One log line per job instead of progress bars.")
+@_engine_options
+def batch_command(manifest, out_dir, shard, skip_existing, fail_fast, dry_run, quiet, **opts) -> None:
+    """Render every job of MANIFEST (JSONL or YAML; schema in docs/manifest.md) with one resident model."""
+    sys.exit(_main_guard(_batch, manifest, out_dir, shard, skip_existing, fail_fast, dry_run, quiet, opts))
+
+
+def _batch(manifest, out_dir, shard, skip_existing, fail_fast, dry_run, quiet, opts) -> int:
+    _check_mode(opts["mode"], opts["adapter"])
+    checkpoint = _resolve_checkpoint(opts["checkpoint"])
+    info = _checkpoint_info(checkpoint)
+    overrides = {"mode": opts["mode"]}
+    jobs = jobs_mod.load_manifest(manifest, info.limits(), overrides)
+    try:
+        shard_spec = jobs_mod.parse_shard(shard) if shard else jobs_mod.shard_from_slurm(os.environ)
+    except ValueError as exc:
+        _fail(str(exc))
+    if shard_spec is not None:
+        jobs = jobs_mod.shard_jobs(jobs, *shard_spec)
+    if dry_run:
+        for line in jobs_mod.plan_lines(jobs):
+            print(line)
+        return 0
+    _check_writable(Path(out_dir))
+    return _run(checkpoint, info, jobs, opts, out_dir=out_dir, shard=shard_spec, overwrite=not skip_existing,
+                fail_fast=fail_fast, quiet=quiet)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# running on 1..N ranks
+
+def _run(checkpoint, info, jobs, opts, **kw) -> int:
+    from h3render.parallel.launch import plan_world, spawn
+
+    device = _device(opts["device"])
+    try:
+        world, warning = plan_world(opts["gpus"], device, info.release.dit.num_attention_heads)
+    except ValueError as exc:
+        _fail(str(exc))
+    if warning:
+        print(f"h3render: warning: {warning}", file=sys.stderr)
+    kw["heads"] = info.release.dit.num_attention_heads
+    if world > 1:
+        return spawn(world, _rank_main, checkpoint, jobs, opts, device, kw)
+    return _rank_main(checkpoint, jobs, opts, device, kw)
+
+
+def _rank_main(checkpoint, jobs, opts, device, kw) -> int:
+    """Every rank: join the group, load once, then rank 0 runs the queue and the others follow it."""
+    from h3render.batch import run_batch
+    from h3render.parallel.groups import init_parallel, largest_dividing_world, restrict, shutdown
+    from h3render.parallel.launch import LeaderRenderer, follow
+    from h3render.pipeline import EngineSettings, Renderer
+
+    ctx = init_parallel(device)
+    heads = kw["heads"]
+    usable = largest_dividing_world(ctx.world_size, heads)
+    if usable != ctx.world_size:
+        if ctx.is_main:
+            print(f"h3render: warning: using {usable} of {ctx.world_size} ranks: Ulysses splits the {heads} attention "
+                  f"heads evenly; ranks {usable}..{ctx.world_size - 1} sit this run out", file=sys.stderr)
+        ctx = restrict(ctx, usable)
+        if ctx is None:
+            shutdown()
+            return 0
+    settings = EngineSettings(crf=opts["crf"], x264_preset=opts["x264_preset"], vae_batch=opts["vae_batch"],
+                              attention=opts["attention"], progress=ctx.is_main and not kw.get("quiet", False),
+                              save_latents=opts["save_latents"], step_bar_position=0 if "single" in kw else 1)
+    dtype = _dtype(opts["dtype"], device)
+
+    def load():
+        renderer = Renderer.load(checkpoint, ctx, dtype, settings, adapter=opts["adapter"])
+        renderer.prepare([renderer.schedule(j) for j in _distinct_schedules(jobs)])
+        return renderer
+
+    try:
+        if not ctx.is_main:
+            follow(load(), ctx)
+            return 0
+        loaded = []
+
+        def factory():
+            r = load()
+            loaded.append(r)
+            return LeaderRenderer(r, ctx) if ctx.distributed else r
+
+        try:
+            if "single" in kw:
+                return _render_single(factory, jobs[0], *kw["single"])
+            report = run_batch(jobs, factory, kw["out_dir"], overwrite=kw["overwrite"], fail_fast=kw["fail_fast"],
+                               quiet=kw["quiet"], shard=kw["shard"])
+            return report.exit_code
+        finally:
+            if ctx.distributed:
+                if not loaded:  # followers are waiting to load; let them load and stop
+                    factory()
+                LeaderRenderer(loaded[0], ctx).stop()
+    finally:
+        shutdown()
+
+
+def _render_single(factory, job, mp4: Path, sidecar: Path) -> int:
+    """`h3render prompt`: one job. The renderer writes `<name>.tmp.mp4` / sidecar temp files and renames them on
+    success; on failure or Ctrl-C nothing is left under either name."""
+    import time
+
+    from h3render.batch import temp_paths
+
+    mp4.parent.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    try:
+        factory().render(job, mp4, sidecar)
+    except KeyboardInterrupt:
+        _remove(*temp_paths(mp4, sidecar))
+        print("h3render: interrupted; no output written", file=sys.stderr)
+        return 130
+    except Exception as exc:
+        _remove(*temp_paths(mp4, sidecar))
+        first = (str(exc).strip().splitlines() or [""])[0]
+        print(f"h3render: failed: {type(exc).__name__}: {first}", file=sys.stderr)
+        return 1
+    print(f"h3render: wrote {mp4} and {sidecar.name} in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+    return 0
+
+
+def _remove(*paths: Path) -> None:
+    for p in paths:
+        try:
+            p.unlink()
+        except FileNotFoundError:
+            pass
+
+
+def _distinct_schedules(jobs):
+    """One representative job per distinct schedule, so AdaLN tables are built before the GPU drops the weights."""
+    seen, out = set(), []
+    for job in jobs:
+        key = (job.mode, job.steps)
+        if key not in seen:
+            seen.add(key)
+            out.append(job)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# h3render presets / make-checkpoint
+
+@cli.command("presets")
+@click.option("--checkpoint", default=None, help="Checkpoint whose frame limits apply (default: the released ones).")
+def presets_command(checkpoint) -> None:
+    """List the canvas presets with canvas, frames and packed row counts."""
+
+    def run() -> int:
+        from h3render.checkpoint import RELEASES
+
+        limits = _checkpoint_info(checkpoint).limits() if checkpoint else RELEASES["released"].limits()
+        for line in jobs_mod.preset_lines(limits):
+            print(line)
+        return 0
+
+    sys.exit(_main_guard(run))
+
+
+@cli.command("make-checkpoint")
+@click.argument("out", type=click.Path(file_okay=False))
+@click.option("--config", "config", type=click.Choice(["tiny", "small"]), default="tiny", show_default=True)
+@click.option("--layout", type=click.Choice(["official", "diffusers"]), default="official", show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--adapter", type=click.Path(dir_okay=False), default=None,
+              help="Also write a synthetic FastH3 adapter for this config to this file.")
+def make_checkpoint_command(out, config, layout, seed, adapter) -> None:
+    """Write a random checkpoint in the real on-disk format (no downloads)."""
+
+    def run() -> int:
+        from h3render.checkpoint import RELEASES
+        from h3render.fasth3 import write_synthetic_adapter
+        from h3render.make_checkpoint import make_checkpoint
+
+        path = make_checkpoint(out, config=config, layout=layout, seed=seed)
+        print(f"h3render: wrote a random {config} checkpoint ({layout} layout) to {path}", file=sys.stderr)
+        if adapter:
+            write_synthetic_adapter(adapter, RELEASES[config].dit, seed)
+            print(f"h3render: wrote a synthetic FastH3 adapter to {adapter}", file=sys.stderr)
+        return 0
+
+    sys.exit(_main_guard(run))
+
+
+def main() -> None:
+    cli()
+
+
+if __name__ == "__main__":
+    main()

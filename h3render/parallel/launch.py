@@ -1,0 +1,153 @@
+"""One command for every GPU: spawn one process per GPU, and keep the ranks of a queue in lock-step.
+
+`h3render prompt` / `h3render batch` started as a plain process on a machine with several GPUs re-launch themselves
+as one process per GPU (the same RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR variables torchrun sets), so the code
+below the CLI is the same under torchrun, srun and a plain start. Rank 0 owns the queue: it decides which jobs to
+render (resume, skips), and each render is announced to the other ranks, which follow until told to stop.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from h3render.parallel.groups import ParallelContext, launcher_env, largest_dividing_world
+
+
+def visible_gpus() -> int:
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def plan_world(requested: int | None, device: str | None, num_heads: int) -> tuple[int, str | None]:
+    """How many ranks a plain start should spawn, and a warning when GPUs are left idle.
+
+    Args:
+        requested: `--gpus N`, or None for every visible GPU.
+        device: "cpu" forces one process.
+        num_heads: DiT attention heads (Ulysses splits whole heads; released 56).
+    Raises:
+        ValueError: `--gpus` larger than the visible GPU count, or < 1.
+    """
+    if device == "cpu" or launcher_env()[1] > 1:
+        return 1, None
+    available = visible_gpus()
+    if requested is not None:
+        if requested < 1:
+            raise ValueError(f"--gpus must be >= 1, got {requested}")
+        if requested > max(available, 1):
+            raise ValueError(f"--gpus {requested}: only {available} GPU(s) visible")
+    want = requested or max(available, 1)
+    world = largest_dividing_world(want, num_heads)
+    warning = None
+    if world != want:
+        warning = (f"using {world} of {want} GPUs: Ulysses splits the {num_heads} attention heads evenly, "
+                   f"and {world} is the largest count <= {want} that divides {num_heads}")
+    return world, warning
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def spawn(world: int, fn: Callable[..., int], *args: Any) -> int:
+    """Run `fn(*args)` in `world` processes with torchrun-style variables; returns rank 0's exit code.
+
+    A rank that dies makes the others fail at their next collective (timeouts are set in `init_parallel`), so
+    the whole command ends instead of hanging.
+    """
+    import torch.multiprocessing as mp
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    ctx = mp.get_context("spawn")
+    code = ctx.Value("i", 1)
+    procs = [ctx.Process(target=_child, args=(rank, world, code, fn, args), daemon=False) for rank in range(world)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join()
+    if procs[0].exitcode not in (0, None) and code.value == 0:
+        return 1
+    failed = [r for r, p in enumerate(procs) if p.exitcode not in (0,)]
+    if failed and code.value == 0:
+        print(f"h3render: rank(s) {failed} exited abnormally", file=sys.stderr)
+        return 1
+    return code.value
+
+
+def _child(rank: int, world: int, code, fn, args) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    result = fn(*args)
+    if rank == 0:
+        code.value = int(result)
+    sys.exit(0 if rank != 0 else int(result))
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Leader / followers over a job queue
+
+
+class LeaderRenderer:
+    """Rank 0's renderer: announces each job to the followers, renders its own part, and fails the job on every
+    rank if any rank failed (no rank is left waiting in a collective)."""
+
+    def __init__(self, renderer, ctx: ParallelContext):
+        self.renderer = renderer
+        self.ctx = ctx
+
+    def render(self, job, mp4_path, sidecar_path):
+        _broadcast(("render", job), self.ctx)
+        error = None
+        try:
+            result = self.renderer.render(job, mp4_path, sidecar_path)
+        except Exception as exc:  # reported below, after every rank has said how it went
+            error = exc
+            result = None
+        failed = _any_failed(error is not None, self.ctx)
+        if error is not None:
+            raise error
+        if failed:
+            raise RuntimeError("the job failed on another rank (see that rank's log)")
+        return result
+
+    def stop(self) -> None:
+        _broadcast(("stop", None), self.ctx)
+
+
+def follow(renderer, ctx: ParallelContext) -> None:
+    """Followers: render whatever rank 0 announces until it says stop."""
+    while True:
+        kind, job = _receive(ctx)
+        if kind == "stop":
+            return
+        failed = False
+        try:
+            renderer.render(job, os.devnull, os.devnull)
+        except Exception as exc:
+            failed = True
+            print(f"h3render rank {ctx.rank}: job failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+        _any_failed(failed, ctx)
+
+
+def _broadcast(message, ctx: ParallelContext) -> None:
+    box = [message]
+    dist.broadcast_object_list(box, src=0, group=ctx.group)
+
+
+def _receive(ctx: ParallelContext):
+    box = [None]
+    dist.broadcast_object_list(box, src=0, group=ctx.group)
+    return box[0]
+
+
+def _any_failed(failed: bool, ctx: ParallelContext) -> bool:
+    flag = torch.tensor([1 if failed else 0], device=ctx.device if ctx.device.type == "cuda" else "cpu")
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=ctx.group)
+    return bool(flag.item())

@@ -1,0 +1,378 @@
+"""The resident renderer: load once, render many jobs.
+
+A job reads top to bottom: encode prompt -> pack -> draw noise -> denoise -> decode audio and video -> write MP4
+and sidecar. Weights stay on the device between jobs; the only per-job host<->device traffic is the prompt, the
+noise, and the finished frames and samples.
+
+On several ranks (torchrun, srun, or `h3render` spawning one process per GPU) every rank runs `render` for the same
+job in lock-step: the DiT is Ulysses-parallel over the packed rows, the video VAE decode splits its
+(window x tile) work items over the ranks, and rank 0 alone writes the MP4 and sidecar.
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+
+from h3render import sampling
+from h3render.colour import frames_to_uint8
+from h3render.media import MediaError, Mp4Writer, PinnedFrameStager, temp_path_for
+from h3render.models.attention import attention as fast_attention
+from h3render.models.attention import select_backend
+from h3render.packing import PackedLayout, patchify_video, rows_to_audio, t2va_layout, unpatchify_video
+from h3render.parallel.groups import ParallelContext
+from h3render.timing import StageTimer, versions, write_sidecar
+
+
+class RenderError(RuntimeError):
+    """A job could not produce a valid MP4 (non-finite latents, frames or audio; bad job for this checkpoint)."""
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """Engine-level knobs, fixed for the life of a Renderer.
+
+    Attributes:
+        crf, x264_preset: H.264 quality (x264 CRF 0..51) and speed preset; defaults CRF 18, "veryfast".
+        vae_batch: video VAE decode work items per decoder forward.
+        attention: attention backend name ("fa3", "cudnn", "sdpa") or None to choose by measurement.
+        progress: show the per-step tqdm bar (at `step_bar_position`; the batch queue bar is at 0).
+        save_latents: also write the final latents (`<name>.latents.pt`: video `[24, T, h, w]`, audio
+            `[2, 32, Ta]`, float32) beside the MP4, for comparing runs (e.g. 1 vs N GPUs).
+    """
+
+    crf: int = 18
+    x264_preset: str = "veryfast"
+    vae_batch: int = 8
+    attention: str | None = None
+    progress: bool = True
+    save_latents: bool = False
+    step_bar_position: int = 1
+
+
+@dataclass
+class Schedule:
+    """Per-modality sigma lists of one job and where they came from."""
+
+    video: torch.Tensor
+    audio: torch.Tensor
+    source: str
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def forwards(self) -> int:
+        return self.video.numel() - 1
+
+
+class Renderer:
+    """Holds the loaded model and renders jobs.
+
+    Args:
+        components: loaded models + checkpoint info (`h3render.checkpoint.Components`).
+        ctx: this rank's place in the render (`h3render.parallel.groups.ParallelContext`).
+        settings: `EngineSettings`.
+        fasth3: the FastH3 few-step schedule when a student adapter was fused, else None.
+    """
+
+    def __init__(self, components, ctx: ParallelContext, settings: EngineSettings = EngineSettings(),
+                 fasth3=None, load_seconds: float = 0.0, adapter: dict[str, Any] | None = None):
+        self.c = components
+        self.adapter = adapter
+        self.ctx = ctx
+        self.settings = settings
+        self.fasth3 = fasth3
+        self.device = ctx.device
+        self.load_seconds = load_seconds
+        self.warmup: dict[str, float] = {}
+        self._tables: dict[tuple[float, ...], Any] = {}
+        self._stager = PinnedFrameStager(num_buffers=8)
+        t0 = time.perf_counter()
+        if self.device.type == "cuda":
+            # Measured choice among FA3 / cuDNN SDPA / SDPA; the probe is warm-up, never part of a job.
+            backend = select_backend(settings.attention)
+            self.c.dit.set_attention(fast_attention, refiner=True)
+            self.c.video_vae.set_attention(_heads_first(fast_attention))
+            self.warmup["attention_backend"] = backend
+        self.warmup["select_attention_s"] = time.perf_counter() - t0
+        self._ulysses_ready = False
+
+    @classmethod
+    def load(cls, checkpoint: str, ctx: ParallelContext, dtype: torch.dtype, settings: EngineSettings = EngineSettings(),
+             adapter: str | None = None) -> "Renderer":
+        """Load a checkpoint (a path, or "tiny"/"small" for a built-in random model) onto this rank's device.
+
+        With `adapter`, the FastH3 student adapter is fused into the DiT weights while they stream to the device
+        (before any sharding), and the renderer runs the student's fixed few-step schedule.
+
+        Raises:
+            CheckpointError, AdapterError: unreadable or mismatched checkpoint / adapter, naming file and tensor.
+        """
+        from h3render import checkpoint as ckpt
+        from h3render import fasth3
+
+        t0 = time.perf_counter()
+        info = ckpt.read_checkpoint_info(checkpoint)
+        hook = schedule = adapter_info = None
+        if adapter is not None:
+            base = fasth3.TINY_BASE_MODEL if info.layout == "builtin" else fasth3.RELEASED_BASE_MODEL
+            ad = fasth3.read_adapter(adapter, base_model=base)
+            if ad.requires_vsa:
+                raise fasth3.AdapterError(f"{adapter}: a sparse-attention (VSA) student; h3render runs dense "
+                                          "attention only")
+            hook = fasth3.AdapterFusion(ad, info.release.dit, ctx.device)
+            schedule = fasth3.fasth3_schedule(ad, info.video_shift, info.audio_shift)
+            adapter_info = {"path": str(adapter), "sha256": ad.sha256, "base_model": ad.base_model,
+                            "rank": ad.rank, "positions": list(schedule.positions), "source": schedule.source}
+        components = ckpt.load_components(checkpoint, ctx.device, dtype, tensor_hook=hook)
+        if ctx.device.type == "cuda":
+            torch.cuda.synchronize(ctx.device)
+        renderer = cls(components, ctx, settings, fasth3=schedule, load_seconds=time.perf_counter() - t0,
+                       adapter=adapter_info)
+        return renderer
+
+    # -- schedules and AdaLN tables ---------------------------------------------------------------------------
+
+    def schedule(self, job) -> Schedule:
+        """Sigma lists for a job: the FastH3 student's fixed few-step schedule, or the base linspace+shift grid."""
+        info = self.c.info
+        if job.mode == "fasth3":
+            if self.fasth3 is None:
+                raise RenderError("mode fasth3 needs a FastH3 adapter (--adapter PATH) fused at load time")
+            s = self.fasth3
+            return Schedule(s.video_sigmas, s.audio_sigmas, s.source, {"positions": list(s.positions)})
+        if self.fasth3 is not None:
+            raise RenderError("this renderer has a FastH3 adapter fused into the DiT; base-model (t2va) jobs need "
+                              "a renderer loaded without --adapter")
+        points = job.steps or info.release.sigma_points
+        return Schedule(sampling.sigma_schedule(points, info.video_shift),
+                        sampling.sigma_schedule(points, info.audio_shift), f"linspace({points}) + shift")
+
+    def tables(self, schedule: Schedule):
+        """AdaLN modulation tables for every timestep of a schedule, built once and cached."""
+        timesteps = sampling.schedule_timesteps(schedule.video, schedule.audio)
+        key = tuple(timesteps.tolist())
+        if key not in self._tables:
+            self._tables[key] = build_tables(self.c.dit, timesteps, self.device)
+        return self._tables[key]
+
+    def prepare(self, schedules: list[Schedule]) -> None:
+        """Build the tables of the given schedules now (warm-up) and, on CUDA, move the AdaLN projections
+        (≈13 B parameters at release) off the GPU: later schedules rebuild tables block by block."""
+        t0 = time.perf_counter()
+        for s in schedules:
+            self.tables(s)
+        if self.device.type == "cuda":
+            offload_adaln_(self.c.dit)
+            torch.cuda.empty_cache()
+        self.warmup["adaln_tables_s"] = time.perf_counter() - t0
+
+    # -- one job ----------------------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def render(self, job, mp4_path: Path | str, sidecar_path: Path | str) -> dict[str, Any]:
+        """Render `job` to `mp4_path` (+ JSON sidecar); returns the sidecar dict (rank 0) or {} (other ranks).
+
+        Raises:
+            RenderError: non-finite latents, frames or audio; a job this checkpoint cannot run.
+            MediaError: the MP4 could not be written.
+        """
+        mp4_path, sidecar_path = Path(mp4_path), Path(sidecar_path)
+        c, dev = self.c, self.device
+        timer = StageTimer(dev)
+        t_start = timer.now()
+
+        with timer.stage("text_encode"):
+            text = c.text_encoder.encode(job.prompt).to(dev)  # [Nt, text_dim]
+        layout = t2va_layout(text.shape[0], job.height, job.width, job.frames).to(dev)
+        schedule = self.schedule(job)
+        tables = self.tables(schedule)
+
+        video_noise, audio_rows = sampling.draw_noise(job.seed, layout)  # CPU generator, as released
+        video_rows = patchify_video(video_noise[0]).to(dev)  # [Nv, 96]
+        audio_rows = audio_rows.to(dev)  # [Na, 32]
+
+        with timer.stage("denoise"):
+            model_fn = self._model_fn(text, layout, tables, timer)
+            bar = _step_bar(schedule.forwards, self.settings.progress and self.ctx.is_main,
+                            self.settings.step_bar_position)
+            video_rows, audio_rows = sampling.denoise(model_fn, video_rows, audio_rows, schedule.video,
+                                                      schedule.audio, on_step=lambda i, v, a: bar.update(1))
+            bar.close()
+        if not (torch.isfinite(video_rows).all() and torch.isfinite(audio_rows).all()):
+            raise RenderError("denoising produced non-finite latents (NaN/Inf); no video written")
+
+        video_latent = unpatchify_video(video_rows, layout)  # [24, T, h, w]
+        audio_latent = rows_to_audio(audio_rows, layout)  # [2, 32, Ta]
+        if self.settings.save_latents and self.ctx.is_main:
+            torch.save({"video": video_latent.float().cpu(), "audio": audio_latent.float().cpu()},
+                       mp4_path.with_name(mp4_path.stem + ".latents.pt"))
+        del text, video_rows, audio_rows
+
+        with timer.stage("vae_audio"):
+            waveform = c.audio_vae.decode(audio_latent.float())  # [2, samples] fp32
+        if not torch.isfinite(waveform).all():
+            raise RenderError("the audio VAE produced non-finite samples; no video written")
+
+        result = self._decode_and_write(job, video_latent, waveform, mp4_path, timer)
+        timer.add_interval("total", t_start, timer.now())
+        if not self.ctx.is_main:
+            return {}
+        return self._sidecar(job, schedule, timer, sidecar_path, result)
+
+    def _model_fn(self, text: torch.Tensor, layout: PackedLayout, tables, timer: StageTimer):
+        """`denoise`'s model_fn with per-step timing (device-synchronized) on this rank's rows."""
+        dit = self.c.dit
+        rope = dit.rope_tables(layout.positions)
+
+        def model_fn(video_rows, audio_rows, video_t, audio_t):
+            with timer.step("denoise"):
+                index = layout.row_timestep_index(tables.index_of(video_t), tables.index_of(audio_t))
+                if self.ctx.distributed:
+                    from h3render.parallel.dit import sharded_forward
+
+                    return sharded_forward(dit, self.ctx, video_rows, audio_rows, text, layout, tables, index, rope)
+                return dit(video_rows, audio_rows, text, layout, tables, index, rope)
+
+        return model_fn
+
+    def _decode_and_write(self, job, latent: torch.Tensor, waveform: torch.Tensor, mp4_path: Path,
+                          timer: StageTimer) -> dict[str, Any]:
+        """Decode the video window by window and stream it into the H.264 encoder (rank 0)."""
+        vae = self.c.video_vae
+        if self.ctx.distributed:
+            from h3render.parallel.vae import decode_stream_split
+
+            frames_iter = decode_stream_split(vae, latent, self.ctx, self.settings.vae_batch)
+        else:
+            frames_iter = vae.decode_stream(latent, batch_size=self.settings.vae_batch)
+        if not self.ctx.is_main:
+            with timer.stage("vae_video"):
+                for _ in frames_iter:
+                    pass
+            return {}
+
+        writer = Mp4Writer(mp4_path, job.width, job.height, job.frames, crf=self.settings.crf,
+                           preset=self.settings.x264_preset)
+        try:
+            with timer.stage("vae_video"):
+                written = 0
+                for first, frames in _timed(frames_iter, timer):  # frames [3, n, H, W] float in [0, 1]
+                    t0 = timer.now()
+                    if not torch.isfinite(frames).all():
+                        raise RenderError(f"the video VAE produced non-finite pixels at frame {first}")
+                    chunk = frames_to_uint8(frames)  # [n, H, W, 3] uint8, on the device
+                    writer.write_frames(self._stager.stage(chunk))
+                    timer.add_interval("to_uint8_d2h", t0, timer.now())
+                    written += chunk.shape[0]
+            writer.write_audio(waveform.cpu())
+            t_close = timer.now()
+            writer.close()
+            timer.add_interval("encode_mux", writer.stats.get("start", t_close), writer.stats.get("end", timer.now()))
+            timer.add_interval("mp4_close_after_decode", t_close, timer.now())
+        except BaseException:
+            writer.abort()
+            raise
+        return {"frames_written": written, "writer": dict(writer.stats)}
+
+    def _sidecar(self, job, schedule: Schedule, timer: StageTimer, sidecar_path: Path,
+                 result: dict[str, Any]) -> dict[str, Any]:
+        info = self.c.info
+        sigmas = {"video": [float(s) for s in schedule.video], "audio": [float(s) for s in schedule.audio],
+                  "source": schedule.source, "sigma_points": schedule.video.numel(),
+                  "forwards": schedule.forwards, "video_shift": info.video_shift, "audio_shift": info.audio_shift,
+                  **schedule.extra}
+        extra = {"load_s": self.load_seconds, "warmup": self.warmup, "world_size": self.ctx.world_size,
+                 "mode": job.mode, **result}
+        if self.adapter is not None:
+            extra["fasth3"] = self.adapter
+        checkpoint = {"path": info.path, "layout": info.layout, "release": info.release.name,
+                      "config_hash": info.config_hash}
+        return write_sidecar(sidecar_path, job_params=job.params(), checkpoint=checkpoint, sigmas=sigmas,
+                             timings=timer.summary(), versions=versions(), extra=extra)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# AdaLN tables with the projections off the GPU
+
+
+def offload_adaln_(dit) -> None:
+    """Move every AdaLN projection (blocks + final layer) to host memory; the forward reads tables only."""
+    for block in dit.blocks:
+        if block.adaln_proj is not None:
+            block.adaln_proj.to("cpu")
+    if dit.final_layer.adaln_proj is not None:
+        dit.final_layer.adaln_proj.to("cpu")
+
+
+def build_tables(dit, timesteps: torch.Tensor, device: torch.device):
+    """`dit.modulation_tables(timesteps)` with each AdaLN projection brought to `device` only for its own block.
+
+    With the projections on the GPU this is just `modulation_tables`; offloaded (see `offload_adaln_`), each block's
+    projection visits the GPU once (≈0.5 GB at release) and leaves again, so peak memory stays one block's worth.
+    """
+    projections = [b.adaln_proj for b in dit.blocks] + [dit.final_layer.adaln_proj]
+    on_device = all(p is not None and p.linear.weight.device == device for p in projections)
+    if on_device or device.type != "cuda":
+        return dit.modulation_tables(timesteps)
+    from h3render.models.dit import NUM_MODALITIES, ModulationTables, timestep_sinusoid
+
+    cfg = dit.cfg
+    te = dit.time_embedder.proj_in.weight
+    ts = torch.as_tensor(timesteps, dtype=torch.float32).reshape(-1).to(device)
+    temb = dit.time_embedder(timestep_sinusoid(ts, cfg.freq_dim).to(te.dtype))
+    k, h = ts.numel(), cfg.hidden_size
+
+    def run(proj, rows: int) -> torch.Tensor:
+        proj.to(device)
+        try:
+            return proj(temb).view(rows, -1, h)
+        finally:
+            proj.to("cpu")
+
+    blocks = tuple(run(b.adaln_proj, k * NUM_MODALITIES) for b in dit.blocks)
+    final = run(dit.final_layer.adaln_proj, k)
+    return ModulationTables(ts, blocks, final)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# small helpers
+
+
+def _heads_first(fn):
+    """Adapt a `[B, S, H, D]` attention to the VAE decoder's `[B, H, S, D]` convention."""
+
+    def attention(q, k, v):
+        return fn(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)).transpose(1, 2)
+
+    return attention
+
+
+def _timed(it: Iterator, timer: StageTimer) -> Iterator:
+    """Yield from `it`, recording the time spent inside `it` itself (the VAE decode) as stage `vae_decode`."""
+    while True:
+        t0 = timer.now()
+        try:
+            item = next(it)
+        except StopIteration:
+            return
+        timer.add_interval("vae_decode", t0, timer.now())
+        yield item
+
+
+def _step_bar(total: int, enabled: bool, position: int):
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc="denoise", unit="step", position=position, leave=False, disable=not enabled)
+
+
+def release_memory() -> None:
+    """Free what a failed job left on the device before the next one."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()

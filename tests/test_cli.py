@@ -1,0 +1,142 @@
+"""End-to-end CLI tests on the tiny model: real MP4s opened with PyAV, determinism, and bad-argument handling."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import av
+import numpy as np
+import pytest
+
+from h3render.media import audio_samples_for
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def run_cli(*args: str, env: dict | None = None, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    import os
+
+    full_env = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
+    full_env.pop("H3RENDER_CHECKPOINT", None) if env is None or "H3RENDER_CHECKPOINT" not in env else None
+    return subprocess.run([sys.executable, "-m", "h3render.cli", *args], capture_output=True, text=True,
+                          env=full_env, cwd=cwd or REPO, timeout=600)
+
+
+def decode(path: Path) -> tuple[np.ndarray, np.ndarray]:
+    """All frames [F, H, W, 3] uint8 and all samples [2, N] float32 of an MP4."""
+    with av.open(str(path)) as c:
+        frames = np.stack([f.to_ndarray(format="rgb24") for f in c.decode(video=0)])
+    with av.open(str(path)) as c:
+        samples = np.concatenate([f.to_ndarray() for f in c.decode(audio=0)], axis=1)
+    return frames, samples
+
+
+@pytest.fixture(scope="module")
+def official_ckpt(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("ckpt") / "tiny-official"
+    r = run_cli("make-checkpoint", str(out), "--config", "tiny", "--layout", "official")
+    assert r.returncode == 0, r.stderr
+    return out
+
+
+@pytest.fixture(scope="module")
+def diffusers_ckpt(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("ckpt") / "tiny-diffusers"
+    r = run_cli("make-checkpoint", str(out), "--config", "tiny", "--layout", "diffusers")
+    assert r.returncode == 0, r.stderr
+    return out
+
+
+def check_mp4(path: Path, frames: int, width: int, height: int) -> None:
+    with av.open(str(path)) as c:
+        v, a = c.streams.video[0], c.streams.audio[0]
+        assert v.codec_context.name == "h264"
+        assert v.codec_context.profile == "High"
+        assert v.format.name == "yuv420p"
+        assert (v.width, v.height) == (width, height)
+        assert v.average_rate == 24
+        assert a.codec_context.name == "aac"
+        assert a.rate == 32000
+        assert a.channels == 2
+        video_s = float(v.duration * v.time_base)
+        audio_s = float(a.duration * a.time_base)
+    decoded, samples = decode(path)
+    assert decoded.shape[0] == frames
+    want = audio_samples_for(frames)
+    assert abs(samples.shape[1] - want) <= 1024, (samples.shape, want)
+    assert abs(video_s - frames / 24) < 0.032
+    assert abs(audio_s - frames / 24) < 0.032
+
+
+@pytest.mark.parametrize("layout", ["official", "diffusers"])
+def test_prompt_renders_playable_mp4_from_checkpoint(layout, official_ckpt, diffusers_ckpt, tmp_path):
+    ckpt = official_ckpt if layout == "official" else diffusers_ckpt
+    out = tmp_path / "clip.mp4"
+    r = run_cli("prompt", "A red fox runs through snow, wind howling", "-o", str(out), "--checkpoint", str(ckpt),
+                "--width", "224", "--height", "128", "--frames", "22", "--steps", "3", "--seed", "5")
+    assert r.returncode == 0, r.stderr
+    check_mp4(out, frames=22, width=224, height=128)
+    sidecar = json.loads(out.with_suffix(".json").read_text())
+    assert sidecar["job"] == {"prompt": "A red fox runs through snow, wind howling", "seed": 5, "width": 224,
+                              "height": 128, "frames": 22, "steps": 3, "mode": "t2va"}
+    assert sidecar["checkpoint"]["layout"] == layout
+    assert len(sidecar["sigmas"]["video"]) == 3 and sidecar["sigmas"]["video_shift"] == 12.0
+    stages = sidecar["timings"]["stages"]
+    for stage in ("text_encode", "denoise", "vae_video", "vae_audio", "to_uint8_d2h", "encode_mux", "total"):
+        assert stages[stage]["seconds"] > 0, stage
+    assert len(stages["denoise"]["steps"]) == 2
+    assert not list(tmp_path.glob("*.tmp*"))
+
+
+def test_builtin_tiny_same_seed_identical_other_seed_differs(tmp_path):
+    outs = {}
+    for name, seed in (("a", 3), ("b", 3), ("c", 4)):
+        out = tmp_path / f"{name}.mp4"
+        r = run_cli("prompt", "Rain on a tin roof", "-o", str(out), "--seed", str(seed), "--steps", "3")
+        assert r.returncode == 0, r.stderr
+        assert "random weights" in r.stderr
+        outs[name] = decode(out)
+    check_mp4(tmp_path / "a.mp4", frames=39, width=224, height=128)
+    np.testing.assert_array_equal(outs["a"][0], outs["b"][0])
+    np.testing.assert_array_equal(outs["a"][1], outs["b"][1])
+    assert np.abs(outs["a"][0].astype(int) - outs["c"][0].astype(int)).mean() > 1.0
+    assert np.abs(outs["a"][1] - outs["c"][1]).mean() > 1e-4
+
+
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["--width", "225", "--height", "128"], "multiple"),
+        (["--width", "200", "--height", "128"], "multiple"),
+        (["--frames", "0"], "frames"),
+        (["--preset", "no-such-preset"], "preset"),
+        (["--checkpoint", "/nonexistent/ckpt"], "does not exist"),
+    ],
+)
+def test_bad_arguments_exit_2_one_line_no_output(args, needle, tmp_path):
+    out = tmp_path / "x.mp4"
+    r = run_cli("prompt", "hello", "-o", str(out), *args)
+    assert r.returncode == 2, (r.returncode, r.stderr)
+    errors = [line for line in r.stderr.splitlines() if line.startswith("h3render: error")]
+    assert len(errors) == 1 and needle in errors[0].lower(), r.stderr
+    assert "Traceback" not in r.stderr
+    assert not out.exists() and not list(tmp_path.iterdir())
+
+
+def test_unwritable_output_directory(tmp_path):
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    (locked / "file").write_text("")
+    r = run_cli("prompt", "hello", "-o", str(locked / "file" / "x.mp4"))
+    assert r.returncode == 2, r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_presets_lists_canvas_frames_rows():
+    r = run_cli("presets")
+    assert r.returncode == 0, r.stderr
+    assert "1344x768" in r.stdout.replace("×", "x")
+    assert "72,576" in r.stdout or "72576" in r.stdout or "landscape" in r.stdout
