@@ -620,7 +620,10 @@ def write_mp4(
     if not isinstance(frames, torch.Tensor):
         raise MediaError(f"{path}: frames must be a torch tensor or numpy array, got {type(frames).__name__}")
     if frames.is_floating_point():
-        frames = frames_to_uint8(frames)  # [F, H, W, 3] on frames' device
+        try:
+            frames = frames_to_uint8(frames)  # [F, H, W, 3] on frames' device
+        except MediaError as exc:
+            raise MediaError(f"{path}: {exc}") from exc
     if frames.dtype != torch.uint8 or frames.ndim != 4 or frames.shape[-1] != 3:
         raise MediaError(
             f"{path}: frames must be [3, F, H, W] float or [F, H, W, 3] uint8, "

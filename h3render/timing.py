@@ -80,7 +80,9 @@ class StageTimer:
             ...
         timer.summary()
 
-    Thread-safe for recording; ``stage``'s synchronization only touches ``device``.
+    Recording is thread-safe. Use ``stage``/``step`` on the thread that drives the device and
+    ``add_interval`` for work measured elsewhere (the encoder thread's ``Mp4Writer.stats``); per-stage peak
+    memory assumes one thread runs outermost stages at a time.
     """
 
     def __init__(self, device: Union[torch.device, str, None] = None) -> None:
@@ -91,7 +93,7 @@ class StageTimer:
         self.steps: dict[str, list[float]] = {}
         self.warmups: dict[str, float] = {}
         self.stage_peak_bytes: dict[str, int] = {}
-        self._depth = 0
+        self._local = threading.local()  # stage nesting depth, per thread
         self._job_peak = 0
         if self._cuda:
             torch.cuda.reset_peak_memory_stats(self.device)
@@ -117,18 +119,19 @@ class StageTimer:
     def stage(self, name: str) -> Iterator[None]:
         """Time a stage, synchronizing the CUDA device at both edges. Outermost stages also record their
         peak allocated device memory (bytes) in ``stage_peak_bytes``; a stage may be entered several times."""
-        outer = self._depth == 0
+        depth = getattr(self._local, "depth", 0)
+        outer = depth == 0
         self._sync()
         if self._cuda and outer:
             torch.cuda.reset_peak_memory_stats(self.device)
-        self._depth += 1
+        self._local.depth = depth + 1
         start = self.now()
         try:
             yield
         finally:
             self._sync()
             end = self.now()
-            self._depth -= 1
+            self._local.depth = depth
             self.add_interval(name, start, end)
             if self._cuda and outer:
                 peak = torch.cuda.max_memory_allocated(self.device)
