@@ -21,7 +21,7 @@ from typing import Any, Iterator
 import torch
 
 from h3render import sampling
-from h3render.colour import frames_to_uint8
+from h3render.colour import frames_to_uint8, rgb_to_i420
 from h3render.media import MediaError, Mp4Writer, PinnedFrameStager, temp_path_for
 from h3render.models.attention import attention as fast_attention
 from h3render.models.attention import select_backend
@@ -120,7 +120,8 @@ class Renderer:
         info = ckpt.read_checkpoint_info(checkpoint)
         hook = schedule = adapter_info = None
         if adapter is not None:
-            base = fasth3.TINY_BASE_MODEL if info.layout == "builtin" else fasth3.RELEASED_BASE_MODEL
+            random_model = info.layout == "builtin" or getattr(info, "random_model", None) is not None
+            base = fasth3.TINY_BASE_MODEL if random_model else fasth3.RELEASED_BASE_MODEL
             ad = fasth3.read_adapter(adapter, base_model=base)
             if ad.requires_vsa:
                 raise fasth3.AdapterError(f"{adapter}: a sparse-attention (VSA) student; h3render runs dense "
@@ -266,7 +267,12 @@ class Renderer:
                     t0 = timer.now()
                     if not torch.isfinite(frames).all():
                         raise RenderError(f"the video VAE produced non-finite pixels at frame {first}")
-                    chunk = frames_to_uint8(frames)  # [n, H, W, 3] uint8, on the device
+                    if frames.is_cuda:
+                        # BT.709 yuv420p planes on the GPU: half the bytes of RGB to copy, no swscale pass on
+                        # the host (libswscale's own conversion within +-1 code value; docs/performance.md).
+                        chunk = rgb_to_i420(frames)  # [n, H*3/2, W] uint8
+                    else:
+                        chunk = frames_to_uint8(frames)  # [n, H, W, 3] uint8; swscale converts on the encoder thread
                     writer.write_frames(self._stager.stage(chunk))
                     timer.add_interval("to_uint8_d2h", t0, timer.now())
                     written += chunk.shape[0]

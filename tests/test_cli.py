@@ -140,3 +140,28 @@ def test_presets_lists_canvas_frames_rows():
     assert r.returncode == 0, r.stderr
     assert "1344x768" in r.stdout.replace("×", "x")
     assert "72,576" in r.stdout or "72576" in r.stdout or "landscape" in r.stdout
+
+
+def test_fasth3_renders_with_synthetic_adapter_and_records_schedule(tmp_path):
+    ckpt, adapter = tmp_path / "ckpt", tmp_path / "adapter.safetensors"
+    r = run_cli("make-checkpoint", str(ckpt), "--config", "tiny", "--adapter", str(adapter))
+    assert r.returncode == 0, r.stderr
+    out = tmp_path / "fast.mp4"
+    r = run_cli("prompt", "A drummer in a garage, snare cracks", "-o", str(out), "--checkpoint", str(ckpt),
+                "--mode", "fasth3", "--adapter", str(adapter), "--frames", "22")
+    assert r.returncode == 0, r.stderr
+    check_mp4(out, frames=22, width=224, height=128)
+    side = json.loads(out.with_suffix(".json").read_text())
+    assert side["job"]["mode"] == "fasth3" and side["sigmas"]["forwards"] == 4
+    assert side["sigmas"]["source"] == "release default"
+    assert side["sigmas"]["positions"] == [0.999, 0.749, 0.5, 0.25, 0.0]
+    import hashlib
+
+    assert side["extra"]["fasth3"]["sha256"] == hashlib.sha256(adapter.read_bytes()).hexdigest()
+    # steps are fixed by the student: asking for them is a usage error
+    r = run_cli("prompt", "x", "-o", str(tmp_path / "no.mp4"), "--checkpoint", str(ckpt), "--mode", "fasth3",
+                "--adapter", str(adapter), "--steps", "4")
+    assert r.returncode == 2 and "steps" in r.stderr and not (tmp_path / "no.mp4").exists()
+    # fasth3 without an adapter is refused before anything loads
+    r = run_cli("prompt", "x", "-o", str(tmp_path / "no.mp4"), "--mode", "fasth3")
+    assert r.returncode == 2 and "--adapter" in r.stderr

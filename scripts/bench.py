@@ -1,0 +1,459 @@
+"""Build, check and time h3render at the released shapes on the GPU machine, beside diffusers 0.42.1.
+
+No checkpoint needed: real-size components get random bf16 weights created directly on the GPU (no fp32 host copy).
+Every comparison runs ours and the reference on the SAME weights and inputs in the same process, and checks
+||ours - ref|| / ||ref|| <= 1e-2 (bf16), so a fast wrong kernel cannot pass. Prints one JSON line per measurement
+and a table at the end; `--out FILE` also writes them all as JSON.
+
+Stages (`--stages`, comma-separated):
+  ceil      bf16 matmul and device copy ceilings
+  attn      attention backends at S = 73,642 (one layer, 56 heads x 128)
+  kernels   Triton kernels vs their torch references at the released shapes
+  dit       DiT forward: ours vs diffusers at --ref-blocks blocks (same weights; scaled to 50), then ours at 50
+            blocks alone (tables, AdaLN weights dropped), 1344x768x243 and 960x544x124
+  vae       video VAE decode of 72 (and 32) latent frames: ours vs diffusers, same weights
+  audio     audio VAE decode (fp32): ours vs diffusers
+  te        text encoder, 50 of 64 Qwen3-VL-32B layers, 256- and 2,000-token prompts
+  e2e       complete MP4 of a 10.125 s 1344x768 clip with --forwards DiT forwards (4 = FastH3 length), all
+            components resident; run under torchrun for several GPUs
+
+Usage (device): python scripts/bench.py --stages ceil,attn,kernels,dit,vae,audio,te
+                torchrun --nproc-per-node 2 scripts/bench.py --stages e2e
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+RESULTS: list[dict] = []
+PEAK_TFLOPS = [None]
+
+
+def rec(**row) -> None:
+    RESULTS.append(row)
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(json.dumps(row, default=str), flush=True)
+
+
+def cuda_time(fn, reps: int = 3, warm: int = 1) -> float:
+    """Median wall seconds of `fn()` with device synchronization."""
+    for _ in range(warm):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    times.sort()
+    return times[len(times) // 2]
+
+
+def rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
+    ours, ref = ours.double(), ref.double()
+    return float((ours - ref).norm() / ref.norm())
+
+
+def gb(n_bytes: float) -> float:
+    return round(n_bytes / 1e9, 2)
+
+
+def peak_reset() -> None:
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+
+
+def peak_gb() -> float:
+    return gb(torch.cuda.max_memory_allocated())
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# random real-size components, built on the GPU
+
+
+@torch.no_grad()
+def random_(module: torch.nn.Module, seed: int) -> torch.nn.Module:
+    """O(1)-scaled random weights in place (norm weights ~1, matrices ~1/sqrt(fan_in), small biases): keeps 50 random
+    blocks finite, which default initialisations do not guarantee in bf16."""
+    torch.manual_seed(seed)
+    for name, p in module.named_parameters():
+        if p.ndim == 1 and "norm" in name:
+            p.copy_(1.0 + 0.1 * torch.randn_like(p, dtype=torch.float32))
+        elif p.ndim == 1:
+            p.copy_(0.02 * torch.randn_like(p, dtype=torch.float32))
+        else:
+            fan_in = p[0].numel()
+            p.copy_(torch.randn_like(p, dtype=torch.float32) * (0.5 / fan_in ** 0.5))
+    return module
+
+
+def build_on_gpu(factory, dtype=torch.bfloat16):
+    """Construct a module directly on the GPU in `dtype` (no host copy of the weights)."""
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device("cuda"):
+            return factory().eval().requires_grad_(False)
+    finally:
+        torch.set_default_dtype(old)
+
+
+def released_dit(num_layers: int = 50, seed: int = 0):
+    from h3render.models.dit import DiT, DiTConfig
+
+    cfg = dataclasses.replace(DiTConfig(), num_layers=num_layers)
+    dit = build_on_gpu(lambda: DiT(cfg))
+    random_(dit, seed)
+    return dit.apply_precision_(torch.bfloat16)
+
+
+def dit_inputs(dit, height: int, width: int, frames: int, text_len: int = 256, seed: int = 0):
+    from h3render import sampling
+    from h3render.packing import patchify_video, t2va_layout
+
+    layout = t2va_layout(text_len, height, width, frames).to("cuda")
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    text = torch.randn(text_len, dit.cfg.text_dim, device="cuda", generator=g).bfloat16()
+    video, audio = sampling.draw_noise(seed, layout)
+    return layout, text, patchify_video(video[0]).cuda(), audio.cuda()
+
+
+def dit_flops(seq: int, cfg, layers: int) -> tuple[float, float]:
+    """(attention, linear) FLOP of one forward (DESIGN.md §3 accounting)."""
+    inner = cfg.num_attention_heads * cfg.attention_head_dim
+    lin = 2 * seq * (3 * cfg.hidden_size * inner + inner * cfg.hidden_size + 3 * cfg.hidden_size * cfg.ffn_dim)
+    att = 4 * seq * seq * inner
+    return att * layers, lin * layers
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# stages
+
+
+def stage_ceil(args) -> None:
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn_like(a)
+    t = cuda_time(lambda: a @ b, reps=10, warm=3)
+    PEAK_TFLOPS[0] = 2 * 8192 ** 3 / t / 1e12
+    rec(stage="ceil", what="bf16 matmul 8192^3", tflops=round(PEAK_TFLOPS[0], 1))
+    x = torch.empty(2 * 1024 ** 3, dtype=torch.uint8, device="cuda")
+    y = torch.empty_like(x)
+    t = cuda_time(lambda: y.copy_(x), reps=10, warm=2)
+    rec(stage="ceil", what="device copy", tb_per_s=round(2 * x.numel() / t / 1e12, 2))
+    del a, b, x, y
+
+
+def stage_attn(args) -> None:
+    import bench_kernels
+
+    for row in bench_kernels.bench_attention():
+        rec(stage="attn", **row)
+
+
+def stage_kernels(args) -> None:
+    import bench_kernels
+
+    for row in bench_kernels.check_kernels():
+        rec(stage="kernel-check", **row)
+    for row in bench_kernels.bench_kernels():
+        rec(stage="kernels", **row)
+
+
+@torch.no_grad()
+def stage_dit(args) -> None:
+    from h3render import sampling
+    from h3render.models.attention import attention, select_backend
+
+    backend = select_backend(args.attention)
+    rec(stage="dit", what="attention backend", backend=backend)
+    shapes = [(768, 1344, 243), (544, 960, 124)]
+
+    # 1. ours vs diffusers at reduced depth, same weights
+    n = args.ref_blocks
+    dit = released_dit(n)
+    dit.set_attention(attention, refiner=True)
+    ref = diffusers_dit(dit)
+    for height, width, frames in shapes:
+        layout, text, video_rows, audio_rows = dit_inputs(dit, height, width, frames)
+        vs, as_ = sampling.sigma_schedule(50, 12.0), sampling.sigma_schedule(50, 3.0)
+        tables = dit.modulation_tables(sampling.schedule_timesteps(vs[:3], as_[:3]))
+        vt, at = 1 - vs[1], 1 - as_[1]
+        index = layout.row_timestep_index(tables.index_of(vt), tables.index_of(at))
+        rope = dit.rope_tables(layout.positions)
+        ours_fn = lambda: dit(video_rows, audio_rows, text, layout, tables, index, rope)  # noqa: E731
+        ref_fn = lambda: ref_forward(ref, layout, text, video_rows, audio_rows, vt, at)  # noqa: E731
+        peak_reset()
+        t_ours = cuda_time(ours_fn, reps=2)
+        mem_ours = peak_gb()
+        peak_reset()
+        t_ref = cuda_time(ref_fn, reps=2)
+        mem_ref = peak_gb()
+        (ov, oa), (rv, ra) = ours_fn(), ref_fn()
+        ev, ea = rel_err(ov, rv), rel_err(oa, ra)
+        att, lin = dit_flops(layout.seq_len, dit.cfg, 50)
+        scale = 50 / n
+        rec(stage="dit", what=f"DiT forward {width}x{height}x{frames} ({n} blocks, scaled to 50)",
+            seq=layout.seq_len, ours_s=round(t_ours * scale, 3), ref_s=round(t_ref * scale, 3),
+            speedup=round(t_ref / t_ours, 3), tflops=round((att + lin) / (t_ours * scale) / 1e12, 1),
+            rel_err_video=ev, rel_err_audio=ea, ok=ev <= 1e-2 and ea <= 1e-2,
+            peak_gb_ours=mem_ours, peak_gb_ref=mem_ref)
+    del ref, dit
+    peak_reset()
+
+    # 2. ours alone at 50 blocks, tables only (AdaLN weights dropped)
+    dit = released_dit(50)
+    dit.set_attention(attention, refiner=True)
+    for height, width, frames in shapes:
+        layout, text, video_rows, audio_rows = dit_inputs(dit, height, width, frames)
+        vs, as_ = sampling.sigma_schedule(5, 12.0), sampling.sigma_schedule(5, 3.0)
+        if dit.has_adaln_weights:
+            tables = dit.modulation_tables(sampling.schedule_timesteps(vs, as_))
+            weights_gb = gb(sum(p.numel() * p.element_size() for p in dit.parameters()))
+            dit.drop_adaln_weights_()
+            torch.cuda.empty_cache()
+            rec(stage="dit", what="DiT weights on GPU", with_adaln_gb=weights_gb,
+                without_adaln_gb=gb(sum(p.numel() * p.element_size() for p in dit.parameters())))
+        index = layout.row_timestep_index(tables.index_of(1 - vs[1]), tables.index_of(1 - as_[1]))
+        rope = dit.rope_tables(layout.positions)
+        peak_reset()
+        t = cuda_time(lambda: dit(video_rows, audio_rows, text, layout, tables, index, rope), reps=2)
+        att, lin = dit_flops(layout.seq_len, dit.cfg, 50)
+        rec(stage="dit", what=f"DiT forward {width}x{height}x{frames} (50 blocks, ours)", seq=layout.seq_len,
+            ours_s=round(t, 3), tflops=round((att + lin) / t / 1e12, 1),
+            frac_peak=round((att + lin) / t / 1e12 / PEAK_TFLOPS[0], 3) if PEAK_TFLOPS[0] else None,
+            peak_gb=peak_gb())
+    del dit
+    peak_reset()
+
+
+def diffusers_dit(dit):
+    from diffusers import MiniMaxH3Transformer3DModel
+
+    from h3render.checkpoint import dit_state_dict_to_diffusers
+
+    config = dataclasses.asdict(dit.cfg)
+    config["patch_size"] = tuple(config["patch_size"])
+    ref = build_on_gpu(lambda: MiniMaxH3Transformer3DModel(**config))
+    sd = dit_state_dict_to_diffusers(dit.state_dict(), dit.cfg)
+    missing, unexpected = ref.load_state_dict(sd, strict=False)
+    assert not unexpected and all("inv_freq" in k for k in missing), (missing[:3], unexpected[:3])
+    # the release's fp32 islands, as diffusers keeps them (_keep_in_fp32_modules)
+    for name in ("proj_in", "audio_proj_in", "time_embedder", "proj_out", "audio_proj_out"):
+        ref.get_submodule(name).float()
+    return ref
+
+
+def ref_forward(ref, layout, text, video_rows, audio_rows, video_t, audio_t):
+    from h3render.packing import step_timesteps
+
+    ts, index = step_timesteps(layout, video_t, audio_t)
+    out = ref(video_rows[None], audio_rows[None], text[None], ts.cuda(), index.cuda(), layout.token_tags,
+              layout.positions, layout.video_index, layout.audio_index, layout.text_index, return_dict=False)
+    return out[0][0], out[1][0]
+
+
+@torch.no_grad()
+def stage_vae(args) -> None:
+    from diffusers import AutoencoderKLMiniMaxH3
+
+    from h3render.models.attention import attention, select_backend
+    from h3render.models.video_vae import VideoVAE, VideoVAEConfig
+    from h3render.pipeline import _heads_first
+
+    select_backend(args.attention)
+    cfg = VideoVAEConfig()
+    ours = build_on_gpu(lambda: VideoVAE(cfg), torch.float32)
+    random_(ours, 1)
+    ref = build_on_gpu(lambda: AutoencoderKLMiniMaxH3(**dataclasses.asdict(cfg)), torch.float32)
+    missing, unexpected = ref.load_state_dict(ours.state_dict(), strict=True)
+    ours.apply_precision_(torch.bfloat16)
+    ours.set_attention(_heads_first(attention))
+    # diffusers in bf16 as its anchor runs it (DESIGN.md §3), fp32 islands per its _keep_in_fp32_modules
+    ref.to(torch.bfloat16)
+    for name, module in ref.named_modules():
+        if any(k in name for k in getattr(ref, "_keep_in_fp32_modules", None) or []):
+            module.float()
+    ref.enable_tiling()
+    rec(stage="vae", what="video VAE params", params=sum(p.numel() for p in ours.parameters()))
+    for t_lat, h, w in ((72, 48, 84), (32, 34, 60)):
+        g = torch.Generator(device="cuda").manual_seed(2)
+        z = torch.randn(24, t_lat, h, w, device="cuda", generator=g)
+        for vb in args.vae_batches:
+            peak_reset()
+            t_ours = cuda_time(lambda: ours.decode(z, batch_size=vb), reps=1, warm=1)
+            rec(stage="vae", what=f"video VAE decode {t_lat} latents {w * 16}x{h * 16} (ours, batch {vb})",
+                ours_s=round(t_ours, 3), peak_gb=peak_gb())
+        out = ours.decode(z, batch_size=args.vae_batches[-1])
+        peak_reset()
+        t0 = time.perf_counter()
+        mean = torch.tensor(cfg.latents_mean, device="cuda").view(1, -1, 1, 1, 1)
+        std = torch.tensor(cfg.latents_std, device="cuda").view(1, -1, 1, 1, 1)
+        ref_out = ref.decode((z[None] * std + mean).bfloat16(), return_dict=False)[0][0].float()
+        torch.cuda.synchronize()
+        t_ref = time.perf_counter() - t0
+        ref_rgb = ref_pixels(ref_out)
+        err = rel_err(out, ref_rgb)
+        rec(stage="vae", what=f"video VAE decode {t_lat} latents {w * 16}x{h * 16} (reference)", ref_s=round(t_ref, 3),
+            ref_peak_gb=peak_gb(), rel_err=err, ok=err <= 1e-2, frames=out.shape[1])
+        del out, ref_out, ref_rgb
+    del ours, ref
+    peak_reset()
+
+
+def ref_pixels(decoded: torch.Tensor) -> torch.Tensor:
+    """diffusers' decoder output (ImageNet-normalized) -> RGB [0, 1], as its pipeline post-processes it."""
+    from h3render.models.video_vae import PIXEL_MEAN, PIXEL_STD
+
+    mean = torch.tensor(PIXEL_MEAN, device=decoded.device).view(3, 1, 1, 1)
+    std = torch.tensor(PIXEL_STD, device=decoded.device).view(3, 1, 1, 1)
+    return (decoded * std + mean).clamp(0, 1)
+
+
+@torch.no_grad()
+def stage_audio(args) -> None:
+    from diffusers import AutoencoderKLMiniMaxH3Audio
+
+    from h3render.models.audio_vae import AudioVAE, AudioVAEConfig
+
+    cfg = AudioVAEConfig()
+    ours = build_on_gpu(lambda: AudioVAE(cfg), torch.float32)
+    random_(ours, 3)
+    ref = build_on_gpu(lambda: AutoencoderKLMiniMaxH3Audio(**dataclasses.asdict(cfg)), torch.float32)
+    ref.load_state_dict(ours.state_dict(), strict=True)
+    z = torch.randn(2, 32, 405, device="cuda")
+    mean = torch.tensor(cfg.latents_mean, device="cuda").view(1, -1, 1)
+    std = torch.tensor(cfg.latents_std, device="cuda").view(1, -1, 1)
+    t_ours = cuda_time(lambda: ours.decode(z), reps=5)
+    t_ref = cuda_time(lambda: ref.decode(z * std + mean, return_dict=False), reps=5)
+    a = ours.decode(z)
+    b = ref.decode(z * std + mean, return_dict=False)[0][:, 0]
+    err = rel_err(a, b)
+    rec(stage="audio", what="audio VAE decode 2x405 latents (fp32)", ours_s=round(t_ours, 4), ref_s=round(t_ref, 4),
+        speedup=round(t_ref / t_ours, 2), rel_err=err, ok=err <= 1e-2)
+    del ours, ref
+
+
+@torch.no_grad()
+def stage_te(args) -> None:
+    from h3render.checkpoint import QWEN3VL_RELEASED
+    from h3render.models.text_encoder import TextEncoder
+
+    te = build_on_gpu(lambda: TextEncoder(dict(QWEN3VL_RELEASED["text_config"]), read_layer=50))
+    random_(te, 4)
+    rec(stage="te", what="text encoder weights (50 layers)", gb=gb(sum(p.numel() * 2 for p in te.parameters())))
+    for n in (256, 2000):
+        ids = torch.randint(0, 150000, (n,), device="cuda")
+        t = cuda_time(lambda: te(ids), reps=3)
+        rec(stage="te", what=f"text encoder {n} tokens", ours_s=round(t, 4))
+    del te
+    peak_reset()
+
+
+@torch.no_grad()
+def stage_e2e(args) -> None:
+    """A complete MP4 through the real Renderer: random real-size components, all resident."""
+    from h3render.checkpoint import RELEASES, CheckpointInfo, Components, QWEN3VL_RELEASED, tiny_tokenizer
+    from h3render.jobs import Job
+    from h3render.models.audio_vae import AudioVAE
+    from h3render.models.text_encoder import TextEncoder
+    from h3render.models.video_vae import VideoVAE
+    from h3render.parallel.groups import init_parallel
+    from h3render.pipeline import EngineSettings, Renderer, offload_adaln_
+
+    ctx = init_parallel("cuda")
+    release = RELEASES["released"]
+    t0 = time.perf_counter()
+    dit = released_dit(50)
+    offload_adaln_(dit)  # tables are built block by block in prepare(); keeps the build under the GPU's memory
+    torch.cuda.empty_cache()
+    vae = build_on_gpu(lambda: VideoVAE(release.video_vae, release.vae_tiling), torch.float32)
+    random_(vae, 1).apply_precision_(torch.bfloat16)
+    avae = random_(build_on_gpu(lambda: AudioVAE(release.audio_vae), torch.float32), 3)
+    te = build_on_gpu(lambda: TextEncoder(dict(QWEN3VL_RELEASED["text_config"]), read_layer=50,
+                                          tokenizer=tiny_tokenizer(512)))
+    random_(te, 4)
+    torch.cuda.synchronize()
+    build_s = time.perf_counter() - t0
+    info = CheckpointInfo(path="random-released", layout="builtin", release=release)
+    comps = Components(dit, vae, avae, te, info)
+    settings = EngineSettings(vae_batch=args.vae_batches[-1], attention=args.attention, progress=False)
+    renderer = Renderer(comps, ctx, settings, load_seconds=build_s)
+    prompt = ("A lighthouse keeper climbs the spiral stairs at dusk, camera tracking upward; wind, waves, the "
+              "creak of iron steps. [Speaker 1]: \"Storm's coming.\"")
+    job = Job(id="bench", prompt=prompt, width=1344, height=768, frames=243, seed=0, steps=args.forwards + 1,
+              mode="t2va", output="bench")
+    renderer.prepare([renderer.schedule(job)])
+    rec(stage="e2e", what="resident after AdaLN offload", gb=gb(torch.cuda.memory_allocated()), world=ctx.world_size)
+    out = Path("/tmp") / f"e2e-w{ctx.world_size}.mp4"  # random weights encode as noise: too big to bring back
+    results = []
+    for rep in range(args.e2e_reps):
+        peak_reset()
+        t0 = time.perf_counter()
+        sidecar = renderer.render(job, out, out.with_suffix(".json"))
+        wall = time.perf_counter() - t0
+        results.append(wall)
+        if ctx.is_main:
+            stages = {k: round(v["seconds"], 3) for k, v in sidecar["timings"]["stages"].items()}
+            rec(stage="e2e", what=f"complete MP4 1344x768x243, {args.forwards} forwards, {ctx.world_size} GPU(s), "
+                                  f"rep {rep}", wall_s=round(wall, 2), stages=stages,
+                denoise_steps=[round(s, 3) for s in sidecar["timings"]["stages"]["denoise"]["steps"]],
+                peak_gb=peak_gb(), mp4_bytes=out.stat().st_size)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--stages", default="ceil,attn,kernels,dit,vae,audio,te")
+    p.add_argument("--ref-blocks", type=int, default=8)
+    p.add_argument("--attention", default=None)
+    p.add_argument("--vae-batches", default="8", help="comma-separated decode batch sizes to time")
+    p.add_argument("--forwards", type=int, default=4)
+    p.add_argument("--e2e-reps", type=int, default=2)
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+    args.vae_batches = [int(x) for x in args.vae_batches.split(",")]
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    torch.backends.cuda.matmul.allow_tf32 = False
+    rec(stage="env", gpu=torch.cuda.get_device_name(0), torch=torch.__version__, gpus=torch.cuda.device_count())
+    for name in args.stages.split(","):
+        t0 = time.perf_counter()
+        try:
+            globals()[f"stage_{name}"](args)
+        except Exception as exc:  # keep the other stages' numbers
+            import traceback
+
+            traceback.print_exc()
+            rec(stage=name, error=f"{type(exc).__name__}: {exc}"[:400])
+        rec(stage=name, what="stage wall", seconds=round(time.perf_counter() - t0, 1))
+        torch.cuda.empty_cache()
+    if args.out and int(os.environ.get("RANK", "0")) == 0:
+        Path(args.out).write_text(json.dumps(RESULTS, indent=1, default=str))
+    if int(os.environ.get("RANK", "0")) == 0:
+        print_table()
+
+
+def print_table() -> None:
+    print("\n| stage | what | ours (s) | ref (s) | speedup | TFLOP/s | rel err | peak GB |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in RESULTS:
+        if "what" not in r or r.get("what") == "stage wall":
+            continue
+        err = r.get("rel_err", r.get("rel_err_video"))
+        print(f"| {r['stage']} | {r['what']} | {r.get('ours_s', r.get('wall_s', ''))} | {r.get('ref_s', '')} | "
+              f"{r.get('speedup', '')} | {r.get('tflops', '')} | {'' if err is None else f'{err:.1e}'} | "
+              f"{r.get('peak_gb', r.get('peak_gb_ours', r.get('gb', '')))} |")
+
+
+if __name__ == "__main__":
+    main()
