@@ -66,7 +66,12 @@ def _qkv_inputs(S, H, D, R, dtype, layout, seed):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(
     "S,H,D,R,layout",
-    [(1, 1, 8, 6, "interleaved"), (37, 3, 40, 24, "stacked"), (129, 2, 128, 96, "interleaved"), (5, 56, 128, 96, "stacked")],
+    [
+        (1, 1, 8, 6, "interleaved"),
+        (37, 3, 40, 24, "stacked"),
+        (129, 2, 128, 96, "interleaved"),
+        (5, 56, 128, 96, "stacked"),
+    ],
 )
 def test_qk_norm_rope_triton_matches_naive(S, H, D, R, layout, dtype):
     qkv, q_w, k_w, cos, sin = _qkv_inputs(S, H, D, R, dtype, layout, seed=S * 7 + H)
