@@ -453,8 +453,8 @@ class VideoVAE(nn.Module):
         """`torch.compile` every decoder block in place (fuses the fp32 norms, RoPE and residual element-wise work).
 
         Opt-in GPU fast path. Measured (1x H200, release size, bf16 block linears, 72 latent frames at 1344x768):
-        eager 11.0 s, compiled 7.2 s (diffusers all-bf16: 15.2 s); the first window pays ~8 s of compilation. bf16 results
-        differ from eager by rounding only (rel. 2e-3). Peak memory 14-19 GB, weights included.
+        eager 11.0 s, compiled 7.2 s (diffusers all-bf16: 15.2 s); the first window pays ~8 s of compilation.
+        bf16 results differ from eager by rounding only (rel. 2e-3). Peak memory 14-19 GB, weights included.
         """
         for block in self.decoder.transformer_blocks:
             block.compile(**compile_kwargs)
