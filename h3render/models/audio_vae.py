@@ -244,7 +244,10 @@ class ResidualUnit(nn.Module):
     def __init__(self, dim: int, dilation: int) -> None:
         super().__init__()
         self.block = nn.Sequential(
-            Snake(dim), WNConv1d(dim, dim, 7, dilation=dilation, padding=3 * dilation), Snake(dim), WNConv1d(dim, dim, 1)
+            Snake(dim),
+            WNConv1d(dim, dim, 7, dilation=dilation, padding=3 * dilation),
+            Snake(dim),
+            WNConv1d(dim, dim, 1),
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -271,7 +271,9 @@ def ramp_blend(a_tail: torch.Tensor, b_head: torch.Tensor, dim: int) -> torch.Te
     return a_tail * weight_a + b_head * weight_b
 
 
-def stitch_tiles(tiles: list[list[torch.Tensor]], row_overlaps: Iterable[int], col_overlaps: Iterable[int]) -> torch.Tensor:
+def stitch_tiles(
+    tiles: list[list[torch.Tensor]], row_overlaps: Iterable[int], col_overlaps: Iterable[int]
+) -> torch.Tensor:
     """Blend a grid of overlapping tiles `[..., h, w]` into one `[..., H, W]` the released way.
 
     Tile (r, c) first blends its top `row_overlaps[r-1]` rows with the ORIGINAL tile above, then its left

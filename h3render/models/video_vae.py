@@ -482,7 +482,9 @@ class VideoVAE(nn.Module):
             raise ValueError(f"video latent must be [{c}, T, h, w], got {tuple(latent.shape)}")
 
     @torch.no_grad()
-    def decode_items(self, latent: torch.Tensor, items: Sequence[DecodeItem], batch_size: int = 8) -> list[torch.Tensor]:
+    def decode_items(
+        self, latent: torch.Tensor, items: Sequence[DecodeItem], batch_size: int = 8
+    ) -> list[torch.Tensor]:
         """Decode work items through the ViT decoder, `batch_size` at a time.
 
         Args:
