@@ -205,7 +205,7 @@ def run_batch(
         ValueError: two jobs share an output path (usage error; nothing was rendered).
 
     SIGINT and SIGTERM do not propagate: the running job is cleaned up, its status becomes ``interrupted``, the
-    report is written and ``exit_code`` is 130. SIGTERM is only trapped when called from the main thread.
+    report is written and ``exit_code`` is 130. The handlers are only installed when called from the main thread.
     """
     out_dir = Path(out_dir)
     targets = [output_paths(out_dir, job) for job in jobs]
@@ -235,11 +235,12 @@ def run_batch(
 
     renderer = None
     current: int | None = None
-    try:
-        with _sigterm_raises_interrupt():
+    with _InterruptGuard() as guard:
+        try:
             for i, (job, (mp4, sidecar), reason) in enumerate(zip(jobs, targets, reasons)):
                 if reason is None:
                     continue
+                guard.check()
                 outcome = report.jobs[i]
                 current = i
                 if renderer is None:
@@ -260,17 +261,19 @@ def run_batch(
                 if not ok and fail_fast:
                     log.line("stopping after the first failure (--fail-fast)")
                     break
-    except KeyboardInterrupt as exc:
-        with _signals_ignored():
-            report.interrupted = True
-            if current is not None and report.jobs[current].status == PENDING:
-                report.jobs[current].status = INTERRUPTED
-                report.jobs[current].error = _describe(exc) if isinstance(exc, Interrupted) else "KeyboardInterrupt"
-            log.line(f"interrupted ({'SIGTERM' if isinstance(exc, Interrupted) else 'SIGINT'}); report written")
-            report.write()
-            log.close()
-        _release_memory()
-        return report
+            guard.check()
+        except KeyboardInterrupt as exc:
+            with guard.caught():
+                report.interrupted = True
+                if current is not None and report.jobs[current].status == PENDING:
+                    report.jobs[current].status = INTERRUPTED
+                    report.jobs[current].error = _describe(exc)
+                log.line(f"interrupted ({exc if isinstance(exc, Interrupted) else 'KeyboardInterrupt'}); "
+                         f"report written")
+                report.write()
+                log.close()
+            _release_memory()
+            return report
 
     report.finished = True
     report.write()
@@ -365,36 +368,70 @@ def _now() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="seconds")
 
 
-def _raise_interrupt(signum, frame) -> None:
-    raise Interrupted(f"{signal.Signals(signum).name} received")
+class _InterruptGuard:
+    """While the queue runs, SIGTERM (``scancel``, a SLURM time limit) and SIGINT raise ``Interrupted`` in the main
+    thread, so both unwind like Ctrl-C through the renderer's own cleanup.
 
+    Python drops an exception raised while a ``__del__`` or a weakref callback runs (seen under SLURM: the SIGTERM
+    landed in ``regex``'s ``Group.__del__`` during a garbage collection and the queue went on). So after the first
+    signal a helper thread sends it again every second until the queue has caught it (``caught()``), and the loop
+    also checks for it between jobs. Handlers are only installed from the main thread (Python allows no other);
+    an ignored SIGINT (a background job) stays ignored.
+    """
 
-@contextmanager
-def _sigterm_raises_interrupt() -> Iterator[None]:
-    """Turn SIGTERM into an ``Interrupted`` (a KeyboardInterrupt) in the main thread while the queue runs, so
-    ``scancel`` and SLURM time limits clean up like Ctrl-C. Signal handlers can only be set from the main thread."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    previous = signal.signal(signal.SIGTERM, _raise_interrupt)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
+    RESEND_S = 1.0
 
+    def __init__(self):
+        self.received: int | None = None
+        self._done = threading.Event()
+        self._lock = threading.Lock()
+        self._previous: dict[int, Any] = {}
 
-@contextmanager
-def _signals_ignored() -> Iterator[None]:
-    """Hold off a second Ctrl-C / SIGTERM while the interrupted queue writes its report (milliseconds)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    previous = {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        yield
-    finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
+    def __enter__(self) -> "_InterruptGuard":
+        if threading.current_thread() is threading.main_thread():
+            for signum in (signal.SIGTERM, signal.SIGINT):
+                if signal.getsignal(signum) is not signal.SIG_IGN:
+                    self._previous[signum] = signal.signal(signum, self._handle)
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self._stop_resending()
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+
+    def _handle(self, signum, frame) -> None:
+        if self.received is None:
+            self.received = signum
+            threading.Thread(target=self._resend, name="h3render-interrupt-resend", daemon=True).start()
+        raise Interrupted(f"{signal.Signals(signum).name} received")
+
+    def _resend(self) -> None:
+        while not self._done.wait(self.RESEND_S):
+            with self._lock:
+                if not self._done.is_set():
+                    os.kill(os.getpid(), self.received)
+
+    def _stop_resending(self) -> None:
+        with self._lock:
+            self._done.set()
+
+    def check(self) -> None:
+        """Raise ``Interrupted`` if a signal arrived whose exception was swallowed on the way."""
+        if self.received is not None:
+            raise Interrupted(f"{signal.Signals(self.received).name} received")
+
+    @contextmanager
+    def caught(self) -> Iterator[None]:
+        """The queue has the interrupt: stop re-sending, and hold off further signals while the report is written
+        (milliseconds)."""
+        self._stop_resending()
+        for signum in self._previous:
+            signal.signal(signum, signal.SIG_IGN)
+        try:
+            yield
+        finally:
+            for signum in self._previous:
+                signal.signal(signum, self._handle)
 
 
 class _QueueLog:

@@ -8,6 +8,7 @@ import json
 import os
 import signal
 import sys
+import time
 import weakref
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -236,6 +237,36 @@ def test_sigterm_is_handled_like_ctrl_c(tmp_path):
     assert data["jobs"][1]["error"] == "Interrupted: SIGTERM received"
     assert files_under(tmp_path) == {"batch-report.json", "sub/j0.mp4", "sub/j0.json"}
     assert signal.getsignal(signal.SIGTERM) is before  # handler restored
+
+
+class SignalInDel:
+    """Sends SIGTERM from inside ``__del__``, where Python swallows the handler's exception."""
+
+    def __del__(self):
+        os.kill(os.getpid(), signal.SIGTERM)
+        for _ in range(1000):  # the handler runs (and its exception is dropped) here
+            pass
+
+
+class SwallowingRenderer(FakeRenderer):
+    def render(self, job, mp4, sidecar):
+        if job.id == "j1":
+            self.rendered.append(job.id)
+            obj = SignalInDel()
+            del obj  # "Exception ignored in: SignalInDel.__del__ ... Interrupted"
+            for _ in range(200):  # a long job: only the re-sent signal can stop it now
+                time.sleep(0.01)
+            raise AssertionError("the interrupt was lost")
+        return super().render(job, mp4, sidecar)
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+def test_signal_swallowed_in_del_is_sent_again(tmp_path, monkeypatch):
+    monkeypatch.setattr(batch._InterruptGuard, "RESEND_S", 0.05)
+    report, factory = run(make_jobs(3), SwallowingRenderer(), tmp_path)
+    assert factory.renderer.rendered == ["j0", "j1"]
+    assert [j.status for j in report.jobs] == ["succeeded", "interrupted", "pending"]
+    assert report.exit_code == 130 and report.jobs[1].seconds < 1.5
 
 
 def test_interrupt_while_loading_the_model(tmp_path):

@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -32,6 +33,25 @@ def _free_port() -> int:
 
 def _logs(cluster_dir: Path) -> str:
     return subprocess.run([str(SLURM_LOCAL), "logs", str(cluster_dir)], capture_output=True, text=True).stdout
+
+
+def _submit_env(slurm_conf: Path) -> dict[str, str]:
+    return {
+        **os.environ,
+        "SLURM_CONF": str(slurm_conf),
+        # The tasks inherit this (--export=ALL): the venv's python and h3render first, this checkout importable.
+        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+        "OMP_NUM_THREADS": "1",  # two tasks share CI's two cores
+    }
+
+
+def _wait_for(predicate, seconds: float, what: str, slurm_conf: Path) -> None:
+    deadline = time.monotonic() + seconds
+    while not predicate():
+        if time.monotonic() > deadline:
+            pytest.fail(f"{what} did not happen within {seconds} s\n{_logs(slurm_conf.parent)}")
+        time.sleep(0.2)
 
 
 @pytest.fixture(scope="module")
@@ -57,16 +77,12 @@ def slurm_conf():
 
 def test_array_job_renders_every_job_exactly_once(slurm_conf, tmp_path):
     manifest = tmp_path / "queue.jsonl"
+    # The smallest clips the tiny model takes (22 frames, 128 x 128, 3 sigma points): the test is about the queue.
     manifest.write_text("".join(json.dumps({"id": f"clip-{i}", "prompt": f"A paper boat drifts down gutter {i}, "
-                                            f"rain drumming on tin.", "seed": i}) + "\n" for i in range(4)))
+                                            f"rain drumming on tin.", "seed": i, "frames": 22, "width": 128,
+                                            "height": 128, "steps": 3}) + "\n" for i in range(4)))
     out = tmp_path / "out"
-    env = {
-        **os.environ,
-        "SLURM_CONF": str(slurm_conf),
-        # The array tasks inherit this (--export=ALL): the venv's python and h3render first, this checkout importable.
-        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
-        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
-    }
+    env = _submit_env(slurm_conf)
     cmd = ["sbatch", "--wait", "--array=0-1", "--export=ALL", f"--chdir={tmp_path}",
            f"--output={tmp_path}/task-%A_%a.out", str(SBATCH_SCRIPT), str(manifest), str(out), *H3RENDER_OPTIONS]
     try:
@@ -96,6 +112,47 @@ def test_array_job_renders_every_job_exactly_once(slurm_conf, tmp_path):
             rendered.setdefault(job["id"], []).append(index)
     assert rendered == {"clip-0": [0], "clip-1": [1], "clip-2": [0], "clip-3": [1]}
     assert not (out / "batch-report.json").exists()
+
+
+def test_scancel_interrupts_the_running_job_cleanly(slurm_conf, tmp_path):
+    """scancel sends SIGTERM: the running job's files go, the report says interrupted, the task exits 130."""
+    small = {"frames": 22, "width": 128, "height": 128, "steps": 3}
+    big = {"frames": 107, "width": 384, "height": 384, "steps": 100}  # minutes on CPU: still running at scancel
+    manifest = tmp_path / "queue.jsonl"
+    manifest.write_text("".join(json.dumps({"id": name, "prompt": f"Lighthouse beam over a dark sea, take {name}.",
+                                            "seed": 7, **size}) + "\n"
+                                for name, size in (("c0", small), ("c1", big), ("c2", small))))
+    out = tmp_path / "out"
+    env = _submit_env(slurm_conf)
+    submit = subprocess.run(["sbatch", "--parsable", "--export=ALL", f"--chdir={tmp_path}",
+                             f"--output={tmp_path}/cancelled-%j.out", str(SBATCH_SCRIPT), str(manifest), str(out),
+                             *H3RENDER_OPTIONS], env=env, capture_output=True, text=True, timeout=60)
+    assert submit.returncode == 0, submit.stderr
+    job_id = submit.stdout.strip().split(";")[0]
+
+    def c0_done() -> bool:
+        try:
+            return json.loads((out / "batch-report.json").read_text())["jobs"][0]["status"] == "succeeded"
+        except (OSError, ValueError, KeyError, IndexError):
+            return False
+
+    _wait_for(c0_done, 180, "the first job", slurm_conf)
+    time.sleep(0.5)  # c1 is under way
+    subprocess.run(["scancel", job_id], env=env, check=True, timeout=30)
+    _wait_for(lambda: not subprocess.run(["squeue", "-h", "-j", job_id], env=env, capture_output=True,
+                                         text=True).stdout.strip(), 60, "the cancelled job to end", slurm_conf)
+    log = next(tmp_path.glob("cancelled-*.out")).read_text()
+    print(log)
+    show = subprocess.run(["scontrol", "show", "job", job_id], env=env, capture_output=True, text=True).stdout
+    assert "ExitCode=130:0" in show, f"{show}\n{log}"
+
+    report = json.loads((out / "batch-report.json").read_text())
+    assert report["state"] == "interrupted" and report["exit_code"] == 130, log
+    assert [(job["id"], job["status"]) for job in report["jobs"]] == \
+        [("c0", "succeeded"), ("c1", "interrupted"), ("c2", "pending")], log
+    assert report["jobs"][1]["error"] == "Interrupted: SIGTERM received"
+    # Nothing partial: only c0's files, no temp file.
+    assert sorted(p.name for p in out.iterdir()) == ["batch-report.json", "c0.json", "c0.mp4"]
 
 
 @pytest.mark.parametrize("args, env, expected", [
