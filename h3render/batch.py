@@ -38,11 +38,10 @@ import sys
 import threading
 import time
 import traceback
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Sequence
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -263,15 +262,15 @@ def run_batch(
                     break
             guard.check()
         except KeyboardInterrupt as exc:
-            with guard.caught():
-                report.interrupted = True
-                if current is not None and report.jobs[current].status == PENDING:
-                    report.jobs[current].status = INTERRUPTED
-                    report.jobs[current].error = _describe(exc)
-                log.line(f"interrupted ({exc if isinstance(exc, Interrupted) else 'KeyboardInterrupt'}); "
-                         f"report written")
-                report.write()
-                log.close()
+            guard.acknowledge()
+            report.interrupted = True
+            if current is not None and report.jobs[current].status == PENDING:
+                report.jobs[current].status = INTERRUPTED
+                report.jobs[current].error = _describe(exc)
+            log.line(f"interrupted ({exc if isinstance(exc, Interrupted) else 'KeyboardInterrupt'}); "
+                     f"report written")
+            report.write()
+            log.close()
             _release_memory()
             return report
 
@@ -372,66 +371,74 @@ class _InterruptGuard:
     """While the queue runs, SIGTERM (``scancel``, a SLURM time limit) and SIGINT raise ``Interrupted`` in the main
     thread, so both unwind like Ctrl-C through the renderer's own cleanup.
 
-    Python drops an exception raised while a ``__del__`` or a weakref callback runs (seen under SLURM: the SIGTERM
-    landed in ``regex``'s ``Group.__del__`` during a garbage collection and the queue went on). So after the first
-    signal a helper thread sends it again every second until the queue has caught it (``caught()``), and the loop
-    also checks for it between jobs. Handlers are only installed from the main thread (Python allows no other);
-    an ignored SIGINT (a background job) stays ignored.
+    Python drops an exception raised while a ``__del__`` or a weakref callback runs and hands it to
+    ``sys.unraisablehook`` (seen under SLURM: the SIGTERM landed in ``regex``'s ``Group.__del__`` during a garbage
+    collection, and the queue went on rendering). The guard's hook marks the signal lost and a helper thread sends
+    it again a moment later, when the main thread is out of the ``__del__``; the loop also checks for it between
+    jobs. Handlers are only installed from the main thread (Python allows no other); an ignored SIGINT (a
+    background job) stays ignored.
     """
 
-    RESEND_S = 1.0
+    RESEND_DELAY_S = 0.05
 
     def __init__(self):
         self.received: int | None = None
-        self._done = threading.Event()
-        self._lock = threading.Lock()
+        self._lost = threading.Event()
+        self._acknowledged = threading.Event()
+        self._lock = threading.Lock()  # no re-send once acknowledged (the default SIGTERM action would kill us)
         self._previous: dict[int, Any] = {}
+        self._previous_hook = None
 
     def __enter__(self) -> "_InterruptGuard":
         if threading.current_thread() is threading.main_thread():
             for signum in (signal.SIGTERM, signal.SIGINT):
                 if signal.getsignal(signum) is not signal.SIG_IGN:
                     self._previous[signum] = signal.signal(signum, self._handle)
+            self._previous_hook, sys.unraisablehook = sys.unraisablehook, self._unraisable
         return self
 
     def __exit__(self, *exc_info) -> None:
-        self._stop_resending()
+        with self._lock:
+            self._acknowledged.set()
         for signum, handler in self._previous.items():
             signal.signal(signum, handler)
+        if self._previous_hook is not None:
+            sys.unraisablehook = self._previous_hook
 
     def _handle(self, signum, frame) -> None:
         if self.received is None:
             self.received = signum
-            threading.Thread(target=self._resend, name="h3render-interrupt-resend", daemon=True).start()
+            threading.Thread(target=self._resend_lost, name="h3render-resend-signal", daemon=True).start()
         raise Interrupted(f"{signal.Signals(signum).name} received")
 
-    def _resend(self) -> None:
-        while not self._done.wait(self.RESEND_S):
-            with self._lock:
-                if not self._done.is_set():
-                    os.kill(os.getpid(), self.received)
+    def _unraisable(self, unraisable) -> None:
+        if isinstance(unraisable.exc_value, Interrupted):
+            self._lost.set()  # not re-sent from here: the handler would run inside this hook and be dropped too
+            return
+        self._previous_hook(unraisable)
 
-    def _stop_resending(self) -> None:
-        with self._lock:
-            self._done.set()
+    def _resend_lost(self) -> None:
+        while not self._acknowledged.is_set():
+            if self._lost.wait(0.5) and not self._acknowledged.wait(self.RESEND_DELAY_S):
+                with self._lock:
+                    if not self._acknowledged.is_set():
+                        self._lost.clear()
+                        print(f"h3render batch: {signal.Signals(self.received).name} was dropped inside a __del__; "
+                              f"sending it again", file=sys.stderr, flush=True)
+                        os.kill(os.getpid(), self.received)
 
     def check(self) -> None:
-        """Raise ``Interrupted`` if a signal arrived whose exception was swallowed on the way."""
+        """Raise ``Interrupted`` if a signal arrived whose exception got lost on the way."""
         if self.received is not None:
             raise Interrupted(f"{signal.Signals(self.received).name} received")
 
-    @contextmanager
-    def caught(self) -> Iterator[None]:
-        """The queue has the interrupt: stop re-sending, and hold off further signals while the report is written
-        (milliseconds)."""
-        self._stop_resending()
+    def acknowledge(self) -> None:
+        """The queue has the interrupt: ignore further signals while it writes the report and returns
+        (milliseconds; leaving the guard restores the previous handlers)."""
+        with self._lock:
+            self._acknowledged.set()
         for signum in self._previous:
             signal.signal(signum, signal.SIG_IGN)
-        try:
-            yield
-        finally:
-            for signum in self._previous:
-                signal.signal(signum, self._handle)
 
 
 class _QueueLog:

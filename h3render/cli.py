@@ -261,7 +261,7 @@ def _rank_main(checkpoint, jobs, opts, device, kw) -> int:
 
     def load():
         renderer = Renderer.load(checkpoint, ctx, dtype, settings, adapter=opts["adapter"])
-        renderer.prepare([renderer.schedule(j) for j in _distinct_schedules(jobs)])
+        renderer.prepare(_distinct_setups(jobs))
         return renderer
 
     try:
@@ -322,11 +322,12 @@ def _remove(*paths: Path) -> None:
             pass
 
 
-def _distinct_schedules(jobs):
-    """One representative job per distinct schedule, so AdaLN tables are built before the GPU drops the weights."""
+def _distinct_setups(jobs):
+    """One representative job per distinct (schedule, canvas): AdaLN tables are built and the VAE compiled for each
+    before the first job, outside job timings."""
     seen, out = set(), []
     for job in jobs:
-        key = (job.mode, job.steps)
+        key = (job.mode, job.steps, job.width, job.height)
         if key not in seen:
             seen.add(key)
             out.append(job)

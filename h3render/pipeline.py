@@ -43,6 +43,8 @@ class EngineSettings:
         vae_batch: video VAE decode work items per decoder forward.
         attention: attention backend name ("fa3", "cudnn", "sdpa") or None to choose by measurement.
         progress: show the per-step tqdm bar (at `step_bar_position`; the batch queue bar is at 0).
+        compile_vae: on CUDA, `torch.compile` the video VAE decoder blocks (1x H200: 11.0 s -> 7.2 s for 72 latent
+            frames at 1344x768; compiled in `prepare`, outside job timings).
         save_latents: also write the final latents (`<name>.latents.pt`: video `[24, T, h, w]`, audio
             `[2, 32, Ta]`, float32) beside the MP4, for comparing runs (e.g. 1 vs N GPUs).
     """
@@ -54,6 +56,7 @@ class EngineSettings:
     progress: bool = True
     save_latents: bool = False
     step_bar_position: int = 1
+    compile_vae: bool = True
 
 
 @dataclass
@@ -162,16 +165,30 @@ class Renderer:
             self._tables[key] = build_tables(self.c.dit, timesteps, self.device)
         return self._tables[key]
 
-    def prepare(self, schedules: list[Schedule]) -> None:
-        """Build the tables of the given schedules now (warm-up) and, on CUDA, move the AdaLN projections
-        (≈13 B parameters at release) off the GPU: later schedules rebuild tables block by block."""
+    def prepare(self, jobs: list) -> None:
+        """Warm-up outside job timings: build the AdaLN tables of the jobs' schedules and, on CUDA, move the AdaLN
+        projections (≈13 B parameters at release) off the GPU (later schedules rebuild tables block by block);
+        compile the VAE decoder for the jobs' tile shapes."""
         t0 = time.perf_counter()
-        for s in schedules:
-            self.tables(s)
+        for job in jobs:
+            self.tables(self.schedule(job))
         if self.device.type == "cuda":
             offload_adaln_(self.c.dit)
             torch.cuda.empty_cache()
         self.warmup["adaln_tables_s"] = time.perf_counter() - t0
+        if self.device.type == "cuda" and self.settings.compile_vae:
+            t0 = time.perf_counter()
+            vae = self.c.video_vae
+            if not getattr(vae, "pad_batches", False):
+                vae.compile_blocks_(dynamic=False)
+            with torch.no_grad():
+                for width, height in sorted({(j.width, j.height) for j in jobs}):
+                    # one window of the canvas: every item of a plan shares one tile shape
+                    plan = vae.plan_decode(vae.config.geometry.window_latents, height // 16, width // 16)
+                    z = torch.zeros(vae.config.latent_channels, plan.latent_frames, plan.latent_height, plan.latent_width, device=self.device)
+                    vae.decode_items(z, plan.items[: self.settings.vae_batch], self.settings.vae_batch)
+            torch.cuda.synchronize(self.device)
+            self.warmup["vae_compile_s"] = time.perf_counter() - t0
 
     # -- one job ----------------------------------------------------------------------------------------------
 

@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import kernels
 from h3render.packing import PackedLayout
 
 # Modality tags of the packed sequence (released model): 0 video, 1 text, 2 audio. Block AdaLN tables hold one row per
@@ -184,6 +185,8 @@ def qk_norm_rope(
     Returns:
         `(q, k, v)`, each `[S, H, D]` in the input dtype.
     """
+    if q.is_cuda:  # fused Triton kernel: one pass over the qkv projection output (16x the torch ops on an H200)
+        return kernels.qk_norm_rope(q, k, v, q_weight, k_weight, cos, sin, eps)
     q = F.rms_norm(q, (q.shape[-1],), q_weight, eps)
     k = F.rms_norm(k, (k.shape[-1],), k_weight, eps)
     if cos is not None:
@@ -209,6 +212,8 @@ def modulate(
     Returns:
         `[S, C]`, dtype of `x` (the math runs in x's dtype, as the reference does).
     """
+    if x.is_cuda:  # fused Triton kernel: gather + RMSNorm + scale/shift in one pass
+        return kernels.modulate(x, norm_weight, shift, scale, row_index, eps)
     h = F.rms_norm(x, (x.shape[-1],), norm_weight, eps)
     return h * (1.0 + scale.index_select(0, row_index)) + shift.index_select(0, row_index)
 
@@ -216,11 +221,15 @@ def modulate(
 def gated_residual(x: torch.Tensor, y: torch.Tensor, gate: torch.Tensor, row_index: torch.Tensor) -> torch.Tensor:
     """`x + gate[row_index] * y`. x, y: `[S, C]`; gate: `[R, C]`; row_index: `[S]` int64. Same signature as
     `kernels.gated_residual.gated_residual`."""
+    if x.is_cuda:
+        return kernels.gated_residual(x, y, gate, row_index)
     return x + gate.index_select(0, row_index) * y
 
 
 def swiglu(h: torch.Tensor) -> torch.Tensor:
     """SwiGLU on a gate-first fused projection: `h = [gate | value]` `[S, 2F]` -> `value * silu(gate)` `[S, F]`."""
+    if h.is_cuda:
+        return kernels.swiglu(h)
     gate, value = h.chunk(2, dim=-1)
     return value * F.silu(gate)
 

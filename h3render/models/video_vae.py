@@ -458,6 +458,8 @@ class VideoVAE(nn.Module):
         """
         for block in self.decoder.transformer_blocks:
             block.compile(**compile_kwargs)
+        # Compiled blocks specialize on the batch size: pad short batches so a decode never recompiles mid-job.
+        self.pad_batches = True
         return self
 
     def set_attention(self, fn: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]) -> None:
@@ -510,9 +512,12 @@ class VideoVAE(nn.Module):
                 t_index = torch.arange(*it.latent_t, device=latent.device).clamp_(max=last)
                 clip = latent[:, t_index, it.latent_y[0] : it.latent_y[1], it.latent_x[0] : it.latent_x[1]]
                 clips.append(clip.float() * self.latents_std + self.latents_mean)
+            real = len(clips)
+            if getattr(self, "pad_batches", False):
+                clips += clips[-1:] * (batch_size - real)
             z = self.post_quant_conv(torch.stack(clips))  # [B, 24, window_latents, th, tw]
             pixels = self.decoder(z)  # [B, 3, window_latents * 4, th*16, tw*16]
-            outputs.extend(torch.cat([pixels[:, :, head], pixels[:, :, tail]], dim=2).unbind(0))
+            outputs.extend(torch.cat([pixels[:real, :, head], pixels[:real, :, tail]], dim=2).unbind(0))
         return outputs
 
     def to_rgb(self, frames: torch.Tensor) -> torch.Tensor:
