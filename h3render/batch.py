@@ -260,7 +260,6 @@ def run_batch(
                 if not ok and fail_fast:
                     log.line("stopping after the first failure (--fail-fast)")
                     break
-            guard.check()
         except KeyboardInterrupt as exc:
             guard.acknowledge()
             report.interrupted = True
