@@ -228,7 +228,7 @@ def test_interrupt_writes_report_and_leaves_nothing_partial(tmp_path, sidecar_tm
 
 
 def test_sigterm_is_handled_like_ctrl_c(tmp_path):
-    before = signal.getsignal(signal.SIGTERM)
+    before = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT), sys.unraisablehook
     jobs = make_jobs(3)
     report, _ = run(jobs, FakeRenderer(sigterm_at="j1"), tmp_path)
     assert report.exit_code == 130
@@ -236,7 +236,7 @@ def test_sigterm_is_handled_like_ctrl_c(tmp_path):
     assert [j["status"] for j in data["jobs"]] == ["succeeded", "interrupted", "pending"]
     assert data["jobs"][1]["error"] == "Interrupted: SIGTERM received"
     assert files_under(tmp_path) == {"batch-report.json", "sub/j0.mp4", "sub/j0.json"}
-    assert signal.getsignal(signal.SIGTERM) is before  # handler restored
+    assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT), sys.unraisablehook) == before
 
 
 class SignalInDel:
