@@ -18,9 +18,9 @@ Exit codes (``BatchReport.exit_code``; the CLI exits with it):
 ====  =====================================================================================================
 
 File names, for a job with ``output = "clips/a"``: final ``<out_dir>/clips/a.mp4`` and ``clips/a.json``; the
-renderer writes them through ``clips/a.tmp.mp4`` and ``clips/a.json.tmp`` (or ``clips/a.tmp.json``) and renames. Whatever way a job ends
-other than success, those temp names are swept and any final-named file written during the attempt is removed,
-so nothing partial ever sits under a final name.
+renderer writes them through ``clips/a.tmp.mp4`` and ``clips/a.json.tmp`` (or ``clips/a.tmp.json``) and renames.
+Whatever way a job ends other than success, those temp names are swept and any final-named file written during
+the attempt is removed, so nothing partial ever sits under a final name.
 
 The renderer contract (``h3render.pipeline.Renderer``): ``render(job, mp4_path, sidecar_path) -> dict``, writing
 the MP4 and then the sidecar (which holds ``"job": job.params()``), both atomically. Jobs need ``id``, ``output``
@@ -217,7 +217,8 @@ def run_batch(
 
     report = BatchReport(
         path=out_dir / report_name(shard),
-        jobs=[JobOutcome(id=job.id, output=mp4.relative_to(out_dir).as_posix()) for job, (mp4, _) in zip(jobs, targets)],
+        jobs=[JobOutcome(id=job.id, output=mp4.relative_to(out_dir).as_posix())
+              for job, (mp4, _) in zip(jobs, targets)],
         shard=shard,
     )
     reasons = [render_reason(job, mp4, side, overwrite=overwrite) for job, (mp4, side) in zip(jobs, targets)]

@@ -76,7 +76,9 @@ EOF
 cmd_start() {
     local dir=${1:?usage: slurm_local.sh start DIR}
     [ "$(id -u)" = 0 ] || die "start needs root (the test cluster runs its daemons and jobs as root)"
-    for c in munged slurmctld slurmd sinfo; do command -v "$c" >/dev/null 2>&1 || die "$c not found; run: $0 install"; done
+    for c in munged slurmctld slurmd sinfo; do
+        command -v "$c" >/dev/null 2>&1 || die "$c not found; run: $0 install"
+    done
     mkdir -p "$dir"
     dir=$(cd "$dir" && pwd)
     # munged wants its socket's folders searchable by all (0755) and not writable by group or others.

@@ -1,7 +1,8 @@
 """scripts/h3render.sbatch on a real one-node SLURM cluster (Debian's Slurm 22.05 + munge, started here by
 scripts/slurm_local.sh): a 2-task array renders a 4-job manifest with the built-in tiny model, and every job is
-rendered by exactly one task. Needs root (CI runs it as root); installs the packages if missing. Never skips: if
-SLURM cannot start, the test fails and prints the daemons' logs."""
+rendered by exactly one task; scancel in the middle of a job ends the task with 130 and no partial files. Needs
+root (CI runs it as root); installs the packages if missing. Never skips: if SLURM cannot start, the test fails
+and prints the daemons' logs."""
 
 from __future__ import annotations
 
