@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -74,6 +75,7 @@ def slurm_conf():
         yield cluster_dir / "slurm.conf"
     finally:
         subprocess.run([str(SLURM_LOCAL), "stop", str(cluster_dir)], capture_output=True, timeout=120)
+        shutil.rmtree(cluster_dir, ignore_errors=True)
 
 
 def test_array_job_renders_every_job_exactly_once(slurm_conf, tmp_path):
