@@ -41,7 +41,7 @@ def _engine_options(f):
                      help="Default: cuda when available."),
         click.option("--dtype", type=click.Choice(["bf16", "fp32"]), default=None,
                      help="Default: bf16 on CUDA, fp32 on CPU."),
-        click.option("--gpus", type=int, default=None, help="GPUs to use (default: every visible GPU)."),
+        click.option("--gpus", type=int, default=None, help="GPUs to use (default: every visible GPU; with --device cpu: CPU processes, for testing)."),
         click.option("--crf", type=click.IntRange(0, 51), default=18, show_default=True, help="x264 CRF."),
         click.option("--x264-preset", default="veryfast", show_default=True, help="x264 speed preset."),
         click.option("--attention", type=click.Choice(["fa3", "cudnn", "sdpa"]), default=None,

@@ -316,8 +316,10 @@ class Renderer:
             extra["fasth3"] = self.adapter
         checkpoint = {"path": info.path, "layout": info.layout, "release": info.release.name,
                       "config_hash": info.config_hash}
-        return write_sidecar(sidecar_path, job_params=job.params(), checkpoint=checkpoint, sigmas=sigmas,
-                             timings=timer.summary(), versions=versions(), extra=extra)
+        data = dict(job_params=job.params(), checkpoint=checkpoint, sigmas=sigmas, timings=timer.summary(),
+                    versions=versions(), extra=extra)
+        write_sidecar(sidecar_path, **data)
+        return data
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -100,11 +100,12 @@ class DiTConfig:
         return cls(**{k: v for k, v in d.items() if k in names})
 
 
-# Tiny test model: runs a t2va render on CPU in seconds. 4 heads x 32 (inner 128 != hidden 64, as released);
-# rope_freq_dim 4 rotates 24 of the 32 head channels.
+# Tiny test model: runs a t2va render on CPU in seconds. 8 heads x 16 (inner 128 != hidden 64, as released; 8 heads
+# so a CPU run can split them over 8 Ulysses ranks, like the 56 released heads over 8 GPUs); rope_freq_dim 2 rotates
+# 12 of the 16 head channels.
 DIT_TINY = DiTConfig(
-    num_attention_heads=4,
-    attention_head_dim=32,
+    num_attention_heads=8,
+    attention_head_dim=16,
     hidden_size=64,
     num_layers=2,
     num_refiner_layers=2,
@@ -113,7 +114,7 @@ DIT_TINY = DiTConfig(
     freq_dim=32,
     time_embed_hidden_dim=64,
     time_embed_dim=32,
-    rope_freq_dim=4,
+    rope_freq_dim=2,
 )
 
 # Small model for CPU end-to-end runs with some depth: 8 heads x 64 (rope 48 of 64 channels).

@@ -28,13 +28,18 @@ def plan_world(requested: int | None, device: str | None, num_heads: int) -> tup
 
     Args:
         requested: `--gpus N`, or None for every visible GPU.
-        device: "cpu" forces one process.
+        device: "cpu": `requested` CPU processes (gloo; default 1), the testable form of the multi-rank path.
         num_heads: DiT attention heads (Ulysses splits whole heads; released 56).
     Raises:
         ValueError: `--gpus` larger than the visible GPU count, or < 1.
     """
-    if device == "cpu" or launcher_env()[1] > 1:
+    if launcher_env()[1] > 1:
         return 1, None
+    if requested is not None and requested < 1:
+        raise ValueError(f"--gpus must be >= 1, got {requested}")
+    if device == "cpu":
+        # CPU processes (gloo) only when asked for: how the one-command multi-rank path is tested without GPUs.
+        return largest_dividing_world(requested or 1, num_heads), None
     available = visible_gpus()
     if requested is not None:
         if requested < 1:
@@ -59,9 +64,13 @@ def _free_port() -> int:
 def spawn(world: int, fn: Callable[..., int], *args: Any) -> int:
     """Run `fn(*args)` in `world` processes with torchrun-style variables; returns rank 0's exit code.
 
-    A rank that dies makes the others fail at their next collective (timeouts are set in `init_parallel`), so
-    the whole command ends instead of hanging.
+    The parent only waits: it ignores SIGINT/SIGTERM (a terminal's Ctrl-C and SLURM's SIGTERM reach every process
+    of the group, and rank 0 handles them: temp files removed, report written, exit 130). Once rank 0 has exited,
+    followers still blocked in a collective of an interrupted job get `FOLLOWER_GRACE_S` to leave, then are
+    terminated, so the command never hangs.
     """
+    import signal
+
     import torch.multiprocessing as mp
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
@@ -71,19 +80,33 @@ def spawn(world: int, fn: Callable[..., int], *args: Any) -> int:
     procs = [ctx.Process(target=_child, args=(rank, world, code, fn, args), daemon=False) for rank in range(world)]
     for p in procs:
         p.start()
-    for p in procs:
-        p.join()
-    if procs[0].exitcode not in (0, None) and code.value == 0:
-        return 1
-    failed = [r for r, p in enumerate(procs) if p.exitcode not in (0,)]
-    if failed and code.value == 0:
-        print(f"h3render: rank(s) {failed} exited abnormally", file=sys.stderr)
-        return 1
+    previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        procs[0].join()
+        for p in procs[1:]:
+            p.join(FOLLOWER_GRACE_S)
+            if p.is_alive():
+                p.terminate()
+                p.join()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    if procs[0].exitcode != 0 and code.value == 0:
+        return 1  # rank 0 died before reporting
     return code.value
 
 
+# After rank 0 exits, how long followers may take to leave (they finish their part of the last collective).
+FOLLOWER_GRACE_S = 30.0
+
+
 def _child(rank: int, world: int, code, fn, args) -> None:
+    import signal
+
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    if rank != 0:
+        # Rank 0 owns interrupts; a follower would only print a traceback from inside a collective.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
     result = fn(*args)
     if rank == 0:
         code.value = int(result)
