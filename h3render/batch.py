@@ -288,7 +288,7 @@ def _render_one(renderer, job, mp4: Path, sidecar: Path, outcome: JobOutcome) ->
     an interrupt) the job's temp files and any final-named file written during the attempt are removed."""
     mp4.parent.mkdir(parents=True, exist_ok=True)
     temps = temp_paths(mp4, sidecar)
-    _remove(*temps)  # left by an earlier queue killed with SIGKILL
+    remove_files(*temps)  # left by an earlier queue killed with SIGKILL
     before = {p: _identity(p) for p in (mp4, sidecar)}
     t0 = time.perf_counter()
     succeeded = False
@@ -306,8 +306,8 @@ def _render_one(renderer, job, mp4: Path, sidecar: Path, outcome: JobOutcome) ->
     finally:
         outcome.seconds = time.perf_counter() - t0
         if not succeeded:
-            _remove(*temps)
-            _remove(*(p for p in (mp4, sidecar) if _identity(p) not in (None, before[p])))
+            remove_files(*temps)
+            remove_files(*(p for p in (mp4, sidecar) if _identity(p) not in (None, before[p])))
     if succeeded:
         outcome.status = SUCCEEDED
     return succeeded
@@ -333,7 +333,8 @@ def _identity(path: Path) -> tuple[int, int, int] | None:
     return st.st_ino, st.st_mtime_ns, st.st_size
 
 
-def _remove(*paths: Path) -> None:
+def remove_files(*paths: Path) -> None:
+    """Delete each path that exists (temp files of a failed or interrupted job)."""
     for p in paths:
         try:
             p.unlink()
@@ -359,7 +360,7 @@ def _write_json_atomic(path: Path, data: dict) -> None:
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
-        _remove(tmp)
+        remove_files(tmp)
         raise
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
+from typing import NoReturn
 
 import click
 
@@ -23,7 +24,7 @@ class UsageError(Exception):
     """Bad command-line input: printed as one line, exit code 2."""
 
 
-def _fail(message: str) -> "NoReturn":  # noqa: F821
+def _fail(message: str) -> NoReturn:
     raise UsageError(message)
 
 
@@ -295,31 +296,23 @@ def _render_single(factory, job, mp4: Path, sidecar: Path) -> int:
     success; on failure or Ctrl-C nothing is left under either name."""
     import time
 
-    from h3render.batch import temp_paths
+    from h3render.batch import remove_files, temp_paths
 
     mp4.parent.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     try:
         factory().render(job, mp4, sidecar)
     except KeyboardInterrupt:
-        _remove(*temp_paths(mp4, sidecar))
+        remove_files(*temp_paths(mp4, sidecar))
         print("h3render: interrupted; no output written", file=sys.stderr)
         return 130
     except Exception as exc:
-        _remove(*temp_paths(mp4, sidecar))
+        remove_files(*temp_paths(mp4, sidecar))
         first = (str(exc).strip().splitlines() or [""])[0]
         print(f"h3render: failed: {type(exc).__name__}: {first}", file=sys.stderr)
         return 1
     print(f"h3render: wrote {mp4} and {sidecar.name} in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
     return 0
-
-
-def _remove(*paths: Path) -> None:
-    for p in paths:
-        try:
-            p.unlink()
-        except FileNotFoundError:
-            pass
 
 
 def _distinct_setups(jobs):

@@ -12,7 +12,6 @@ job in lock-step: the DiT is Ulysses-parallel over the packed rows, the video VA
 from __future__ import annotations
 
 import gc
-import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,7 +21,7 @@ import torch
 
 from h3render import sampling
 from h3render.colour import frames_to_uint8, rgb_to_i420
-from h3render.media import MediaError, Mp4Writer, PinnedFrameStager, temp_path_for
+from h3render.media import Mp4Writer, PinnedFrameStager
 from h3render.models.attention import attention as fast_attention
 from h3render.models.attention import select_backend
 from h3render.packing import PackedLayout, patchify_video, rows_to_audio, t2va_layout, unpatchify_video

@@ -11,13 +11,14 @@ DAC/BigVGAN stack decodes roughly 20 dB quieter in bf16 (diffusers `_keep_in_fp3
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from h3render.models.config_dict import config_fields
 
 
 @dataclass(frozen=True)
@@ -68,19 +69,7 @@ class AudioVAEConfig:
         Raises:
             ValueError: a key that is not a field of this config.
         """
-        fields = {f.name for f in dataclasses.fields(cls)}
-        data = {k: v for k, v in data.items() if not k.startswith("_")}
-        unknown = sorted(set(data) - fields)
-        if unknown:
-            raise ValueError(f"audio VAE config.json: unknown keys {unknown}")
-        out = {}
-        for k, v in data.items():
-            if k == "resblock_dilation_sizes":
-                v = tuple(tuple(d) for d in v)
-            elif isinstance(v, list):
-                v = tuple(v)
-            out[k] = v
-        return cls(**out)
+        return cls(**config_fields(cls, data, "audio VAE config.json"))
 
 
 # Tiny test model: keeps hop 800 (so 40 latents/s at 32 kHz) with few, narrow stages.

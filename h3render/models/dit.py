@@ -20,7 +20,6 @@ Swap points for fused kernels and sequence parallelism are the small functions `
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Callable, Mapping
@@ -30,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import kernels
+from h3render.models.config_dict import config_fields
 from h3render.packing import PackedLayout
 
 # Modality tags of the packed sequence (released model): 0 video, 1 text, 2 audio. Block AdaLN tables hold one row per
@@ -93,11 +93,7 @@ class DiTConfig:
         Raises:
             ValueError: on an unknown key.
         """
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(k for k in d if not k.startswith("_") and k not in names)
-        if unknown:
-            raise ValueError(f"DiT config: unknown keys {unknown}")
-        return cls(**{k: v for k, v in d.items() if k in names})
+        return cls(**config_fields(cls, d, "DiT config"))
 
 
 # Tiny test model: runs a t2va render on CPU in seconds. 8 heads x 16 (inner 128 != hidden 64, as released; 8 heads
@@ -367,15 +363,11 @@ class AdaLNProj(nn.Module):
         return self.linear(F.silu(temb).to(self.linear.weight.dtype))
 
 
-class Block(nn.Module):
-    """One DiT block: AdaLN-modulated pre-norm attention (with RoPE) and SwiGLU MLP, gated residuals."""
+class Block(RefinerBlock):
+    """One DiT block: the refiner block's layers, AdaLN-modulated per row (with RoPE), gated residuals."""
 
     def __init__(self, cfg: DiTConfig):
-        super().__init__()
-        self.norm1 = nn.RMSNorm(cfg.hidden_size, eps=cfg.norm_eps)
-        self.attn = Attention(cfg.hidden_size, cfg.num_attention_heads, cfg.attention_head_dim, cfg.qk_norm_eps)
-        self.norm2 = nn.RMSNorm(cfg.hidden_size, eps=cfg.norm_eps)
-        self.mlp = MLP(cfg.hidden_size, cfg.ffn_dim)
+        super().__init__(cfg)
         # 6 vectors x 3 modalities per timestep (released: 18 x 5376 outputs).
         self.adaln_proj: AdaLNProj | None = AdaLNProj(cfg.time_embed_dim, 6 * NUM_MODALITIES * cfg.hidden_size)
 

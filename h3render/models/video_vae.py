@@ -15,7 +15,6 @@ ViT decoder in batches and are blended exactly like the reference.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Callable, Iterator, Sequence
@@ -24,6 +23,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from h3render.models.config_dict import config_fields
 from h3render.models.vae_tiling import (
     RELEASED_TILING,
     DecodeItem,
@@ -100,14 +100,7 @@ class VideoVAEConfig:
         Raises:
             ValueError: a key that is not a field of this config.
         """
-        fields = {f.name for f in dataclasses.fields(cls)}
-        data = {k: v for k, v in data.items() if not k.startswith("_")}
-        unknown = sorted(set(data) - fields)
-        if unknown:
-            raise ValueError(f"video VAE config.json: unknown keys {unknown}")
-        tuples = {"block_out_channels", "spatial_downsample_factors", "temporal_downsample_factors",
-                  "latents_mean", "latents_std"}
-        return cls(**{k: tuple(v) if k in tuples else v for k, v in data.items()})
+        return cls(**config_fields(cls, data, "video VAE config.json"))
 
 
 # Tiny test model: keeps the 16x spatial / 4x temporal compression and the 17-frame clip geometry; decodes
