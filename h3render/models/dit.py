@@ -14,8 +14,9 @@ AdaLN modulation depends only on (timestep, modality), so it is computed ahead o
 `ModulationTables` (`DiT.modulation_tables`) and `DiT.forward` reads the tables only. After the tables of a schedule
 are built, `DiT.drop_adaln_weights_()` frees the AdaLN projections (about 13 B of the 33 B released parameters).
 
-Swap points for fused kernels and sequence parallelism are the small functions `qk_norm_rope`, `modulate`,
-`gated_residual`, `swiglu` and the `attention` attribute of every `Attention` module.
+The element-wise ops (`qk_norm_rope`, `modulate`, `gated_residual`, `swiglu`) are the `kernels/` functions: fused
+Triton on CUDA, their plain-torch references elsewhere. The swap point for attention backends and sequence
+parallelism is the `attention` attribute of every `Attention` module (`DiT.set_attention`).
 """
 
 from __future__ import annotations
@@ -130,7 +131,7 @@ DIT_SMALL = DiTConfig(
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# Element-wise ops, kept as small named functions so fused kernels can replace them one by one.
+# Attention and the element-wise ops of a block.
 
 
 def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -145,90 +146,13 @@ def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.T
     return out.transpose(1, 2)
 
 
-def rotate_half_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate the leading `R = cos.shape[-1]` channels of every head (rotate_half convention); the rest pass through.
-
-    Args:
-        x: `[S, H, D]`.
-        cos, sin: `[S, R]` float32, `R <= D`; cast to `x.dtype` first (as the reference does in bf16).
-    Returns:
-        `[S, H, D]`, dtype of `x`.
-    """
-    r = cos.shape[-1]
-    cos = cos.to(x.dtype)[:, None, :]  # [S, 1, R]
-    sin = sin.to(x.dtype)[:, None, :]
-    x_rot, x_pass = x[..., :r], x[..., r:]
-    x1, x2 = x_rot.chunk(2, dim=-1)
-    rotated = torch.cat((-x2, x1), dim=-1)
-    return torch.cat((x_rot * cos + rotated * sin, x_pass), dim=-1)
-
-
-def qk_norm_rope(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    q_weight: torch.Tensor,
-    k_weight: torch.Tensor,
-    cos: torch.Tensor | None,
-    sin: torch.Tensor | None,
-    eps: float,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per-head RMSNorm of q and k, then partial RoPE (skipped when `cos` is None: the token refiner); v is made
-    contiguous for attention. Same signature as `kernels.qk_norm_rope.qk_norm_rope`.
-
-    Args:
-        q, k, v: `[S, H, D]` (views of the qkv projection); q_weight, k_weight: `[D]`;
-        cos, sin: `[S, R]` float32 or None; eps: RMSNorm epsilon (released 1e-5).
-    Returns:
-        `(q, k, v)`, each `[S, H, D]` in the input dtype.
-    """
-    if q.is_cuda:  # fused Triton kernel: one pass over the qkv projection output (16x the torch ops on an H200)
-        return kernels.qk_norm_rope(q, k, v, q_weight, k_weight, cos, sin, eps)
-    q = F.rms_norm(q, (q.shape[-1],), q_weight, eps)
-    k = F.rms_norm(k, (k.shape[-1],), k_weight, eps)
-    if cos is not None:
-        q = rotate_half_rope(q, cos, sin)
-        k = rotate_half_rope(k, cos, sin)
-    return q, k, v.contiguous()
-
-
-def modulate(
-    x: torch.Tensor,
-    norm_weight: torch.Tensor,
-    shift: torch.Tensor,
-    scale: torch.Tensor,
-    row_index: torch.Tensor,
-    eps: float,
-) -> torch.Tensor:
-    """AdaLN: `rms_norm(x) * (1 + scale[row_index]) + shift[row_index]`, table rows gathered per packed row.
-    Same signature as `kernels.modulate.modulate`.
-
-    Args:
-        x: `[S, C]`; norm_weight: `[C]`; shift, scale: `[R, C]` tables (strided views of `[R, 6, C]` are fine);
-        row_index: `[S]` int64 into the tables; eps: RMSNorm epsilon.
-    Returns:
-        `[S, C]`, dtype of `x` (the math runs in x's dtype, as the reference does).
-    """
-    if x.is_cuda:  # fused Triton kernel: gather + RMSNorm + scale/shift in one pass
-        return kernels.modulate(x, norm_weight, shift, scale, row_index, eps)
-    h = F.rms_norm(x, (x.shape[-1],), norm_weight, eps)
-    return h * (1.0 + scale.index_select(0, row_index)) + shift.index_select(0, row_index)
-
-
-def gated_residual(x: torch.Tensor, y: torch.Tensor, gate: torch.Tensor, row_index: torch.Tensor) -> torch.Tensor:
-    """`x + gate[row_index] * y`. x, y: `[S, C]`; gate: `[R, C]`; row_index: `[S]` int64. Same signature as
-    `kernels.gated_residual.gated_residual`."""
-    if x.is_cuda:
-        return kernels.gated_residual(x, y, gate, row_index)
-    return x + gate.index_select(0, row_index) * y
-
-
-def swiglu(h: torch.Tensor) -> torch.Tensor:
-    """SwiGLU on a gate-first fused projection: `h = [gate | value]` `[S, 2F]` -> `value * silu(gate)` `[S, F]`."""
-    if h.is_cuda:
-        return kernels.swiglu(h)
-    gate, value = h.chunk(2, dim=-1)
-    return value * F.silu(gate)
+# The element-wise work of a block lives in `kernels/`: each function there runs its Triton kernel on CUDA tensors
+# and its plain-torch reference (fp32 math, one rounding) elsewhere, so CPU parity tests exercise the reference and
+# the GPU the fused kernel (kernel-vs-reference tests: tests/test_kernels.py).
+qk_norm_rope = kernels.qk_norm_rope  # (q, k, v [S, H, D], q_weight, k_weight [D], cos, sin [S, R] | None, eps)
+modulate = kernels.modulate  # (x [S, C], norm_weight [C], shift, scale [R, C], row_index [S], eps) -> [S, C]
+gated_residual = kernels.gated_residual  # (x, y [S, C], gate [R, C], row_index [S]) -> x + gate[row] * y
+swiglu = kernels.swiglu  # (h [S, 2F] gate-first) -> value * silu(gate) [S, F]
 
 
 def timestep_sinusoid(t: torch.Tensor, dim: int, max_period: float = 10000.0) -> torch.Tensor:
