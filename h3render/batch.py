@@ -477,7 +477,7 @@ class _QueueLog:
         else:
             tail = f": {outcome.error}" if outcome.status == FAILED else ""
             self.line(f"job {index + 1}/{n_jobs} {name} {outcome.status} in {outcome.seconds:.1f} s "
-                      f"[{reason}]{tail}; left {self.total - self.done - self.failed}")
+                      f"(rendered because: {reason}){tail}; left {self.total - self.done - self.failed}")
 
     def close(self) -> None:
         if self.bar is not None:

@@ -313,7 +313,7 @@ def test_quiet_logs_one_line_per_job(tmp_path, capsys):
     run(make_jobs(3), FakeRenderer(fail={"j2"}), tmp_path, quiet=True)
     lines = [ln for ln in capsys.readouterr().err.splitlines() if " job " in f" {ln}"]
     assert len(lines) == 3
-    assert "j0 (sub/j0.mp4) succeeded" in lines[0] and "[no MP4]" in lines[0]
+    assert "j0 (sub/j0.mp4) succeeded" in lines[0] and "(rendered because: no MP4)" in lines[0]
     assert "j2 (sub/j2.mp4) failed" in lines[2] and "ValueError: non-finite" in lines[2]
 
 
