@@ -26,6 +26,7 @@ from h3render.models.attention import attention as fast_attention
 from h3render.models.attention import select_backend
 from h3render.packing import PackedLayout, patchify_video, rows_to_audio, t2va_layout, unpatchify_video
 from h3render.parallel.groups import ParallelContext
+from h3render.parallel.vae import audio_rank
 from h3render.timing import StageTimer, versions, write_sidecar
 
 
@@ -231,12 +232,14 @@ class Renderer:
                        mp4_path.with_name(mp4_path.stem + ".latents.pt"))
         del text, video_rows, audio_rows
 
-        with timer.stage("vae_audio"):
-            waveform = c.audio_vae.decode(audio_latent.float())  # [2, samples] fp32
-        if not torch.isfinite(waveform).all():
-            raise RenderError("the audio VAE produced non-finite samples; no video written")
+        waveform = None
+        if not self.ctx.distributed or self.ctx.rank == audio_rank(self.ctx):
+            # On several ranks only the last one decodes the audio (it writes no MP4) and sends it to rank 0.
+            with timer.stage("vae_audio"):
+                waveform = c.audio_vae.decode(audio_latent.float())  # [2, samples] fp32
+        audio_shape = (audio_latent.shape[0], audio_latent.shape[-1] * c.audio_vae.hop_length)
 
-        result = self._decode_and_write(job, video_latent, waveform, mp4_path, timer)
+        result = self._decode_and_write(job, video_latent, waveform, audio_shape, mp4_path, timer)
         timer.add_interval("total", t_start, timer.now())
         if not self.ctx.is_main:
             return {}
@@ -258,12 +261,16 @@ class Renderer:
 
         return model_fn
 
-    def _decode_and_write(self, job, latent: torch.Tensor, waveform: torch.Tensor, mp4_path: Path,
-                          timer: StageTimer) -> dict[str, Any]:
-        """Decode the video window by window and stream it into the H.264 encoder (rank 0)."""
+    def _decode_and_write(self, job, latent: torch.Tensor, waveform: torch.Tensor | None,
+                          audio_shape: tuple[int, int], mp4_path: Path, timer: StageTimer) -> dict[str, Any]:
+        """Decode the video window by window and stream it into the H.264 encoder (rank 0).
+
+        On several ranks rank 0 keeps taking part in every window's gather and in the audio hand-over even after its
+        writer failed, so the other ranks finish the job instead of waiting in a collective; then it raises.
+        """
         vae = self.c.video_vae
         if self.ctx.distributed:
-            from h3render.parallel.vae import decode_stream_split
+            from h3render.parallel.vae import decode_stream_split, share_waveform
 
             frames_iter = decode_stream_split(vae, latent, self.ctx, self.settings.vae_batch)
         else:
@@ -272,26 +279,30 @@ class Renderer:
             with timer.stage("vae_video"):
                 for _ in frames_iter:
                     pass
+            share_waveform(waveform, audio_shape, self.ctx)
             return {}
 
         writer = Mp4Writer(mp4_path, job.width, job.height, job.frames, crf=self.settings.crf,
                            preset=self.settings.x264_preset)
+        error: Exception | None = None
+        written = 0
         try:
             with timer.stage("vae_video"):
-                written = 0
                 for first, frames in _timed(frames_iter, timer):  # frames [3, n, H, W] float in [0, 1]
+                    if error is not None:
+                        continue  # drain: the other ranks still decode and gather this job's windows
                     t0 = timer.now()
-                    if not torch.isfinite(frames).all():
-                        raise RenderError(f"the video VAE produced non-finite pixels at frame {first}")
-                    if frames.is_cuda:
-                        # BT.709 yuv420p planes on the GPU: half the bytes of RGB to copy, no swscale pass on
-                        # the host (libswscale's own conversion within +-1 code value; docs/performance.md).
-                        chunk = rgb_to_i420(frames)  # [n, H*3/2, W] uint8
-                    else:
-                        chunk = frames_to_uint8(frames)  # [n, H, W, 3] uint8; swscale converts on the encoder thread
-                    writer.write_frames(self._stager.stage(chunk))
+                    try:
+                        written += self._write_chunk(writer, first, frames)
+                    except Exception as exc:
+                        error = exc
                     timer.add_interval("to_uint8_d2h", t0, timer.now())
-                    written += chunk.shape[0]
+            if self.ctx.distributed:
+                waveform = share_waveform(waveform, audio_shape, self.ctx)
+            if error is not None:
+                raise error
+            if not torch.isfinite(waveform).all():
+                raise RenderError("the audio VAE produced non-finite samples; no video written")
             writer.write_audio(waveform.cpu())
             t_close = timer.now()
             writer.close()
@@ -301,6 +312,19 @@ class Renderer:
             writer.abort()
             raise
         return {"frames_written": written, "writer": dict(writer.stats)}
+
+    def _write_chunk(self, writer: Mp4Writer, first: int, frames: torch.Tensor) -> int:
+        """Convert one decoded chunk `[3, n, H, W]` on its device and hand it to the writer; returns n."""
+        if not torch.isfinite(frames).all():
+            raise RenderError(f"the video VAE produced non-finite pixels at frame {first}")
+        if frames.is_cuda:
+            # BT.709 yuv420p planes on the GPU: half the bytes of RGB to copy, no swscale pass on the host
+            # (libswscale's own conversion within +-1 code value; docs/performance.md).
+            chunk = rgb_to_i420(frames)  # [n, H*3/2, W] uint8
+        else:
+            chunk = frames_to_uint8(frames)  # [n, H, W, 3] uint8; swscale converts on the encoder thread
+        writer.write_frames(self._stager.stage(chunk))
+        return chunk.shape[0]
 
     def _sidecar(self, job, schedule: Schedule, timer: StageTimer, sidecar_path: Path,
                  result: dict[str, Any]) -> dict[str, Any]:

@@ -88,3 +88,33 @@ def test_launcher_env_torchrun_and_srun():
     assert launcher_env({"SLURM_PROCID": "0", "SLURM_NTASKS": "1"}) == (0, 1, 0)
     with pytest.raises(ValueError, match="outside"):
         launcher_env({"RANK": "2", "WORLD_SIZE": "2"})
+
+
+def test_failure_on_rank0_mid_stream_fails_job_on_all_ranks_without_hang(tmp_path):
+    """NaN pixels from the video VAE make rank 0's writer refuse the job while rank 1 is still decoding: rank 0
+    keeps taking part in the window gathers and the audio hand-over, then the job fails on both ranks (no hang,
+    no file under either name)."""
+    from safetensors.torch import load_file, save_file
+
+    ckpt = tmp_path / "ckpt"
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    r = subprocess.run([sys.executable, "-m", "h3render.cli", "make-checkpoint", str(ckpt), "--config", "tiny"],
+                       capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr
+    files = sorted((ckpt / "FL2VA" / "video_vae").glob("*.safetensors"))
+    assert files
+    poisoned = 0
+    for f in files:
+        tensors = load_file(str(f))
+        for name in tensors:
+            if name.startswith("decoder.proj_out"):
+                tensors[name] = torch.full_like(tensors[name], float("nan"))
+                poisoned += 1
+        save_file(tensors, str(f), metadata={"format": "pt"})
+    assert poisoned
+    out = tmp_path / "nan.mp4"
+    r = render(out, 2, "--checkpoint", str(ckpt))
+    assert r.returncode == 1, (r.returncode, r.stderr[-2000:])
+    assert "non-finite pixels" in r.stderr
+    assert not out.exists() and not out.with_suffix(".json").exists()
+    assert not list(tmp_path.glob("*.tmp*"))

@@ -1,9 +1,12 @@
 """Video VAE decode split across ranks by (temporal window x spatial tile) work items.
 
 Every rank decodes its share of each window's items (round-robin inside the window, so all ranks stay busy on every
-window); the raw tiles of the window are gathered to every rank and rank 0 stitches, cross-fades and yields frames
-exactly as the single-GPU `VideoVAE.decode_stream` does (same `stitch_window` / `assemble_frames`), so the blend is
-identical. Window by window keeps the stream going into the H.264 encoder and bounds memory to one window of tiles.
+window); the raw tiles of the window are gathered to rank 0, which stitches, cross-fades and yields frames exactly as
+the single-GPU `VideoVAE.decode_stream` does (same `stitch_window` / `assemble_frames`), so the blend is identical.
+Window by window keeps the stream going into the H.264 encoder and bounds memory to one window of tiles.
+
+Tile shapes follow from the plan (every item of a plan shares one shape), so the only per-window communication is
+one gather of tile tensors: no shape exchange, no host round trip.
 """
 
 from __future__ import annotations
@@ -22,6 +25,14 @@ def assign_items(num_items: int, rank: int, world_size: int) -> list[int]:
     return list(range(rank, num_items, world_size))
 
 
+def item_shape(vae, plan) -> tuple[int, int, int, int]:
+    """`[3, frames_per_item, tile_h_px, tile_w_px]`: the raw output of every item of `plan`."""
+    it = plan.items[0]
+    ratio = vae.config.spatial_ratio
+    return (3, plan.geometry.frames_per_item, (it.latent_y[1] - it.latent_y[0]) * ratio,
+            (it.latent_x[1] - it.latent_x[0]) * ratio)
+
+
 def decode_stream_split(vae, latent: torch.Tensor, ctx: ParallelContext, batch_size: int
                         ) -> Iterator[tuple[int, torch.Tensor]]:
     """Rank 0 yields `(first_frame, frames [3, n, H, W] float32 in [0, 1])` in order; other ranks yield nothing but
@@ -36,39 +47,33 @@ def decode_stream_split(vae, latent: torch.Tensor, ctx: ParallelContext, batch_s
     plan = vae.plan_decode(*latent.shape[1:])
     windows = _stitched_windows(vae, latent, plan, ctx, batch_size)
     if ctx.is_main:
-        yield from ((first, vae._to_rgb(frames)) for first, frames in assemble_frames(plan, windows))
+        yield from ((first, vae.to_rgb(frames)) for first, frames in assemble_frames(plan, windows))
     else:
         for _ in windows:
             pass
 
 
 @torch.no_grad()
-def _stitched_windows(vae, latent, plan, ctx: ParallelContext, batch_size: int) -> Iterator[torch.Tensor]:
+def _stitched_windows(vae, latent, plan, ctx: ParallelContext, batch_size: int) -> Iterator[torch.Tensor | None]:
+    shape = item_shape(vae, plan)
     for w in range(plan.num_windows):
         items = plan.window_items(w)
         mine = [items[i] for i in assign_items(len(items), ctx.rank, ctx.world_size)]
         outs = vae.decode_items(latent, mine, batch_size) if mine else []
-        gathered = _gather_tiles(outs, len(items), ctx)
-        if ctx.is_main:
-            yield stitch_window(plan, {it.index: gathered[i] for i, it in enumerate(items)}, w)
-        else:
-            yield None
+        tiles = _gather_tiles(outs, len(items), shape, ctx)
+        yield stitch_window(plan, {it.index: tiles[i] for i, it in enumerate(items)}, w) if ctx.is_main else None
 
 
-def _gather_tiles(outs: list[torch.Tensor], num_items: int, ctx: ParallelContext) -> list[torch.Tensor] | None:
-    """All tiles of one window, in item order, on rank 0. All tiles of a plan share one shape."""
+def _gather_tiles(outs: list[torch.Tensor], num_items: int, shape, ctx: ParallelContext) -> list[torch.Tensor] | None:
+    """All tiles of one window, in item order, on rank 0 (None elsewhere)."""
     world = ctx.world_size
     per_rank = -(-num_items // world)
-    shape = outs[0].shape if outs else None
-    # Ranks with fewer items pad with a zero tile so all_gather sees equal sizes; the shape is the plan's.
-    shapes = [None] * world
-    dist.all_gather_object(shapes, tuple(shape) if shape is not None else None, group=ctx.group)
-    shape = next(s for s in shapes if s is not None)
+    # Ranks with fewer items pad with zero tiles so every rank sends the same size.
     buf = torch.zeros((per_rank, *shape), dtype=torch.float32, device=ctx.device)
     for i, o in enumerate(outs):
         buf[i] = o
-    parts = [torch.empty_like(buf) for _ in range(world)]
-    dist.all_gather(parts, buf, group=ctx.group)
+    parts = [torch.empty_like(buf) for _ in range(world)] if ctx.is_main else None
+    dist.gather(buf, parts, dst=_global_rank(ctx, 0), group=ctx.group)
     if not ctx.is_main:
         return None
     tiles: list[torch.Tensor] = [None] * num_items  # type: ignore[list-item]
@@ -76,3 +81,28 @@ def _gather_tiles(outs: list[torch.Tensor], num_items: int, ctx: ParallelContext
         for j, pos in enumerate(assign_items(num_items, r, world)):
             tiles[pos] = parts[r][j]
     return tiles
+
+
+def _global_rank(ctx: ParallelContext, group_rank: int) -> int:
+    return dist.get_global_rank(ctx.group, group_rank) if ctx.group is not dist.group.WORLD else group_rank
+
+
+def audio_rank(ctx: ParallelContext) -> int:
+    """The rank that decodes the audio: the last one, which has no MP4 to write."""
+    return ctx.world_size - 1
+
+
+def share_waveform(waveform: torch.Tensor | None, samples_shape: tuple[int, int], ctx: ParallelContext
+                   ) -> torch.Tensor | None:
+    """Send the audio rank's waveform `[2, samples]` float32 to rank 0 (returns it there, None elsewhere)."""
+    src = audio_rank(ctx)
+    if src == 0:
+        return waveform
+    if ctx.rank == src:
+        dist.send(waveform.contiguous(), dst=_global_rank(ctx, 0), group=ctx.group)
+        return None
+    if ctx.is_main:
+        out = torch.empty(samples_shape, dtype=torch.float32, device=ctx.device)
+        dist.recv(out, src=_global_rank(ctx, src), group=ctx.group)
+        return out
+    return None
