@@ -114,9 +114,16 @@ def _dtype(dtype: str | None, device: str):
     return {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype or ("bf16" if device == "cuda" else "fp32")]
 
 
-def _check_mode(mode: str | None, adapter: str | None) -> None:
+def _check_mode(mode: str | None, adapter: str | None, checkpoint: str) -> None:
+    from h3render.fasth3 import read_v2_contract
+
     if mode == "fasth3" and adapter is None:
-        _fail("--mode fasth3 needs --adapter PATH (the FastH3 student adapter)")
+        try:
+            v2 = checkpoint not in ("tiny", "small") and read_v2_contract(checkpoint) is not None
+        except ValueError as exc:
+            _fail(str(exc))
+        if not v2:
+            _fail("--mode fasth3 needs --adapter PATH (the FastH3 student adapter) or a FastH3 V2 checkpoint")
     if adapter is not None and not Path(adapter).is_file():
         _fail(f"--adapter {adapter}: no such file")
 
@@ -167,8 +174,8 @@ def _prompt(text: str, output: str, opts: dict) -> int:
     if out.suffix.lower() != ".mp4":
         _fail(f"output {output} must end in .mp4")
     _check_writable(out.parent if str(out.parent) else Path("."))
-    _check_mode(opts["mode"], opts["adapter"])
     checkpoint = _resolve_checkpoint(opts["checkpoint"])
+    _check_mode(opts["mode"], opts["adapter"], checkpoint)
     info = _checkpoint_info(checkpoint)
     fields = {k: opts[k] for k in ("preset", "aspect", "width", "height", "duration", "frames", "steps", "seed",
                                    "mode")}
@@ -198,8 +205,8 @@ def batch_command(manifest, out_dir, shard, skip_existing, fail_fast, dry_run, q
 
 
 def _batch(manifest, out_dir, shard, skip_existing, fail_fast, dry_run, quiet, opts) -> int:
-    _check_mode(opts["mode"], opts["adapter"])
     checkpoint = _resolve_checkpoint(opts["checkpoint"])
+    _check_mode(opts["mode"], opts["adapter"], checkpoint)
     info = _checkpoint_info(checkpoint)
     overrides = {"mode": opts["mode"]}
     jobs = jobs_mod.load_manifest(manifest, info.limits(), overrides)

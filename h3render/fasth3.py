@@ -650,6 +650,29 @@ class FastH3V2Contract:
                    metadata.get("vsa_sparsity"))
 
 
+V2_CONTRACT_FILE = "fastvideo_inference.json"
+
+
+def read_v2_contract(checkpoint: str | Path) -> dict[str, Any] | None:
+    """V2's inference contract if `checkpoint` (a folder, or a partition inside one) carries a valid one, else None.
+
+    Raises:
+        ValueError: the file exists and claims to be V2 but a field disagrees with the release (names the field).
+    """
+    path = Path(checkpoint)
+    for folder in (path, path.parent):
+        candidate = folder / V2_CONTRACT_FILE
+        if folder.is_dir() and candidate.is_file():
+            try:
+                meta = json.loads(candidate.read_text())
+            except (OSError, json.JSONDecodeError) as exc:
+                raise ValueError(f"{candidate}: unreadable FastH3 contract: {exc}") from None
+            if is_fasth3_v2(meta):
+                FastH3V2Contract.from_metadata(meta)
+                return meta
+    return None
+
+
 def is_fasth3_v2(metadata: Mapping[str, Any] | None) -> bool:
     """Whether ``metadata`` is V2's inference contract (by its schema_version and model_id)."""
     return bool(metadata) and metadata.get("schema_version") == V2_SCHEMA and metadata.get("model_id") == V2_MODEL_ID

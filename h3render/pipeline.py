@@ -66,6 +66,8 @@ class Schedule:
     video: torch.Tensor
     audio: torch.Tensor
     source: str
+    video_shift: float
+    audio_shift: float
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -133,6 +135,12 @@ class Renderer:
             schedule = fasth3.fasth3_schedule(ad, info.video_shift, info.audio_shift)
             adapter_info = {"path": str(adapter), "sha256": ad.sha256, "base_model": ad.base_model,
                             "rank": ad.rank, "positions": list(schedule.positions), "source": schedule.source}
+        elif info.layout != "builtin" and (contract := fasth3.read_v2_contract(checkpoint)) is not None:
+            # FastH3 V2: a full distilled checkpoint carrying its own few-step contract (8 forwards, video shift 10)
+            schedule = fasth3.fasth3_schedule(contract)
+            adapter_info = {"v2_contract": str(Path(checkpoint) / fasth3.V2_CONTRACT_FILE),
+                            "positions": list(schedule.positions), "source": schedule.source,
+                            "attention": "dense (V2 was trained with sparse attention)"}
         components = ckpt.load_components(checkpoint, ctx.device, dtype, tensor_hook=hook)
         if ctx.device.type == "cuda":
             torch.cuda.synchronize(ctx.device)
@@ -149,13 +157,15 @@ class Renderer:
             if self.fasth3 is None:
                 raise RenderError("mode fasth3 needs a FastH3 adapter (--adapter PATH) fused at load time")
             s = self.fasth3
-            return Schedule(s.video_sigmas, s.audio_sigmas, s.source, {"positions": list(s.positions)})
+            return Schedule(s.video_sigmas, s.audio_sigmas, s.source, s.video_shift, s.audio_shift,
+                            {"positions": list(s.positions)})
         if self.fasth3 is not None:
-            raise RenderError("this renderer has a FastH3 adapter fused into the DiT; base-model (t2va) jobs need "
-                              "a renderer loaded without --adapter")
+            raise RenderError("this renderer runs a FastH3 student (adapter fused, or a V2 checkpoint); base-model "
+                              "(t2va) jobs need the base checkpoint without --adapter")
         points = job.steps or info.release.sigma_points
         return Schedule(sampling.sigma_schedule(points, info.video_shift),
-                        sampling.sigma_schedule(points, info.audio_shift), f"linspace({points}) + shift")
+                        sampling.sigma_schedule(points, info.audio_shift), f"linspace({points}) + shift",
+                        info.video_shift, info.audio_shift)
 
     def tables(self, schedule: Schedule):
         """AdaLN modulation tables for every timestep of a schedule, built once and cached."""
@@ -331,7 +341,8 @@ class Renderer:
         info = self.c.info
         sigmas = {"video": [float(s) for s in schedule.video], "audio": [float(s) for s in schedule.audio],
                   "source": schedule.source, "sigma_points": schedule.video.numel(),
-                  "forwards": schedule.forwards, "video_shift": info.video_shift, "audio_shift": info.audio_shift,
+                  "forwards": schedule.forwards, "video_shift": schedule.video_shift,
+                  "audio_shift": schedule.audio_shift,
                   **schedule.extra}
         extra = {"load_s": self.load_seconds, "warmup": self.warmup, "world_size": self.ctx.world_size,
                  "mode": job.mode, **result}

@@ -165,3 +165,27 @@ def test_fasth3_renders_with_synthetic_adapter_and_records_schedule(tmp_path):
     # fasth3 without an adapter is refused before anything loads
     r = run_cli("prompt", "x", "-o", str(tmp_path / "no.mp4"), "--mode", "fasth3")
     assert r.returncode == 2 and "--adapter" in r.stderr
+
+
+def test_fasth3_v2_checkpoint_runs_its_own_contract(official_ckpt, tmp_path):
+    """A checkpoint carrying V2's fastvideo_inference.json runs 8 forwards with video shift 10, no adapter."""
+    import shutil
+
+    ckpt = tmp_path / "v2"
+    shutil.copytree(official_ckpt, ckpt)
+    contract = {"model_id": "FastVideo/FastVideo-FastH3-8-Step-V2", "schema_version": "fasth3-inference-contract-v1",
+                "transformer_forwards": 8, "guidance_scale": 1.0, "task": "t2av",
+                "dmd_denoising_steps": [999, 874, 749, 624, 500, 375, 250, 125],
+                "video_scheduler_shift": 10.0, "audio_scheduler_shift": 3.0}
+    (ckpt / "fastvideo_inference.json").write_text(json.dumps(contract))
+    out = tmp_path / "v2.mp4"
+    r = run_cli("prompt", "A choir in a stone church", "-o", str(out), "--checkpoint", str(ckpt), "--mode", "fasth3",
+                "--frames", "22")
+    assert r.returncode == 0, r.stderr
+    side = json.loads(out.with_suffix(".json").read_text())["sigmas"]
+    assert side["forwards"] == 8 and side["video_shift"] == 10.0 and side["source"] == "FastH3 V2 contract"
+    s = 0.999
+    assert abs(side["video"][0] - 10 * s / (1 + 9 * s)) < 1e-6
+    # the same checkpoint refuses base-model jobs: its weights are the distilled student
+    r = run_cli("prompt", "x", "-o", str(tmp_path / "base.mp4"), "--checkpoint", str(ckpt), "--frames", "22")
+    assert r.returncode == 1 and "FastH3" in r.stderr and not (tmp_path / "base.mp4").exists()
