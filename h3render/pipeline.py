@@ -105,7 +105,6 @@ class Renderer:
             self.c.video_vae.set_attention(_heads_first(fast_attention))
             self.warmup["attention_backend"] = backend
         self.warmup["select_attention_s"] = time.perf_counter() - t0
-        self._ulysses_ready = False
 
     @classmethod
     def load(cls, checkpoint: str, ctx: ParallelContext, dtype: torch.dtype, settings: EngineSettings = EngineSettings(),
@@ -195,7 +194,8 @@ class Renderer:
                 for width, height in sorted({(j.width, j.height) for j in jobs}):
                     # one window of the canvas: every item of a plan shares one tile shape
                     plan = vae.plan_decode(vae.config.geometry.window_latents, height // 16, width // 16)
-                    z = torch.zeros(vae.config.latent_channels, plan.latent_frames, plan.latent_height, plan.latent_width, device=self.device)
+                    z = torch.zeros(vae.config.latent_channels, plan.latent_frames, plan.latent_height,
+                                    plan.latent_width, device=self.device)
                     vae.decode_items(z, plan.items[: self.settings.vae_batch], self.settings.vae_batch)
             torch.cuda.synchronize(self.device)
             self.warmup["vae_compile_s"] = time.perf_counter() - t0
