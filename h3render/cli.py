@@ -138,6 +138,17 @@ def _check_writable(folder: Path) -> None:
         _fail(f"output folder {folder} is not writable")
 
 
+_RAN_DISTRIBUTED = False  # set once this process took part in a multi-rank run
+
+
+def _exit(code: int) -> NoReturn:
+    if _RAN_DISTRIBUTED:
+        from h3render.parallel.launch import hard_exit
+
+        hard_exit(code)
+    sys.exit(code)
+
+
 def _main_guard(fn, *args) -> int:
     try:
         return fn(*args)
@@ -166,7 +177,7 @@ def cli() -> None:
 @_engine_options
 def prompt_command(text, output, **opts) -> None:
     """Render one prompt to OUTPUT (MP4) and its JSON sidecar."""
-    sys.exit(_main_guard(_prompt, text, output, opts))
+    _exit(_main_guard(_prompt, text, output, opts))
 
 
 def _prompt(text: str, output: str, opts: dict) -> int:
@@ -201,7 +212,7 @@ def _prompt(text: str, output: str, opts: dict) -> int:
 @_engine_options
 def batch_command(manifest, out_dir, shard, skip_existing, fail_fast, dry_run, quiet, **opts) -> None:
     """Render every job of MANIFEST (JSONL or YAML; schema in docs/manifest.md) with one resident model."""
-    sys.exit(_main_guard(_batch, manifest, out_dir, shard, skip_existing, fail_fast, dry_run, quiet, opts))
+    _exit(_main_guard(_batch, manifest, out_dir, shard, skip_existing, fail_fast, dry_run, quiet, opts))
 
 
 def _batch(manifest, out_dir, shard, skip_existing, fail_fast, dry_run, quiet, opts) -> int:
@@ -254,6 +265,9 @@ def _rank_main(checkpoint, jobs, opts, device, kw) -> int:
     from h3render.pipeline import EngineSettings, Renderer
 
     ctx = init_parallel(device)
+    if ctx.distributed:
+        global _RAN_DISTRIBUTED
+        _RAN_DISTRIBUTED = True
     if ctx.device.type == "cpu":
         # Random tiny weights drive activations into denormal floats, which x86 CPUs process 10-100x slower;
         # flushing them to zero left the rendered frames byte-identical in our runs.

@@ -118,3 +118,32 @@ def test_failure_on_rank0_mid_stream_fails_job_on_all_ranks_without_hang(tmp_pat
     assert "non-finite pixels" in r.stderr
     assert not out.exists() and not out.with_suffix(".json").exists()
     assert not list(tmp_path.glob("*.tmp*"))
+
+
+def test_batch_on_two_cpu_ranks_renders_then_resumes(tmp_path):
+    """`h3render batch --device cpu --gpus 2`: rank 0 owns the queue, rank 1 follows each job; a second run skips
+    everything (the follower still loads, then is told to stop: no hang)."""
+    manifest = tmp_path / "jobs.jsonl"
+    manifest.write_text("\n".join([
+        '{"id": "a", "prompt": "Surf at dawn", "frames": 22, "steps": 2}',
+        '{"id": "b", "prompt": "A train in the night", "frames": 22, "steps": 2, "seed": 3}',
+        '{"id": "c", "prompt": "Birdsong in a forest", "frames": 22, "steps": 3}',
+    ]) + "\n")
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    env.pop("H3RENDER_CHECKPOINT", None)
+    cmd = [sys.executable, "-m", "h3render.cli", "batch", str(manifest), "--out-dir", str(tmp_path / "out"),
+           "--device", "cpu", "--gpus", "2", "--quiet"]
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    import json
+
+    report = json.loads((tmp_path / "out" / "batch-report.json").read_text())
+    assert [j["status"] for j in report["jobs"]] == ["succeeded"] * 3
+    for name in "abc":
+        side = json.loads((tmp_path / "out" / f"{name}.json").read_text())
+        assert side["extra"]["world_size"] == 2
+        assert frames_of(tmp_path / "out" / f"{name}.mp4").shape[0] == 22
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    report = json.loads((tmp_path / "out" / "batch-report.json").read_text())
+    assert [j["status"] for j in report["jobs"]] == ["skipped"] * 3
