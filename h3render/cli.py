@@ -36,6 +36,8 @@ def _engine_options(f):
         click.option("--checkpoint", type=str, default=None,
                      help="Checkpoint folder (official, diffusers layout) or single file; default $H3RENDER_CHECKPOINT, "
                           "else the built-in tiny random model."),
+        click.option("--transformer", type=str, default=None,
+                     help="Single-file DiT (.safetensors, ComfyUI style: q/k/v stacked) replacing the checkpoint's."),
         click.option("--mode", type=click.Choice(jobs_mod.MODES), default=None, help="t2va (base) or fasth3."),
         click.option("--adapter", type=str, default=None, help="FastH3 adapter (.safetensors) fused at load time."),
         click.option("--device", type=click.Choice(["cuda", "cpu"]), default=None,
@@ -128,6 +130,11 @@ def _check_mode(mode: str | None, adapter: str | None, checkpoint: str) -> None:
         _fail(f"--adapter {adapter}: no such file")
 
 
+def _check_transformer(transformer: str | None) -> None:
+    if transformer is not None and not Path(transformer).is_file():
+        _fail(f"--transformer {transformer}: no such file")
+
+
 def _check_writable(folder: Path) -> None:
     if folder.exists() and not folder.is_dir():
         _fail(f"output folder {folder} is not a directory")
@@ -187,6 +194,7 @@ def _prompt(text: str, output: str, opts: dict) -> int:
     _check_writable(out.parent if str(out.parent) else Path("."))
     checkpoint = _resolve_checkpoint(opts["checkpoint"])
     _check_mode(opts["mode"], opts["adapter"], checkpoint)
+    _check_transformer(opts["transformer"])
     info = _checkpoint_info(checkpoint)
     fields = {k: opts[k] for k in ("preset", "aspect", "width", "height", "duration", "frames", "steps", "seed",
                                    "mode")}
@@ -218,6 +226,7 @@ def batch_command(manifest, out_dir, shard, skip_existing, fail_fast, dry_run, q
 def _batch(manifest, out_dir, shard, skip_existing, fail_fast, dry_run, quiet, opts) -> int:
     checkpoint = _resolve_checkpoint(opts["checkpoint"])
     _check_mode(opts["mode"], opts["adapter"], checkpoint)
+    _check_transformer(opts["transformer"])
     info = _checkpoint_info(checkpoint)
     overrides = {"mode": opts["mode"]}
     jobs = jobs_mod.load_manifest(manifest, info.limits(), overrides)
@@ -289,7 +298,8 @@ def _rank_main(checkpoint, jobs, opts, device, kw) -> int:
     dtype = _dtype(opts["dtype"], device)
 
     def load():
-        renderer = Renderer.load(checkpoint, ctx, dtype, settings, adapter=opts["adapter"])
+        renderer = Renderer.load(checkpoint, ctx, dtype, settings, adapter=opts["adapter"],
+                                 transformer_file=opts["transformer"])
         renderer.prepare(_distinct_setups(jobs))
         return renderer
 
@@ -377,7 +387,8 @@ def presets_command(checkpoint) -> None:
 @cli.command("make-checkpoint")
 @click.argument("out", type=click.Path(file_okay=False))
 @click.option("--config", "config", type=click.Choice(["tiny", "small"]), default="tiny", show_default=True)
-@click.option("--layout", type=click.Choice(["official", "diffusers"]), default="official", show_default=True)
+@click.option("--layout", type=click.Choice(["official", "diffusers", "single-file"]), default="official",
+              show_default=True, help="single-file: OUT is one .safetensors DiT (ComfyUI style, q/k/v stacked).")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--adapter", type=click.Path(dir_okay=False), default=None,
               help="Also write a synthetic FastH3 adapter for this config to this file.")

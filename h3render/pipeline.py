@@ -108,11 +108,12 @@ class Renderer:
 
     @classmethod
     def load(cls, checkpoint: str, ctx: ParallelContext, dtype: torch.dtype, settings: EngineSettings = EngineSettings(),
-             adapter: str | None = None) -> "Renderer":
+             adapter: str | None = None, transformer_file: str | None = None) -> "Renderer":
         """Load a checkpoint (a path, or "tiny"/"small" for a built-in random model) onto this rank's device.
 
         With `adapter`, the FastH3 student adapter is fused into the DiT weights while they stream to the device
-        (before any sharding), and the renderer runs the student's fixed few-step schedule.
+        (before any sharding), and the renderer runs the student's fixed few-step schedule. `transformer_file` is a
+        single-file DiT (ComfyUI layout) used in place of the checkpoint's own transformer.
 
         Raises:
             CheckpointError, AdapterError: unreadable or mismatched checkpoint / adapter, naming file and tensor.
@@ -140,7 +141,8 @@ class Renderer:
             adapter_info = {"v2_contract": str(Path(checkpoint) / fasth3.V2_CONTRACT_FILE),
                             "positions": list(schedule.positions), "source": schedule.source,
                             "attention": "dense (V2 was trained with sparse attention)"}
-        components = ckpt.load_components(checkpoint, ctx.device, dtype, tensor_hook=hook)
+        components = ckpt.load_components(checkpoint, ctx.device, dtype, tensor_hook=hook,
+                                          transformer_file=transformer_file)
         if ctx.device.type == "cuda":
             torch.cuda.synchronize(ctx.device)
         renderer = cls(components, ctx, settings, fasth3=schedule, load_seconds=time.perf_counter() - t0,

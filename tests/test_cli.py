@@ -189,3 +189,19 @@ def test_fasth3_v2_checkpoint_runs_its_own_contract(official_ckpt, tmp_path):
     # the same checkpoint refuses base-model jobs: its weights are the distilled student
     r = run_cli("prompt", "x", "-o", str(tmp_path / "base.mp4"), "--checkpoint", str(ckpt), "--frames", "22")
     assert r.returncode == 1 and "FastH3" in r.stderr and not (tmp_path / "base.mp4").exists()
+
+
+def test_single_file_transformer_replaces_the_checkpoint_dit(official_ckpt, tmp_path):
+    """A ComfyUI-style single-file DiT (q/k/v stacked) with the same weights renders the same MP4 frames."""
+    single = tmp_path / "dit.safetensors"
+    r = run_cli("make-checkpoint", str(single), "--config", "tiny", "--layout", "single-file")
+    assert r.returncode == 0, r.stderr
+    args = ("--checkpoint", str(official_ckpt), "--frames", "22", "--steps", "3", "--seed", "2")
+    a, b = tmp_path / "a.mp4", tmp_path / "b.mp4"
+    r = run_cli("prompt", "Wind over dunes", "-o", str(a), *args)
+    assert r.returncode == 0, r.stderr
+    r = run_cli("prompt", "Wind over dunes", "-o", str(b), *args, "--transformer", str(single))
+    assert r.returncode == 0, r.stderr
+    np.testing.assert_array_equal(decode(a)[0], decode(b)[0])
+    r = run_cli("prompt", "x", "-o", str(tmp_path / "c.mp4"), *args, "--transformer", str(tmp_path / "nope.st"))
+    assert r.returncode == 2 and "--transformer" in r.stderr
