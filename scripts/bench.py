@@ -14,6 +14,8 @@ Stages (`--stages`, comma-separated):
   vae       video VAE decode of 72 (and 32) latent frames: ours vs diffusers, same weights
   audio     audio VAE decode (fp32): ours vs diffusers
   te        text encoder, 50 of 64 Qwen3-VL-32B layers, 256- and 2,000-token prompts
+  ulysses   DiT forward at 1344x768x243 sharded over the torchrun ranks, per head-chunk count (--ulysses-chunks)
+  prof      top device kernels of an 8-block DiT forward (sharded under torchrun) and a compiled VAE decode batch
   e2e       complete MP4 of a 10.125 s 1344x768 clip with --forwards DiT forwards (4 = FastH3 length), all
             components resident; run under torchrun for several GPUs
 
@@ -439,6 +441,107 @@ def stage_e2e(args) -> None:
                 peak_gb=peak_gb(), mp4_bytes=out.stat().st_size)
 
 
+def _dit_step(dit, height: int, width: int, frames: int):
+    """A 50-block-style forward closure at one canvas (tables for a 4-forward schedule, AdaLN weights dropped)."""
+    from h3render import sampling
+
+    layout, text, video_rows, audio_rows = dit_inputs(dit, height, width, frames)
+    vs, as_ = sampling.sigma_schedule(5, 12.0), sampling.sigma_schedule(5, 3.0)
+    tables = dit.modulation_tables(sampling.schedule_timesteps(vs, as_))
+    dit.drop_adaln_weights_()
+    torch.cuda.empty_cache()
+    index = layout.row_timestep_index(tables.index_of(1 - vs[1]), tables.index_of(1 - as_[1]))
+    rope = dit.rope_tables(layout.positions)
+    return layout, (video_rows, audio_rows, text, layout, tables, index, rope)
+
+
+@torch.no_grad()
+def stage_ulysses(args) -> None:
+    """DiT forward at 1344x768x243, 50 blocks, rows sharded over the torchrun ranks: head-chunk variants."""
+    from h3render.models.attention import attention, select_backend
+    from h3render.parallel.dit import sharded_forward
+    from h3render.parallel.groups import init_parallel
+
+    ctx = init_parallel("cuda")
+    select_backend(args.attention)
+    dit = released_dit(50)
+    dit.set_attention(attention, refiner=True)
+    layout, inputs = _dit_step(dit, 768, 1344, 243)
+    first = None
+    for chunks in args.ulysses_chunks:
+        fn = lambda: sharded_forward(dit, ctx, *inputs, chunks=chunks)  # noqa: E731
+        peak_reset()
+        t = cuda_time(fn, reps=2)
+        video, _ = fn()
+        first = video if first is None else first
+        att, lin = dit_flops(layout.seq_len, dit.cfg, 50)
+        rec(stage="ulysses", what=f"DiT forward 1344x768x243 (50 blocks) on {ctx.world_size} GPUs, {chunks} head "
+                                  f"chunk(s)", ours_s=round(t, 3), tflops=round((att + lin) / t / 1e12, 1),
+            rel_err=rel_err(video, first), vs="first variant", peak_gb=peak_gb())
+    del dit, inputs
+    peak_reset()
+
+
+def _top_kernels(prof, n: int = 20) -> list[dict]:
+    rows = []
+    for e in prof.key_averages():
+        device_us = getattr(e, "self_device_time_total", None)
+        if device_us is None:
+            device_us = e.self_cuda_time_total
+        if device_us > 0:
+            rows.append({"name": e.key[:90], "ms": round(device_us / 1e3, 2), "calls": e.count})
+    rows.sort(key=lambda r: -r["ms"])
+    total = sum(r["ms"] for r in rows)
+    return [{"total_device_ms": round(total, 1)}] + rows[:n]
+
+
+@torch.no_grad()
+def stage_prof(args) -> None:
+    """Where device time goes: one 8-block DiT forward at 1344x768x243 (sharded when under torchrun), and on a single
+    GPU one compiled video-VAE decode batch. Prints the top kernels by self device time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from h3render.models.attention import attention, select_backend
+    from h3render.parallel.dit import sharded_forward
+    from h3render.parallel.groups import init_parallel
+
+    ctx = init_parallel("cuda")
+    select_backend(args.attention)
+    dit = released_dit(8)
+    dit.set_attention(attention, refiner=True)
+    layout, inputs = _dit_step(dit, 768, 1344, 243)
+    fn = (lambda: sharded_forward(dit, ctx, *inputs)) if ctx.distributed else (lambda: dit(*inputs))
+    cuda_time(fn, reps=1)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    rec(stage="prof", what=f"DiT 8 blocks, {ctx.world_size} GPU(s), top kernels", kernels=_top_kernels(prof))
+    del dit, inputs
+    peak_reset()
+    if ctx.distributed:
+        return
+    from h3render.checkpoint import RELEASES
+    from h3render.models.video_vae import VideoVAE
+    from h3render.pipeline import _heads_first
+
+    release = RELEASES["released"]
+    vae = build_on_gpu(lambda: VideoVAE(release.video_vae, release.vae_tiling), torch.float32)
+    random_(vae, 1).apply_precision_(torch.bfloat16)
+    vae.set_attention(_heads_first(attention))
+    vae.compile_blocks_(dynamic=False)
+    z = torch.randn(24, 72, 48, 84, device="cuda")
+    vb = args.vae_batches[-1]
+    items = vae.plan_decode(*z.shape[1:]).items[:vb]
+    for _ in range(2):
+        vae.decode_items(z, items, vb)
+    t = cuda_time(lambda: vae.decode_items(z, items, vb), reps=3)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        vae.decode_items(z, items, vb)
+        torch.cuda.synchronize()
+    rec(stage="prof", what=f"video VAE compiled, one batch of {vb} items", seconds=round(t, 4),
+        kernels=_top_kernels(prof, 25))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--stages", default="ceil,attn,kernels,dit,vae,audio,te")
@@ -447,9 +550,11 @@ def main() -> None:
     p.add_argument("--vae-batches", default="8", help="comma-separated decode batch sizes to time")
     p.add_argument("--forwards", type=int, default=4)
     p.add_argument("--e2e-reps", type=int, default=1)
+    p.add_argument("--ulysses-chunks", default="1,2,4", help="head chunks per rank to time in the ulysses stage")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     args.vae_batches = [int(x) for x in args.vae_batches.split(",")]
+    args.ulysses_chunks = [int(x) for x in args.ulysses_chunks.split(",")]
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     torch.backends.cuda.matmul.allow_tf32 = False
     rec(stage="env", gpu=torch.cuda.get_device_name(0), torch=torch.__version__, gpus=torch.cuda.device_count())

@@ -38,6 +38,8 @@ from h3render.packing import PackedLayout
 NUM_MODALITIES = 3
 
 AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+# (qkv [S, H, 3, D], q_weight [D], k_weight [D], rope (cos, sin) [S, R] or None, eps) -> [S, H, D]
+QKVAttentionFn = Callable[..., torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -218,11 +220,17 @@ class Attention(nn.Module):
         self.k_norm = nn.RMSNorm(head_dim, eps=qk_norm_eps)
         self.out_proj = nn.Linear(heads * head_dim, hidden_size, bias=False)
         self.attention: AttentionFn = sdpa_attention
+        # Replaces norm + RoPE + attention as one step when set (sequence parallelism lays q/k/v out for its
+        # all-to-alls while normalizing them): fn(qkv [S, H, 3, D], q_weight, k_weight, rope, eps) -> [S, H, D].
+        self.qkv_attention: QKVAttentionFn | None = None
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
         """x: `[S, hidden]` -> `[S, hidden]`; rope: `(cos, sin)` `[S, R]` or None."""
         s = x.shape[0]
         qkv = self.qkv_proj(x).view(s, self.heads, 3, self.head_dim)  # interleaved per head
+        if self.qkv_attention is not None:
+            out = self.qkv_attention(qkv, self.q_norm.weight, self.k_norm.weight, rope, self.qk_norm_eps)
+            return self.out_proj(out.reshape(s, self.heads * self.head_dim))
         q, k, v = qkv.unbind(2)  # each [S, H, D]
         cos, sin = rope if rope is not None else (None, None)
         q, k, v = qk_norm_rope(q, k, v, self.q_norm.weight, self.k_norm.weight, cos, sin, self.qk_norm_eps)
@@ -425,6 +433,12 @@ class DiT(nn.Module):
         if refiner:
             for block in self.token_refiner.blocks:
                 block.attn.attention = fn
+
+    def set_qkv_attention(self, fn: "QKVAttentionFn | None") -> None:
+        """Use `fn` for QK norm + RoPE + attention in every block (not the token refiner); None restores the
+        default (`qk_norm_rope` then `attention`). See `Attention.qkv_attention`."""
+        for block in self.blocks:
+            block.attn.qkv_attention = fn
 
     def drop_adaln_weights_(self) -> None:
         """Delete `blocks.*.adaln_proj` and `final_layer.adaln_proj` (the forward reads `ModulationTables` only).

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from h3render.parallel.groups import ParallelContext
-from h3render.parallel.ulysses import RowShard, gather_rows, shard_rows, ulysses_attention
+from h3render.parallel.ulysses import RowShard, chunks_for, gather_rows, shard_rows, ulysses_qkv_attention
 
 
 def _span_count(index: torch.Tensor, shard: RowShard) -> int:
@@ -16,32 +16,35 @@ def _span_count(index: torch.Tensor, shard: RowShard) -> int:
 
 
 class _UlyssesState:
-    """Which sequence length the DiT's attention wrappers were built for (rebuilt when a job's length changes)."""
+    """Which (sequence length, head chunks) the DiT's attention wrappers were built for (rebuilt on change)."""
 
-    seq_len: int | None = None
+    key: tuple[int, int] | None = None
 
 
-def install_ulysses(dit, base_attention, seq_len: int, ctx: ParallelContext) -> None:
+def install_ulysses(dit, base_attention, seq_len: int, ctx: ParallelContext, chunks: int | None = None) -> None:
     """Wrap every block's attention (not the token refiner's: it sees only the replicated text rows)."""
     state = getattr(dit, "_ulysses_state", None)
     if state is None:
         state = _UlyssesState()
         dit._ulysses_state = state
-    if state.seq_len != seq_len:
-        dit.set_attention(ulysses_attention(base_attention, seq_len, ctx.group), refiner=False)
-        state.seq_len = seq_len
+    local_heads = dit.cfg.num_attention_heads // ctx.world_size
+    chunks = chunks_for(local_heads) if chunks is None else chunks
+    if state.key != (seq_len, chunks):
+        dit.set_qkv_attention(ulysses_qkv_attention(base_attention, seq_len, ctx.group, chunks))
+        state.key = (seq_len, chunks)
 
 
 def sharded_forward(dit, ctx: ParallelContext, video_rows, audio_rows, text, layout, tables, timestep_index, rope,
-                    base_attention=None):
+                    base_attention=None, chunks: int | None = None):
     """`dit(...)` computed across the ranks of `ctx`; returns the full `(video_velocity, audio_velocity)` on every rank.
 
     Every rank passes the same full inputs (the latents are small: 72,576 × 96 fp32 = 28 MB at release); each embeds
-    only its own rows (`DiT.forward(window=...)`), so hidden states are never gathered.
+    only its own rows (`DiT.forward(window=...)`), so hidden states are never gathered. `chunks`: head groups per
+    rank pipelined against attention (`ulysses_qkv_attention`; default `DEFAULT_CHUNKS` where it divides).
     """
     if base_attention is None:
         from h3render.models.attention import attention as base_attention
-    install_ulysses(dit, base_attention, layout.seq_len, ctx)
+    install_ulysses(dit, base_attention, layout.seq_len, ctx, chunks)
     shards = [shard_rows(layout.seq_len, r, ctx.world_size) for r in range(ctx.world_size)]
     mine = shards[ctx.rank]
     video, audio = dit(video_rows, audio_rows, text, layout, tables, timestep_index, rope,

@@ -3,12 +3,14 @@
 Each rank holds a contiguous window of the packed sequence (`RowShard`). Everything except attention is row-local,
 so the only communication per block is inside attention: an all-to-all turns `[S/W rows, all H heads]` into
 `[all S rows, H/W heads]`, attention runs over the full sequence for its heads, and a second all-to-all turns it back
-(DeepSpeed-Ulysses, Jacobs et al. 2023). The transform wraps only the attention call (`DiT.set_attention`), so the
-model keeps one forward.
+(DeepSpeed-Ulysses, Jacobs et al. 2023).
 
 Padding: the sequence is padded at its end to a multiple of the world size (at most W-1 rows, all on the last rank).
 After the first all-to-all the pad rows sit at the end of the full sequence, so attention runs on the first S rows
 only — pad rows never act as keys — and the output is padded back before the return all-to-all.
+
+The transform replaces the block attention's norm + RoPE + attention step (`DiT.set_qkv_attention`), so the fused
+norm kernel can write straight into the all-to-all's send layout; the model keeps one forward.
 """
 
 from __future__ import annotations
@@ -58,41 +60,79 @@ def shard_rows(seq_len: int, rank: int, world_size: int) -> RowShard:
     return RowShard(rank * per, (rank + 1) * per, seq_len, per * world_size)
 
 
-def _all_to_all(x: torch.Tensor, scatter_dim: int, gather_dim: int, group) -> torch.Tensor:
-    """Split `x` into W chunks along `scatter_dim`, send chunk i to rank i, concatenate received along `gather_dim`."""
-    world = dist.get_world_size(group)
-    inputs = [c.contiguous() for c in x.chunk(world, dim=scatter_dim)]
-    outputs = [torch.empty_like(inputs[0]) for _ in range(world)]
-    dist.all_to_all(outputs, inputs, group=group)
-    return torch.cat(outputs, dim=gather_dim)
+# Head chunks per rank pipelined against attention (see `ulysses_qkv_attention`); chosen by measurement on
+# 2xH200 (docs/performance.md §2).
+DEFAULT_CHUNKS = 2
 
 
-def ulysses_attention(inner: AttentionFn, seq_len: int, group) -> AttentionFn:
-    """Wrap `inner(q, k, v)` (`[B, S, H, D]`) for rows sharded over the ranks of `group`.
+def chunks_for(local_heads: int, wanted: int = DEFAULT_CHUNKS) -> int:
+    """The largest chunk count <= `wanted` that divides a rank's `local_heads` (1 when nothing larger does)."""
+    return max(c for c in range(1, max(1, wanted) + 1) if local_heads % c == 0)
+
+
+def ulysses_qkv_attention(inner: AttentionFn, seq_len: int, group, chunks: int = 1):
+    """QK norm + RoPE + attention for rows sharded over the ranks of `group` (a `DiT.set_qkv_attention` function).
+
+    Takes this rank's qkv projection `[S/W, H, 3, D]` and returns its attention output `[S/W, H, D]`. The fused
+    norm/RoPE kernel writes q, k and v straight into head-group-major send buffers `[W, S/W, H/W, D]`, so the
+    all-to-all (`all_to_all_single`) needs no gather copy and what each rank receives is already the contiguous
+    full sequence `[S_pad, H/W, D]` of its heads. With `chunks` > 1 a rank's heads are split into that many
+    groups: the all-to-all of group g+1 runs while group g's attention computes, and group g's output travels
+    home during group g+1's attention, so only the first group's inbound and the last group's outbound
+    communication are exposed.
 
     Args:
-        inner: the single-device attention (FA3 / cuDNN SDPA / SDPA), `[B, S, H, D]` in and out.
-        seq_len: real (unpadded) length of the packed sequence.
-        group: process group; its size must divide the number of heads.
-    Returns:
-        fn(q, k, v) taking this rank's rows `[B, S/W, H, D]` and returning `[B, S/W, H, D]`.
+        inner: single-device attention, `[1, S, h, D]` q/k/v in, `[1, S, h, D]` out.
+        seq_len: real (unpadded) length of the packed sequence; pad rows never act as keys.
+        group: process group; its size W must divide H, and `chunks` must divide H / W.
+        chunks: head groups per rank (1 = no pipelining).
+    Raises:
+        ValueError: W does not divide the heads or `chunks` does not divide H / W.
     """
 
-    def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        heads = q.shape[2]
+    def qkv_attention(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, rope, eps: float):
+        from h3render.models.dit import qk_norm_rope
+
+        rows, heads, _, dim = qkv.shape
         world = dist.get_world_size(group)
         if heads % world:
             raise ValueError(f"Ulysses needs the world size ({world}) to divide the head count ({heads})")
-        # [B, S/W, H, D] -> [B, S_pad, H/W, D]
-        q, k, v = (_all_to_all(t, scatter_dim=2, gather_dim=1, group=group) for t in (q, k, v))
-        padded = q.shape[1]
-        out = inner(q[:, :seq_len], k[:, :seq_len], v[:, :seq_len])
-        if padded > seq_len:
-            out = torch.cat([out, out.new_zeros(out.shape[0], padded - seq_len, *out.shape[2:])], dim=1)
-        # [B, S_pad, H/W, D] -> [B, S/W, H, D]
-        return _all_to_all(out, scatter_dim=1, gather_dim=2, group=group)
+        local = heads // world
+        if local % chunks:
+            raise ValueError(f"{chunks} head chunks do not divide the {local} heads of a rank")
+        width = local // chunks
+        padded = rows * world
+        cos, sin = rope if rope is not None else (None, None)
 
-    return attention
+        inbound = []
+        for g in range(chunks):
+            send = qkv.new_empty(3, world, rows, width, dim)  # q/k/v x destination rank x my rows
+            for w in range(world):
+                part = qkv[:, w * local + g * width: w * local + (g + 1) * width]  # [S/W, width, 3, D] view
+                qk_norm_rope(part[:, :, 0], part[:, :, 1], part[:, :, 2], q_weight, k_weight, cos, sin, eps,
+                             out=(send[0, w], send[1, w], send[2, w]))
+            recv = torch.empty_like(send)  # q/k/v x source rank (= row window) x its rows
+            works = [dist.all_to_all_single(recv[i], send[i], group=group, async_op=True) for i in range(3)]
+            inbound.append((recv, works))
+
+        outbound = []
+        for recv, works in inbound:
+            for work in works:
+                work.wait()
+            q, k, v = (recv[i].view(padded, width, dim)[:seq_len] for i in range(3))
+            out = inner(q[None], k[None], v[None])[0]  # [S, width, D]
+            if padded > seq_len:
+                out = torch.cat([out, out.new_zeros(padded - seq_len, width, dim)])
+            back = out.new_empty(world, rows, width, dim)  # source head group x my rows
+            outbound.append((back, dist.all_to_all_single(back, out.contiguous(), group=group, async_op=True)))
+
+        result = qkv.new_empty(rows, world, chunks, width, dim)  # head = (w * chunks + g) * width + j
+        for g, (back, work) in enumerate(outbound):
+            work.wait()
+            result[:, :, g].copy_(back.transpose(0, 1))
+        return result.view(rows, heads, dim)
+
+    return qkv_attention
 
 
 def gather_rows(local: torch.Tensor, counts: list[int], group) -> torch.Tensor:
