@@ -273,9 +273,8 @@ def stage_vae(args) -> None:
     except ImportError:  # a call that carries PyAV instead of diffusers (64 MiB wheel budget)
         AutoencoderKLMiniMaxH3 = None
 
-    from h3render.models.attention import attention, select_backend
+    from h3render.models.attention import select_backend
     from h3render.models.video_vae import VideoVAE, VideoVAEConfig
-    from h3render.pipeline import _heads_first
 
     select_backend(args.attention)
     cfg = VideoVAEConfig()
@@ -288,7 +287,8 @@ def stage_vae(args) -> None:
         ref.to(torch.bfloat16)  # all-bf16, as the anchor runs it (DESIGN.md §3)
         ref.enable_tiling()
     ours.apply_precision_(torch.bfloat16)
-    ours.set_attention(_heads_first(attention))
+    ours.fuse_qkv_()  # as the Renderer runs it
+    vae_attention(ours, args.vae_batches[-1], "vae")
     rec(stage="vae", what="video VAE params", params=sum(p.numel() for p in ours.parameters()))
     compiled = False
     for t_lat, h, w in ((72, 48, 84),):
@@ -325,6 +325,18 @@ def stage_vae(args) -> None:
         del out_c, out, ref_rgb
     del ours, ref
     peak_reset()
+
+
+def vae_attention(vae, batch: int, stage: str) -> None:
+    """The decoder's attention backend, measured at its own shape (as `Renderer.prepare` does)."""
+    from h3render.models.attention import fastest_for, runner
+    from h3render.pipeline import _heads_first
+
+    shape = vae.attention_shape(vae.plan_decode(vae.config.geometry.window_latents, 48, 84), batch)
+    name, probe = fastest_for(shape)
+    vae.set_attention(_heads_first(runner(name)))
+    rec(stage=stage, what=f"VAE attention backend at {list(shape)}", backend=name,
+        probe_ms={k: round(v * 1e3, 3) for k, v in probe.items()})
 
 
 def ref_vae_decode(ref, cfg, z):
@@ -522,12 +534,12 @@ def stage_prof(args) -> None:
         return
     from h3render.checkpoint import RELEASES
     from h3render.models.video_vae import VideoVAE
-    from h3render.pipeline import _heads_first
 
     release = RELEASES["released"]
     vae = build_on_gpu(lambda: VideoVAE(release.video_vae, release.vae_tiling), torch.float32)
     random_(vae, 1).apply_precision_(torch.bfloat16)
-    vae.set_attention(_heads_first(attention))
+    vae.fuse_qkv_()
+    vae_attention(vae, args.vae_batches[-1], "prof")
     vae.compile_blocks_(dynamic=False)
     z = torch.randn(24, 72, 48, 84, device="cuda")
     vb = args.vae_batches[-1]

@@ -207,3 +207,18 @@ def test_bf16_precision_split(models, decoded):
     print(f"bf16 decode rel err vs fp32: {err:.2e}")
     assert low.dtype == torch.float32 and torch.isfinite(low).all()
     assert 0 < err < 5e-2
+
+
+def test_fused_qkv_decode_matches_diffusers(models, decoded):
+    """The renderer fuses each decoder block's q/k/v into one projection; the decode must not change."""
+    cfg, _, ours = models
+    latent, expected, _ = decoded
+    fused = copy.deepcopy(ours).fuse_qkv_()
+    block = fused.decoder.transformer_blocks[0].attn
+    assert not hasattr(block, "to_q") and block.to_qkv.weight.shape[0] == 3 * block.to_out[0].in_features
+    err = rel_err(fused.decode(latent, batch_size=3), expected)
+    print(f"fused-qkv decode rel err vs diffusers: {err:.2e}")
+    assert err <= TOL
+    # the bf16 precision split still reaches the fused projection
+    fused.apply_precision_(torch.bfloat16)
+    assert block.to_qkv.weight.dtype == torch.bfloat16 and block.to_out[0].weight.dtype == torch.bfloat16

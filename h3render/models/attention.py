@@ -131,18 +131,45 @@ def _probe_seconds(name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return sorted(times)[len(times) // 2]
 
 
-def _auto_select() -> str:
+def fastest_for(shape: tuple[int, int, int, int]) -> tuple[str, dict[str, float]]:
+    """Time every available backend on random bf16 q/k/v of `shape` `[B, S, H, D]`; return the fastest that matches
+    plain SDPA and the median seconds of each (inf: failed or disagreed). "sdpa" without a GPU.
+
+    The DiT's long sequences and the video VAE decoder's short ones (8 x 1,797 tokens, head dim 64) can favour
+    different kernels, so each call site may probe at its own shape.
+    """
+    global _fa3_func
     candidates = available_backends()
     if candidates == ["sdpa"]:
-        return "sdpa"
+        return "sdpa", {}
+    if _fa3_func is None:
+        _fa3_func = _load_fa3()
     gen = torch.Generator(device="cuda").manual_seed(0)
-    q, k, v = (torch.randn(_PROBE_SHAPE, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(3))
+    q, k, v = (torch.randn(shape, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(3))
     ref = _sdpa(q, k, v)
     timings = {name: _probe_seconds(name, q, k, v, ref) for name in candidates}
-    global last_probe_seconds
-    last_probe_seconds = timings
     # min() keeps the first of equal timings, i.e. the preference order of BACKENDS.
-    return min(candidates, key=lambda name: timings[name])
+    return min(candidates, key=lambda name: timings[name]), timings
+
+
+def runner(name: str) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
+    """The attention function of backend `name` (`[B, S, H, D]` in and out), bypassing the process-wide choice.
+
+    Raises:
+        ValueError: unknown or unavailable backend.
+    """
+    global _fa3_func
+    if name not in available_backends():
+        raise ValueError(f"attention backend {name!r} is not available here; available: {available_backends()}")
+    if name == "fa3" and _fa3_func is None:
+        _fa3_func = _load_fa3()
+    return _RUNNERS[name]
+
+
+def _auto_select() -> str:
+    global last_probe_seconds
+    name, last_probe_seconds = fastest_for(_PROBE_SHAPE)
+    return name
 
 
 def select_backend(name: str | None = None) -> str:

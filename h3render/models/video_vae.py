@@ -297,11 +297,33 @@ class ViTAttention(nn.Module):
         self.to_out = nn.ModuleList([nn.Linear(inner, dim)])
         self.attention_fn: Callable = sdpa_attention
 
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.to_out[0].weight.dtype
+
+    def fuse_qkv_(self) -> None:
+        """Replace to_q / to_k / to_v by one `to_qkv` projection `[3 * inner, dim]`: one GEMM that reads x once and
+        fills the GPU better than three (same products; load weights before fusing, state dicts keep the
+        checkpoint names only until then)."""
+        if hasattr(self, "to_qkv"):
+            return
+        parts = (self.to_q, self.to_k, self.to_v)
+        fused = nn.Linear(parts[0].in_features, 3 * parts[0].out_features, device=parts[0].weight.device,
+                          dtype=parts[0].weight.dtype)
+        with torch.no_grad():
+            fused.weight.copy_(torch.cat([m.weight for m in parts]))
+            fused.bias.copy_(torch.cat([m.bias for m in parts]))
+        self.to_qkv = fused.requires_grad_(parts[0].weight.requires_grad)
+        del self.to_q, self.to_k, self.to_v
+
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x: [B, S, dim] in the linears' dtype; cos/sin: [S, R] float32."""
         b, s, _ = x.shape
         shape = (b, s, self.heads, self.head_dim)
-        q, k, v = self.to_q(x).view(shape), self.to_k(x).view(shape), self.to_v(x).view(shape)  # [B, S, H, D]
+        if hasattr(self, "to_qkv"):
+            q, k, v = self.to_qkv(x).view(b, s, 3, self.heads, self.head_dim).unbind(2)  # [B, S, H, D] views
+        else:
+            q, k, v = self.to_q(x).view(shape), self.to_k(x).view(shape), self.to_v(x).view(shape)  # [B, S, H, D]
         # Norm and rotate in the contiguous [B, S, H, D] layout; only the attention call sees [B, H, S, D] views.
         q = F.rms_norm(q.float(), (self.head_dim,), eps=self.eps).to(v.dtype)
         k = F.rms_norm(k.float(), (self.head_dim,), eps=self.eps).to(v.dtype)
@@ -347,7 +369,7 @@ class ViTBlock(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x: [B, S, dim] float32."""
-        dtype = self.attn.to_q.weight.dtype
+        dtype = self.attn.dtype
         x = x + self.attn(self.norm1(x).to(dtype), cos, sin) * self.scale1
         return x + self.ff(self.norm2(x).to(dtype)) * self.scale2
 
@@ -436,8 +458,9 @@ class VideoVAE(nn.Module):
         """
         self.float()
         for block in self.decoder.transformer_blocks:
-            for lin in (block.attn.to_q, block.attn.to_k, block.attn.to_v, block.attn.to_out[0],
-                        block.ff.net[0].proj, block.ff.net[2]):
+            attn = block.attn
+            projections = (attn.to_qkv,) if hasattr(attn, "to_qkv") else (attn.to_q, attn.to_k, attn.to_v)
+            for lin in (*projections, attn.to_out[0], block.ff.net[0].proj, block.ff.net[2]):
                 lin.to(dtype)
         self.decoder.proj_out.to(dtype)
         return self
@@ -454,6 +477,20 @@ class VideoVAE(nn.Module):
         # Compiled blocks specialize on the batch size: pad short batches so a decode never recompiles mid-job.
         self.pad_batches = True
         return self
+
+    def fuse_qkv_(self) -> "VideoVAE":
+        """Fuse every decoder block's q/k/v projections into one GEMM (`ViTAttention.fuse_qkv_`); after loading."""
+        for block in self.decoder.transformer_blocks:
+            block.attn.fuse_qkv_()
+        return self
+
+    def attention_shape(self, plan: DecodePlan, batch_size: int) -> tuple[int, int, int, int]:
+        """`[B, S, H, D]` of the decoder's attention for one batch of `plan`'s items (tokens: latent voxels of a
+        tile, the register tokens and the zero token)."""
+        it = plan.items[0]
+        tokens = ((it.latent_t[1] - it.latent_t[0]) * (it.latent_y[1] - it.latent_y[0])
+                  * (it.latent_x[1] - it.latent_x[0]) + self.decoder.num_register_tokens + 1)
+        return (batch_size, tokens, self.config.decoder_num_attention_heads, self.config.decoder_attention_head_dim)
 
     def set_attention(self, fn: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]) -> None:
         """Use `fn(q, k, v) -> out` (all [B, heads, S, head_dim]) for every decoder attention."""

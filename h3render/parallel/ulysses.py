@@ -60,9 +60,11 @@ def shard_rows(seq_len: int, rank: int, world_size: int) -> RowShard:
     return RowShard(rank * per, (rank + 1) * per, seq_len, per * world_size)
 
 
-# Head chunks per rank pipelined against attention (see `ulysses_qkv_attention`); chosen by measurement on
-# 2xH200 (docs/performance.md §2).
-DEFAULT_CHUNKS = 2
+# Head chunks per rank pipelined against attention (see `ulysses_qkv_attention`). Measured on 2xH200 (NVLink),
+# 50-block forward at 1344x768x243: 1 chunk 8.147 s, 2 chunks 9.763 s, 4 chunks 9.808 s: NCCL's all-to-all kernels
+# running beside FlashAttention-3 slow it far more than the ~3.7 ms per block they would hide (docs/performance.md
+# §2). Kept as an option for links where communication dominates.
+DEFAULT_CHUNKS = 1
 
 
 def chunks_for(local_heads: int, wanted: int = DEFAULT_CHUNKS) -> int:
