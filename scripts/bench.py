@@ -427,7 +427,8 @@ def stage_e2e(args) -> None:
     build_s = time.perf_counter() - t0
     info = CheckpointInfo(path="random-released", layout="builtin", release=release)
     comps = Components(dit, vae, avae, te, info)
-    settings = EngineSettings(vae_batch=args.vae_batches[-1], attention=args.attention, progress=False)
+    settings = EngineSettings(vae_batch=args.vae_batches[-1], attention=args.attention, progress=False,
+                              save_latents=args.save_latents)  # /tmp/e2e-w<N>.latents.pt: compare 1 vs N GPUs
     renderer = Renderer(comps, ctx, settings, load_seconds=build_s)
     prompt = ("A lighthouse keeper climbs the spiral stairs at dusk, camera tracking upward; wind, waves, the "
               "creak of iron steps. [Speaker 1]: \"Storm's coming.\"")
@@ -562,6 +563,7 @@ def main() -> None:
     p.add_argument("--vae-batches", default="8", help="comma-separated decode batch sizes to time")
     p.add_argument("--forwards", type=int, default=4)
     p.add_argument("--e2e-reps", type=int, default=1)
+    p.add_argument("--save-latents", action="store_true", help="e2e: also write the final latents beside the MP4")
     p.add_argument("--ulysses-chunks", default="1,2,4", help="head chunks per rank to time in the ulysses stage")
     p.add_argument("--out", default=None)
     args = p.parse_args()
