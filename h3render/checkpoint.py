@@ -1,4 +1,5 @@
-"""Checkpoints: the release registry, layout detection, DiT name mapping, shard streaming, built-in random models.
+"""Checkpoints: layout detection, shard streaming, built-in random models (the release registry is
+`h3render.releases`, the DiT name mapping `h3render.dit_names`).
 
 Three on-disk layouts load into the same modules (DESIGN.md §2):
 
@@ -28,11 +29,10 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import hashlib
 import json
 import math
 import zlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Collection, Iterable, Iterator, Mapping, NamedTuple
 
@@ -40,336 +40,17 @@ import torch
 from safetensors import safe_open
 from torch import Tensor, nn
 
-from h3render.models.audio_vae import AUDIO_VAE_SMALL, AUDIO_VAE_TINY, AudioVAE, AudioVAEConfig
-from h3render.models.dit import DIT_SMALL, DIT_TINY, DiT, DiTConfig
+from h3render.dit_names import (FC1_NATIVE, IGNORED_DIT_TENSORS, QKV_DIFFUSERS, QKV_NATIVE, dit_name_from_diffusers,
+                                interleave_qkv, swap_halves)
+from h3render.errors import CheckpointError
+from h3render.models.audio_vae import AudioVAE, AudioVAEConfig
+from h3render.models.dit import DiT, DiTConfig
 from h3render.models.text_encoder import TextEncoder
-from h3render.models.vae_tiling import RELEASED_TILING, TilingConfig
-from h3render.models.video_vae import VIDEO_VAE_SMALL, VIDEO_VAE_TINY, VideoVAE, VideoVAEConfig
+from h3render.models.video_vae import VideoVAE, VideoVAEConfig
+from h3render.releases import BUILTIN, RELEASES, Release
 
-FPS = 24  # MiniMax-H3 generates at a fixed 24 fps (diffusers 0.42.1 `MINIMAX_H3_FPS`)
 PARTS = ("dit", "video_vae", "audio_vae", "text_encoder")
 
-
-class CheckpointError(ValueError):
-    """A checkpoint cannot be read (layout, config or tensor); the message names the file and, where one is
-    involved, the tensor."""
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# Text encoder configs (kwargs of transformers `Qwen3VLConfig`).
-
-# Qwen3-VL 32B, the released conditioner (check: the released `text_encoder/config.json` is authoritative and is
-# what `read_checkpoint_info` uses; this entry only describes the registry's "released" architecture).
-QWEN3VL_RELEASED: Mapping[str, Any] = {
-    "text_config": {
-        "vocab_size": 151936, "hidden_size": 5120, "intermediate_size": 25600, "num_hidden_layers": 64,
-        "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 128, "rms_norm_eps": 1e-6,
-        "max_position_embeddings": 262144,
-        "rope_parameters": {"rope_type": "default", "rope_theta": 5000000.0, "mrope_section": [24, 20, 20],
-                            "mrope_interleaved": True},
-    },
-    "vision_config": {
-        "depth": 27, "hidden_size": 1152, "intermediate_size": 4304, "num_heads": 16, "out_hidden_size": 5120,
-        "patch_size": 16, "deepstack_visual_indexes": [8, 16, 24],
-    },
-}
-
-
-def _tiny_qwen3vl(hidden: int, layers: int, heads: int, head_dim: int, mrope: list[int]) -> dict[str, Any]:
-    # A vision tower is included so a written checkpoint carries `model.visual.*` tensors for the loader to skip.
-    return {
-        "text_config": {
-            "vocab_size": 512, "hidden_size": hidden, "intermediate_size": 2 * hidden, "num_hidden_layers": layers,
-            "num_attention_heads": heads, "num_key_value_heads": heads // 2, "head_dim": head_dim,
-            "rms_norm_eps": 1e-6, "max_position_embeddings": 8192,
-            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": mrope,
-                                "mrope_interleaved": True},
-        },
-        "vision_config": {
-            "depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "out_hidden_size": hidden,
-            "patch_size": 8, "num_position_embeddings": 16, "deepstack_visual_indexes": [0],
-        },
-    }
-
-
-# Tiny conditioner: 3 layers read at layer 2, so the un-normed inner read is exercised; width = DIT_TINY.text_dim.
-QWEN3VL_TINY = _tiny_qwen3vl(hidden=DIT_TINY.text_dim, layers=3, heads=4, head_dim=16, mrope=[2, 3, 3])
-QWEN3VL_SMALL = _tiny_qwen3vl(hidden=DIT_SMALL.text_dim, layers=4, heads=4, head_dim=64, mrope=[8, 12, 12])
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# Release registry.
-
-
-def snap_frames_up(frames: int) -> int:
-    """Smallest `17n + 5` frame count >= `frames` (the video VAE's clip geometry: 17-frame clips, 5 kept)."""
-    n = max(0, math.ceil((frames - 5) / 17))
-    return 17 * n + 5
-
-
-@dataclass(frozen=True)
-class Release:
-    """Everything h3render needs to know about one model release, besides its weights.
-
-    Attributes:
-        name: registry key ("released", "tiny", "small") or the checkpoint path for a loaded checkpoint.
-        dit, video_vae, audio_vae: architectures.
-        text_encoder: `Qwen3VLConfig` kwargs (`text_config`, `vision_config`) of the conditioner.
-        text_read_layer: which hidden state conditions the DiT (released: 50 of 64).
-        video_shift, audio_shift: sigma shifts (released: 12 and 3, `model_index.json`
-            `_minimax_h3.sigma_shift_scales`).
-        min_frames, max_frames: accepted snapped frame counts (released 107–362 = 4–15 s requested, model card and
-            vLLM-Omni; the tiny models 22–362).
-        canvas_short_edge, canvas_max_pixels: aspect-ratio canvas rule (released: 768 and 768 × 1344).
-        default_canvas: (width, height) px for jobs naming no canvas: the canvas rule at 16:9.
-        default_duration_s: seconds for jobs naming no duration; `default_frames` snaps it up to 17n + 5.
-        sigma_points: sigma-grid points of the base sampler (released: 50 → 49 forwards).
-        vae_tiling: spatial tiles of the video-VAE decode (released: 256 px, >= 64 px overlap).
-    """
-
-    name: str
-    dit: DiTConfig
-    video_vae: VideoVAEConfig
-    audio_vae: AudioVAEConfig
-    text_encoder: Mapping[str, Any] = field(repr=False)
-    text_read_layer: int
-    video_shift: float
-    audio_shift: float
-    min_frames: int
-    max_frames: int
-    canvas_short_edge: int
-    canvas_max_pixels: int
-    default_canvas: tuple[int, int]
-    default_duration_s: float
-    sigma_points: int
-    vae_tiling: TilingConfig
-
-    @property
-    def default_frames(self) -> int:
-        """`default_duration_s` at 24 fps snapped up to 17n + 5 (released 5 s → 124; tiny 1 s → 39)."""
-        return max(self.min_frames, snap_frames_up(round(self.default_duration_s * FPS)))
-
-    @property
-    def text_config(self):
-        """The conditioner's `Qwen3VLTextConfig`."""
-        from transformers import Qwen3VLConfig
-
-        return Qwen3VLConfig.from_dict(dict(self.text_encoder)).text_config
-
-    def limits(self):
-        """This release's `h3render.jobs.Limits` (frame range, defaults, canvas rule)."""
-        from h3render.jobs import Limits
-
-        return Limits(min_frames=self.min_frames, max_frames=self.max_frames, default_canvas=self.default_canvas,
-                      default_frames=self.default_frames, default_steps=self.sigma_points,
-                      canvas_short_edge=self.canvas_short_edge, canvas_max_pixels=self.canvas_max_pixels)
-
-    def config_hash(self) -> str:
-        """16 hex digits of SHA-256 over every config that changes the output (architectures, read layer, shifts,
-        frame limits); equal hashes mean interchangeable checkpoints up to the weights."""
-        payload = {
-            "dit": dataclasses.asdict(self.dit), "video_vae": dataclasses.asdict(self.video_vae),
-            "audio_vae": dataclasses.asdict(self.audio_vae), "text_encoder": _canonical_qwen3vl(self.text_encoder),
-            "text_read_layer": self.text_read_layer, "shifts": [self.video_shift, self.audio_shift],
-            "frames": [self.min_frames, self.max_frames],
-        }
-        return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[:16]
-
-
-RELEASES: dict[str, Release] = {
-    "released": Release(
-        name="released", dit=DiTConfig(), video_vae=VideoVAEConfig(), audio_vae=AudioVAEConfig(),
-        text_encoder=QWEN3VL_RELEASED, text_read_layer=50, video_shift=12.0, audio_shift=3.0,
-        min_frames=107, max_frames=362, canvas_short_edge=768, canvas_max_pixels=768 * 1344,
-        default_canvas=(1344, 768), default_duration_s=5.0, sigma_points=50, vae_tiling=RELEASED_TILING,
-    ),
-    # Tiny: a 1 s render on a 224×128 canvas in seconds on CPU; 8 sigma points (7 forwards) keep the README render
-    # fast. 128 px tiles with 32 px overlap make the tiled decode run even on this small canvas (2 tiles wide).
-    "tiny": Release(
-        name="tiny", dit=DIT_TINY, video_vae=VIDEO_VAE_TINY, audio_vae=AUDIO_VAE_TINY,
-        text_encoder=QWEN3VL_TINY, text_read_layer=2, video_shift=12.0, audio_shift=3.0,
-        min_frames=22, max_frames=362, canvas_short_edge=128, canvas_max_pixels=128 * 224,
-        default_canvas=(224, 128), default_duration_s=1.0, sigma_points=8,
-        vae_tiling=TilingConfig(tile_height=128, tile_width=128, overlap_height=32, overlap_width=32),
-    ),
-    # Small: more depth and width for GPU smoke runs of the full machinery at the released canvas sizes.
-    "small": Release(
-        name="small", dit=DIT_SMALL, video_vae=VIDEO_VAE_SMALL, audio_vae=AUDIO_VAE_SMALL,
-        text_encoder=QWEN3VL_SMALL, text_read_layer=3, video_shift=12.0, audio_shift=3.0,
-        min_frames=22, max_frames=362, canvas_short_edge=768, canvas_max_pixels=768 * 1344,
-        default_canvas=(1344, 768), default_duration_s=1.0, sigma_points=8, vae_tiling=RELEASED_TILING,
-    ),
-}
-BUILTIN = ("tiny", "small")  # registry entries with a built-in random model
-
-
-# Bookkeeping keys of a transformers config that do not change what the model computes.
-_CONFIG_BOOKKEEPING = {
-    "transformers_version", "_name_or_path", "architectures", "dtype", "torch_dtype", "output_hidden_states",
-    "output_attentions", "return_dict", "id2label", "label2id", "problem_type", "chunk_size_feed_forward",
-    "is_encoder_decoder", "use_cache", "initializer_range", "tie_word_embeddings", "model_type",
-}
-
-
-def _canonical_qwen3vl(config: Mapping[str, Any]) -> dict[str, Any]:
-    """A Qwen3-VL config dict normalized through transformers (defaults filled in, bookkeeping dropped), so the
-    registry's short dicts and a checkpoint's full `config.json` hash alike."""
-    from transformers import Qwen3VLConfig
-
-    full = Qwen3VLConfig.from_dict(dict(config)).to_dict()
-    out = {}
-    for key in ("text_config", "vision_config"):
-        out[key] = {k: _plain(v) for k, v in full[key].items() if k not in _CONFIG_BOOKKEEPING}
-    return out
-
-
-def _plain(obj: Any) -> Any:
-    """JSON-able copy of nested mappings/sequences (tuples become lists)."""
-    if isinstance(obj, Mapping):
-        return {str(k): _plain(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_plain(v) for v in obj]
-    return obj
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# DiT names: native (official shards, our DiT) <-> diffusers (`MiniMaxH3Transformer3DModel`).
-
-# Whole-prefix renames outside the block stacks, (native, diffusers).
-_DIT_TOP = (
-    ("video_patch_proj.", "proj_in."),
-    ("audio_patch_proj.", "audio_proj_in."),
-    ("condition_proj.", "context_embedder."),
-    ("time_embedder.proj_in.", "time_embedder.linear_1."),
-    ("time_embedder.proj_out.", "time_embedder.linear_2."),
-    ("token_refiner.final_norm.", "token_refiner.final_norm."),
-    ("final_layer.norm.", "norm_out.norm."),
-    ("final_layer.adaln_proj.linear.", "norm_out.linear."),
-    ("final_layer.video_out.", "proj_out."),
-    ("final_layer.audio_out.", "audio_proj_out."),
-)
-# Block stacks, (native, diffusers); refiner first so "blocks." does not swallow "token_refiner.blocks.".
-_DIT_STACKS = (("token_refiner.blocks.", "token_refiner.refiner_blocks."), ("blocks.", "transformer_blocks."))
-# Inside one block, (native, diffusers). The fused qkv is handled separately.
-_DIT_IN_BLOCK = (
-    ("norm1.", "norm1."),
-    ("norm2.", "norm2."),
-    ("adaln_proj.linear.", "adaln_proj.linear."),
-    ("attn.q_norm.", "attn.norm_q."),
-    ("attn.k_norm.", "attn.norm_k."),
-    ("attn.out_proj.", "attn.to_out.0."),
-    ("mlp.fc1.", "ff.net.0.proj."),
-    ("mlp.fc2.", "ff.net.2."),
-)
-_QKV_NATIVE = "attn.qkv_proj.weight"
-_QKV_DIFFUSERS = ("attn.to_q.weight", "attn.to_k.weight", "attn.to_v.weight")
-_FC1_NATIVE = "mlp.fc1.weight"
-# The RoPE buffer some exports carry; both DiTs recompute it from the config.
-_IGNORED_DIT_TENSORS = ("rope.inv_freq",)
-
-
-def _rename(name: str, pairs: Iterable[tuple[str, str]], to_diffusers: bool) -> str | None:
-    for native, diffusers in pairs:
-        src, dst = (native, diffusers) if to_diffusers else (diffusers, native)
-        if name.startswith(src):
-            return dst + name[len(src):]
-    return None
-
-
-def _split_stack(name: str, to_diffusers: bool) -> tuple[str, str, str] | None:
-    """`(other-side stack prefix + index + ".", rest)` split of a block tensor name, or None."""
-    for native, diffusers in _DIT_STACKS:
-        src, dst = (native, diffusers) if to_diffusers else (diffusers, native)
-        if name.startswith(src):
-            index, _, rest = name[len(src):].partition(".")
-            if index.isdigit():
-                return dst, index, rest
-    return None
-
-
-def dit_names_to_diffusers(native: str) -> tuple[str, ...]:
-    """Diffusers name(s) of one native DiT tensor: `(to_q, to_k, to_v)` names for a fused `attn.qkv_proj.weight`,
-    else one name.
-
-    Raises:
-        CheckpointError: a name outside the DiT's native naming.
-    """
-    stack = _split_stack(native, to_diffusers=True)
-    if stack is not None:
-        prefix, index, rest = stack
-        if rest == _QKV_NATIVE:
-            return tuple(f"{prefix}{index}.{part}" for part in _QKV_DIFFUSERS)
-        inner = _rename(rest, _DIT_IN_BLOCK, to_diffusers=True)
-        if inner is not None:
-            return (f"{prefix}{index}.{inner}",)
-    else:
-        top = _rename(native, _DIT_TOP, to_diffusers=True)
-        if top is not None:
-            return (top,)
-    raise CheckpointError(f"no diffusers name for native DiT tensor {native!r}")
-
-
-def dit_name_from_diffusers(name: str) -> tuple[str, int | None]:
-    """Native name of one diffusers DiT tensor, and its slot in the fused qkv (0 q, 1 k, 2 v) or None.
-
-    Raises:
-        CheckpointError: a name outside diffusers' `MiniMaxH3Transformer3DModel` naming.
-    """
-    stack = _split_stack(name, to_diffusers=False)
-    if stack is not None:
-        prefix, index, rest = stack
-        if rest in _QKV_DIFFUSERS:
-            return f"{prefix}{index}.{_QKV_NATIVE}", _QKV_DIFFUSERS.index(rest)
-        inner = _rename(rest, _DIT_IN_BLOCK, to_diffusers=False)
-        if inner is not None:
-            return f"{prefix}{index}.{inner}", None
-    else:
-        top = _rename(name, _DIT_TOP, to_diffusers=False)
-        if top is not None:
-            return top, None
-    raise CheckpointError(f"no native name for diffusers DiT tensor {name!r}")
-
-
-def interleave_qkv(q: Tensor, k: Tensor, v: Tensor, heads: int, head_dim: int) -> Tensor:
-    """Fuse per-projection weights into the native per-head interleaved qkv.
-
-    Args:
-        q, k, v: [heads * head_dim, in] each.
-    Returns:
-        [3 * heads * head_dim, in], rows `[head0: q k v, head1: q k v, ...]`.
-    """
-    per_head = torch.stack([w.reshape(heads, head_dim, -1) for w in (q, k, v)], dim=1)  # [H, 3, D, in]
-    return per_head.reshape(3 * heads * head_dim, -1)
-
-
-def deinterleave_qkv(qkv: Tensor, heads: int, head_dim: int) -> tuple[Tensor, Tensor, Tensor]:
-    """Inverse of `interleave_qkv`: [3 * H * D, in] per-head interleaved -> three [H * D, in]."""
-    per_head = qkv.reshape(heads, 3, head_dim, -1)  # [H, 3, D, in]
-    q, k, v = (per_head[:, i].reshape(heads * head_dim, -1) for i in range(3))
-    return q, k, v
-
-
-def swap_halves(weight: Tensor) -> Tensor:
-    """Native fc1 `[gate; value]` <-> diffusers `[value; gate]` (the map is its own inverse). [2F, in] -> [2F, in]."""
-    first, second = weight.chunk(2, dim=0)
-    return torch.cat((second, first), dim=0)
-
-
-def dit_state_dict_to_diffusers(state_dict: Mapping[str, Tensor], config: DiTConfig) -> dict[str, Tensor]:
-    """A native DiT state dict (interleaved qkv, gate-first fc1) under diffusers names and row orders."""
-    out: dict[str, Tensor] = {}
-    for name, tensor in state_dict.items():
-        if name in _IGNORED_DIT_TENSORS:
-            continue
-        targets = dit_names_to_diffusers(name)
-        if name.endswith(_QKV_NATIVE):
-            parts = deinterleave_qkv(tensor, config.num_attention_heads, config.attention_head_dim)
-            out.update((t, p.contiguous()) for t, p in zip(targets, parts))
-        elif name.endswith(_FC1_NATIVE):
-            out[targets[0]] = swap_halves(tensor)
-        else:
-            out[targets[0]] = tensor
-    return out
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -476,7 +157,7 @@ def _read_json(path: Path) -> dict[str, Any]:
 
 def _native_dit_entries(entries: Iterable[Entry]) -> Iterator[Entry]:
     for entry in entries:
-        if entry.name not in _IGNORED_DIT_TENSORS:
+        if entry.name not in IGNORED_DIT_TENSORS:
             yield entry
 
 
@@ -485,9 +166,9 @@ def _stacked_dit_entries(entries: Iterable[Entry], config: DiTConfig) -> Iterato
     heads, head_dim = config.num_attention_heads, config.attention_head_dim
     for entry in entries:
         name = entry.name.removeprefix("model.diffusion_model.")
-        if name in _IGNORED_DIT_TENSORS:
+        if name in IGNORED_DIT_TENSORS:
             continue
-        if name.endswith(_QKV_NATIVE):
+        if name.endswith(QKV_NATIVE):
             def load(entry=entry) -> Tensor:
                 stacked = entry.load()
                 if stacked.ndim != 2 or stacked.shape[0] != 3 * heads * head_dim:
@@ -504,7 +185,7 @@ def _diffusers_dit_entries(entries: Iterable[Entry], config: DiTConfig) -> Itera
     heads, head_dim = config.num_attention_heads, config.attention_head_dim
     pending: dict[str, dict[int, Entry]] = {}
     for entry in entries:
-        if entry.name in _IGNORED_DIT_TENSORS:
+        if entry.name in IGNORED_DIT_TENSORS:
             continue
         try:
             native, slot = dit_name_from_diffusers(entry.name)
@@ -513,7 +194,7 @@ def _diffusers_dit_entries(entries: Iterable[Entry], config: DiTConfig) -> Itera
                                   f"MiniMaxH3Transformer3DModel name)") from None
         if slot is None:
             load = entry.load
-            if native.endswith(_FC1_NATIVE):
+            if native.endswith(FC1_NATIVE):
                 load = functools.partial(lambda e: swap_halves(e.load()), entry)
             yield Entry(entry.file, native, load)
             continue
@@ -536,7 +217,7 @@ def _diffusers_dit_entries(entries: Iterable[Entry], config: DiTConfig) -> Itera
             yield Entry(q.file, native, load)
     for native, parts in pending.items():
         have = next(iter(parts.values()))
-        lacking = [_QKV_DIFFUSERS[i] for i in range(3) if i not in parts]
+        lacking = [QKV_DIFFUSERS[i] for i in range(3) if i not in parts]
         missing = have.name.rsplit("attn.", 1)[0] + lacking[0]
         raise CheckpointError(f"{have.file}: missing tensor {missing!r} (its q/k/v siblings are present)")
 
@@ -843,7 +524,7 @@ def _single_file_release(path: Path) -> Release:
     shapes = {}
     for name in handle.keys():
         name_native = name.removeprefix("model.diffusion_model.")
-        if name_native not in _IGNORED_DIT_TENSORS:
+        if name_native not in IGNORED_DIT_TENSORS:
             shapes[name_native] = tuple(handle.get_slice(name).get_shape())
     for release in RELEASES.values():
         if dit_shapes(release.dit) == shapes:

@@ -374,7 +374,7 @@ def presets_command(checkpoint) -> None:
     """List the canvas presets with canvas, frames and packed row counts."""
 
     def run() -> int:
-        from h3render.checkpoint import RELEASES
+        from h3render.releases import RELEASES
 
         limits = _checkpoint_info(checkpoint).limits() if checkpoint else RELEASES["released"].limits()
         for line in jobs_mod.preset_lines(limits):
@@ -396,7 +396,7 @@ def make_checkpoint_command(out, config, layout, seed, adapter) -> None:
     """Write a random checkpoint in the real on-disk format (no downloads)."""
 
     def run() -> int:
-        from h3render.checkpoint import RELEASES
+        from h3render.releases import RELEASES
         from h3render.fasth3 import write_synthetic_adapter
         from h3render.make_checkpoint import make_checkpoint
 

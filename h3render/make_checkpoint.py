@@ -25,15 +25,9 @@ import torch
 from safetensors.torch import save_file
 from torch import Tensor
 
-from h3render.checkpoint import (
-    BUILTIN,
-    RELEASES,
-    Release,
-    deinterleave_qkv,
-    dit_state_dict_to_diffusers,
-    random_entries,
-    tiny_tokenizer,
-)
+from h3render.checkpoint import random_entries, tiny_tokenizer
+from h3render.dit_names import deinterleave_qkv, dit_state_dict_to_diffusers
+from h3render.releases import BUILTIN, RELEASES, Release
 
 LAYOUTS = ("official", "diffusers", "single-file")
 DIFFUSERS_VERSION = "0.42.1"
