@@ -4,6 +4,10 @@ A job reads top to bottom: encode prompt -> pack -> draw noise -> denoise -> dec
 and sidecar. Weights stay on the device between jobs; the only per-job host<->device traffic is the prompt, the
 noise, and the finished frames and samples.
 
+A job runs in two phases, `begin` (prompt to latents) and `finish` (latents to MP4 and sidecar); `render` is the
+two in a row. The batch queue (`h3render.batch`) on one rank runs job N's `finish` on a worker thread and its own
+CUDA stream while the main thread runs job N+1's `begin`; the renderer itself starts no threads.
+
 On several ranks (torchrun, srun, or `h3render` spawning one process per GPU) every rank runs `render` for the same
 job in lock-step: the DiT is Ulysses-parallel over the packed rows, the video VAE decode splits its
 (window x tile) work items over the ranks, and rank 0 alone writes the MP4 and sidecar.
@@ -15,7 +19,7 @@ import gc
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -48,6 +52,9 @@ class EngineSettings:
             frames at 1344x768; compiled in `prepare`, outside job timings).
         save_latents: also write the final latents (`<name>.latents.pt`: video `[24, T, h, w]`, audio
             `[2, 32, Ta]`, float32) beside the MP4, for comparing runs (e.g. 1 vs N GPUs).
+        overlap_min_free_gb: batch overlap on CUDA: overlap one job's finish with the next job's begin only when at
+            least this much device memory is free (GB, 1e9 bytes); None: estimate it from measured peaks
+            (`Renderer.plan_overlap`).
     """
 
     crf: int = 18
@@ -58,6 +65,7 @@ class EngineSettings:
     save_latents: bool = False
     step_bar_position: int = 1
     compile_vae: bool = True
+    overlap_min_free_gb: float | None = None
 
 
 @dataclass
@@ -74,6 +82,45 @@ class Schedule:
     @property
     def forwards(self) -> int:
         return self.video.numel() - 1
+
+
+@dataclass
+class PendingJob:
+    """A job between `Renderer.begin` and `Renderer.finish`: its denoised latents, waiting to be decoded and written.
+
+    Attributes:
+        video_latent: `[24, T, h, w]` on the device; audio_latent: `[2, 32, Ta]`.
+        timer: the job's `StageTimer` (begin's stages recorded; finish adds its own).
+        ready: CUDA event recorded on the stream that produced the latents (None off CUDA).
+    """
+
+    job: Any
+    mp4_path: Path
+    sidecar_path: Path
+    schedule: Schedule
+    timer: StageTimer
+    video_latent: torch.Tensor
+    audio_latent: torch.Tensor
+    ready: Any = None
+
+
+# Headroom over the measured peaks when deciding whether two jobs' phases fit on the device together
+# (fragmentation: two streams' memory pools cannot lend each other cached blocks).
+OVERLAP_MEMORY_MARGIN = 1.2
+
+
+@dataclass(frozen=True)
+class OverlapCheck:
+    """`Renderer.plan_overlap`'s answer: whether the phases may overlap, why not, and the memory figures (bytes)."""
+
+    ok: bool
+    reason: str | None = None
+    free_bytes: int | None = None
+    need_bytes: int | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        gb = (lambda b: None if b is None else round(b / 1e9, 2))
+        return {"ok": self.ok, "reason": self.reason, "free_gb": gb(self.free_bytes), "need_gb": gb(self.need_bytes)}
 
 
 class Renderer:
@@ -98,6 +145,10 @@ class Renderer:
         self.warmup: dict[str, float] = {}
         self._tables: dict[tuple[float, ...], Any] = {}
         self._stager = PinnedFrameStager(num_buffers=8)
+        self._finish_stream = None  # CUDA stream of finishes on the batch queue's worker thread (made on first use)
+        # Measured device memory (bytes above what was allocated before): ("decode", w, h) from the warm-up,
+        # ("finish", w, h) and ("begin", w, h, frames) from phases that ran alone. Read by plan_overlap.
+        self._peaks: dict[tuple, int] = {}
         t0 = time.perf_counter()
         if self.device.type == "cuda":
             # Measured choice among FA3 / cuDNN SDPA / SDPA; the probe is warm-up, never part of a job.
@@ -182,7 +233,8 @@ class Renderer:
     def prepare(self, jobs: list) -> None:
         """Warm-up outside job timings: build the AdaLN tables of the jobs' schedules and, on CUDA, move the AdaLN
         projections (≈13 B parameters at release) off the GPU (later schedules rebuild tables block by block);
-        compile the VAE decoder for the jobs' tile shapes."""
+        compile the VAE decoder for the jobs' tile shapes (with `compile_vae`) and measure one decoder batch's
+        memory per canvas (the decode estimate of `plan_overlap`)."""
         t0 = time.perf_counter()
         for job in jobs:
             self.tables(self.schedule(job))
@@ -207,10 +259,10 @@ class Renderer:
             vae.set_attention(_heads_first(attention_runner(name)))
             self.warmup["vae_attention_backend"] = name
             self.warmup["vae_attention_probe_s"] = probe
-        if self.device.type == "cuda" and self.settings.compile_vae:
+        if self.device.type == "cuda":
             t0 = time.perf_counter()
             vae = self.c.video_vae
-            if not getattr(vae, "pad_batches", False):
+            if self.settings.compile_vae and not getattr(vae, "pad_batches", False):
                 vae.compile_blocks_(dynamic=False)
             with torch.no_grad():
                 for width, height in sorted({(j.width, j.height) for j in jobs}):
@@ -218,9 +270,21 @@ class Renderer:
                     plan = vae.plan_decode(vae.config.geometry.window_latents, height // 16, width // 16)
                     z = torch.zeros(vae.config.latent_channels, plan.latent_frames, plan.latent_height,
                                     plan.latent_width, device=self.device)
+                    torch.cuda.synchronize(self.device)
+                    torch.cuda.reset_peak_memory_stats(self.device)
+                    allocated = torch.cuda.memory_allocated(self.device)
                     vae.decode_items(z, plan.items[: self.settings.vae_batch], self.settings.vae_batch)
+                    torch.cuda.synchronize(self.device)
+                    # Decode estimate for plan_overlap: one decoder batch, plus the float32 frames of the windows
+                    # a streaming decode holds at once (raw tiles, stitched window, RGB, yuv420p): four windows.
+                    window = 4 * 3 * plan.num_frames * plan.height * plan.width * 4
+                    batch = torch.cuda.max_memory_allocated(self.device) - allocated
+                    self._learn_peak(("decode", width, height), batch + window)
+                    del z
             torch.cuda.synchronize(self.device)
-            self.warmup["vae_compile_s"] = time.perf_counter() - t0
+            self.warmup["vae_compile_s" if self.settings.compile_vae else "vae_warmup_s"] = time.perf_counter() - t0
+            self.warmup["decode_estimate_gb"] = {f"{k[1]}x{k[2]}": round(v / 1e9, 2)
+                                                 for k, v in self._peaks.items() if k[0] == "decode"}
 
     @torch.no_grad()
     def _warm_dit(self, job) -> None:
@@ -259,14 +323,32 @@ class Renderer:
     def render(self, job, mp4_path: Path | str, sidecar_path: Path | str) -> dict[str, Any]:
         """Render `job` to `mp4_path` (+ JSON sidecar); returns the sidecar dict (rank 0) or {} (other ranks).
 
+        The same as `finish(begin(job, mp4_path, sidecar_path))`.
+
         Raises:
             RenderError: non-finite latents, frames or audio; a job this checkpoint cannot run.
             MediaError: the MP4 could not be written.
         """
+        return self.finish(self.begin(job, mp4_path, sidecar_path))
+
+    @torch.no_grad()
+    def begin(self, job, mp4_path: Path | str, sidecar_path: Path | str, *, shared: bool = False) -> PendingJob:
+        """First phase of a job: encode the prompt, pack, draw the noise, denoise; returns the final latents.
+
+        Runs on the calling thread's current stream. Writes nothing but `<name>.latents.pt` (with `save_latents`).
+
+        Args:
+            shared: another job's `finish` runs on this device meanwhile (the batch queue's overlap): stage edges
+                synchronize this thread's stream only, and peak memory is not reset or learned (it is shared).
+
+        Raises:
+            RenderError: non-finite latents; a job this checkpoint cannot run.
+        """
         mp4_path, sidecar_path = Path(mp4_path), Path(sidecar_path)
         c, dev = self.c, self.device
-        timer = StageTimer(dev)
+        timer = StageTimer(dev, stream_sync=shared, reset_peaks=not shared)
         t_start = timer.now()
+        allocated = torch.cuda.memory_allocated(dev) if timer.cuda else 0
 
         with timer.stage("text_encode"):
             text = c.text_encoder.encode(job.prompt).to(dev)  # [Nt, text_dim]
@@ -294,7 +376,61 @@ class Renderer:
             torch.save({"video": video_latent.float().cpu(), "audio": audio_latent.float().cpu()},
                        mp4_path.with_name(mp4_path.stem + ".latents.pt"))
         del text, video_rows, audio_rows
+        ready = None
+        if timer.cuda:
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(dev))  # a finish on another stream waits for this
+            if not shared:
+                peak = max(timer.stage_peak_bytes.get(s, 0) for s in ("text_encode", "denoise"))
+                self._learn_peak(("begin", job.width, job.height, job.frames), peak - allocated)
+        timer.add_interval("total", t_start, timer.now())
+        return PendingJob(job, mp4_path, sidecar_path, schedule, timer, video_latent, audio_latent, ready)
 
+    @torch.no_grad()
+    def finish(self, pending: PendingJob, *, shared: bool = False, side_stream: bool = False,
+               cancel: Callable[[], None] | None = None,
+               overlap: Callable[[], dict[str, Any]] | None = None) -> dict[str, Any]:
+        """Second phase of a job: decode the audio, decode the video window by window into the MP4 writer, write the
+        sidecar. Returns the sidecar dict (rank 0) or {} (other ranks).
+
+        Args:
+            pending: what `begin` returned.
+            shared: another job's `begin` runs on this device meanwhile (see `begin`).
+            side_stream: on CUDA, run on this renderer's own stream (made once, so its cached memory is reused
+                from job to job) after the stream that produced the latents; for a finish on a worker thread
+                while the main thread's stream denoises the next job. No effect on CPU.
+            cancel: called between decoded chunks; it raises to abandon the job (the writer then removes its
+                temp file). The batch queue's interrupt uses it.
+            overlap: called when the sidecar is written; its dict is stored as `timings.overlap`.
+
+        Raises:
+            RenderError: non-finite frames or audio.
+            MediaError: the MP4 could not be written.
+        """
+        if side_stream and self.device.type == "cuda":
+            if self._finish_stream is None:
+                self._finish_stream = torch.cuda.Stream(device=self.device)
+            stream = self._finish_stream
+            with torch.cuda.device(self.device), torch.cuda.stream(stream):
+                if pending.ready is not None:
+                    stream.wait_event(pending.ready)
+                else:
+                    stream.wait_stream(torch.cuda.default_stream(self.device))
+                # The latents came from another stream's memory pool: without this, the caching allocator could
+                # hand their blocks to that stream's next job while this stream's kernels still read them.
+                pending.video_latent.record_stream(stream)
+                pending.audio_latent.record_stream(stream)
+                return self._finish(pending, shared, cancel, overlap)
+        return self._finish(pending, shared, cancel, overlap)
+
+    def _finish(self, pending: PendingJob, shared: bool, cancel, overlap) -> dict[str, Any]:
+        c, dev, job, timer = self.c, self.device, pending.job, pending.timer
+        timer.stream_sync, timer.reset_peaks = shared, not shared
+        if cancel is not None:
+            cancel()
+        t_start = timer.now()
+        allocated = torch.cuda.memory_allocated(dev) if timer.cuda else 0
+        audio_latent = pending.audio_latent
         waveform = None
         if not self.ctx.distributed or self.ctx.rank == audio_rank(self.ctx):
             # On several ranks only the last one decodes the audio (it writes no MP4) and sends it to rank 0.
@@ -302,11 +438,58 @@ class Renderer:
                 waveform = c.audio_vae.decode(audio_latent.float())  # [2, samples] fp32
         audio_shape = (audio_latent.shape[0], audio_latent.shape[-1] * c.audio_vae.hop_length)
 
-        result = self._decode_and_write(job, video_latent, waveform, audio_shape, mp4_path, timer)
+        result = self._decode_and_write(job, pending.video_latent, waveform, audio_shape, pending.mp4_path, timer,
+                                        cancel)
+        if timer.cuda and not shared:
+            peak = max(timer.stage_peak_bytes.get(s, 0) for s in ("vae_audio", "vae_video"))
+            self._learn_peak(("finish", job.width, job.height), peak - allocated)
         timer.add_interval("total", t_start, timer.now())
         if not self.ctx.is_main:
             return {}
-        return self._sidecar(job, schedule, timer, sidecar_path, result)
+        return self._sidecar(job, pending.schedule, timer, pending.sidecar_path, result, overlap)
+
+    # -- overlap of one job's finish with the next job's begin (the batch queue) --------------------------------
+
+    def plan_overlap(self, pending: PendingJob, next_job) -> OverlapCheck:
+        """May `pending`'s finish run beside `next_job`'s begin on this device? Called while the device is idle.
+
+        CPU: always (torch's CPU kernels release the GIL). CUDA: when the free device memory (`cudaMemGetInfo`,
+        read after the queue returned the cached blocks) covers the estimate of what both phases add on top of
+        what is resident: `overlap_min_free_gb` when set, else 1.2 x (decode estimate for `pending`'s canvas +
+        denoise estimate for `next_job`'s canvas and length). Decode estimate: the larger of the warm-up's one
+        decoder batch (`prepare`) plus four float32 windows of frames, and the largest peak measured in a finish
+        that ran alone at that canvas. Denoise estimate: the largest peak measured in a begin that ran alone at
+        that canvas and length; until one has run, the answer is no (that begin then runs alone and is measured).
+        Also resets the device's peak-memory counter, so the two phases' peak is measured together.
+        """
+        free = device_free_bytes(self.device)
+        if free is None:
+            return OverlapCheck(True)
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        need, why = self._overlap_need(pending.job, next_job)
+        if need is None:
+            return OverlapCheck(False, why, free)
+        if free < need:
+            return OverlapCheck(False, f"{free / 1e9:.1f} GB free < {need / 1e9:.1f} GB needed ({why})", free, need)
+        return OverlapCheck(True, None, free, need)
+
+    def _overlap_need(self, finishing, upcoming) -> tuple[int | None, str]:
+        if self.settings.overlap_min_free_gb is not None:
+            return int(self.settings.overlap_min_free_gb * 1e9), "overlap_min_free_gb"
+        decode = max(self._peaks.get(("decode", finishing.width, finishing.height), 0),
+                     self._peaks.get(("finish", finishing.width, finishing.height), 0))
+        if not decode:
+            return None, f"no measured decode peak for {finishing.width}x{finishing.height}"
+        denoise = self._peaks.get(("begin", upcoming.width, upcoming.height, upcoming.frames))
+        if denoise is None:
+            return None, (f"no measured denoise peak for {upcoming.width}x{upcoming.height}x{upcoming.frames} yet "
+                          "(that job's begin runs alone once)")
+        need = int(OVERLAP_MEMORY_MARGIN * (decode + denoise))
+        return need, f"{OVERLAP_MEMORY_MARGIN} x (decode {decode / 1e9:.1f} GB + denoise {denoise / 1e9:.1f} GB)"
+
+    def _learn_peak(self, key: tuple, extra_bytes: int) -> None:
+        self._peaks[key] = max(self._peaks.get(key, 0), int(extra_bytes))
 
     def _model_fn(self, text: torch.Tensor, layout: PackedLayout, tables, timer: StageTimer):
         """`denoise`'s model_fn with per-step timing (device-synchronized) on this rank's rows."""
@@ -325,7 +508,8 @@ class Renderer:
         return model_fn
 
     def _decode_and_write(self, job, latent: torch.Tensor, waveform: torch.Tensor | None,
-                          audio_shape: tuple[int, int], mp4_path: Path, timer: StageTimer) -> dict[str, Any]:
+                          audio_shape: tuple[int, int], mp4_path: Path, timer: StageTimer,
+                          cancel: Callable[[], None] | None = None) -> dict[str, Any]:
         """Decode the video window by window and stream it into the H.264 encoder (rank 0).
 
         On several ranks rank 0 keeps taking part in every window's gather and in the audio hand-over even after its
@@ -365,6 +549,8 @@ class Renderer:
                 for first, frames in _timed(frames_iter, timer):  # frames [3, n, H, W] float in [0, 1]
                     if error is not None:
                         continue  # drain: the other ranks still decode and gather this job's windows
+                    if cancel is not None:
+                        cancel()
                     t0 = timer.now()
                     try:
                         written += self._write_chunk(writer, first, frames)
@@ -396,7 +582,7 @@ class Renderer:
         return chunk.shape[0]
 
     def _sidecar(self, job, schedule: Schedule, timer: StageTimer, sidecar_path: Path,
-                 result: dict[str, Any]) -> dict[str, Any]:
+                 result: dict[str, Any], overlap: Callable[[], dict[str, Any]] | None = None) -> dict[str, Any]:
         info = self.c.info
         sigmas = {"video": [float(s) for s in schedule.video], "audio": [float(s) for s in schedule.audio],
                   "source": schedule.source, "sigma_points": schedule.video.numel(),
@@ -409,7 +595,10 @@ class Renderer:
             extra["fasth3"] = self.adapter
         checkpoint = {"path": info.path, "layout": info.layout, "release": info.release.name,
                       "config_hash": info.config_hash}
-        data = dict(job_params=job.params(), checkpoint=checkpoint, sigmas=sigmas, timings=timer.summary(),
+        timings = timer.summary()
+        if overlap is not None:
+            timings["overlap"] = overlap()
+        data = dict(job_params=job.params(), checkpoint=checkpoint, sigmas=sigmas, timings=timings,
                     versions=versions(), extra=extra)
         write_sidecar(sidecar_path, **data)
         return data
@@ -487,6 +676,14 @@ def _step_bar(total: int, enabled: bool, position: int):
     from tqdm import tqdm
 
     return tqdm(total=total, desc="denoise", unit="step", position=position, leave=False, disable=not enabled)
+
+
+def device_free_bytes(device: torch.device) -> int | None:
+    """Free memory the driver reports on a CUDA device (`cudaMemGetInfo`; PyTorch's cached blocks count as used);
+    None on other devices."""
+    if device.type != "cuda":
+        return None
+    return torch.cuda.mem_get_info(device)[0]
 
 
 def release_memory() -> None:

@@ -18,9 +18,17 @@ Stages (`--stages`, comma-separated):
   prof      top device kernels of an 8-block DiT forward (sharded under torchrun) and a compiled VAE decode batch
   e2e       complete MP4 of a 10.125 s 1344x768 clip with --forwards DiT forwards (4 = FastH3 length), all
             components resident; run under torchrun for several GPUs
+  batch     queue throughput on 1 GPU: --batch-jobs jobs of --forwards DiT forwards at --batch-canvas through
+            `run_batch` with one resident Renderer, sequential then overlapped (job N's decode + encode beside job
+            N+1's text encode + denoise); prints both queue times and their ratio. Warm-up (prepare, and one untimed
+            job of the queue's shape for Triton JIT / first-call costs) is outside the timings. `--batch-model tiny`
+            runs it on the built-in tiny model (also on CPU: `--batch-device cpu`), a smoke test of the stage.
 
 Usage (device): python scripts/bench.py --stages ceil,attn,kernels,dit,vae,audio,te
                 torchrun --nproc-per-node 2 scripts/bench.py --stages e2e
+                python scripts/bench.py --stages batch --batch-canvas 960x544x124 --out batch.json
+Usage (CPU smoke): python scripts/bench.py --stages batch --batch-model tiny --batch-device cpu \
+                       --batch-canvas 128x64x22
 """
 
 from __future__ import annotations
@@ -400,19 +408,15 @@ def stage_te(args) -> None:
     peak_reset()
 
 
-@torch.no_grad()
-def stage_e2e(args) -> None:
-    """A complete MP4 through the real Renderer: random real-size components, all resident."""
+def released_renderer(args, ctx):
+    """The real Renderer over random real-size components (text encoder 50 layers, DiT, both VAEs), all resident."""
     from h3render.checkpoint import CheckpointInfo, Components, tiny_tokenizer
     from h3render.releases import QWEN3VL_RELEASED, RELEASES
-    from h3render.jobs import Job
     from h3render.models.audio_vae import AudioVAE
     from h3render.models.text_encoder import TextEncoder
     from h3render.models.video_vae import VideoVAE
-    from h3render.parallel.groups import init_parallel
     from h3render.pipeline import EngineSettings, Renderer, offload_adaln_
 
-    ctx = init_parallel("cuda")
     release = RELEASES["released"]
     t0 = time.perf_counter()
     dit = released_dit(50)
@@ -429,11 +433,24 @@ def stage_e2e(args) -> None:
     info = CheckpointInfo(path="random-released", layout="builtin", release=release)
     comps = Components(dit, vae, avae, te, info)
     settings = EngineSettings(vae_batch=args.vae_batches[-1], attention=args.attention, progress=False,
-                              save_latents=args.save_latents)  # /tmp/e2e-w<N>.latents.pt: compare 1 vs N GPUs
-    renderer = Renderer(comps, ctx, settings, load_seconds=build_s)
-    prompt = ("A lighthouse keeper climbs the spiral stairs at dusk, camera tracking upward; wind, waves, the "
-              "creak of iron steps. [Speaker 1]: \"Storm's coming.\"")
-    job = Job(id="bench", prompt=prompt, width=1344, height=768, frames=243, seed=0, steps=args.forwards + 1,
+                              overlap_min_free_gb=getattr(args, "overlap_min_free_gb", None),
+                              save_latents=getattr(args, "save_latents", False))  # /tmp/e2e-w<N>.latents.pt
+    return Renderer(comps, ctx, settings, load_seconds=build_s)
+
+
+PROMPT = ("A lighthouse keeper climbs the spiral stairs at dusk, camera tracking upward; wind, waves, the creak of "
+          "iron steps. [Speaker 1]: \"Storm's coming.\"")
+
+
+@torch.no_grad()
+def stage_e2e(args) -> None:
+    """A complete MP4 through the real Renderer: random real-size components, all resident."""
+    from h3render.jobs import Job
+    from h3render.parallel.groups import init_parallel
+
+    ctx = init_parallel("cuda")
+    renderer = released_renderer(args, ctx)
+    job = Job(id="bench", prompt=PROMPT, width=1344, height=768, frames=243, seed=0, steps=args.forwards + 1,
               mode="t2va", output="bench")
     renderer.prepare([job])
     rec(stage="e2e", what="warm-up (outside job timings)", warmup=renderer.warmup)
@@ -556,6 +573,105 @@ def stage_prof(args) -> None:
         kernels=_top_kernels(prof, 25))
 
 
+def stage_batch(args) -> None:
+    """Queue throughput, sequential vs overlapped, with one Renderer (prepared and warmed once) for both queues."""
+    import shutil
+
+    from h3render.batch import run_batch
+    from h3render.jobs import Job
+    from h3render.parallel.groups import init_parallel
+    from h3render.pipeline import EngineSettings, Renderer
+
+    width, height, frames = (int(x) for x in args.batch_canvas.lower().split("x"))
+    device = args.batch_device or ("cuda" if torch.cuda.is_available() else "cpu")
+    cuda = device == "cuda"
+    ctx = init_parallel(device)
+    if ctx.world_size != 1:
+        raise RuntimeError("the batch stage measures one GPU: run it without torchrun")
+    if args.batch_model == "released":
+        renderer = released_renderer(args, ctx)
+    else:
+        if not cuda:
+            torch.set_flush_denormal(True)  # as the CLI does on CPU
+        settings = EngineSettings(vae_batch=args.vae_batches[-1], attention=args.attention, progress=False,
+                                  overlap_min_free_gb=args.overlap_min_free_gb)
+        renderer = Renderer.load(args.batch_model, ctx, torch.bfloat16 if cuda else torch.float32, settings)
+    jobs = [Job(id=f"q{i}", prompt=f"{PROMPT} Take {i}.", width=width, height=height, frames=frames, seed=i,
+                steps=args.forwards + 1, mode="t2va", output=f"q{i}") for i in range(args.batch_jobs)]
+    shape = f"{args.batch_jobs} jobs x {width}x{height}x{frames}, {args.forwards} forwards"
+    root = Path(args.batch_out)
+    shutil.rmtree(root, ignore_errors=True)  # random weights encode as noise: large files, never brought back
+
+    root.mkdir(parents=True)
+    t0 = time.perf_counter()
+    renderer.prepare(jobs[:1])  # every job shares the schedule and canvas
+    for k in range(args.batch_warmup):  # Triton JIT at this shape, first-call library set-up, x264 start-up
+        renderer.render(jobs[0], root / f"warmup{k}.mp4", root / f"warmup{k}.json")
+    rec(stage="batch", what="warm-up (outside the queue timings)", seconds=round(time.perf_counter() - t0, 1),
+        warmup=renderer.warmup, resident_gb=gb(torch.cuda.memory_allocated()) if cuda else None)
+
+    queue_s = {}
+    modes = args.batch_modes.split(",")
+    if sorted(modes) != ["overlapped", "sequential"]:
+        raise ValueError(f"--batch-modes: name sequential and overlapped once each, got {args.batch_modes}")
+    for mode in modes:
+        out = root / mode
+        graphs = _dynamo_graphs()
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+        t0 = time.perf_counter()
+        report = run_batch(jobs, lambda: renderer, out, overwrite=True, quiet=True, progress=False,
+                           overlap=mode == "overlapped")
+        wall = time.perf_counter() - t0
+        data = json.loads(report.path.read_text())
+        sides = [json.loads((out / f"{j.output}.json").read_text()) for j in jobs if (out / f"{j.output}.json").is_file()]
+        phases = [_phases(side) for side in sides]
+        queue_s[mode] = data["queue_seconds"]
+        row = dict(stage="batch", what=f"{mode} queue, {shape}, 1 {device.upper()}",
+                   queue_s=round(data["queue_seconds"], 2), wall_s=round(wall, 2),
+                   statuses=[j["status"] for j in data["jobs"]],
+                   job_s=[j["seconds"] for j in data["jobs"]],
+                   begin_s=[round(b, 2) for b, _ in phases], finish_s=[round(f, 2) for _, f in phases],
+                   overlap=data["overlap"], new_compiled_graphs=_dynamo_graphs() - graphs,
+                   peak_gb=gb(max(s["timings"]["peak_memory_bytes"] or 0 for s in sides)) if sides else None)
+        if mode == "overlapped":
+            row["jobs_overlap"] = [j.get("overlap") for j in data["jobs"]]
+            row["memory_checks"] = [s["timings"]["overlap"]["memory"] for s in sides]
+        else:
+            row["ideal_ratio"] = round(_ideal_ratio(phases), 3) if phases else None
+        rec(**row)
+        if report.exit_code != 0:
+            raise RuntimeError(f"{mode} queue exit code {report.exit_code}: {[j['error'] for j in data['jobs']]}")
+    ratio = queue_s["sequential"] / queue_s["overlapped"]
+    rec(stage="batch", what=f"throughput overlapped / sequential, {shape}", ratio=round(ratio, 3),
+        sequential_s=round(queue_s["sequential"], 2), overlapped_s=round(queue_s["overlapped"], 2),
+        target=1.1, met=ratio >= 1.1)
+
+
+def _dynamo_graphs() -> int:
+    """Graphs torch.compile has built so far in this process (a change between the queues would be a recompile)."""
+    try:
+        from torch._dynamo.utils import counters
+    except ImportError:
+        return 0
+    return int(counters["stats"]["unique_graphs"])
+
+
+def _phases(sidecar: dict) -> tuple[float, float]:
+    """(begin, finish) seconds of a job: its `total` stage has one interval per phase."""
+    intervals = sidecar["timings"]["stages"]["total"]["intervals"]
+    return intervals[0][1] - intervals[0][0], sum(e - s for s, e in intervals[1:])
+
+
+def _ideal_ratio(phases: list[tuple[float, float]]) -> float:
+    """Sequential time over the best overlapped time the sequential phases allow (each finish fully hidden beside
+    the next begin, at most one finish in flight, no slowdown from sharing the device): the ceiling of the ratio."""
+    sequential = sum(b + f for b, f in phases)
+    overlapped = phases[0][0] + sum(max(b, f_prev) for (b, _), (_, f_prev) in zip(phases[1:], phases)) + phases[-1][1]
+    return sequential / overlapped
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--stages", default="ceil,attn,kernels,dit,vae,audio,te")
@@ -566,13 +682,25 @@ def main() -> None:
     p.add_argument("--e2e-reps", type=int, default=1)
     p.add_argument("--save-latents", action="store_true", help="e2e: also write the final latents beside the MP4")
     p.add_argument("--ulysses-chunks", default="1,2,4", help="head chunks per rank to time in the ulysses stage")
+    p.add_argument("--batch-canvas", default="1344x768x243", help="WxHxFRAMES of every queued job (batch stage)")
+    p.add_argument("--batch-jobs", type=int, default=4)
+    p.add_argument("--batch-model", default="released", choices=["released", "tiny", "small"],
+                   help="released: random real-size components on the GPU; tiny/small: the built-in random models")
+    p.add_argument("--batch-device", default=None, choices=["cuda", "cpu"], help="default: cuda when available")
+    p.add_argument("--batch-warmup", type=int, default=1, help="untimed jobs rendered before the two queues")
+    p.add_argument("--batch-modes", default="sequential,overlapped", help="order of the two queues")
+    p.add_argument("--batch-out", default="/tmp/h3render-bench-batch")
+    p.add_argument("--overlap-min-free-gb", type=float, default=None,
+                   help="EngineSettings.overlap_min_free_gb (default: estimated from measured peaks)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     args.vae_batches = [int(x) for x in args.vae_batches.split(",")]
     args.ulysses_chunks = [int(x) for x in args.ulysses_chunks.split(",")]
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     torch.backends.cuda.matmul.allow_tf32 = False
-    rec(stage="env", gpu=torch.cuda.get_device_name(0), torch=torch.__version__, gpus=torch.cuda.device_count())
+    cuda = torch.cuda.is_available()
+    rec(stage="env", gpu=torch.cuda.get_device_name(0) if cuda else None, torch=torch.__version__,
+        gpus=torch.cuda.device_count() if cuda else 0)
     for name in args.stages.split(","):
         t0 = time.perf_counter()
         try:
