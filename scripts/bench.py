@@ -16,6 +16,7 @@ Stages (`--stages`, comma-separated):
   te        text encoder, 50 of 64 Qwen3-VL-32B layers, 256- and 2,000-token prompts
   ulysses   DiT forward at 1344x768x243 sharded over the torchrun ranks, per head-chunk count (--ulysses-chunks)
   prof      top device kernels of an 8-block DiT forward (sharded under torchrun) and a compiled VAE decode batch
+  compare   1 GPU vs N GPUs: latents and frames saved by `e2e --save-latents` runs on this machine
   e2e       complete MP4 of a 10.125 s 1344x768 clip with --forwards DiT forwards (4 = FastH3 length), all
             components resident; run under torchrun for several GPUs
   batch     queue throughput on 1 GPU: --batch-jobs jobs of --forwards DiT forwards at --batch-canvas through
@@ -571,6 +572,33 @@ def stage_prof(args) -> None:
         torch.cuda.synchronize()
     rec(stage="prof", what=f"video VAE compiled, one batch of {vb} items", seconds=round(t, 4),
         kernels=_top_kernels(prof, 25))
+
+
+def stage_compare(args) -> None:
+    """1 GPU vs N GPUs, same seed: the e2e stage's saved latents and MP4s (/tmp/e2e-w1.* and /tmp/e2e-w<N>.*)."""
+    import av
+    import numpy as np
+
+    runs = sorted(Path("/tmp").glob("e2e-w*.latents.pt"))
+    if len(runs) < 2:
+        raise RuntimeError("run the e2e stage with --save-latents on 1 GPU and under torchrun first")
+    base = torch.load(runs[0])
+    for other in runs[1:]:
+        b = torch.load(other)
+        for key in ("video", "audio"):
+            d = (base[key] - b[key]).double()
+            rec(stage="compare", what=f"{runs[0].name} vs {other.name}: {key} latents", max_abs=d.abs().max().item(),
+                rel_err=float(d.norm() / base[key].double().norm()), max_ref=base[key].abs().max().item())
+
+        def frames(path):
+            with av.open(str(path)) as c:
+                return np.stack([f.to_ndarray(format="rgb24") for f in c.decode(video=0)]).astype(np.int16)
+
+        x = frames(runs[0].with_name(runs[0].name.replace(".latents.pt", ".mp4")))
+        y = frames(other.with_name(other.name.replace(".latents.pt", ".mp4")))
+        diff = np.abs(x - y)
+        rec(stage="compare", what=f"{runs[0].name} vs {other.name}: decoded frames (8-bit RGB)", frames=len(x),
+            max_abs=int(diff.max()), mean_abs=float(diff.mean()), frac_equal=float((diff == 0).mean()))
 
 
 def stage_batch(args) -> None:
