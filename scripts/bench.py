@@ -12,7 +12,9 @@ Stages (`--stages`, comma-separated):
   dit       DiT forward: ours vs diffusers at --ref-blocks blocks (same weights; scaled to 50), then ours at 50
             blocks alone (tables, AdaLN weights dropped), 1344x768x243 and 960x544x124
   vae       video VAE decode of 72 (and 32) latent frames: ours vs diffusers, same weights
-  audio     audio VAE decode (fp32): ours vs diffusers
+  audio     audio VAE decode (fp32), 2 x 405 latents: eager, CUDA graph (the Renderer's path), cudnn TF32 off, and
+            torch.compile (--audio-compile-modes) with and without a graph; each vs our eager and vs diffusers;
+            medians of --audio-reps calls timed with CUDA events
   te        text encoder, 50 of 64 Qwen3-VL-32B layers, 256- and 2,000-token prompts
   ulysses   DiT forward at 1344x768x243 sharded over the torchrun ranks, per head-chunk count (--ulysses-chunks)
   prof      top device kernels of an 8-block DiT forward (sharded under torchrun) and a compiled VAE decode batch
@@ -368,29 +370,121 @@ def ref_pixels(decoded: torch.Tensor) -> torch.Tensor:
     return (decoded * std + mean).clamp(0, 1)
 
 
+def event_times(fn, reps: int = 25, warm: int = 3) -> dict:
+    """Per-call device time between CUDA events around `fn()` (launch gaps included: the device waits for the
+    host) and host wall time with synchronization; medians (and min) over `reps` calls after `warm` calls."""
+    for _ in range(warm):
+        fn()
+    torch.cuda.synchronize()
+    device, wall = [], []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        t0 = time.perf_counter()
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        wall.append(time.perf_counter() - t0)
+        device.append(start.elapsed_time(end) / 1e3)
+    device.sort()
+    wall.sort()
+    return {"median_s": round(device[len(device) // 2], 5), "min_s": round(device[0], 5),
+            "wall_median_s": round(wall[len(wall) // 2], 5), "reps": reps}
+
+
 @torch.no_grad()
 def stage_audio(args) -> None:
+    """Audio VAE decode, 2 x 405 latents (10.125 s stereo) -> [2, 324000] fp32: eager, CUDA graph (what the Renderer
+    runs), torch.compile variants; every output checked against our eager decode and diffusers' (same weights)."""
+    from h3render.graphs import ShapeGraphs
     from h3render.models.audio_vae import AudioVAE, AudioVAEConfig
+    from h3render.pipeline import EngineSettings
 
     cfg = AudioVAEConfig()
     ours = build_on_gpu(lambda: AudioVAE(cfg), torch.float32)
     random_(ours, 3)
-    z = torch.randn(2, 32, 405, device="cuda")
-    t_ours = cuda_time(lambda: ours.decode(z), reps=5)
-    row = dict(stage="audio", what="audio VAE decode 2x405 latents (fp32)", ours_s=round(t_ours, 4))
+    z = torch.randn(2, 32, args.audio_latents, device="cuda", generator=torch.Generator("cuda").manual_seed(5))
+    label = f"audio VAE decode 2x{args.audio_latents} latents (fp32"
+    rec(stage="audio", what="audio VAE settings", cudnn_allow_tf32=torch.backends.cudnn.allow_tf32,
+        cudnn_benchmark=torch.backends.cudnn.benchmark, reps=args.audio_reps,
+        renderer_uses="CUDA graph" if EngineSettings().graph_audio else "eager")
+
+    ref_out, ref_times = None, None
     try:
         from diffusers import AutoencoderKLMiniMaxH3Audio
     except ImportError:
+        AutoencoderKLMiniMaxH3Audio = None
+    if AutoencoderKLMiniMaxH3Audio is not None:
+        ref = build_on_gpu(lambda: AutoencoderKLMiniMaxH3Audio(**dataclasses.asdict(cfg)), torch.float32)
+        ref.load_state_dict(ours.state_dict(), strict=True)
+        mean = torch.tensor(cfg.latents_mean or [0.0] * 32, device="cuda").view(1, -1, 1)
+        std = torch.tensor(cfg.latents_std or [1.0] * 32, device="cuda").view(1, -1, 1)
+        ref_fn = lambda: ref.decode(z * std + mean, return_dict=False)[0][:, 0]  # noqa: E731
+        ref_times = event_times(ref_fn, reps=args.audio_reps)
+        ref_out = ref_fn()
+        rec(stage="audio", what=f"{label}, diffusers 0.42.1)", ref_s=ref_times["median_s"], **ref_times)
+
+    eager_out = ours.decode(z)
+
+    def report(name: str, fn, extra: dict | None = None) -> None:
+        times = event_times(fn, reps=args.audio_reps)
+        out = fn()
+        row = dict(stage="audio", what=f"{label}, {name})", ours_s=times["median_s"], **times,
+                   rel_err_vs_eager=rel_err(out, eager_out), bitwise_eager=bool(torch.equal(out, eager_out)),
+                   **(extra or {}))
+        if ref_out is not None:
+            err = rel_err(out, ref_out)
+            row.update(ref_s=ref_times["median_s"], speedup=round(ref_times["median_s"] / times["median_s"], 2),
+                       rel_err=err)
+        row["ok"] = row["rel_err_vs_eager"] <= 1e-4 and times["median_s"] <= 0.05
         rec(**row)
-        return
-    ref = build_on_gpu(lambda: AutoencoderKLMiniMaxH3Audio(**dataclasses.asdict(cfg)), torch.float32)
-    ref.load_state_dict(ours.state_dict(), strict=True)
-    mean = torch.tensor(cfg.latents_mean or [0.0] * 32, device="cuda").view(1, -1, 1)
-    std = torch.tensor(cfg.latents_std or [1.0] * 32, device="cuda").view(1, -1, 1)
-    t_ref = cuda_time(lambda: ref.decode(z * std + mean, return_dict=False), reps=5)
-    a, b = ours.decode(z), ref.decode(z * std + mean, return_dict=False)[0][:, 0]
-    err = rel_err(a, b)
-    rec(**row, ref_s=round(t_ref, 4), speedup=round(t_ref / t_ours, 2), rel_err=err, ok=err <= 1e-2)
+
+    def reference_forms():  # grad mode on: the per-call weight norm and out-of-place activations (the old code)
+        with torch.enable_grad():
+            return ours.decoder(ours.dec_in_proj(z * ours.latents_std + ours.latents_mean))[:, 0]
+
+    report("eager, reference forms: no inference caches", reference_forms)
+    report("eager", lambda: ours.decode(z))
+    graphed = ShapeGraphs(ours.decode, name="audio")
+    capture_s = graphed.capture(z)
+    report("CUDA graph: Renderer default", lambda: graphed(z),
+           {"capture_s": round(capture_s, 3), "graphed": graphed.graphs_on(z.device)})
+
+    torch.backends.cudnn.allow_tf32 = False  # what true fp32 convolutions cost and how far TF32 is from them
+    try:
+        fp32_out = ours.decode(z)
+        fp32_graph = ShapeGraphs(ours.decode, name="audio fp32")
+        fp32_graph.capture(z)
+        times = event_times(lambda: fp32_graph(z), reps=args.audio_reps)
+        rec(stage="audio", what=f"{label}, CUDA graph, cudnn.allow_tf32=False)", ours_s=times["median_s"], **times,
+            rel_err_tf32_vs_fp32=rel_err(eager_out, fp32_out),
+            rel_err_vs_ref=None if ref_out is None else rel_err(fp32_out, ref_out))
+    finally:
+        torch.backends.cudnn.allow_tf32 = True
+
+    for mode in args.audio_compile_modes:
+        if mode == "none":
+            continue
+        torch._dynamo.reset()
+        decoder = ours.decoder
+        compiled = torch.compile(decoder, mode=mode, dynamic=False)
+
+        def compiled_decode(x, compiled=compiled):
+            return compiled(ours.dec_in_proj(x.float() * ours.latents_std + ours.latents_mean))[:, 0]
+
+        try:
+            t0 = time.perf_counter()
+            compiled_decode(z)
+            torch.cuda.synchronize()
+            compile_s = time.perf_counter() - t0
+            report(f"torch.compile {mode}", lambda: compiled_decode(z), {"compile_s": round(compile_s, 1)})
+            if mode != "reduce-overhead":
+                both = ShapeGraphs(compiled_decode, name="audio compiled")
+                both.capture(z)
+                report(f"torch.compile {mode} + CUDA graph", lambda: both(z))
+        except Exception as exc:  # keep the other variants' numbers
+            rec(stage="audio", what=f"{label}, torch.compile {mode})", error=f"{type(exc).__name__}: {exc}"[:400])
+    peak_reset()
 
 
 @torch.no_grad()
@@ -720,10 +814,16 @@ def main() -> None:
     p.add_argument("--batch-out", default="/tmp/h3render-bench-batch")
     p.add_argument("--overlap-min-free-gb", type=float, default=None,
                    help="EngineSettings.overlap_min_free_gb (default: estimated from measured peaks)")
+    p.add_argument("--audio-latents", type=int, default=405, help="audio stage: latents per channel (405 = 10.125 s)")
+    p.add_argument("--audio-reps", type=int, default=25, help="audio stage: timed calls per variant (median)")
+    p.add_argument("--audio-compile-modes", default="max-autotune-no-cudagraphs",
+                   help="audio stage: comma-separated torch.compile modes to try after eager and CUDA graph "
+                        "('none' skips; e.g. default,max-autotune-no-cudagraphs)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     args.vae_batches = [int(x) for x in args.vae_batches.split(",")]
     args.ulysses_chunks = [int(x) for x in args.ulysses_chunks.split(",")]
+    args.audio_compile_modes = args.audio_compile_modes.split(",")
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     torch.backends.cuda.matmul.allow_tf32 = False
     cuda = torch.cuda.is_available()
