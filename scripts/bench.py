@@ -394,8 +394,9 @@ def event_times(fn, reps: int = 25, warm: int = 3) -> dict:
 
 @torch.no_grad()
 def stage_audio(args) -> None:
-    """Audio VAE decode, 2 x 405 latents (10.125 s stereo) -> [2, 324000] fp32: eager, CUDA graph (what the Renderer
-    runs), torch.compile variants; every output checked against our eager decode and diffusers' (same weights)."""
+    """Audio VAE decode, 2 x 405 latents (10.125 s stereo) -> [2, 324000] fp32: eager and CUDA graph (what the
+    Renderer runs), each with the Triton anti-aliased activations (default on CUDA) and with the torch ones,
+    torch.compile variants; every output checked against our default eager decode and diffusers' (same weights)."""
     from h3render.graphs import ShapeGraphs
     from h3render.models.audio_vae import AudioVAE, AudioVAEConfig
     from h3render.pipeline import EngineSettings
@@ -407,7 +408,7 @@ def stage_audio(args) -> None:
     label = f"audio VAE decode 2x{args.audio_latents} latents (fp32"
     rec(stage="audio", what="audio VAE settings", cudnn_allow_tf32=torch.backends.cudnn.allow_tf32,
         cudnn_benchmark=torch.backends.cudnn.benchmark, reps=args.audio_reps,
-        renderer_uses="CUDA graph" if EngineSettings().graph_audio else "eager")
+        renderer_uses=("CUDA graph" if EngineSettings().graph_audio else "eager") + " + Triton activations")
 
     ref_out, ref_times = None, None
     try:
@@ -443,24 +444,36 @@ def stage_audio(args) -> None:
         with torch.enable_grad():
             return ours.decoder(ours.dec_in_proj(z * ours.latents_std + ours.latents_mean))[:, 0]
 
-    report("eager, reference forms: no inference caches", reference_forms)
-    report("eager", lambda: ours.decode(z))
+    report("eager, reference forms: no inference caches, torch activations", reference_forms)
+    ours.set_fused_activations(False)
+    report("eager, torch activations", lambda: ours.decode(z))
+    torch_graph = ShapeGraphs(ours.decode, name="audio torch")
+    torch_graph.capture(z)
+    report("CUDA graph, torch activations", lambda: torch_graph(z))
+    ours.set_fused_activations(None)  # back to the default: Triton on CUDA
+    report("eager, Triton activations", lambda: ours.decode(z))
     graphed = ShapeGraphs(ours.decode, name="audio")
     capture_s = graphed.capture(z)
-    report("CUDA graph: Renderer default", lambda: graphed(z),
+    report("CUDA graph, Triton activations: Renderer default", lambda: graphed(z),
            {"capture_s": round(capture_s, 3), "graphed": graphed.graphs_on(z.device)})
 
-    torch.backends.cudnn.allow_tf32 = False  # what true fp32 convolutions cost and how far TF32 is from them
+    # What true fp32 convolutions cost, how far cuDNN's TF32 default is from them, and the Triton activations' own
+    # error with TF32 out of the way (fp32 Triton vs fp32 torch activations).
+    torch.backends.cudnn.allow_tf32 = False
     try:
         fp32_out = ours.decode(z)
+        fp32_torch = ours.set_fused_activations(False).decode(z)
+        ours.set_fused_activations(None)
         fp32_graph = ShapeGraphs(ours.decode, name="audio fp32")
         fp32_graph.capture(z)
         times = event_times(lambda: fp32_graph(z), reps=args.audio_reps)
-        rec(stage="audio", what=f"{label}, CUDA graph, cudnn.allow_tf32=False)", ours_s=times["median_s"], **times,
-            rel_err_tf32_vs_fp32=rel_err(eager_out, fp32_out),
+        rec(stage="audio", what=f"{label}, CUDA graph, Triton activations, cudnn.allow_tf32=False)",
+            ours_s=times["median_s"], **times, rel_err_tf32_vs_fp32=rel_err(eager_out, fp32_out),
+            rel_err_triton_vs_torch_activations_fp32=rel_err(fp32_out, fp32_torch),
             rel_err_vs_ref=None if ref_out is None else rel_err(fp32_out, ref_out))
     finally:
         torch.backends.cudnn.allow_tf32 = True
+        ours.set_fused_activations(None)
 
     for mode in args.audio_compile_modes:
         if mode == "none":

@@ -18,6 +18,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+import kernels.alias_free as alias_free
 from h3render.models.config_dict import config_fields
 
 
@@ -278,16 +279,28 @@ class DownSample1d(nn.Module):
 
 
 class AliasFreeActivation(nn.Module):
-    """Upsample x2 -> SnakeBeta -> downsample x2 (BigVGAN `Activation1d`)."""
+    """Upsample x2 -> SnakeBeta -> downsample x2 (BigVGAN `Activation1d`).
+
+    `fused`: None (default) runs the two-kernel Triton path of `kernels.alias_free` for eager no-grad calls on CUDA;
+    True also on other devices (CPU tensors need TRITON_INTERPRET=1: tests); False never. The torch forms below stay
+    the reference (used with grad, under torch.compile, and on CPU).
+    """
 
     def __init__(self, channels: int) -> None:
         super().__init__()
         self.act = SnakeBeta(channels)
         self.upsample = UpSample1d()
         self.downsample = DownSample1d()
+        self.fused: bool | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [B, C, L] -> [B, C, L]."""
+        if _eager_inference() and (x.is_cuda if self.fused is None else self.fused):
+            alpha, inv_beta = self.act.derived("coefficients", (self.act.alpha, self.act.beta),
+                                               self.act._coefficients)  # each [1, C, 1]
+            return alias_free.alias_free_activation(x.float(), self.upsample.filter.view(-1), alpha.view(-1),
+                                                    inv_beta.view(-1), self.downsample.lowpass.filter.view(-1),
+                                                    use_triton=True)
         u = self.upsample(x)  # [B, C, 2L]
         if not _eager_inference():
             return self.downsample(self.act(u))
@@ -498,6 +511,14 @@ class AudioVAE(nn.Module):
     @property
     def hop_length(self) -> int:
         return self.config.hop_length
+
+    def set_fused_activations(self, fused: bool | None) -> "AudioVAE":
+        """Choose the decoder's anti-aliased activation path: None = Triton kernels on CUDA (default), True = always
+        (CPU needs TRITON_INTERPRET=1), False = torch only. See `AliasFreeActivation`."""
+        for module in self.decoder.modules():
+            if isinstance(module, AliasFreeActivation):
+                module.fused = fused
+        return self
 
     @torch.no_grad()
     def decode(self, latent: torch.Tensor, num_samples: int | None = None) -> torch.Tensor:
