@@ -172,3 +172,20 @@ def test_renderer_captures_in_prepare_and_records_a_new_length(tmp_path):
     assert json.loads((tmp_path / "b.json").read_text())["extra"]["job_warmup"] == second["extra"]["job_warmup"]
     third = renderer.render(job(39), tmp_path / "c.mp4", tmp_path / "c.json")
     assert "job_warmup" not in third["extra"] and standin.captures == 2 and standin.replays == 3
+
+
+def test_inference_caches_survive_a_no_op_move_and_follow_a_real_one():
+    """`.to()` to where the weights already are keeps the cached tensors (a captured graph reads them by address);
+    a real move or cast rebuilds them."""
+    vae = tiny_audio_vae("cpu").set_fused_activations(False)
+    z = latents("cpu", 8, 5)
+    expected = vae.decode(z)
+    conv = vae.decoder.conv_post
+    with torch.no_grad():
+        cached = conv.weight()
+        vae.to("cpu")
+        assert conv.weight() is cached
+        vae.double()
+        assert conv.weight() is not cached and conv.weight().dtype == torch.float64
+        vae.float()
+    assert torch.equal(vae.decode(z), expected)

@@ -108,9 +108,10 @@ class _Derived(nn.Module):
 
     Inference re-derives the same small tensors on every call otherwise (weight norm, exp'd Snake parameters,
     expanded filters): ~4 extra kernels per convolution or activation, ~900 per released decode. An entry is rebuilt
-    when one of its sources is replaced or changed in place (its version counter moves, as `load_state_dict`'s
-    `copy_` does) or when the module is moved or cast (`_apply`); outside eager no-grad calls nothing is cached.
-    The cached tensor is computed by the same ops as the uncached one (bitwise equal).
+    when one of its sources is replaced, changed in place (its version counter moves, as `load_state_dict`'s `copy_`
+    does) or moved (its storage address changes, as `.to(device)` does); outside eager no-grad calls nothing is
+    cached. The cached tensor is computed by the same ops as the uncached one (bitwise equal). A CUDA graph captured
+    over a decode reads the cached tensors by address: capture again after changing weights (`ShapeGraphs.reset`).
     """
 
     def __init__(self) -> None:
@@ -120,17 +121,13 @@ class _Derived(nn.Module):
     def derived(self, name: str, sources: tuple[torch.Tensor, ...], compute, extra=None):
         if not _eager_inference():
             return compute()
+        state = tuple((t._version, t.data_ptr(), t.device) for t in sources)
         entry = self._derived_cache.get(name)
         if (entry is None or entry[2] != extra or len(entry[0]) != len(sources)
-                or any(a is not b for a, b in zip(entry[0], sources))
-                or entry[1] != tuple(t._version for t in sources)):
-            entry = (sources, tuple(t._version for t in sources), extra, compute())
+                or any(a is not b for a, b in zip(entry[0], sources)) or entry[1] != state):
+            entry = (sources, state, extra, compute())
             self._derived_cache[name] = entry
         return entry[3]
-
-    def _apply(self, fn, *args, **kwargs):
-        self._derived_cache = {}
-        return super()._apply(fn, *args, **kwargs)
 
 
 class WNConv1d(_Derived):
