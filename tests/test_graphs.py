@@ -189,3 +189,13 @@ def test_inference_caches_survive_a_no_op_move_and_follow_a_real_one():
         assert conv.weight() is not cached and conv.weight().dtype == torch.float64
         vae.float()
     assert torch.equal(vae.decode(z), expected)
+
+
+def test_weights_made_in_inference_mode_are_not_cached():
+    """Tensors created under torch.inference_mode() track no version counter: the decode computes their derived
+    tensors afresh instead of failing."""
+    with torch.inference_mode():
+        vae = tiny_audio_vae("cpu").set_fused_activations(False)
+        z = latents("cpu", 6, 6)
+        out = vae.decode(z)
+    assert torch.equal(out, tiny_audio_vae("cpu").set_fused_activations(False).decode(z))

@@ -119,7 +119,7 @@ class _Derived(nn.Module):
         self._derived_cache: dict[str, tuple] = {}
 
     def derived(self, name: str, sources: tuple[torch.Tensor, ...], compute, extra=None):
-        if not _eager_inference():
+        if not _eager_inference() or any(t.is_inference() for t in sources):  # inference tensors keep no version
             return compute()
         state = tuple((t._version, t.data_ptr(), t.device) for t in sources)
         entry = self._derived_cache.get(name)
