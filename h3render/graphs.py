@@ -14,13 +14,15 @@ anything decided in Python at capture time (shapes, control flow) and tensors re
 changed in place after capture are read by the replay, but tensors the wrapped function derived from them and kept
 (e.g. a cached weight-norm weight) are not: call `reset()` after loading new weights.
 
-Off CUDA (or when disabled) the wrapper calls the function eagerly. A `backend` object can stand in for CUDA graphs
+Off CUDA (or when disabled) the wrapper calls the function eagerly; so does it after a capture failed (`failure` says
+why, and a warning is issued): a graph is a speed-up, never a reason for a render to fail. A `backend` object can stand in for CUDA graphs
 (tests use one on CPU that recomputes into the same static output buffer, as a replay does).
 """
 
 from __future__ import annotations
 
 import time
+import warnings
 from dataclasses import dataclass
 from typing import Callable
 
@@ -90,6 +92,7 @@ class ShapeGraphs:
         self._backend = backend
         self._cuda_backend: CudaGraphBackend | None = None
         self._graphs: dict[tuple, _Captured] = {}
+        self.failure: str | None = None  # why a capture failed (the wrapper is eager from then on)
 
     @staticmethod
     def _key(x: torch.Tensor) -> tuple:
@@ -135,9 +138,16 @@ class ShapeGraphs:
         t0 = time.perf_counter()
         static_in = torch.empty_like(x, memory_format=torch.contiguous_format)
         static_in.copy_(x)
-        replay, static_out = backend.capture(self.fn, static_in)
-        if x.is_cuda:
-            torch.cuda.synchronize(x.device)
+        try:
+            replay, static_out = backend.capture(self.fn, static_in)
+            if x.is_cuda:
+                torch.cuda.synchronize(x.device)
+        except Exception as exc:  # e.g. an op that syncs with the host inside the function
+            self.enabled = False
+            self.failure = f"{tuple(x.shape)}: {type(exc).__name__}: {exc}"[:500]
+            warnings.warn(f"{self.name}: CUDA graph capture failed, running eagerly from now on: {self.failure}",
+                          RuntimeWarning, stacklevel=2)
+            return 0.0
         seconds = time.perf_counter() - t0
         self._graphs[key] = _Captured(static_in, static_out, replay, seconds)
         return seconds

@@ -297,6 +297,8 @@ class Renderer:
             self.warmup["vae_compile_s" if self.settings.compile_vae else "vae_warmup_s"] = time.perf_counter() - t0
             self.warmup["decode_estimate_gb"] = {f"{k[1]}x{k[2]}": round(v / 1e9, 2)
                                                  for k, v in self._peaks.items() if k[0] == "decode"}
+        if self.device.type == "cuda" and self._decodes_audio and "audio_activations" not in self.warmup:
+            self._choose_audio_activations()
         lengths = sorted({audio_latents_for(j.frames) for j in jobs} - self._audio_lengths)
         if self.audio_decode.graphs_on(self.device) and lengths:
             t0 = time.perf_counter()
@@ -307,6 +309,26 @@ class Renderer:
             self.warmup["audio_graph_capture_s"] = self.warmup.get("audio_graph_capture_s", 0.0) + (
                 time.perf_counter() - t0)
             self.warmup["audio_graph_latents"] = sorted(self._audio_lengths)
+            if self.audio_decode.failure is not None:
+                self.warmup["audio_graph_failure"] = self.audio_decode.failure  # decoding eagerly instead
+
+    @torch.no_grad()
+    def _choose_audio_activations(self) -> None:
+        """Keep the audio decoder's Triton activations (`kernels.alias_free`, the default on CUDA) only if they run
+        and agree with the torch ones on a 1 s probe: relative error <= 1e-3 (float rounding gives ~1e-6 before cuDNN's
+        TF32 convolutions amplify it; a wrong kernel is off by O(1)). Otherwise the decoder uses the torch path."""
+        vae = self.c.audio_vae
+        g = torch.Generator().manual_seed(0)
+        probe = torch.randn(AUDIO_CHANNELS, vae.config.latent_channels, 40, generator=g).to(self.device)
+        try:
+            fused = vae.set_fused_activations(None).decode(probe).double()
+            reference = vae.set_fused_activations(False).decode(probe).double()
+            err = float((fused - reference).norm() / reference.norm().clamp_min(1e-30))
+            ok, why = err <= 1e-3, f"rel. err {err:.1e} vs torch on a 1 s probe"  # NaN fails the test too
+        except Exception as exc:
+            ok, why = False, f"{type(exc).__name__}: {exc}"[:300]
+        vae.set_fused_activations(None if ok else False)
+        self.warmup["audio_activations"] = ("triton" if ok else "torch") + f" ({why})"
 
     def _audio_probe(self, length: int) -> torch.Tensor:
         """A zero audio latent `[2, 32, length]` (float32, this device): the decode's input shape."""
@@ -490,7 +512,7 @@ class Renderer:
                 with timer.warmup("audio_graph_capture"):
                     seconds = self.audio_decode.capture(latent)
             job_warmup["audio_graph_capture"] = {"latents": length, "rank": audio_rank(self.ctx),
-                                                 "seconds": seconds}
+                                                 "seconds": seconds, "failure": self.audio_decode.failure}
         waveform = None
         if self._decodes_audio:
             with timer.stage("vae_audio"):

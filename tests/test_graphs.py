@@ -199,3 +199,19 @@ def test_weights_made_in_inference_mode_are_not_cached():
         z = latents("cpu", 6, 6)
         out = vae.decode(z)
     assert torch.equal(out, tiny_audio_vae("cpu").set_fused_activations(False).decode(z))
+
+
+class FailingCapture:
+    def capture(self, fn, static_in):
+        fn(static_in)
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+
+def test_a_failed_capture_falls_back_to_eager():
+    vae = tiny_audio_vae("cpu")
+    graphs = ShapeGraphs(vae.decode, name="audio", backend=FailingCapture())
+    z = latents("cpu", 7, 7)
+    with pytest.warns(RuntimeWarning, match="capture failed"):
+        assert graphs.capture(z) == 0.0
+    assert "not permitted" in graphs.failure and not graphs.graphs_on("cpu")
+    assert torch.equal(graphs(z), vae.decode(z)) and graphs.captures == []

@@ -49,3 +49,32 @@ def test_non_finite_audio_fails_without_a_file(renderer, tmp_path, monkeypatch):
     with pytest.raises(pipeline.RenderError, match="non-finite samples"):
         renderer.render(JOB, tmp_path / "b.mp4", tmp_path / "b.json")
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("kernel", ["working", "wrong", "raising"])
+def test_audio_activation_check_keeps_only_a_working_kernel(renderer, monkeypatch, kernel):
+    """`prepare` on CUDA keeps the Triton activations only if they run and agree with the torch ones; here on CPU
+    with the kernels forced on (Triton interpreter), as `fused=None` does on a GPU."""
+    import kernels.alias_free as alias_free
+
+    vae = renderer.c.audio_vae
+    original = vae.set_fused_activations
+    monkeypatch.setattr(vae, "set_fused_activations", lambda fused: original(True if fused is None else fused))
+    real = alias_free.alias_free_activation
+    if kernel == "wrong":
+        monkeypatch.setattr(alias_free, "alias_free_activation", lambda x, *a, **k: 1.5 * real(x, *a, **k))
+    elif kernel == "raising":
+        def raising(*args, **kwargs):
+            raise RuntimeError("PTX compile failed")
+        monkeypatch.setattr(alias_free, "alias_free_activation", raising)
+    try:
+        renderer._choose_audio_activations()
+        chosen = renderer.warmup.pop("audio_activations")
+        fused = {m.fused for m in vae.decoder.modules() if hasattr(m, "fused")}
+    finally:
+        original(None)
+    if kernel == "working":
+        assert chosen.startswith("triton (rel. err") and fused == {True}
+    else:
+        assert chosen.startswith("torch (") and fused == {False}
+        assert ("PTX compile failed" in chosen) == (kernel == "raising")
