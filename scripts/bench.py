@@ -994,9 +994,9 @@ def main() -> None:
                    help="EngineSettings.overlap_min_free_gb (default: estimated from measured peaks)")
     p.add_argument("--audio-latents", type=int, default=405, help="audio stage: latents per channel (405 = 10.125 s)")
     p.add_argument("--audio-reps", type=int, default=25, help="audio stage: timed calls per variant (median)")
-    p.add_argument("--audio-compile-modes", default="max-autotune-no-cudagraphs",
-                   help="audio stage: comma-separated torch.compile modes to try after eager and CUDA graph "
-                        "('none' skips; e.g. default,max-autotune-no-cudagraphs)")
+    p.add_argument("--audio-compile-modes", default="none",
+                   help="audio stage: comma-separated torch.compile modes to try after eager and CUDA graph, e.g. "
+                        "max-autotune-no-cudagraphs (its autotuning can take minutes); 'none' skips")
     p.add_argument("--media-kinds", default="moving,noise", help="media stage: content kinds (moving, noise)")
     p.add_argument("--media-decode-s", default="4.08,7.07",
                    help="media stage: simulated decode seconds for the whole clip (2-GPU split 4.08, 1 GPU 7.07)")
