@@ -368,11 +368,11 @@ def _render_single(factory, job, mp4: Path, sidecar: Path) -> int:
 
 
 def _distinct_setups(jobs):
-    """One representative job per distinct (schedule, canvas): AdaLN tables are built and the VAE compiled for each
-    before the first job, outside job timings."""
+    """One representative job per distinct (schedule, canvas, length): AdaLN tables are built, the VAE compiled and
+    the audio decode's CUDA graph captured for each before the first job, outside job timings."""
     seen, out = set(), []
     for job in jobs:
-        key = (job.mode, job.steps, job.width, job.height)
+        key = (job.mode, job.steps, job.width, job.height, job.frames)
         if key not in seen:
             seen.add(key)
             out.append(job)

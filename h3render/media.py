@@ -180,6 +180,8 @@ class Mp4Writer:
         audio_bitrate: AAC bit rate in bit/s.
         queue_chunks: bound of the hand-off queue, in chunks (back-pressure on the producer).
         threads: libx264 threads, 0 = auto.
+        x264_params: extra libx264 settings in x264's ``key=value:key=value`` syntax (``x264-params``), e.g. for
+            measuring alternatives with ``scripts/bench.py --stages media``; None adds nothing.
 
     Raises:
         MediaError: bad arguments, bad chunks/audio, wrong final frame count, or an encoder failure. Every
@@ -187,8 +189,10 @@ class Mp4Writer:
 
     After ``close()``, ``stats`` holds wall-clock facts in ``time.perf_counter`` seconds: ``start``/``end``
     (open to rename), ``encode_s`` (encoder-thread busy time), ``audio_s`` (AAC part of it),
-    ``finalize_s`` (flush, trailer, faststart rewrite, fsync, rename), ``blocked_s`` (producer waiting on
-    back-pressure).
+    ``finalize_s`` (flush, trailer, faststart rewrite, fsync, rename) and its parts ``flush_s`` (draining x264
+    and AAC), ``trailer_s`` (index + faststart rewrite), ``sync_s`` (fsync + rename), ``blocked_s`` (producer
+    waiting on back-pressure), ``last_frame_in`` (when the last frame was handed over) and ``frames_done``
+    (when the encoder thread had taken in the last frame).
     """
 
     def __init__(
@@ -206,6 +210,7 @@ class Mp4Writer:
         audio_bitrate: int = 128_000,
         queue_chunks: int = 4,
         threads: int = 0,
+        x264_params: str | None = None,
     ) -> None:
         import av  # imported here so that importing h3render does not load libav
 
@@ -227,7 +232,8 @@ class Mp4Writer:
         self.sample_rate = sample_rate
         self.audio_samples = audio_samples_for(frames, sample_rate, fps)
         self.stats: dict[str, float] = {"start": time.perf_counter(), "encode_s": 0.0, "audio_s": 0.0,
-                                        "finalize_s": 0.0, "blocked_s": 0.0}
+                                        "finalize_s": 0.0, "flush_s": 0.0, "trailer_s": 0.0, "sync_s": 0.0,
+                                        "blocked_s": 0.0}
 
         self._frames_in = 0  # frames accepted from the producer
         self._audio: np.ndarray | None = None
@@ -242,7 +248,7 @@ class Mp4Writer:
         except Exception as exc:
             raise MediaError(f"{self.path}: cannot create {self.tmp_path.name}: {exc}") from exc
         try:
-            self._setup_streams(av, crf, preset, audio_bitrate, threads)
+            self._setup_streams(av, crf, preset, audio_bitrate, threads, x264_params)
         except Exception as exc:
             self._discard()
             raise MediaError(f"{self.path}: cannot set up the encoders: {exc}") from exc
@@ -252,13 +258,12 @@ class Mp4Writer:
 
     # ---------------------------------------------------------------- setup
 
-    def _setup_streams(self, av, crf: int, preset: str, audio_bitrate: int, threads: int) -> None:
-        v = self._container.add_stream(
-            "libx264",
-            rate=Fraction(self.fps),
-            options={"crf": str(crf), "preset": preset, "profile": "high",
-                     "chroma_sample_location": "center"},
-        )
+    def _setup_streams(self, av, crf: int, preset: str, audio_bitrate: int, threads: int,
+                       x264_params: str | None) -> None:
+        options = {"crf": str(crf), "preset": preset, "profile": "high", "chroma_sample_location": "center"}
+        if x264_params:
+            options["x264-params"] = x264_params
+        v = self._container.add_stream("libx264", rate=Fraction(self.fps), options=options)
         v.width, v.height, v.pix_fmt = self.width, self.height, "yuv420p"
         v.time_base = Fraction(1, self.fps)
         cc = v.codec_context
@@ -315,6 +320,8 @@ class Mp4Writer:
             self._frames_in += n
             self._put((kind, array, staged))
             queued = True
+            if self._frames_in == self.frames:
+                self.stats["last_frame_in"] = time.perf_counter()
         except BaseException:
             if staged is not None and not queued:
                 staged.release()
@@ -365,7 +372,8 @@ class Mp4Writer:
             _fsync_file(self.tmp_path)
             os.replace(self.tmp_path, self.path)
             _fsync_dir(self.path.parent)
-            self.stats["finalize_s"] += time.perf_counter() - t0
+            self.stats["sync_s"] = time.perf_counter() - t0
+            self.stats["finalize_s"] += self.stats["sync_s"]
             self.stats["end"] = time.perf_counter()
             self._state = "closed"
         except BaseException:
@@ -499,6 +507,8 @@ class Mp4Writer:
                 staged.wait()
             if kind != "audio":
                 self._encode_video(kind, array)
+                if self._pts == self.frames:
+                    self.stats["frames_done"] = time.perf_counter()
         finally:
             if staged is not None:
                 staged.release()
@@ -546,10 +556,12 @@ class Mp4Writer:
         if self._aac is not None:
             self._encode_audio_until(self._audio.shape[1])
             self._container.mux(self._aac.encode(None))
+        t1 = time.perf_counter()
         self._container.close()  # trailer; +faststart rewrites the file with the index first
-        dt = time.perf_counter() - t0
-        self.stats["finalize_s"] += dt
-        self.stats["encode_s"] += dt
+        t2 = time.perf_counter()
+        self.stats["flush_s"], self.stats["trailer_s"] = t1 - t0, t2 - t1
+        self.stats["finalize_s"] += t2 - t0
+        self.stats["encode_s"] += t2 - t0
 
 
 def prepare_audio(

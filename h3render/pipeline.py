@@ -25,11 +25,13 @@ import torch
 
 from h3render import sampling
 from h3render.colour import frames_to_uint8, rgb_to_i420
+from h3render.graphs import ShapeGraphs
 from h3render.media import Mp4Writer, PinnedFrameStager
 from h3render.models.attention import attention as fast_attention
 from h3render.models.attention import fastest_for, select_backend
 from h3render.models.attention import runner as attention_runner
-from h3render.packing import PackedLayout, patchify_video, rows_to_audio, t2va_layout, unpatchify_video
+from h3render.packing import (AUDIO_CHANNELS, PackedLayout, audio_latents_for, patchify_video, rows_to_audio,
+                              t2va_layout, unpatchify_video)
 from h3render.parallel.groups import ParallelContext
 from h3render.parallel.vae import audio_rank
 from h3render.timing import StageTimer, versions, write_sidecar
@@ -50,6 +52,9 @@ class EngineSettings:
         progress: show the per-step tqdm bar (at `step_bar_position`; the batch queue bar is at 0).
         compile_vae: on CUDA, `torch.compile` the video VAE decoder blocks (1x H200: 11.0 s -> 7.2 s for 72 latent
             frames at 1344x768; compiled in `prepare`, outside job timings).
+        graph_audio: on CUDA, replay the audio VAE decode from a CUDA graph captured per audio length (in `prepare`
+            for the jobs' lengths; a new length is captured by the first job that has it, which records it in
+            the sidecar's `extra.job_warmup`). Same output bit for bit as the eager decode (h3render/graphs.py).
         save_latents: also write the final latents (`<name>.latents.pt`: video `[24, T, h, w]`, audio
             `[2, 32, Ta]`, float32) beside the MP4, for comparing runs (e.g. 1 vs N GPUs).
         overlap_min_free_gb: batch overlap on CUDA: overlap one job's finish with the next job's begin only when at
@@ -66,6 +71,7 @@ class EngineSettings:
     step_bar_position: int = 1
     compile_vae: bool = True
     overlap_min_free_gb: float | None = None
+    graph_audio: bool = True
 
 
 @dataclass
@@ -145,6 +151,11 @@ class Renderer:
         self.warmup: dict[str, float] = {}
         self._tables: dict[tuple[float, ...], Any] = {}
         self._stager = PinnedFrameStager(num_buffers=8)
+        # On several ranks only the last one decodes the audio (it writes no MP4) and sends it to rank 0.
+        self._decodes_audio = not ctx.distributed or ctx.rank == audio_rank(ctx)
+        self.audio_decode = ShapeGraphs(components.audio_vae.decode, name="audio VAE decode",
+                                        enabled=settings.graph_audio)  # eager off CUDA
+        self._audio_lengths: set[int] = set()  # audio lengths seen by prepare/finish (the same set on every rank)
         self._finish_stream = None  # CUDA stream of finishes on the batch queue's worker thread (made on first use)
         # Measured device memory (bytes above what was allocated before): ("decode", w, h) from the warm-up,
         # ("finish", w, h) and ("begin", w, h, frames) from phases that ran alone. Read by plan_overlap.
@@ -234,7 +245,8 @@ class Renderer:
         """Warm-up outside job timings: build the AdaLN tables of the jobs' schedules and, on CUDA, move the AdaLN
         projections (≈13 B parameters at release) off the GPU (later schedules rebuild tables block by block);
         compile the VAE decoder for the jobs' tile shapes (with `compile_vae`) and measure one decoder batch's
-        memory per canvas (the decode estimate of `plan_overlap`)."""
+        memory per canvas (the decode estimate of `plan_overlap`); capture the audio decode's CUDA graph for the
+        jobs' audio lengths (`graph_audio`)."""
         t0 = time.perf_counter()
         for job in jobs:
             self.tables(self.schedule(job))
@@ -285,6 +297,42 @@ class Renderer:
             self.warmup["vae_compile_s" if self.settings.compile_vae else "vae_warmup_s"] = time.perf_counter() - t0
             self.warmup["decode_estimate_gb"] = {f"{k[1]}x{k[2]}": round(v / 1e9, 2)
                                                  for k, v in self._peaks.items() if k[0] == "decode"}
+        if self.device.type == "cuda" and self._decodes_audio and "audio_activations" not in self.warmup:
+            self._choose_audio_activations()
+        lengths = sorted({audio_latents_for(j.frames) for j in jobs} - self._audio_lengths)
+        if self.audio_decode.graphs_on(self.device) and lengths:
+            t0 = time.perf_counter()
+            for length in lengths:
+                self._audio_lengths.add(length)
+                if self._decodes_audio:
+                    self.audio_decode.capture(self._audio_probe(length))
+            self.warmup["audio_graph_capture_s"] = self.warmup.get("audio_graph_capture_s", 0.0) + (
+                time.perf_counter() - t0)
+            self.warmup["audio_graph_latents"] = sorted(self._audio_lengths)
+            if self.audio_decode.failure is not None:
+                self.warmup["audio_graph_failure"] = self.audio_decode.failure  # decoding eagerly instead
+
+    @torch.no_grad()
+    def _choose_audio_activations(self) -> None:
+        """Keep the audio decoder's Triton activations (`kernels.alias_free`, the default on CUDA) only if they run
+        and agree with the torch ones on a 1 s probe: relative error <= 1e-3 (float rounding gives ~1e-6 before cuDNN's
+        TF32 convolutions amplify it; a wrong kernel is off by O(1)). Otherwise the decoder uses the torch path."""
+        vae = self.c.audio_vae
+        g = torch.Generator().manual_seed(0)
+        probe = torch.randn(AUDIO_CHANNELS, vae.config.latent_channels, 40, generator=g).to(self.device)
+        try:
+            fused = vae.set_fused_activations(None).decode(probe).double()
+            reference = vae.set_fused_activations(False).decode(probe).double()
+            err = float((fused - reference).norm() / reference.norm().clamp_min(1e-30))
+            ok, why = err <= 1e-3, f"rel. err {err:.1e} vs torch on a 1 s probe"  # NaN fails the test too
+        except Exception as exc:
+            ok, why = False, f"{type(exc).__name__}: {exc}"[:300]
+        vae.set_fused_activations(None if ok else False)
+        self.warmup["audio_activations"] = ("triton" if ok else "torch") + f" ({why})"
+
+    def _audio_probe(self, length: int) -> torch.Tensor:
+        """A zero audio latent `[2, 32, length]` (float32, this device): the decode's input shape."""
+        return torch.zeros(AUDIO_CHANNELS, self.c.audio_vae.config.latent_channels, length, device=self.device)
 
     @torch.no_grad()
     def _warm_dit(self, job) -> None:
@@ -431,15 +479,13 @@ class Renderer:
         t_start = timer.now()
         allocated = torch.cuda.memory_allocated(dev) if timer.cuda else 0
         audio_latent = pending.audio_latent
-        waveform = None
-        if not self.ctx.distributed or self.ctx.rank == audio_rank(self.ctx):
-            # On several ranks only the last one decodes the audio (it writes no MP4) and sends it to rank 0.
-            with timer.stage("vae_audio"):
-                waveform = c.audio_vae.decode(audio_latent.float())  # [2, samples] fp32
+        waveform, job_warmup = self._decode_audio(audio_latent.float(), timer)  # [2, samples] fp32 (None: other rank)
         audio_shape = (audio_latent.shape[0], audio_latent.shape[-1] * c.audio_vae.hop_length)
 
         result = self._decode_and_write(job, pending.video_latent, waveform, audio_shape, pending.mp4_path, timer,
                                         cancel)
+        if job_warmup:
+            result["job_warmup"] = job_warmup
         if timer.cuda and not shared:
             peak = max(timer.stage_peak_bytes.get(s, 0) for s in ("vae_audio", "vae_video"))
             self._learn_peak(("finish", job.width, job.height), peak - allocated)
@@ -447,6 +493,31 @@ class Renderer:
         if not self.ctx.is_main:
             return {}
         return self._sidecar(job, pending.schedule, timer, pending.sidecar_path, result, overlap)
+
+    def _decode_audio(self, latent: torch.Tensor, timer: StageTimer) -> tuple[torch.Tensor | None, dict[str, Any]]:
+        """Audio latent `[2, 32, Ta]` -> (waveform `[2, Ta * 800]` float32 on the audio rank, else None; warm-up
+        this job paid for).
+
+        A length `prepare` did not see is captured here first (once; later jobs of that length replay it): timed
+        apart from `vae_audio` as warm-up (`timings.warmup_s`) and reported in the sidecar's `extra.job_warmup`.
+        Such a capture synchronizes the whole device when it starts (`torch.cuda.graph`), so a begin overlapping
+        this finish stalls meanwhile; the CLI's `prepare` sees every length of the queue.
+        """
+        job_warmup: dict[str, Any] = {}
+        length = latent.shape[-1]
+        if self.audio_decode.graphs_on(self.device) and length not in self._audio_lengths:
+            self._audio_lengths.add(length)
+            seconds = None
+            if self._decodes_audio:
+                with timer.warmup("audio_graph_capture"):
+                    seconds = self.audio_decode.capture(latent)
+            job_warmup["audio_graph_capture"] = {"latents": length, "rank": audio_rank(self.ctx),
+                                                 "seconds": seconds, "failure": self.audio_decode.failure}
+        waveform = None
+        if self._decodes_audio:
+            with timer.stage("vae_audio"):
+                waveform = self.audio_decode(latent)
+        return waveform, job_warmup
 
     # -- overlap of one job's finish with the next job's begin (the batch queue) --------------------------------
 

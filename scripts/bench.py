@@ -12,7 +12,9 @@ Stages (`--stages`, comma-separated):
   dit       DiT forward: ours vs diffusers at --ref-blocks blocks (same weights; scaled to 50), then ours at 50
             blocks alone (tables, AdaLN weights dropped), 1344x768x243 and 960x544x124
   vae       video VAE decode of 72 (and 32) latent frames: ours vs diffusers, same weights
-  audio     audio VAE decode (fp32): ours vs diffusers
+  audio     audio VAE decode (fp32), 2 x 405 latents: eager, CUDA graph (the Renderer's path), cudnn TF32 off, and
+            torch.compile (--audio-compile-modes) with and without a graph; each vs our eager and vs diffusers;
+            medians of --audio-reps calls timed with CUDA events
   te        text encoder, 50 of 64 Qwen3-VL-32B layers, 256- and 2,000-token prompts
   ulysses   DiT forward at 1344x768x243 sharded over the torchrun ranks, per head-chunk count (--ulysses-chunks)
   prof      top device kernels of an 8-block DiT forward (sharded under torchrun) and a compiled VAE decode batch
@@ -368,29 +370,135 @@ def ref_pixels(decoded: torch.Tensor) -> torch.Tensor:
     return (decoded * std + mean).clamp(0, 1)
 
 
+def event_times(fn, reps: int = 25, warm: int = 3) -> dict:
+    """Per-call device time between CUDA events around `fn()` (launch gaps included: the device waits for the
+    host) and host wall time with synchronization; medians (and min) over `reps` calls after `warm` calls."""
+    for _ in range(warm):
+        fn()
+    torch.cuda.synchronize()
+    device, wall = [], []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        t0 = time.perf_counter()
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        wall.append(time.perf_counter() - t0)
+        device.append(start.elapsed_time(end) / 1e3)
+    device.sort()
+    wall.sort()
+    return {"median_s": round(device[len(device) // 2], 5), "min_s": round(device[0], 5),
+            "wall_median_s": round(wall[len(wall) // 2], 5), "reps": reps}
+
+
 @torch.no_grad()
 def stage_audio(args) -> None:
+    """Audio VAE decode, 2 x 405 latents (10.125 s stereo) -> [2, 324000] fp32: eager and CUDA graph (what the
+    Renderer runs), each with the Triton anti-aliased activations (default on CUDA) and with the torch ones,
+    torch.compile variants; every output checked against our default eager decode and diffusers' (same weights)."""
+    from h3render.graphs import ShapeGraphs
     from h3render.models.audio_vae import AudioVAE, AudioVAEConfig
+    from h3render.pipeline import EngineSettings
 
     cfg = AudioVAEConfig()
     ours = build_on_gpu(lambda: AudioVAE(cfg), torch.float32)
     random_(ours, 3)
-    z = torch.randn(2, 32, 405, device="cuda")
-    t_ours = cuda_time(lambda: ours.decode(z), reps=5)
-    row = dict(stage="audio", what="audio VAE decode 2x405 latents (fp32)", ours_s=round(t_ours, 4))
+    z = torch.randn(2, 32, args.audio_latents, device="cuda", generator=torch.Generator("cuda").manual_seed(5))
+    label = f"audio VAE decode 2x{args.audio_latents} latents (fp32"
+    rec(stage="audio", what="audio VAE settings", cudnn_allow_tf32=torch.backends.cudnn.allow_tf32,
+        cudnn_benchmark=torch.backends.cudnn.benchmark, reps=args.audio_reps,
+        renderer_uses=("CUDA graph" if EngineSettings().graph_audio else "eager")
+        + " + Triton activations (kept by prepare when within 1e-3 of the torch ones on a 1 s probe)")
+
+    ref_out, ref_times = None, None
     try:
         from diffusers import AutoencoderKLMiniMaxH3Audio
     except ImportError:
+        AutoencoderKLMiniMaxH3Audio = None
+    if AutoencoderKLMiniMaxH3Audio is not None:
+        ref = build_on_gpu(lambda: AutoencoderKLMiniMaxH3Audio(**dataclasses.asdict(cfg)), torch.float32)
+        ref.load_state_dict(ours.state_dict(), strict=True)
+        mean = torch.tensor(cfg.latents_mean or [0.0] * 32, device="cuda").view(1, -1, 1)
+        std = torch.tensor(cfg.latents_std or [1.0] * 32, device="cuda").view(1, -1, 1)
+        ref_fn = lambda: ref.decode(z * std + mean, return_dict=False)[0][:, 0]  # noqa: E731
+        ref_times = event_times(ref_fn, reps=args.audio_reps)
+        ref_out = ref_fn()
+        rec(stage="audio", what=f"{label}, diffusers 0.42.1)", ref_s=ref_times["median_s"], **ref_times)
+
+    eager_out = ours.decode(z)
+
+    def report(name: str, fn, extra: dict | None = None) -> None:
+        times = event_times(fn, reps=args.audio_reps)
+        out = fn()
+        row = dict(stage="audio", what=f"{label}, {name})", ours_s=times["median_s"], **times,
+                   rel_err_vs_eager=rel_err(out, eager_out), bitwise_eager=bool(torch.equal(out, eager_out)),
+                   **(extra or {}))
+        if ref_out is not None:
+            err = rel_err(out, ref_out)
+            row.update(ref_s=ref_times["median_s"], speedup=round(ref_times["median_s"] / times["median_s"], 2),
+                       rel_err=err)
+        row["ok"] = row["rel_err_vs_eager"] <= 1e-4 and times["median_s"] <= 0.05
         rec(**row)
-        return
-    ref = build_on_gpu(lambda: AutoencoderKLMiniMaxH3Audio(**dataclasses.asdict(cfg)), torch.float32)
-    ref.load_state_dict(ours.state_dict(), strict=True)
-    mean = torch.tensor(cfg.latents_mean or [0.0] * 32, device="cuda").view(1, -1, 1)
-    std = torch.tensor(cfg.latents_std or [1.0] * 32, device="cuda").view(1, -1, 1)
-    t_ref = cuda_time(lambda: ref.decode(z * std + mean, return_dict=False), reps=5)
-    a, b = ours.decode(z), ref.decode(z * std + mean, return_dict=False)[0][:, 0]
-    err = rel_err(a, b)
-    rec(**row, ref_s=round(t_ref, 4), speedup=round(t_ref / t_ours, 2), rel_err=err, ok=err <= 1e-2)
+
+    def reference_forms():  # grad mode on: the per-call weight norm and out-of-place activations (the old code)
+        with torch.enable_grad():
+            return ours.decoder(ours.dec_in_proj(z * ours.latents_std + ours.latents_mean))[:, 0]
+
+    report("eager, reference forms: no inference caches, torch activations", reference_forms)
+    ours.set_fused_activations(False)
+    report("eager, torch activations", lambda: ours.decode(z))
+    torch_graph = ShapeGraphs(ours.decode, name="audio torch")
+    torch_graph.capture(z)
+    report("CUDA graph, torch activations", lambda: torch_graph(z))
+    ours.set_fused_activations(None)  # back to the default: Triton on CUDA
+    report("eager, Triton activations", lambda: ours.decode(z))
+    graphed = ShapeGraphs(ours.decode, name="audio")
+    capture_s = graphed.capture(z)
+    report("CUDA graph, Triton activations: Renderer default", lambda: graphed(z),
+           {"capture_s": round(capture_s, 3), "graphed": graphed.graphs_on(z.device)})
+
+    # What true fp32 convolutions cost, how far cuDNN's TF32 default is from them, and the Triton activations' own
+    # error with TF32 out of the way (fp32 Triton vs fp32 torch activations).
+    torch.backends.cudnn.allow_tf32 = False
+    try:
+        fp32_out = ours.decode(z)
+        fp32_torch = ours.set_fused_activations(False).decode(z)
+        ours.set_fused_activations(None)
+        fp32_graph = ShapeGraphs(ours.decode, name="audio fp32")
+        fp32_graph.capture(z)
+        times = event_times(lambda: fp32_graph(z), reps=args.audio_reps)
+        rec(stage="audio", what=f"{label}, CUDA graph, Triton activations, cudnn.allow_tf32=False)",
+            ours_s=times["median_s"], **times, rel_err_tf32_vs_fp32=rel_err(eager_out, fp32_out),
+            rel_err_triton_vs_torch_activations_fp32=rel_err(fp32_out, fp32_torch),
+            rel_err_vs_ref=None if ref_out is None else rel_err(fp32_out, ref_out))
+    finally:
+        torch.backends.cudnn.allow_tf32 = True
+        ours.set_fused_activations(None)
+
+    for mode in args.audio_compile_modes:
+        if mode == "none":
+            continue
+        torch._dynamo.reset()
+        decoder = ours.decoder
+        compiled = torch.compile(decoder, mode=mode, dynamic=False)
+
+        def compiled_decode(x, compiled=compiled):
+            return compiled(ours.dec_in_proj(x.float() * ours.latents_std + ours.latents_mean))[:, 0]
+
+        try:
+            t0 = time.perf_counter()
+            compiled_decode(z)
+            torch.cuda.synchronize()
+            compile_s = time.perf_counter() - t0
+            report(f"torch.compile {mode}", lambda: compiled_decode(z), {"compile_s": round(compile_s, 1)})
+            if mode != "reduce-overhead":
+                both = ShapeGraphs(compiled_decode, name="audio compiled")
+                both.capture(z)
+                report(f"torch.compile {mode} + CUDA graph", lambda: both(z))
+        except Exception as exc:  # keep the other variants' numbers
+            rec(stage="audio", what=f"{label}, torch.compile {mode})", error=f"{type(exc).__name__}: {exc}"[:400])
+    peak_reset()
 
 
 @torch.no_grad()
@@ -700,6 +808,170 @@ def _ideal_ratio(phases: list[tuple[float, float]]) -> float:
     return sequential / overlapped
 
 
+# ---------------------------------------------------------------------------------------------------------------------
+# media: the MP4 writer against a simulated decode, no model
+
+
+def synthetic_video(first: int, n: int, height: int, width: int, kind: str, device, grain: float = 0.01,
+                    seed: int = 0) -> torch.Tensor:
+    """Frames `first .. first+n-1` of a synthetic clip: float [3, n, H, W] in [0, 1] on `device`.
+
+    kind "moving": a slowly panning colour gradient, a fine drifting texture, six soft-edged discs on smooth
+    paths and fresh Gaussian grain of std `grain` per frame (a stand-in for decoded footage: motion, edges and
+    some noise for x264 to spend bits on). kind "noise": independent uniform noise per pixel (what random
+    weights decode to; x264's worst case).
+    """
+    g = torch.Generator(device=device).manual_seed(seed * 100_003 + first)
+    if kind == "noise":
+        return torch.rand(3, n, height, width, device=device, generator=g)
+    if kind != "moving":
+        raise ValueError(f"synthetic_video: kind must be moving or noise, got {kind!r}")
+    t = ((first + torch.arange(n, device=device, dtype=torch.float32)) / 24).view(n, 1, 1)  # seconds
+    y = torch.linspace(0, 1, height, device=device).view(1, height, 1)
+    x = torch.linspace(0, width / height, width, device=device).view(1, 1, width)
+    two_pi = 2 * torch.pi
+    video = torch.stack([
+        0.45 + 0.25 * torch.sin(two_pi * (0.6 * x + 0.3 * y - 0.05 * t)),
+        0.45 + 0.25 * torch.sin(two_pi * (0.4 * x - 0.5 * y + 0.04 * t) + 1.0),
+        0.45 + 0.25 * torch.cos(two_pi * (0.3 * x + 0.2 * y + 0.03 * t)),
+    ])  # [3, n, H, W]
+    video = video + 0.04 * torch.sin(two_pi * (9 * x + 0.5 * t)) * torch.sin(two_pi * (7 * y - 0.4 * t))
+    aspect = width / height
+    for k in range(6):
+        cx = aspect * (0.5 + 0.4 * torch.sin(0.35 * (k + 1) * t + k))  # [n, 1, 1]
+        cy = 0.5 + 0.35 * torch.cos(0.25 * (k + 2) * t + 2 * k)
+        radius = 0.06 + 0.02 * k
+        inside = torch.sigmoid((radius - torch.sqrt((x - cx) ** 2 + (y - cy) ** 2)) * 300)  # [n, H, W]
+        colour = torch.tensor([(k * 0.37) % 1, (k * 0.61 + 0.2) % 1, (k * 0.13 + 0.5) % 1],
+                              device=device).view(3, 1, 1, 1)
+        video = video * (1 - inside) + colour * inside
+    video = video + grain * torch.randn(3, n, height, width, device=device, generator=g)
+    return video.clamp(0, 1)
+
+
+def synthetic_audio(frames: int, device) -> torch.Tensor:
+    """[2, samples] float32 in [-1, 1] for `frames` video frames at 32 kHz: a few tones and a little noise."""
+    from h3render.media import SAMPLE_RATE, audio_samples_for
+
+    n = audio_samples_for(frames)
+    t = torch.arange(n, device=device, dtype=torch.float32) / SAMPLE_RATE
+    g = torch.Generator(device=device).manual_seed(7)
+    tones = [0.2 * torch.sin(2 * torch.pi * f * t) for f in (220.0, 331.0, 440.0, 1210.0)]
+    left, right = tones[0] + tones[2], tones[1] + tones[3]
+    return torch.stack([left, right]) + 0.02 * torch.randn(2, n, device=device, generator=g)
+
+
+def vae_chunk_sizes(frames: int, height: int, width: int) -> list[int]:
+    """Frames per chunk as the released video VAE's stream emits them (one temporal window's clip each, the last
+    window's tail after it: 14 x 17 + 5 for 243 frames)."""
+    from h3render.models.vae_tiling import RELEASED_TILING, plan_decode
+    from h3render.models.video_vae import VideoVAEConfig
+    from h3render.packing import latent_frames_for
+
+    cfg = VideoVAEConfig()
+    plan = plan_decode(latent_frames_for(frames), height // 16, width // 16, geometry=cfg.geometry,
+                       spatial_ratio=cfg.spatial_ratio, tiling=RELEASED_TILING)
+    clip = cfg.geometry.clip_length  # as `assemble_frames` yields them
+    bounds = [(w * clip, (w + 1) * clip) for w in range(plan.num_windows)]
+    bounds.append((plan.num_windows * clip, plan.num_windows * clip + cfg.geometry.tail_frames))
+    return [min(stop, plan.num_frames) - first for first, stop in bounds if min(stop, plan.num_frames) > first]
+
+
+def stream_mp4(path: Path, kind: str, frames: int, width: int, height: int, decode_s: float, device,
+               audio_first: bool, grain: float = 0.01, **writer_options) -> dict:
+    """One clip through the renderer's media path, paced like a decode that takes `decode_s` for all frames.
+
+    Chunks are generated before the clock starts (on `device`); chunk i is handed over once its share of
+    `decode_s` has passed, the way `Renderer._write_chunk` does it: `rgb_to_i420` on the device, a
+    `PinnedFrameStager` copy to the host, `Mp4Writer.write_frames`. On a CPU device the chunks are converted to
+    I420 before the clock starts (the GPU does that in 0.04 s per clip; a CPU would steal the encoder's cores).
+    The soundtrack goes in before the first chunk (`audio_first`) or after the last, then `close()`.
+    """
+    from h3render.colour import rgb_to_i420
+    from h3render.media import Mp4Writer, PinnedFrameStager
+    from h3render.pipeline import EngineSettings
+
+    settings = EngineSettings()
+    on_gpu = torch.device(device).type == "cuda"
+    sizes = vae_chunk_sizes(frames, height, width)
+    chunks, first = [], 0
+    for n in sizes:
+        video = synthetic_video(first, n, height, width, kind, device, grain=grain)
+        chunks.append(video if on_gpu else rgb_to_i420(video))
+        first += n
+    wave = synthetic_audio(frames, device)
+    if on_gpu:
+        torch.cuda.synchronize()
+    stager = PinnedFrameStager(num_buffers=8)  # as the Renderer's
+    options = {"crf": settings.crf, "preset": settings.x264_preset, **writer_options}
+    writer = Mp4Writer(path, width, height, frames, **options)
+    try:
+        if audio_first:
+            writer.write_audio(wave.cpu())
+        t_start = time.perf_counter()
+        done, convert_s = 0, 0.0
+        for n, chunk in zip(sizes, chunks):
+            done += n
+            time.sleep(max(0.0, t_start + decode_s * done / frames - time.perf_counter()))
+            t0 = time.perf_counter()
+            i420 = rgb_to_i420(chunk) if on_gpu else chunk  # [n, H*3/2, W] uint8
+            writer.write_frames(stager.stage(i420))
+            convert_s += time.perf_counter() - t0
+        t_last = time.perf_counter()
+        if not audio_first:
+            writer.write_audio(wave.cpu())
+        t_close = time.perf_counter()
+        writer.close()
+        t_end = time.perf_counter()
+    except BaseException:
+        writer.abort()
+        raise
+    st = writer.stats
+    size = path.stat().st_size
+    return {
+        "kind": kind, "decode_s": decode_s, "decode_span_s": round(t_last - t_start, 3),
+        "audio": "first" if audio_first else "last", "x264_params": writer_options.get("x264_params"),
+        "close_latency_s": round(t_end - t_last, 3), "mp4_close_after_decode_s": round(t_end - t_close, 3),
+        "backlog_at_last_frame_s": round(max(0.0, st.get("frames_done", t_last) - t_last), 3),
+        "flush_s": round(st["flush_s"], 3), "trailer_s": round(st["trailer_s"], 3), "sync_s": round(st["sync_s"], 3),
+        "encode_s": round(st["encode_s"], 3), "audio_s": round(st["audio_s"], 3),
+        "blocked_s": round(st["blocked_s"], 3), "to_i420_stage_write_s": round(convert_s, 3),
+        "bytes": size, "mbit_s": round(8 * size / (frames / 24) / 1e6, 1), "chunks": len(sizes),
+    }
+
+
+def probe_mp4(path: Path) -> dict:
+    import av
+
+    with av.open(str(path)) as c:
+        v, a = c.streams.video[0], c.streams.audio[0]
+        return {"probe_video": f"{v.codec_context.name} {v.codec_context.profile} {v.format.name} "
+                               f"primaries={v.codec_context.color_primaries} range={v.codec_context.color_range}",
+                "probe_audio": f"{a.codec_context.name} {a.rate} Hz {a.channels} ch"}
+
+
+def stage_media(args) -> None:
+    """Close latency of the MP4 writer on synthetic moving content and on noise at 1344x768x243, paced to the
+    measured decode rates (split decode on 2 GPUs 4.08 s, 1 GPU compiled 7.07 s); no model needed."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    out_dir = Path(args.media_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    rec(stage="media", what="media setup", device=device, cpus=os.cpu_count(),
+        chunks=vae_chunk_sizes(args.media_frames, 768, 1344), audio=args.media_audio)
+    variants = [None if v in ("", "default") else v for v in args.media_x264_params.split(";")]
+    for kind in args.media_kinds.split(","):
+        for decode_s in args.media_decode_s:
+            for params in variants:
+                path = out_dir / f"media-{kind}-{decode_s:g}s.mp4"
+                row = stream_mp4(path, kind, args.media_frames, 1344, 768, decode_s, device,
+                                 audio_first=args.media_audio == "first", grain=args.media_grain,
+                                 **({"x264_params": params} if params else {}))
+                row.update(probe_mp4(path))
+                rec(stage="media", what=f"MP4 {kind} 1344x768x{args.media_frames}, decode {decode_s:g} s",
+                    ours_s=row["close_latency_s"], ok=row["close_latency_s"] <= 0.3, **row)
+                path.unlink()
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--stages", default="ceil,attn,kernels,dit,vae,audio,te")
@@ -720,15 +992,33 @@ def main() -> None:
     p.add_argument("--batch-out", default="/tmp/h3render-bench-batch")
     p.add_argument("--overlap-min-free-gb", type=float, default=None,
                    help="EngineSettings.overlap_min_free_gb (default: estimated from measured peaks)")
+    p.add_argument("--audio-latents", type=int, default=405, help="audio stage: latents per channel (405 = 10.125 s)")
+    p.add_argument("--audio-reps", type=int, default=25, help="audio stage: timed calls per variant (median)")
+    p.add_argument("--audio-compile-modes", default="none",
+                   help="audio stage: comma-separated torch.compile modes to try after eager and CUDA graph, e.g. "
+                        "max-autotune-no-cudagraphs (its autotuning can take minutes); 'none' skips")
+    p.add_argument("--media-kinds", default="moving,noise", help="media stage: content kinds (moving, noise)")
+    p.add_argument("--media-decode-s", default="4.08,7.07",
+                   help="media stage: simulated decode seconds for the whole clip (2-GPU split 4.08, 1 GPU 7.07)")
+    p.add_argument("--media-frames", type=int, default=243)
+    p.add_argument("--media-audio", choices=("first", "last"), default="first",
+                   help="media stage: hand the soundtrack to the writer before the first frame (what the Renderer "
+                        "does) or after the last (what it did before: AAC then runs inside the close)")
+    p.add_argument("--media-grain", type=float, default=0.01, help="media stage: grain std of 'moving' content")
+    p.add_argument("--media-x264-params", default="default",
+                   help="media stage: ';'-separated x264-params variants to compare ('default' = the writer's)")
+    p.add_argument("--media-dir", default="/tmp/h3render-media", help="media stage: where the MP4s are written")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     args.vae_batches = [int(x) for x in args.vae_batches.split(",")]
     args.ulysses_chunks = [int(x) for x in args.ulysses_chunks.split(",")]
+    args.audio_compile_modes = args.audio_compile_modes.split(",")
+    args.media_decode_s = [float(x) for x in args.media_decode_s.split(",")]
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     torch.backends.cuda.matmul.allow_tf32 = False
     cuda = torch.cuda.is_available()
     rec(stage="env", gpu=torch.cuda.get_device_name(0) if cuda else None, torch=torch.__version__,
-        gpus=torch.cuda.device_count() if cuda else 0)
+        gpus=torch.cuda.device_count() if cuda else 0, cpus=os.cpu_count())
     for name in args.stages.split(","):
         t0 = time.perf_counter()
         try:

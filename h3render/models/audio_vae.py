@@ -18,6 +18,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+import kernels.alias_free as alias_free
 from h3render.models.config_dict import config_fields
 
 
@@ -95,11 +96,46 @@ AUDIO_VAE_SMALL = AudioVAEConfig(
 )
 
 
-class WNConv1d(nn.Module):
+def _eager_inference() -> bool:
+    """True for eager no-grad calls: the in-place / cached fast forms run. With grad enabled (autograd needs the
+    intermediates) or while torch.compile traces (Inductor fuses the functional form itself) the reference forms
+    run; both give the same values bit for bit."""
+    return not torch.is_grad_enabled() and not torch.compiler.is_compiling()
+
+
+class _Derived(nn.Module):
+    """A module that keeps tensors derived from its own parameters or buffers between no-grad calls.
+
+    Inference re-derives the same small tensors on every call otherwise (weight norm, exp'd Snake parameters,
+    expanded filters): ~4 extra kernels per convolution or activation, ~900 per released decode. An entry is rebuilt
+    when one of its sources is replaced, changed in place (its version counter moves, as `load_state_dict`'s `copy_`
+    does) or moved (its storage address changes, as `.to(device)` does); outside eager no-grad calls nothing is
+    cached. The cached tensor is computed by the same ops as the uncached one (bitwise equal). A CUDA graph captured
+    over a decode reads the cached tensors by address: capture again after changing weights (`ShapeGraphs.reset`).
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._derived_cache: dict[str, tuple] = {}
+
+    def derived(self, name: str, sources: tuple[torch.Tensor, ...], compute, extra=None):
+        if not _eager_inference() or any(t.is_inference() for t in sources):  # inference tensors keep no version
+            return compute()
+        state = tuple((t._version, t.data_ptr(), t.device) for t in sources)
+        entry = self._derived_cache.get(name)
+        if (entry is None or entry[2] != extra or len(entry[0]) != len(sources)
+                or any(a is not b for a, b in zip(entry[0], sources)) or entry[1] != state):
+            entry = (sources, state, extra, compute())
+            self._derived_cache[name] = entry
+        return entry[3]
+
+
+class WNConv1d(_Derived):
     """Weight-normalized Conv1d / ConvTranspose1d, stored as `weight_g` [out, 1, 1] and `weight_v` (dim 0).
 
-    The effective weight `g * v / ||v||` (norm over all but dim 0) is recomputed each call, as torch's
-    `weight_norm` hook does; the state-dict names match checkpoints written with that hook.
+    The effective weight `g * v / ||v||` (norm over all but dim 0) is what torch's `weight_norm` hook computes each
+    call; the state-dict names match checkpoints written with that hook. Under no_grad it is computed once and
+    kept until `weight_v` / `weight_g` change (`_Derived`).
     """
 
     def __init__(self, in_ch: int, out_ch: int, kernel_size: int, stride: int = 1, padding: int = 0,
@@ -111,9 +147,12 @@ class WNConv1d(nn.Module):
         self.bias = nn.Parameter(torch.zeros(out_ch)) if bias else None
         self.stride, self.padding, self.dilation, self.transposed = stride, padding, dilation, transposed
 
-    def weight(self) -> torch.Tensor:
+    def _weight(self) -> torch.Tensor:
         v = self.weight_v
         return v * (self.weight_g / v.norm(dim=(1, 2), keepdim=True))
+
+    def weight(self) -> torch.Tensor:
+        return self.derived("weight", (self.weight_v, self.weight_g), self._weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [B, in_ch, L] -> [B, out_ch, L']."""
@@ -152,7 +191,7 @@ class Snake(nn.Module):
         return x + (self.alpha + 1e-9).reciprocal() * torch.sin(self.alpha * x).pow(2)
 
 
-class SnakeBeta(nn.Module):
+class SnakeBeta(_Derived):
     """BigVGAN activation x + sin^2(e^alpha x) / (e^beta + 1e-9); alpha, beta [C] in log space."""
 
     def __init__(self, channels: int) -> None:
@@ -160,13 +199,26 @@ class SnakeBeta(nn.Module):
         self.alpha = nn.Parameter(torch.zeros(channels))
         self.beta = nn.Parameter(torch.zeros(channels))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def _coefficients(self) -> tuple[torch.Tensor, torch.Tensor]:
         alpha = self.alpha.exp()[None, :, None]
         beta = self.beta.exp()[None, :, None]
-        return x + (beta + 1e-9).reciprocal() * torch.sin(alpha * x).pow(2)
+        return alpha, (beta + 1e-9).reciprocal()  # each [1, C, 1]
+
+    def forward(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """x: [B, C, L] -> [B, C, L]; `out` (no-grad only) receives the result, e.g. a view into a padded buffer."""
+        alpha, inv_beta = self.derived("coefficients", (self.alpha, self.beta), self._coefficients)
+        if not _eager_inference():
+            return x + inv_beta * torch.sin(alpha * x).pow(2)
+        # Same ops in the same order, in place: one buffer instead of five (bitwise equal to the line above).
+        y = torch.mul(x, alpha, out=out)
+        return y.sin_().square_().mul_(inv_beta).add_(x)
 
 
-class UpSample1d(nn.Module):
+def _power_of_two(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+class UpSample1d(_Derived):
     """Anti-aliased x`ratio` upsampler: replicate-pad, depthwise transposed Kaiser-sinc conv, crop."""
 
     def __init__(self, ratio: int = 2, kernel_size: int = 12) -> None:
@@ -176,15 +228,25 @@ class UpSample1d(nn.Module):
         self.crop_left = self.pad * ratio + (kernel_size - ratio) // 2
         self.crop_right = self.pad * ratio + (kernel_size - ratio + 1) // 2
         self.register_buffer("filter", kaiser_sinc_filter(0.5 / ratio, 0.6 / ratio, kernel_size))
+        # ratio * conv(x, f) == conv(x, ratio * f) bit for bit when ratio is a power of two (every product and
+        # partial sum is scaled exactly): the gain then rides in the filter, saving a pass over the output.
+        self._gain_in_filter = _power_of_two(ratio)
+
+    def _depthwise_filter(self, channels: int) -> torch.Tensor:
+        f = self.ratio * self.filter if self._gain_in_filter else self.filter
+        return f.expand(channels, -1, -1).contiguous()  # [C, 1, K]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         c = x.shape[1]
+        weight = self.derived("filter", (self.filter,), lambda: self._depthwise_filter(c), extra=c)
         x = F.pad(x, (self.pad, self.pad), mode="replicate")
-        x = self.ratio * F.conv_transpose1d(x, self.filter.expand(c, -1, -1), stride=self.ratio, groups=c)
+        x = F.conv_transpose1d(x, weight, stride=self.ratio, groups=c)
+        if not self._gain_in_filter:
+            x = self.ratio * x
         return x[..., self.crop_left : -self.crop_right]  # [B, C, L * ratio]
 
 
-class LowPassFilter1d(nn.Module):
+class LowPassFilter1d(_Derived):
     """Depthwise Kaiser-sinc low-pass with stride (the anti-aliased downsampler)."""
 
     def __init__(self, cutoff: float, half_width: float, stride: int, kernel_size: int) -> None:
@@ -194,10 +256,14 @@ class LowPassFilter1d(nn.Module):
         self.stride = stride
         self.register_buffer("filter", kaiser_sinc_filter(cutoff, half_width, kernel_size))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def filter_padded(self, x: torch.Tensor) -> torch.Tensor:
+        """x already replicate-padded by (pad_left, pad_right): [B, C, L + pads] -> [B, C, L / stride]."""
         c = x.shape[1]
-        x = F.pad(x, (self.pad_left, self.pad_right), mode="replicate")
-        return F.conv1d(x, self.filter.expand(c, -1, -1), stride=self.stride, groups=c)
+        weight = self.derived("filter", (self.filter,), lambda: self.filter.expand(c, -1, -1).contiguous(), extra=c)
+        return F.conv1d(x, weight, stride=self.stride, groups=c)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.filter_padded(F.pad(x, (self.pad_left, self.pad_right), mode="replicate"))
 
 
 class DownSample1d(nn.Module):
@@ -210,16 +276,41 @@ class DownSample1d(nn.Module):
 
 
 class AliasFreeActivation(nn.Module):
-    """Upsample x2 -> SnakeBeta -> downsample x2 (BigVGAN `Activation1d`)."""
+    """Upsample x2 -> SnakeBeta -> downsample x2 (BigVGAN `Activation1d`).
+
+    `fused`: None (default) runs the two-kernel Triton path of `kernels.alias_free` for eager no-grad calls on CUDA;
+    True also on other devices (CPU tensors need TRITON_INTERPRET=1: tests); False never. The torch forms below stay
+    the reference (used with grad, under torch.compile, and on CPU).
+    """
 
     def __init__(self, channels: int) -> None:
         super().__init__()
         self.act = SnakeBeta(channels)
         self.upsample = UpSample1d()
         self.downsample = DownSample1d()
+        self.fused: bool | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.downsample(self.act(self.upsample(x)))
+        """x: [B, C, L] -> [B, C, L]."""
+        if _eager_inference() and (x.is_cuda if self.fused is None else self.fused):
+            alpha, inv_beta = self.act.derived("coefficients", (self.act.alpha, self.act.beta),
+                                               self.act._coefficients)  # each [1, C, 1]
+            return alias_free.alias_free_activation(x.float(), self.upsample.filter.view(-1), alpha.view(-1),
+                                                    inv_beta.view(-1), self.downsample.lowpass.filter.view(-1),
+                                                    use_triton=True)
+        u = self.upsample(x)  # [B, C, 2L]
+        if not _eager_inference():
+            return self.downsample(self.act(u))
+        # Inference: SnakeBeta writes straight into the low-pass filter's replicate-padded input, so the padding
+        # costs two edge copies instead of a pass over the whole upsampled signal (same values, bitwise).
+        lowpass = self.downsample.lowpass
+        b, c, n = u.shape
+        left, right = lowpass.pad_left, lowpass.pad_right
+        padded = u.new_empty(b, c, left + n + right)
+        body = self.act(u, out=padded[..., left : left + n])
+        padded[..., :left] = body[..., :1]
+        padded[..., left + n :] = body[..., -1:]
+        return lowpass.filter_padded(padded)  # [B, C, L]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -388,7 +479,10 @@ class BigVGANDecoder(nn.Module):
         for i, up in enumerate(self.ups):
             x = up[0](x)
             blocks = self.resblocks[i * self.num_kernels : (i + 1) * self.num_kernels]
-            x = sum(block(x) for block in blocks) / self.num_kernels
+            total = blocks[0](x)  # not sum(...): that starts with a full-size `0 + block(x)` pass
+            for block in blocks[1:]:
+                total = total + block(x)
+            x = total / self.num_kernels
         x = self.conv_post(self.activation_post(x))
         return x.clamp(-1.0, 1.0)
 
@@ -414,6 +508,14 @@ class AudioVAE(nn.Module):
     @property
     def hop_length(self) -> int:
         return self.config.hop_length
+
+    def set_fused_activations(self, fused: bool | None) -> "AudioVAE":
+        """Choose the decoder's anti-aliased activation path: None = Triton kernels on CUDA (default), True = always
+        (CPU needs TRITON_INTERPRET=1), False = torch only. See `AliasFreeActivation`."""
+        for module in self.decoder.modules():
+            if isinstance(module, AliasFreeActivation):
+                module.fused = fused
+        return self
 
     @torch.no_grad()
     def decode(self, latent: torch.Tensor, num_samples: int | None = None) -> torch.Tensor:
