@@ -115,32 +115,45 @@ def test_cpu_without_backend_runs_eagerly():
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=needs_cuda)])
 def test_inference_caches_follow_the_weights(device):
     """Cached weight-norm weights / Snake coefficients / filters are rebuilt when parameters change in place or are
-    replaced, and the no-grad fast path equals the autograd reference form bit for bit."""
+    replaced, and the no-grad fast path equals the autograd reference form (bit for bit on CPU; on CUDA within
+    float32 rounding: cuDNN may pick other convolution algorithms for the two forms, seen on an H200)."""
+
+    def same(a, b):
+        if device == "cpu":
+            return torch.equal(a, b)
+        return torch.allclose(a, b, rtol=1e-5, atol=1e-6)
+
+    def differs(a, b):  # a stale cache would leave the output (near) unchanged
+        return (a - b).abs().max().item() > 1e-4 * b.abs().max().item()
+
     vae = tiny_audio_vae(device).set_fused_activations(False)  # the torch fast path (Triton: test_alias_free.py)
     z = latents(device, 10, 4)
     before = vae.decode(z)
     with torch.enable_grad():  # reference forms: no caches, no in-place activations
         reference = vae.decoder(vae.dec_in_proj(z * vae.latents_std + vae.latents_mean))[:, 0]
-    assert torch.equal(before, reference.detach())
+    assert same(before, reference.detach())
 
-    other = tiny_audio_vae(device)
+    other = tiny_audio_vae(device).set_fused_activations(False)  # same activation path as vae
     with torch.no_grad():
         for p in other.parameters():
             p.mul_(1.1)
     vae.load_state_dict(other.state_dict())  # copy_ into the same parameters
-    assert torch.equal(vae.decode(z), other.decode(z)) and not torch.equal(vae.decode(z), before)
+    got, want = vae.decode(z), other.decode(z)
+    assert same(got, want), f"max |diff| {(got - want).abs().max().item():.3e} (max |want| {want.abs().max():.3e})"
+    assert differs(got, before)
 
     with torch.no_grad():
         vae.decoder.conv_post.weight_g.mul_(0.5)  # one gain, in place
     halved = vae.decode(z)
-    assert not torch.equal(halved, other.decode(z))
+    assert differs(halved, other.decode(z))
     vae.decoder.conv_post.weight_g = torch.nn.Parameter(other.decoder.conv_post.weight_g.clone())  # replaced
-    assert torch.equal(vae.decode(z), other.decode(z))
+    assert same(vae.decode(z), other.decode(z))
 
-    first, second = tiny_audio_vae(device, seed=1), tiny_audio_vae(device, seed=2)
+    first = tiny_audio_vae(device, seed=1).set_fused_activations(False)
+    second = tiny_audio_vae(device, seed=2).set_fused_activations(False)
     first_out, second_out = first.decode(z), second.decode(z)
     first.load_state_dict(second.state_dict(), assign=True)  # other tensors, with the same version counts
-    assert torch.equal(first.decode(z), second_out) and not torch.equal(first_out, second_out)
+    assert same(first.decode(z), second_out) and differs(first_out, second_out)
 
 
 def test_renderer_captures_in_prepare_and_records_a_new_length(tmp_path):
