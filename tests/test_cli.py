@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from h3render.media import audio_samples_for
+from tests._mp4 import decode
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -23,15 +24,6 @@ def run_cli(*args: str, env: dict | None = None, cwd: Path | None = None) -> sub
     full_env.pop("H3RENDER_CHECKPOINT", None) if env is None or "H3RENDER_CHECKPOINT" not in env else None
     return subprocess.run([sys.executable, "-m", "h3render.cli", *args], capture_output=True, text=True,
                           env=full_env, cwd=cwd or REPO, timeout=600)
-
-
-def decode(path: Path) -> tuple[np.ndarray, np.ndarray]:
-    """All frames [F, H, W, 3] uint8 and all samples [2, N] float32 of an MP4."""
-    with av.open(str(path)) as c:
-        frames = np.stack([f.to_ndarray(format="rgb24") for f in c.decode(video=0)])
-    with av.open(str(path)) as c:
-        samples = np.concatenate([f.to_ndarray() for f in c.decode(audio=0)], axis=1)
-    return frames, samples
 
 
 @pytest.fixture(scope="module")

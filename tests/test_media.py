@@ -21,6 +21,7 @@ from h3render.media import (
     temp_path_for,
     write_mp4,
 )
+from tests._mp4 import decode as decode_mp4
 
 F, H, W = 39, 96, 128
 SR, FPS = 32_000, 24
@@ -50,11 +51,7 @@ def stereo(samples: int, seed: int = 1) -> torch.Tensor:
 
 def decode(path) -> tuple[np.ndarray, np.ndarray]:
     """Decoded yuv420p planes packed as [F, H*3//2, W] uint8 and audio [2, n] float32."""
-    with av.open(str(path)) as c:
-        frames = np.stack([f.to_ndarray() for f in c.decode(video=0)])
-    with av.open(str(path)) as c:
-        audio = np.concatenate([f.to_ndarray() for f in c.decode(audio=0)], axis=1)
-    return frames, audio
+    return decode_mp4(path, video_format=None)
 
 
 def no_files(path) -> bool:

@@ -7,7 +7,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import av
 import numpy as np
 import pytest
 import torch
@@ -15,13 +14,9 @@ import torch
 from h3render.parallel.groups import largest_dividing_world, launcher_env
 from h3render.parallel.ulysses import shard_rows
 from h3render.parallel.vae import assign_items
+from tests._mp4 import frames_of
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-def frames_of(path: Path) -> np.ndarray:
-    with av.open(str(path)) as c:
-        return np.stack([f.to_ndarray(format="rgb24") for f in c.decode(video=0)])
 
 
 def render(out: Path, nproc: int, *extra: str, launcher: str = "torchrun") -> subprocess.CompletedProcess:

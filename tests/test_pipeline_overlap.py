@@ -8,7 +8,6 @@ import dataclasses
 import json
 from pathlib import Path
 
-import av
 import numpy as np
 import pytest
 import torch
@@ -18,6 +17,7 @@ from h3render.batch import run_batch
 from h3render.jobs import Job
 from h3render.parallel.groups import init_parallel
 from h3render.pipeline import EngineSettings, RenderError, Renderer
+from tests._mp4 import decode
 
 
 @pytest.fixture(scope="module")
@@ -36,14 +36,6 @@ def renderer():
 def make_jobs(n: int = 3) -> list[Job]:
     return [Job(id=f"j{i}", prompt=f"Waves on a pier at night, take {i}", width=128, height=64, frames=22,
                 seed=10 + i, steps=3, mode="t2va", output=f"clips/j{i}") for i in range(n)]
-
-
-def decode(path: Path) -> tuple[np.ndarray, np.ndarray]:
-    with av.open(str(path)) as c:
-        frames = np.stack([f.to_ndarray(format="rgb24") for f in c.decode(video=0)])
-    with av.open(str(path)) as c:
-        samples = np.concatenate([f.to_ndarray() for f in c.decode(audio=0)], axis=1)
-    return frames, samples
 
 
 def files_under(out: Path) -> set[str]:
