@@ -34,8 +34,8 @@ def _fail(message: str) -> NoReturn:
 def _engine_options(f):
     options = [
         click.option("--checkpoint", type=str, default=None,
-                     help="Checkpoint folder (official, diffusers layout) or single file; default $H3RENDER_CHECKPOINT, "
-                          "else the built-in tiny random model."),
+                     help="Checkpoint folder (official or diffusers layout); default $H3RENDER_CHECKPOINT, else the "
+                          "built-in tiny random model. A single-file DiT goes with --transformer."),
         click.option("--transformer", type=str, default=None,
                      help="Single-file DiT (.safetensors, ComfyUI style: q/k/v stacked) replacing the checkpoint's."),
         click.option("--mode", type=click.Choice(jobs_mod.MODES), default=None, help="t2va (base) or fasth3."),
@@ -90,6 +90,9 @@ def _resolve_checkpoint(checkpoint: str | None) -> str:
         return "tiny"
     if checkpoint not in ("tiny", "small") and not Path(checkpoint).exists():
         _fail(f"checkpoint {checkpoint} does not exist")
+    if Path(checkpoint).is_file():
+        _fail(f"checkpoint {checkpoint} is a single file: it holds only the DiT (no text encoder, no VAEs); pass the "
+              "checkpoint folder with --checkpoint and this file with --transformer")
     return checkpoint
 
 

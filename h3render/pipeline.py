@@ -143,6 +143,7 @@ class Renderer:
                  fasth3=None, load_seconds: float = 0.0, adapter: dict[str, Any] | None = None):
         self.c = components
         self.adapter = adapter
+        self.transformer: dict[str, Any] | None = None  # the --transformer file, when the DiT came from one
         self.ctx = ctx
         self.settings = settings
         self.fasth3 = fasth3
@@ -212,6 +213,11 @@ class Renderer:
             torch.cuda.synchronize(ctx.device)
         renderer = cls(components, ctx, settings, fasth3=schedule, load_seconds=time.perf_counter() - t0,
                        adapter=adapter_info)
+        if transformer_file is not None:
+            # The DiT came from this file, not from the checkpoint folder: the sidecar says so.
+            stat = Path(transformer_file).stat()
+            renderer.transformer = {"path": str(Path(transformer_file).resolve()), "bytes": stat.st_size,
+                                    "mtime": stat.st_mtime}
         return renderer
 
     # -- schedules and AdaLN tables ---------------------------------------------------------------------------
@@ -666,6 +672,8 @@ class Renderer:
             extra["fasth3"] = self.adapter
         checkpoint = {"path": info.path, "layout": info.layout, "release": info.release.name,
                       "config_hash": info.config_hash}
+        if self.transformer is not None:
+            checkpoint["transformer"] = self.transformer
         timings = timer.summary()
         if overlap is not None:
             timings["overlap"] = overlap()

@@ -195,8 +195,15 @@ def test_single_file_transformer_replaces_the_checkpoint_dit(official_ckpt, tmp_
     r = run_cli("prompt", "Wind over dunes", "-o", str(b), *args, "--transformer", str(single))
     assert r.returncode == 0, r.stderr
     np.testing.assert_array_equal(decode(a)[0], decode(b)[0])
+    # the sidecar names the file the DiT came from (a user found no trace of it)
+    assert "transformer" not in json.loads(a.with_suffix(".json").read_text())["checkpoint"]
+    recorded = json.loads(b.with_suffix(".json").read_text())["checkpoint"]["transformer"]
+    assert recorded["path"] == str(single.resolve()) and recorded["bytes"] == single.stat().st_size
     r = run_cli("prompt", "x", "-o", str(tmp_path / "c.mp4"), *args, "--transformer", str(tmp_path / "nope.st"))
     assert r.returncode == 2 and "--transformer" in r.stderr
+    # a single file given as --checkpoint: exit 2, pointing at --transformer (was exit 1 after the plan)
+    r = run_cli("prompt", "x", "-o", str(tmp_path / "d.mp4"), "--checkpoint", str(single))
+    assert r.returncode == 2 and "--transformer" in r.stderr and not (tmp_path / "d.mp4").exists()
 
 
 def test_batch_overlaps_by_default_and_not_with_no_overlap(tmp_path):
