@@ -43,6 +43,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from h3render.sampling import Schedule
+from h3render.spec import RELEASED_AUDIO_SHIFT, RELEASED_VIDEO_SHIFT
+
 # Format tag FastVideo's writer stamps into the header (generic container, not FastH3-specific).
 ADAPTER_FORMAT = "fastvideo-lora-v2"
 # Base model id the released FastH3 adapters state (vLLM-Omni fasth3.py, FastVideo adapter headers).
@@ -64,8 +67,6 @@ POSITION_SETS: dict[str, tuple[float, ...]] = {
 }
 RELEASE_DMD_STEPS = (999, 749, 500, 250)
 # Released checkpoint: video shift 12, audio shift 3 (model_index.json _minimax_h3.sigma_shift_scales).
-RELEASED_VIDEO_SHIFT = 12.0
-RELEASED_AUDIO_SHIFT = 3.0
 SUPPORTED_TASKS = frozenset({"t2va"})
 
 # V2 contract (fastvideo_inference.json of FastVideo/FastVideo-FastH3-8-Step-V2, as checked by vLLM-Omni).
@@ -545,44 +546,6 @@ def fuse_state_dict(state_dict: Mapping[str, torch.Tensor], adapter: Adapter, co
 # ---------------------------------------------------------------------------------------------- schedules
 
 
-@dataclass(frozen=True)
-class FewStepSchedule:
-    """A FastH3 sampling schedule.
-
-    ``video_sigmas`` / ``audio_sigmas``: float32 [N] (terminal 0 included; N-1 forwards); ``positions``: the
-    N pre-shift positions; ``video_shift`` / ``audio_shift`` applied; ``source``: where the positions came from
-    (``"adapter metadata"``, ``"release default"``, ``"FastH3 V2 contract"`` or a named set).
-    """
-
-    video_sigmas: torch.Tensor
-    audio_sigmas: torch.Tensor
-    positions: tuple[float, ...]
-    video_shift: float
-    audio_shift: float
-    source: str
-
-    @property
-    def forwards(self) -> int:
-        return len(self.positions) - 1
-
-
-def shift_sigmas(positions: Sequence[float], shift: float) -> torch.Tensor:
-    """Apply the rectified-flow shift ``s·σ / (1 + (s−1)·σ)`` in float32 (as diffusers' MiniMaxH3Scheduler).
-
-    Returns: float32 [N].
-
-    Raises:
-        ValueError: shift not positive, or the result is not strictly decreasing ending at 0.
-    """
-    if not shift > 0:
-        raise ValueError(f"sigma shift must be positive, got {shift}")
-    sigma = torch.tensor(list(positions), dtype=torch.float32)
-    shifted = shift * sigma / (1 + (shift - 1) * sigma)
-    if shifted.numel() < 2 or not bool((shifted[1:] < shifted[:-1]).all()) or shifted[-1].item() != 0.0:
-        raise ValueError(f"positions {tuple(positions)} do not give a strictly decreasing schedule ending at 0")
-    return shifted
-
-
 def positions_from_steps(steps: Sequence[int], where: str = "dmd_denoising_steps") -> tuple[float, ...]:
     """DMD timestep indices out of 1000 (e.g. [999, 749, 500, 250]) -> positions with the terminal 0 appended.
 
@@ -680,7 +643,7 @@ def is_fasth3_v2(metadata: Mapping[str, Any] | None) -> bool:
 
 def fasth3_schedule(metadata: Adapter | Mapping[str, Any] | None = None,
                     video_shift: float = RELEASED_VIDEO_SHIFT, audio_shift: float = RELEASED_AUDIO_SHIFT,
-                    *, positions: str | None = None) -> FewStepSchedule:
+                    *, positions: str | None = None) -> Schedule:
     """Build the FastH3 schedule: pre-shift positions, then the per-modality shift on top.
 
     Positions, first that applies:
@@ -713,8 +676,7 @@ def fasth3_schedule(metadata: Adapter | Mapping[str, Any] | None = None,
         source = "adapter metadata"
     else:
         chosen, source = positions_from_steps(RELEASE_DMD_STEPS), "release default"
-    return FewStepSchedule(shift_sigmas(chosen, video_shift), shift_sigmas(chosen, audio_shift), tuple(chosen),
-                           float(video_shift), float(audio_shift), source)
+    return Schedule.few_step(chosen, video_shift, audio_shift, source)
 
 
 def validate_fasth3_job(task: str, steps: int | None = None, video_shift: float | None = None,

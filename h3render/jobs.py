@@ -23,6 +23,8 @@ from typing import Any, Iterable, Mapping, NamedTuple
 
 import yaml
 
+import h3render.presets
+
 # --- model facts (DESIGN.md §1; diffusers 0.42.1 `modular_pipelines/minimax_h3/modular_pipeline.py`) ---------------
 FPS = 24  # fixed frame rate of MiniMax-H3
 CANVAS_MULTIPLE = 32  # 16× VAE downsampling × (2, 2) patch: one video row per 32×32 pixels
@@ -43,7 +45,8 @@ MAX_AUTO_NAME_BYTES = 120  # automatic output names (prompt slug + seed) stay at
 MAX_NAME_COMPONENT_BYTES = 200  # a path component of an explicit output; leaves room for ".tmp.json" under 255
 REPORT_STEM = "batch-report"  # batch.py writes <out_dir>/batch-report*.json: no job may own that name
 
-PRESETS_DIR = Path(__file__).resolve().parent.parent / "presets"
+# The repository's presets/ folder, shipped in the wheel as the data package h3render.presets (pyproject.toml).
+PRESETS_DIR = Path(h3render.presets.__file__).resolve().parent
 
 JOB_FIELDS = ("id", "prompt", "preset", "aspect", "width", "height", "duration", "frames", "seed", "steps", "mode",
               "output")
@@ -398,7 +401,7 @@ class PresetInfo:
 
 
 def load_presets(presets_dir: str | Path | None = None) -> dict[str, Preset]:
-    """Read every `<name>.yaml` in the presets folder (default: `presets/` beside the `h3render` package).
+    """Read every `<name>.yaml` in the presets folder (default: the repository's `presets/`, `h3render.presets`).
 
     Raises:
         ValueError: a missing folder, or a preset file with bad YAML, unknown keys or conflicting fields (the

@@ -24,6 +24,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from h3render import sampling
+from h3render.sampling import Schedule
 from h3render.colour import frames_to_uint8, rgb_to_i420
 from h3render.graphs import ShapeGraphs
 from h3render.media import Mp4Writer, PinnedFrameStager
@@ -72,22 +73,6 @@ class EngineSettings:
     compile_vae: bool = True
     overlap_min_free_gb: float | None = None
     graph_audio: bool = True
-
-
-@dataclass
-class Schedule:
-    """Per-modality sigma lists of one job and where they came from."""
-
-    video: torch.Tensor
-    audio: torch.Tensor
-    source: str
-    video_shift: float
-    audio_shift: float
-    extra: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def forwards(self) -> int:
-        return self.video.numel() - 1
 
 
 @dataclass
@@ -228,16 +213,12 @@ class Renderer:
         if job.mode == "fasth3":
             if self.fasth3 is None:
                 raise RenderError("mode fasth3 needs a FastH3 adapter (--adapter PATH) fused at load time")
-            s = self.fasth3
-            return Schedule(s.video_sigmas, s.audio_sigmas, s.source, s.video_shift, s.audio_shift,
-                            {"positions": list(s.positions)})
+            return self.fasth3
         if self.fasth3 is not None:
             raise RenderError("this renderer runs a FastH3 student (adapter fused, or a V2 checkpoint); base-model "
                               "(t2va) jobs need the base checkpoint without --adapter")
         points = job.steps or info.release.sigma_points
-        return Schedule(sampling.sigma_schedule(points, info.video_shift),
-                        sampling.sigma_schedule(points, info.audio_shift), f"linspace({points}) + shift",
-                        info.video_shift, info.audio_shift)
+        return Schedule.base(points, info.video_shift, info.audio_shift)
 
     def tables(self, schedule: Schedule):
         """AdaLN modulation tables for every timestep of a schedule, built once and cached."""
@@ -661,11 +642,7 @@ class Renderer:
     def _sidecar(self, job, schedule: Schedule, timer: StageTimer, sidecar_path: Path,
                  result: dict[str, Any], overlap: Callable[[], dict[str, Any]] | None = None) -> dict[str, Any]:
         info = self.c.info
-        sigmas = {"video": [float(s) for s in schedule.video], "audio": [float(s) for s in schedule.audio],
-                  "source": schedule.source, "sigma_points": schedule.video.numel(),
-                  "forwards": schedule.forwards, "video_shift": schedule.video_shift,
-                  "audio_shift": schedule.audio_shift,
-                  **schedule.extra}
+        sigmas = schedule.to_dict()
         extra = {"load_s": self.load_seconds, "warmup": self.warmup, "world_size": self.ctx.world_size,
                  "mode": job.mode, **result}
         if self.adapter is not None:

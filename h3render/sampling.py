@@ -11,15 +11,13 @@ Conventions of the released model (diffusers 0.42.1 `MiniMaxH3Scheduler` is the 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Sequence
 
 import torch
 
-from h3render.packing import (
-    AUDIO_LATENT_CHANNELS,
-    VIDEO_LATENT_CHANNELS,
-    PackedLayout,
-)
+from h3render.packing import PackedLayout
+from h3render.spec import AUDIO_LATENT_CHANNELS, VIDEO_LATENT_CHANNELS
 
 if TYPE_CHECKING:
     from h3render.models.dit import DiT, ModulationTables
@@ -70,6 +68,56 @@ def shifted_sigmas(positions: Sequence[float], shift: float) -> torch.Tensor:
     if p.numel() < 2 or bool((p[1:] >= p[:-1]).any()) or float(p[-1]) != 0.0 or float(p[0]) > 1.0:
         raise ValueError(f"sigma positions must be strictly decreasing values in [0, 1] ending at 0, got {positions}")
     return _shift(p, float(shift))
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """The sigma lists of one job, base or few-step, and where they came from (the sidecar's `sigmas`).
+
+    Attributes:
+        video, audio: `[M]` float32 CPU, 1 -> 0 (terminal 0 included: M - 1 forwards), equal length.
+        video_shift, audio_shift: the shifts applied (released 12 / 3; FastH3 V2 10 / 3).
+        source: "linspace(50) + shift", "release default", "adapter metadata", "FastH3 V2 contract", ...
+        positions: the pre-shift positions of a few-step schedule (FastH3), None for the base grid.
+    """
+
+    video: torch.Tensor
+    audio: torch.Tensor
+    video_shift: float
+    audio_shift: float
+    source: str
+    positions: tuple[float, ...] | None = None
+
+    @property
+    def forwards(self) -> int:
+        return self.video.numel() - 1
+
+    @classmethod
+    def base(cls, points: int, video_shift: float, audio_shift: float) -> "Schedule":
+        """The base model's grid: `linspace(1, 0, points)` through each modality's shift (`sigma_schedule`)."""
+        return cls(sigma_schedule(points, video_shift), sigma_schedule(points, audio_shift), float(video_shift),
+                   float(audio_shift), f"linspace({points}) + shift")
+
+    @classmethod
+    def few_step(cls, positions: Sequence[float], video_shift: float, audio_shift: float, source: str) -> "Schedule":
+        """A distilled student's fixed pre-shift positions through each modality's shift (`shifted_sigmas`)."""
+        positions = tuple(float(p) for p in positions)
+        return cls(shifted_sigmas(positions, video_shift), shifted_sigmas(positions, audio_shift), float(video_shift),
+                   float(audio_shift), source, positions)
+
+    @property
+    def timesteps(self) -> torch.Tensor:
+        """Every distinct timestep the run visits, `[K]` float32 ascending (`schedule_timesteps`)."""
+        return schedule_timesteps(self.video, self.audio)
+
+    def to_dict(self) -> dict:
+        """The sidecar's `sigmas` entry."""
+        out = {"video": [float(s) for s in self.video], "audio": [float(s) for s in self.audio],
+               "source": self.source, "sigma_points": self.video.numel(), "forwards": self.forwards,
+               "video_shift": self.video_shift, "audio_shift": self.audio_shift}
+        if self.positions is not None:
+            out["positions"] = list(self.positions)
+        return out
 
 
 def timesteps_of(sigmas: torch.Tensor) -> torch.Tensor:

@@ -19,7 +19,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from h3render.models import attention as attn_mod  # noqa: E402
-from kernels import gated_residual, modulate, qk_norm_rope_qkv, swiglu  # noqa: E402
+from h3render.kernels import gated_residual, modulate, qk_norm_rope_qkv, swiglu  # noqa: E402
 
 RELEASED = dict(S=73_642, C=5376, H=56, D=128, R=96, F=14_336, K=2)
 

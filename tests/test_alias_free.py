@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from h3render.models.audio_vae import AUDIO_VAE_TINY, AudioVAE, kaiser_sinc_filter
-from kernels.alias_free import alias_free_activation, lowpass_downsample, upsample_snake
+from h3render.kernels.alias_free import alias_free_activation, lowpass_downsample, upsample_snake
 
 # CPU tensors reach the Triton code only through the interpreter (conftest.py turns it on unless TRITON_INTERPRET=0,
 # which a GPU run sets so that the CUDA cases compile the real kernels).

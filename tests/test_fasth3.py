@@ -260,19 +260,19 @@ def close(actual, literal):
 def test_release_default_schedule():
     s = fasth3_schedule(None, 12.0, 3.0)
     assert s.source == "release default" and s.forwards == 4 and s.positions == (0.999, 0.749, 0.5, 0.25, 0.0)
-    close(s.video_sigmas, RELEASE_VIDEO)
-    close(s.audio_sigmas, RELEASE_AUDIO)
+    close(s.video, RELEASE_VIDEO)
+    close(s.audio, RELEASE_AUDIO)
 
 
 def test_named_fastvideo_example_schedule_matches_diffusers_scheduler():
     s = fasth3_schedule(None, 12.0, 3.0, positions="fastvideo-example")
-    close(s.video_sigmas, EXAMPLE_VIDEO)
-    close(s.audio_sigmas, EXAMPLE_AUDIO)
+    close(s.video, EXAMPLE_VIDEO)
+    close(s.audio, EXAMPLE_AUDIO)
     from diffusers.schedulers.scheduling_minimax_h3 import MiniMaxH3Scheduler
 
     ref = MiniMaxH3Scheduler(shift=12.0)
     ref.set_timesteps(num_inference_steps=5)
-    assert torch.equal(s.video_sigmas, ref.sigmas.float())
+    assert torch.equal(s.video, ref.sigmas.float())
     with pytest.raises(ValueError, match="unknown FastH3 position set"):
         fasth3_schedule(None, positions="linear")
 
@@ -281,9 +281,9 @@ def test_schedule_from_adapter_metadata(tmp_path):
     path = write_synthetic_adapter(tmp_path / "a.safetensors", CFG, seed=0, dmd_denoising_steps=[1000, 750, 500, 250])
     s = fasth3_schedule(read_adapter(path, base_model=fasth3.TINY_BASE_MODEL), 12.0, 3.0)
     assert s.source == "adapter metadata" and s.positions == (1.0, 0.75, 0.5, 0.25, 0.0)
-    close(s.video_sigmas, EXAMPLE_VIDEO)
+    close(s.video, EXAMPLE_VIDEO)
     manifest = {"sampling": {"base_timesteps": [999, 749, 500, 250]}}
-    close(fasth3_schedule(manifest, 12.0, 3.0).video_sigmas, RELEASE_VIDEO)
+    close(fasth3_schedule(manifest, 12.0, 3.0).video, RELEASE_VIDEO)
     with pytest.raises(ValueError, match="dmd_denoising_steps"):
         fasth3_schedule({"dmd_denoising_steps": "[0.999, 0.749]"})
 
@@ -299,10 +299,10 @@ V2_CONTRACT = {
 def test_v2_schedule_from_its_contract():
     assert fasth3.is_fasth3_v2(V2_CONTRACT) and not fasth3.is_fasth3_v2({"dmd_denoising_steps": [999]})
     s = fasth3_schedule(json.loads(json.dumps(V2_CONTRACT)), video_shift=12.0, audio_shift=3.0)
-    assert s.source == "FastH3 V2 contract" and s.forwards == 8 and len(s.video_sigmas) == 9
+    assert s.source == "FastH3 V2 contract" and s.forwards == 8 and len(s.video) == 9
     assert s.video_shift == 10.0
-    close(s.video_sigmas, V2_VIDEO)
-    close(s.audio_sigmas, V2_AUDIO)
+    close(s.video, V2_VIDEO)
+    close(s.audio, V2_AUDIO)
     with pytest.raises(ValueError, match="transformer_forwards=4"):
         fasth3_schedule({**V2_CONTRACT, "transformer_forwards": 4})
 

@@ -9,16 +9,16 @@ import os
 import pytest
 import torch
 
-from kernels import gated_residual, modulate, qk_norm_rope, qk_norm_rope_qkv, swiglu
-from kernels.gated_residual import gated_residual_naive
-from kernels.gated_residual.triton_impl import gated_residual_triton
-from kernels.modulate import modulate_naive
-from kernels.modulate.triton_impl import modulate_triton
-from kernels.qk_norm_rope import qk_norm_rope_naive
-from kernels.qk_norm_rope.triton_impl import qk_norm_rope_triton
-from kernels.swiglu import swiglu_naive
-from kernels.swiglu.triton_impl import swiglu_triton
-from kernels.utils import calculate_settings
+from h3render.kernels import gated_residual, modulate, qk_norm_rope, qk_norm_rope_qkv, swiglu
+from h3render.kernels.gated_residual import gated_residual_naive
+from h3render.kernels.gated_residual.triton_impl import gated_residual_triton
+from h3render.kernels.modulate import modulate_naive
+from h3render.kernels.modulate.triton_impl import modulate_triton
+from h3render.kernels.qk_norm_rope import qk_norm_rope_naive
+from h3render.kernels.qk_norm_rope.triton_impl import qk_norm_rope_triton
+from h3render.kernels.swiglu import swiglu_naive
+from h3render.kernels.swiglu.triton_impl import swiglu_triton
+from h3render.kernels.utils import calculate_settings
 
 # fp32: both sides do the same fp32 math in a different order. bf16: both round an fp32 result once, so they can
 # differ by one bf16 ulp (2**-8 relative) where the fp32 values straddle a rounding boundary.

@@ -58,7 +58,7 @@ def test_non_finite_audio_fails_without_a_file(renderer, tmp_path, monkeypatch):
 def test_audio_activation_check_keeps_only_a_working_kernel(renderer, monkeypatch, kernel):
     """`prepare` on CUDA keeps the Triton activations only if they run and agree with the torch ones; here on CPU
     with the kernels forced on (Triton interpreter), as `fused=None` does on a GPU."""
-    import kernels.alias_free as alias_free
+    import h3render.kernels.alias_free as alias_free
 
     vae = renderer.c.audio_vae
     original = vae.set_fused_activations

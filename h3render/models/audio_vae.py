@@ -18,7 +18,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-import kernels.alias_free as alias_free
+import h3render.kernels.alias_free as alias_free
 from h3render.models.config_dict import config_fields
 
 

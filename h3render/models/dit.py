@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import kernels
+from h3render import kernels
 from h3render.models.config_dict import config_fields
 from h3render.packing import PackedLayout
 

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import torch
 
-from kernels.alias_free.naive import (
+from h3render.kernels.alias_free.naive import (
     TAPS,
     alias_free_activation_naive,
     lowpass_downsample_naive,
     upsample_snake_naive,
 )
-from kernels.utils import use_triton_for
+from h3render.kernels.utils import use_triton_for
 
 __all__ = ["alias_free_activation", "alias_free_activation_naive", "lowpass_downsample", "upsample_snake"]
 
@@ -50,7 +50,7 @@ def upsample_snake(x: torch.Tensor, up_filter: torch.Tensor, alpha: torch.Tensor
     """
     _check(x, x.shape[1] if x.ndim == 3 else None, up_filter=up_filter, alpha=alpha, inv_beta=inv_beta)
     if use_triton_for(x, use_triton):
-        from kernels.alias_free.triton_impl import upsample_snake_triton
+        from h3render.kernels.alias_free.triton_impl import upsample_snake_triton
 
         return upsample_snake_triton(x.contiguous(), up_filter.contiguous(), alpha.contiguous(),
                                      inv_beta.contiguous())
@@ -65,7 +65,7 @@ def lowpass_downsample(a: torch.Tensor, down_filter: torch.Tensor, *, use_triton
     """
     _check(a, down_filter=down_filter)
     if use_triton_for(a, use_triton):
-        from kernels.alias_free.triton_impl import lowpass_downsample_triton
+        from h3render.kernels.alias_free.triton_impl import lowpass_downsample_triton
 
         return lowpass_downsample_triton(a.contiguous(), down_filter.contiguous())
     return lowpass_downsample_naive(a, down_filter)

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import torch
 
-from kernels.gated_residual.naive import gated_residual_naive
-from kernels.modulate import check_rows
-from kernels.utils import check_last_dim_contiguous, use_triton_for
+from h3render.kernels.gated_residual.naive import gated_residual_naive
+from h3render.kernels.modulate import check_rows
+from h3render.kernels.utils import check_last_dim_contiguous, use_triton_for
 
 __all__ = ["gated_residual", "gated_residual_naive"]
 
@@ -45,7 +45,7 @@ def gated_residual(
         raise ValueError(f"y must match x ({tuple(x.shape)}, {x.dtype}), got {tuple(y.shape)}, {y.dtype}")
     check_last_dim_contiguous("y", y)
     if use_triton_for(x, use_triton):
-        from kernels.gated_residual.triton_impl import gated_residual_triton
+        from h3render.kernels.gated_residual.triton_impl import gated_residual_triton
 
         return gated_residual_triton(x, y, gate, row_index, out=out)
     result = gated_residual_naive(x, y, gate, row_index)

@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.utils import calculate_settings
+from h3render.kernels.utils import calculate_settings
 
 # Element-wise: a block of 2048 columns per program is enough to stream at bandwidth (hidden 5376 -> 3 programs).
 _MAX_BLOCK = 2048

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from kernels.modulate.naive import modulate_naive
-from kernels.utils import check_last_dim_contiguous, use_triton_for
+from h3render.kernels.modulate.naive import modulate_naive
+from h3render.kernels.utils import check_last_dim_contiguous, use_triton_for
 
 __all__ = ["modulate", "modulate_naive", "check_rows"]
 
@@ -71,7 +71,7 @@ def modulate(
     if norm_weight is not None and norm_weight.shape != (x.shape[1],):
         raise ValueError(f"norm_weight must be [C={x.shape[1]}], got shape {tuple(norm_weight.shape)}")
     if use_triton_for(x, use_triton):
-        from kernels.modulate.triton_impl import modulate_triton
+        from h3render.kernels.modulate.triton_impl import modulate_triton
 
         return modulate_triton(x, norm_weight, shift, scale, row_index, eps, out=out)
     result = modulate_naive(x, norm_weight, shift, scale, row_index, eps)

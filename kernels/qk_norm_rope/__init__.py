@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from kernels.qk_norm_rope.naive import qk_norm_rope_naive
-from kernels.utils import check_last_dim_contiguous, use_triton_for
+from h3render.kernels.qk_norm_rope.naive import qk_norm_rope_naive
+from h3render.kernels.utils import check_last_dim_contiguous, use_triton_for
 
 __all__ = ["qk_norm_rope", "qk_norm_rope_qkv", "qk_norm_rope_naive"]
 
@@ -80,7 +80,7 @@ def qk_norm_rope(
     """
     _check(q, k, v, q_weight, k_weight, cos, sin)
     if use_triton_for(q, use_triton):
-        from kernels.qk_norm_rope.triton_impl import qk_norm_rope_triton
+        from h3render.kernels.qk_norm_rope.triton_impl import qk_norm_rope_triton
 
         return qk_norm_rope_triton(q, k, v, q_weight, k_weight, cos, sin, eps, out=out)
     result = qk_norm_rope_naive(q, k, v, q_weight, k_weight, cos, sin, eps)

@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.utils import calculate_settings, next_power_of_2
+from h3render.kernels.utils import calculate_settings, next_power_of_2
 
 # A program's tile is BLOCK_H x BLOCK_D elements; ~2048 keeps registers modest at D = 128 (16 heads).
 _TILE_ELEMENTS = 2048

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from kernels.swiglu.naive import swiglu_naive
-from kernels.utils import check_last_dim_contiguous, use_triton_for
+from h3render.kernels.swiglu.naive import swiglu_naive
+from h3render.kernels.utils import check_last_dim_contiguous, use_triton_for
 
 __all__ = ["swiglu", "swiglu_naive"]
 
@@ -32,7 +32,7 @@ def swiglu(h: torch.Tensor, *, out: torch.Tensor | None = None, use_triton: bool
         raise ValueError(f"h must be [S, 2F] with an even last dim, got shape {tuple(h.shape)}")
     check_last_dim_contiguous("h", h)
     if use_triton_for(h, use_triton):
-        from kernels.swiglu.triton_impl import swiglu_triton
+        from h3render.kernels.swiglu.triton_impl import swiglu_triton
 
         return swiglu_triton(h, out=out)
     result = swiglu_naive(h)

@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.utils import calculate_settings
+from h3render.kernels.utils import calculate_settings
 
 _MAX_BLOCK = 2048
 

@@ -1,0 +1,106 @@
+"""MiniMax-H3's fixed geometry: the one home of the frame grid, latent rates, canvas rule and released shifts.
+
+Every other module imports these; none restates them. Sources: diffusers 0.42.1 `pipelines/minimax_h3` and
+`modular_pipelines/minimax_h3` (the numerical oracle), ../shared/DESIGN.md §1.
+"""
+
+from __future__ import annotations
+
+import math
+
+# -- time -------------------------------------------------------------------------------------------------------------
+FPS = 24  # fixed frame rate (diffusers `MINIMAX_H3_FPS`)
+FRAMES_PER_CHUNK = 17  # video VAE clip geometry: pixel frame counts are 17n + 5 ...
+FRAMES_REMAINDER = 5  # ... (107, 124, 243, 362) ...
+LATENTS_PER_CHUNK = 5  # ... and give 5n + 2 latent frames (243 -> 72)
+LATENT_REMAINDER = 2
+FRAMES_PER_LATENT = (1, 4, 4, 4, 4)  # pixel frames behind latent frame k (first one, then 4 each): RoPE t clock
+LATENT_TIME_UNITS = 5.0 / 3.0  # RoPE time units per pixel-frame group: one unit = one 25 ms audio latent
+
+# -- audio ------------------------------------------------------------------------------------------------------------
+SAMPLE_RATE = 32_000  # audio VAE: mono 32 kHz, stereo as a batch of 2
+AUDIO_HOP = 800  # waveform samples per audio latent
+AUDIO_LATENTS_PER_SECOND = SAMPLE_RATE // AUDIO_HOP  # 40
+AUDIO_CHANNELS = 2  # stereo: two channel-major blocks of audio rows
+AUDIO_LATENT_CHANNELS = 32
+
+# -- space ------------------------------------------------------------------------------------------------------------
+VIDEO_LATENT_CHANNELS = 24
+SPATIAL_COMPRESSION = 16  # video VAE: pixels per latent along each spatial axis
+PATCH = (1, 2, 2)  # DiT patch (t, h, w) over the video latent: 24 * 2 * 2 = 96 values per row
+CANVAS_MULTIPLE = SPATIAL_COMPRESSION * PATCH[2]  # 32 px: one video row per 32 x 32 pixels
+RELEASED_SHORT_EDGE = 768  # canvas rule: short edge 768 ...
+RELEASED_MAX_PIXELS = 768 * 1344  # ... area capped at the 16:9 canvas
+MIN_ASPECT, MAX_ASPECT = 1 / 4, 4.0  # supported width / height
+
+# -- sampler ----------------------------------------------------------------------------------------------------------
+RELEASED_SIGMA_POINTS = 50  # linspace(1, 0, 50): 49 forwards
+RELEASED_VIDEO_SHIFT = 12.0  # model_index.json `_minimax_h3.sigma_shift_scales`
+RELEASED_AUDIO_SHIFT = 3.0
+
+
+def is_snapped(frames: int) -> bool:
+    """Whether a pixel frame count is of the form 17n + 5 (the counts the video VAE encodes without padding)."""
+    return frames >= FRAMES_REMAINDER and frames % FRAMES_PER_CHUNK == FRAMES_REMAINDER
+
+
+def snap_frames_up(frames: int) -> int:
+    """Smallest 17n + 5 at or above `frames` (240 -> 243)."""
+    return frames + (FRAMES_REMAINDER - frames) % FRAMES_PER_CHUNK if frames >= FRAMES_REMAINDER else FRAMES_REMAINDER
+
+
+def latent_frames(frames: int) -> int:
+    """Video latent frames for a 17n + 5 pixel frame count: 5n + 2 (124 -> 37, 243 -> 72).
+
+    Raises:
+        ValueError: `frames` is not of the form 17n + 5.
+    """
+    if not is_snapped(frames):
+        raise ValueError(f"frames must be 17n + 5 (e.g. 124, 243, 362), got {frames}")
+    return (frames - FRAMES_REMAINDER) // FRAMES_PER_CHUNK * LATENTS_PER_CHUNK + LATENT_REMAINDER
+
+
+def audio_latents(frames: int) -> int:
+    """Audio latents per channel for `frames` video frames: round(frames / 24 * 40), Python's round as the reference
+    (243 -> 405)."""
+    return int(round(frames / FPS * AUDIO_LATENTS_PER_SECOND))
+
+
+def audio_samples(frames: int) -> int:
+    """Waveform samples per channel that belong to `frames` video frames: round(frames * 32000 / 24), half up, in
+    exact integer arithmetic (243 -> 324,000)."""
+    return (2 * frames * SAMPLE_RATE + FPS) // (2 * FPS)
+
+
+def video_rows(width: int, height: int, frames: int) -> int:
+    """Packed video rows: latent frames x (H / 32) x (W / 32) (1344 x 768 x 243 -> 72,576)."""
+    return latent_frames(frames) * (height // CANVAS_MULTIPLE) * (width // CANVAS_MULTIPLE)
+
+
+def audio_rows(frames: int) -> int:
+    """Packed audio rows: 2 channels x audio latents (243 frames -> 810)."""
+    return AUDIO_CHANNELS * audio_latents(frames)
+
+
+def canvas_for_aspect(aspect_w: float, aspect_h: float, *, short_edge: int = RELEASED_SHORT_EDGE,
+                      max_pixels: int = RELEASED_MAX_PIXELS, multiple: int = CANVAS_MULTIPLE) -> tuple[int, int]:
+    """The released canvas rule (diffusers `resolve_canvas_size`): (width, height) in px for an aspect ratio.
+
+    The short edge starts at 768, the area is then scaled down to at most 768 x 1344 keeping the ratio, and only then
+    is each axis rounded to the nearest multiple of 32, so the area may end a little above the cap: 9:5 -> 1376x768,
+    2:1 -> 1440x704, 16:9 -> 1344x768, 9:16 -> 768x1344, 4:3 -> 1024x768, 1:1 -> 768x768.
+
+    Raises:
+        ValueError: a non-positive term, or a ratio outside 1:4 ... 4:1.
+    """
+    if not (aspect_w > 0 and aspect_h > 0 and math.isfinite(aspect_w) and math.isfinite(aspect_h)):
+        raise ValueError(f"aspect {aspect_w:g}:{aspect_h:g}: both terms must be positive numbers")
+    ratio = aspect_w / aspect_h
+    if not MIN_ASPECT <= ratio <= MAX_ASPECT:
+        raise ValueError(f"aspect {aspect_w:g}:{aspect_h:g} is outside the supported 1:4 … 4:1")
+    width, height = (short_edge * ratio, float(short_edge)) if ratio >= 1 else (float(short_edge), short_edge / ratio)
+    if width * height > max_pixels:
+        scale = math.sqrt(max_pixels / (width * height))
+        width, height = width * scale, height * scale
+    # Python's round() (half to even) as the reference does; a tie needs an axis of exactly (k + 1/2) * 32 px.
+    return (max(multiple, round(width / multiple) * multiple), max(multiple, round(height / multiple) * multiple))
