@@ -22,11 +22,12 @@ renderer writes them through ``clips/a.tmp.mp4`` and ``clips/a.json.tmp`` (or ``
 Whatever way a job ends other than success, those temp names are swept and any final-named file written during
 the attempt is removed, so nothing partial ever sits under a final name.
 
-The renderer contract (``h3render.pipeline.Renderer``): ``render(job, mp4_path, sidecar_path) -> dict``, writing
-the MP4 and then the sidecar (which holds ``"job": job.params()``), both atomically. Jobs need ``id``, ``output``
-and ``params()`` (``h3render.jobs.Job``). With ``overlap=True`` (one rank) the queue uses the renderer's two phases
-instead, ``begin`` (prompt to latents, main thread) and ``finish`` (latents to MP4 and sidecar, one worker thread),
-so that job N's finish runs beside job N+1's begin; see ``run_batch``.
+The renderer contract (``h3render.engine.Engine``): ``render_async(job, mp4_path, sidecar_path) -> Future``, which
+returns once the last frame is in the MP4 writer and whose Future resolves when the MP4 and then the sidecar (which
+holds ``"job": job.params()``) are in place, both atomically; a renderer with only ``render(...) -> dict`` works too.
+While job N's writer tail (encoder flush, trailer, fsync, rename, sidecar) finishes on the writer's thread, job N+1's
+prompt encode and denoise already run; job N's outcome is recorded when its tail ends. Jobs need ``id``,
+``output`` and ``params()`` (``h3render.jobs.Job``).
 """
 
 from __future__ import annotations
@@ -40,6 +41,8 @@ import sys
 import threading
 import time
 import traceback
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -57,7 +60,7 @@ PENDING = "pending"
 INTERRUPTED = "interrupted"
 STATUSES = (SUCCEEDED, FAILED, SKIPPED, PENDING, INTERRUPTED)
 
-REPORT_FORMAT = 2  # bump when a consumer-visible field of batch-report.json changes (2: queue_seconds, overlap)
+REPORT_FORMAT = 3  # bump when a consumer-visible field of batch-report.json changes (3: no overlap fields)
 
 
 class Interrupted(KeyboardInterrupt):
@@ -67,10 +70,8 @@ class Interrupted(KeyboardInterrupt):
 @dataclass
 class JobOutcome:
     """One job's line in the report. ``output`` is the MP4 path relative to the out dir; ``seconds`` is wall time
-    of this job's render (the one-off model load is ``BatchReport.load_seconds``), None when it did not run. In an
-    overlapped queue ``seconds`` is the time spent in the job's own two phases (begin + finish, not the wait
-    between them), and ``overlap`` says how much of its finish ran beside the next job's begin (so the sum of
-    ``seconds`` minus the sum of ``overlap.overlapped_s`` does not count any second twice)."""
+    of this job's render up to its sidecar (the one-off model load is ``BatchReport.load_seconds``), None when it
+    did not run; the last fraction of a second of it (the writer tail) ran beside the next job's start."""
 
     id: str | None
     output: str
@@ -78,13 +79,10 @@ class JobOutcome:
     seconds: float | None = None
     error: str | None = None  # "ExceptionType: message" for failed / interrupted jobs
     traceback: str | None = None
-    overlap: dict[str, Any] | None = None  # overlapped queue only (see run_batch)
 
     def to_dict(self) -> dict[str, Any]:
         d = {"id": self.id, "output": self.output, "status": self.status,
              "seconds": None if self.seconds is None else round(self.seconds, 3), "error": self.error}
-        if self.overlap is not None:
-            d["overlap"] = self.overlap
         if self.traceback is not None:
             d["traceback"] = self.traceback
         return d
@@ -101,7 +99,6 @@ class BatchReport:
     finished: bool = False
     load_seconds: float | None = None
     queue_seconds: float | None = None  # wall time from the first render to the latest job outcome (load excluded)
-    overlap: dict[str, Any] = field(default_factory=lambda: {"enabled": False, "reason": "not requested"})
     started_at: str = field(default_factory=lambda: _now())
     _write_lock: Any = field(default_factory=threading.Lock, repr=False, compare=False)
 
@@ -132,23 +129,13 @@ class BatchReport:
             "updated_at": _now(),
             "load_seconds": None if self.load_seconds is None else round(self.load_seconds, 3),
             "queue_seconds": None if self.queue_seconds is None else round(self.queue_seconds, 3),
-            "overlap": self._overlap_summary(),
             "counts": self.counts,
             "jobs": [j.to_dict() for j in self.jobs],
         }
 
-    def _overlap_summary(self) -> dict[str, Any]:
-        summary = dict(self.overlap)
-        if summary.get("enabled"):
-            lines = [j.overlap for j in self.jobs if j.overlap is not None]
-            summary["overlapped_finishes"] = sum(1 for o in lines if o.get("finish") == "overlapped")
-            summary["skipped"] = sum(1 for o in lines if o.get("skipped"))
-            summary["overlapped_s"] = round(sum(o.get("overlapped_s") or 0.0 for o in lines), 3)
-        return summary
-
     def write(self) -> None:
-        """Atomically (temp file in the same folder, fsync, rename) replace the report file. Thread-safe (the
-        overlapped queue records a finished job from its worker thread)."""
+        """Atomically (temp file in the same folder, fsync, rename) replace the report file. Thread-safe (a job's
+        outcome is recorded on its MP4 writer's thread when the tail ends)."""
         with self._write_lock:
             _write_json_atomic(self.path, self.to_dict())
 
@@ -204,29 +191,24 @@ def run_batch(
     quiet: bool = False,
     progress: bool | None = None,
     shard: tuple[int, int] | None = None,
-    overlap: bool = False,
 ) -> BatchReport:
     """Render ``jobs`` in order into ``out_dir`` and return the report (its ``exit_code`` is the process's).
 
     Args:
         jobs: ``h3render.jobs.Job`` objects (already sharded); each needs ``id``, ``output`` (relative path
             without extension) and ``params()``.
-        renderer_factory: zero-argument callable returning an object with ``render(job, mp4_path, sidecar_path)``
-            (and, for ``overlap``, ``begin``/``finish``). Called at most once, just before the first job that needs
-            rendering; never when all are skipped.
+        renderer_factory: zero-argument callable returning an object with ``render_async(job, mp4_path,
+            sidecar_path) -> Future`` or ``render(job, mp4_path, sidecar_path)``. Called at most once, just before the
+            first job that needs rendering; never when all are skipped.
         out_dir: folder for the MP4s, sidecars and the report; created if missing.
         overwrite: render every job even when its outputs are complete and current (default: resume, skip those).
-        fail_fast: stop after the first failed job; later jobs stay ``pending`` (with ``overlap``, also the job
-            whose begin ran beside the failed finish: its latents are dropped).
+        fail_fast: stop after the first failed job; later jobs stay ``pending`` (a job already started when an
+            earlier job's writer tail failed still runs to its end).
         quiet: no progress bars; one line per job on stderr.
         progress: draw the tqdm queue bar at position 0 (the renderer's step bar takes position 1). None (the
             default): only when stderr is a terminal. Without the bar (False, a SLURM log, ``quiet``) the queue
             logs one line per job instead.
         shard: ``(index, count)`` of this array task, 0-based; only names the report file and is recorded in it.
-        overlap: run job N's ``finish`` (audio + video decode, MP4 encode, sidecar) on a worker thread while the
-            main thread runs job N+1's ``begin`` (text encode, denoise), at most one finish in flight, when the
-            renderer has both phases and its ``plan_overlap(pending, next_job)`` (if any) allows it; see below.
-
     Returns:
         The final ``BatchReport``; ``<out_dir>/batch-report[.shard-i-of-n].json`` holds the same.
 
@@ -236,18 +218,6 @@ def run_batch(
     SIGINT and SIGTERM do not propagate: the running job is cleaned up, its status becomes ``interrupted``, the
     report is written and ``exit_code`` is 130. The handlers are only installed when called from the main thread.
 
-    Overlap. Only on one rank: on several ranks the renderer (``h3render.parallel.launch.LeaderRenderer``) has no
-    phases, because every rank must run each job's collectives in the same order, and the queue runs sequentially
-    (the report says so). A job's two phases are ``pending = renderer.begin(job, mp4, sidecar, shared=...)`` and
-    ``renderer.finish(pending, shared=..., side_stream=True, cancel=..., overlap=...)``. After job N's begin and
-    the previous finish have both ended (the device is idle), the queue frees cached memory, asks
-    ``plan_overlap`` whether job N's finish and job N+1's begin fit on the device together, and starts the
-    finish on the worker; when they do not fit (or N is the last job) it waits for that finish before going on.
-    A failure in either phase fails only its own job; an out-of-memory error in a phase that shared the device
-    is retried once alone, and the rest of the queue then runs without overlap. On an interrupt the in-flight
-    finish is told to stop at its next decoded chunk: its job ends ``succeeded`` if it had already finished, else
-    ``interrupted`` with its files removed. Each job's sidecar gets ``timings.overlap`` and its report line
-    ``overlap`` (what ran beside it, for how long, and why an overlap was skipped).
     """
     out_dir = Path(out_dir)
     targets = [output_paths(out_dir, job) for job in jobs]
@@ -264,8 +234,6 @@ def run_batch(
               for job, (mp4, _) in zip(jobs, targets)],
         shard=shard,
     )
-    if overlap:
-        report.overlap = {"enabled": True, "reason": None}
     reasons = [render_reason(job, mp4, side, overwrite=overwrite) for job, (mp4, side) in zip(jobs, targets)]
     for outcome, reason in zip(report.jobs, reasons):
         if reason is None:
@@ -278,7 +246,7 @@ def run_batch(
              + ("" if shard is None else f" [shard {shard[0]} of {shard[1]}]"))
     report.write()
 
-    queue = _Queue(jobs, targets, reasons, report, renderer_factory, log, fail_fast=fail_fast, overlap=overlap)
+    queue = _Queue(jobs, targets, reasons, report, renderer_factory, log, fail_fast=fail_fast)
     with _InterruptGuard() as guard:
         try:
             queue.run(guard)
@@ -303,28 +271,18 @@ def run_batch(
 
 
 class _Queue:
-    """The loop of ``run_batch``: sequential (``render`` per job) or overlapped (``begin`` / ``finish``)."""
+    """The loop of ``run_batch``: one job after another, each job's writer tail beside the next job's start."""
 
-    def __init__(self, jobs, targets, reasons, report: BatchReport, factory, log: "_QueueLog", *, fail_fast: bool,
-                 overlap: bool):
+    def __init__(self, jobs, targets, reasons, report: BatchReport, factory, log: "_QueueLog", *, fail_fast: bool):
         self.jobs, self.targets, self.reasons, self.report = jobs, targets, reasons, report
-        self.factory, self.log, self.fail_fast, self.overlap = factory, log, fail_fast, overlap
+        self.factory, self.log, self.fail_fast = factory, log, fail_fast
         self.order = [i for i, r in enumerate(reasons) if r is not None]
         self.renderer = None
-        self.phased = False  # begin/finish with overlap, decided when the renderer exists
-        self.current: int | None = None  # the job whose phase the main thread runs
-        self.attempts: dict[int, _Attempt] = {}
-        self.lock = threading.RLock()  # job outcomes, the log and the report (the worker records finishes too)
-        self.worker = _Worker()
-        self.inflight: _InFlight | None = None
-        self.stop = threading.Event()  # set on interrupt: the in-flight finish abandons its job
-        self.stop_message = "interrupted"
-        self.clock = _PhaseClock()
-        self.overlap_off: str | None = None  # once set, the rest of the queue runs its finishes alone
+        self.current: int | None = None  # the job the main thread renders
+        self.attempt: _Attempt | None = None
+        self.tails: list[tuple[int, Future]] = []  # jobs whose writer tail may still run (one at a time)
+        self.lock = threading.RLock()  # job outcomes, the log and the report (tails end on writer threads)
         self.t_queue: float | None = None
-        self.unsuccessful = 0  # failed + interrupted jobs when the overlapped loop last collected garbage
-
-    # -- bookkeeping ------------------------------------------------------------------------------------------
 
     def write(self) -> None:
         with self.lock:
@@ -343,23 +301,17 @@ class _Queue:
             return True
         return False
 
-    # -- the loop ---------------------------------------------------------------------------------------------
-
     def run(self, guard: "_InterruptGuard") -> None:
-        for n, i in enumerate(self.order):
+        for i in self.order:
             guard.check()
+            if self._stop_for_failure():  # an earlier job's tail failed meanwhile
+                break
             if self.renderer is None:
                 self.current = i
                 if not self._load():
                     return
-                self.current = None
-            if self.phased:
-                stop = self._step_overlapped(i, self.order[n + 1] if n + 1 < len(self.order) else None)
-            else:
-                stop = self._step_sequential(i)
-            if stop:
-                break
-        self._collect()
+            self._render(i)
+        self.wait_tails()
 
     def _load(self) -> bool:
         t0 = time.perf_counter()
@@ -372,245 +324,71 @@ class _Queue:
             return False
         self.report.load_seconds = time.perf_counter() - t0
         self.t_queue = time.perf_counter()
-        if self.overlap:
-            phased = callable(getattr(self.renderer, "begin", None)) and callable(getattr(self.renderer, "finish", None))
-            if phased:
-                self.phased = True
-            else:
-                reason = getattr(self.renderer, "overlap_unsupported", "the renderer has no begin/finish phases")
-                self.report.overlap = {"enabled": False, "reason": reason}
-                self.log.line(f"jobs run one after another: {reason}")
         return True
 
-    def _step_sequential(self, i: int) -> bool:
-        job, (mp4, sidecar) = self.jobs[i], self.targets[i]
-        self.current = i
-        ok = _render_one(self.renderer, job, mp4, sidecar, self.report.jobs[i])
-        self.current = None
-        _release_memory()
-        self._job_done(i)
-        return not ok and self._stop_for_failure()
-
-    def _step_overlapped(self, i: int, following: int | None) -> bool:
-        """Job i's begin (beside the in-flight finish of the job before, if any), then its finish on the worker."""
+    def _render(self, i: int) -> None:
+        """Job i up to its writer tail; the tail's end records the outcome (`_tail_done`)."""
         job, (mp4, sidecar) = self.jobs[i], self.targets[i]
         outcome = self.report.jobs[i]
         self.current = i
-        attempt = self.attempts[i] = _Attempt(job, mp4, sidecar, outcome)
-        beside = self.inflight.index if self.inflight is not None and self.inflight.shared else None
-        pending, failure = self._begin(i, attempt, shared=beside is not None)
-        retried = None
-        if failure is not None and failure.oom and beside is not None:
-            # The two phases did not fit on the device together: let the finish end, then begin again alone.
-            self._collect()
-            self._overlap_off(f"out of memory in job {i + 1}'s begin beside job {beside + 1}'s finish")
-            retried = failure.error
-            _release_memory()
-            pending, failure = self._begin(i, attempt, shared=False)
-        self._collect()
+        self.attempt = attempt = _Attempt(job, mp4, sidecar, outcome)
+        t0 = time.perf_counter()
+        failure = future = None
+        try:
+            if callable(getattr(self.renderer, "render_async", None)):
+                future = self.renderer.render_async(job, mp4, sidecar)
+            else:
+                future = Future()
+                future.set_result(self.renderer.render(job, mp4, sidecar))
+        except Exception as exc:
+            failure = _Failure.of(exc)  # text only: the exception and its frames go when this block ends
+        except BaseException:  # an interrupt: `interrupted` marks the job
+            outcome.seconds = time.perf_counter() - t0
+            attempt.cleanup()
+            raise
+        self.current = self.attempt = None
         if failure is not None:
             attempt.fail(failure)
-            outcome.seconds = attempt.busy
-            self.current = None
-            self._idle_release()
+            outcome.seconds = time.perf_counter() - t0
+            _release_memory()  # the cycles a failed job's traceback left hold its tensors
             self._job_done(i)
-            return self._stop_for_failure()
-        if self._stop_for_failure():  # the finish that ran beside this begin failed
-            attempt.cleanup()
-            self.current = None
-            return True
-
-        # The device is idle (both phases ended): return the cached blocks, so the free memory read below is
-        # accurate. A garbage collection (0.1-0.3 s of idle device with a model loaded) only after a failure: the
-        # cycles a failed phase's traceback leaves are what it is for.
-        self._idle_release()
-        check, skipped = None, None
-        if following is None:
-            shared = False
-        elif self.overlap_off is not None:
-            shared, skipped = False, self.overlap_off
-        else:
-            plan = getattr(self.renderer, "plan_overlap", None)
-            check = plan(pending, self.jobs[following]) if plan is not None else None
-            shared = check is None or check.ok
-            if not shared:
-                skipped = check.reason
-                self.log.line(f"job {i + 1}: decode not overlapped with job {following + 1}: {skipped}")
-        flight = _InFlight(i, attempt, pending, shared=shared, before=beside, after=following if shared else None,
-                           skipped=skipped, check=check, retried=retried)
-        self.inflight = flight
-        self.worker.start(lambda: self._finish(flight))
-        self.current = None
-        if not shared:
-            self._collect()
-            self._idle_release()  # a failed finish's memory goes before the next begin
-            return self._stop_for_failure()
-        return False
-
-    def _idle_release(self) -> None:
-        unsuccessful = self.report.count(FAILED) + self.report.count(INTERRUPTED)
-        _release_memory(collect=unsuccessful != self.unsuccessful)
-        self.unsuccessful = unsuccessful
-
-    def _begin(self, i: int, attempt: "_Attempt", shared: bool):
-        job, (mp4, sidecar) = self.jobs[i], self.targets[i]
-        self.clock.start(i, "begin")
-        t0 = time.perf_counter()
-        try:
-            return self.renderer.begin(job, mp4, sidecar, shared=shared), None
-        except Exception as exc:
-            return None, _Failure.of(exc)
-        finally:
-            attempt.busy += time.perf_counter() - t0
-            self.clock.end(i, "begin")
-
-    def _finish(self, flight: "_InFlight") -> None:
-        """On the worker thread: job ``flight.index``'s finish, then its outcome (unless it is to be retried)."""
-        i, attempt = flight.index, flight.attempt
-        self.clock.start(i, "finish")
-        t0 = time.perf_counter()
-        failure = None
-        try:
-            if flight.pending is None:
-                raise RuntimeError("internal: no latents to finish")
-            self.renderer.finish(flight.pending, shared=flight.shared, side_stream=True, cancel=self._cancel,
-                                 overlap=lambda: self._sidecar_overlap(flight))
-            attempt.check_written()
-        except BaseException as exc:  # recorded below; an Interrupted from _cancel included
-            failure = _Failure.of(exc, cancelled=self.stop.is_set())
-        finally:
-            attempt.busy += time.perf_counter() - t0
-            self.clock.end(i, "finish")
-        if failure is not None and failure.oom and flight.shared and not self.stop.is_set():
-            flight.retry = failure  # the main thread runs it again alone once the begin beside it has ended
             return
-        flight.pending = None  # the latents may go
+        self.tails.append((i, future))
+        future.add_done_callback(lambda f: self._tail_done(i, attempt, f, t0))
+
+    def _tail_done(self, i: int, attempt: "_Attempt", future: Future, t0: float) -> None:
+        """Job i's MP4 and sidecar are in place (or its tail failed): record it. Runs on the writer's thread."""
         with self.lock:
             outcome = attempt.outcome
-            outcome.seconds = attempt.busy
-            outcome.overlap = self._outcome_overlap(flight)
-            if failure is None:
-                outcome.status = SUCCEEDED
+            outcome.seconds = time.perf_counter() - t0
+            try:
+                future.result()
+                attempt.check_written()
+            except BaseException as exc:
+                attempt.fail(_Failure.of(exc))
             else:
-                attempt.fail(failure, status=INTERRUPTED if failure.cancelled else FAILED)
-            flight.done = True
+                outcome.status = SUCCEEDED
             self._job_done(i)
 
-    def _collect(self) -> None:
-        """Wait for the in-flight finish (if any); re-run it alone if it ran out of memory beside a begin."""
-        flight = self.inflight
-        if flight is None:
-            return
-        self.worker.wait()
-        if flight.retry is not None and not flight.done:
-            self._overlap_off(f"out of memory in job {flight.index + 1}'s finish beside job "
-                              f"{(flight.after or 0) + 1}'s begin")
-            flight.retried, flight.retry, flight.shared = flight.retry.error, None, False
-            flight.attempt.cleanup()
-            _release_memory()
-            self.worker.start(lambda: self._finish(flight))
-            self.worker.wait()
-        self.inflight = None
-
-    def _overlap_off(self, why: str) -> None:
-        if self.overlap_off is None:
-            self.overlap_off = f"{why}: the rest of the queue runs without overlap"
-            self.log.line(self.overlap_off)
-            with self.lock:
-                self.report.overlap["disabled_after"] = self.overlap_off
-
-    def _cancel(self) -> None:
-        if self.stop.is_set():
-            raise Interrupted(f"{self.stop_message}; the job's decode was abandoned")
+    def wait_tails(self) -> None:
+        """Wait for every writer tail still running, in short slices so a signal handler can run meanwhile."""
+        for _, future in self.tails:
+            while not future.done():
+                try:
+                    future.exception(timeout=0.1)
+                except FutureTimeout:
+                    pass
+        self.tails.clear()
 
     def interrupted(self, exc: BaseException) -> None:
-        """After an interrupt reached the main thread: stop the in-flight finish, then mark what did not finish."""
-        self.stop_message = str(exc) if isinstance(exc, Interrupted) else "KeyboardInterrupt"
-        self.stop.set()
-        flight = self.inflight
-        if flight is not None:
-            self.worker.wait()  # the finish ends at its next decoded chunk (signals are ignored meanwhile)
-            if not flight.done:  # never started, or waiting for an out-of-memory retry
-                flight.attempt.fail(_Failure(_describe(exc), None), status=INTERRUPTED)
-            self.inflight = None
+        """After an interrupt reached the main thread: let a running tail end (its job is then done, or failed),
+        and mark the job being rendered interrupted, with its files removed."""
+        self.wait_tails()
         if self.current is not None and self.report.jobs[self.current].status == PENDING:
             outcome = self.report.jobs[self.current]
             outcome.status, outcome.error = INTERRUPTED, _describe(exc)
-            attempt = self.attempts.get(self.current)
-            if attempt is not None:
-                attempt.cleanup()
-
-    # -- overlap accounting -----------------------------------------------------------------------------------
-
-    def _sidecar_overlap(self, flight: "_InFlight") -> dict[str, Any]:
-        """``timings.overlap`` of job ``flight.index``'s sidecar, built on the worker when the sidecar is written.
-
-        ``phases``: this job's begin and finish intervals (seconds from the start of its begin); ``waited_s``: the
-        latents waited between the two for the previous job's finish; ``with``: the other jobs' phases that ran
-        at the same time as this job's and for how many seconds (wall-clock intersection); ``overlapped_s``: their
-        sum. The stage times in ``timings.stages`` are this job's alone; with ``with`` non-empty some of them ran
-        while the device also ran the other job's work (and the peak memory figures are the device's, both jobs).
-        """
-        now = time.perf_counter()
-        i = flight.index
-        begin, finish = self.clock.intervals(i, "begin", now), self.clock.intervals(i, "finish", now)
-        origin = begin[0][0]
-        beside = []
-        if flight.before is not None:
-            beside.append(self._with(flight.before, "finish", "begin", begin, now))
-        if flight.after is not None:
-            beside.append(self._with(flight.after, "begin", "finish", finish, now))
-        return {
-            "finish": "overlapped" if flight.shared else "alone",
-            "skipped": flight.skipped,
-            "memory": None if flight.check is None else flight.check.to_dict(),
-            "retried_alone_after": flight.retried,
-            "phases": {"begin": [[round(s - origin, 6), round(e - origin, 6)] for s, e in begin],
-                       "finish": [[round(s - origin, 6), round(e - origin, 6)] for s, e in finish]},
-            "waited_s": round(max(0.0, finish[0][0] - begin[-1][1]), 6),
-            "with": beside,
-            "overlapped_s": round(sum(w["seconds"] for w in beside), 6),
-        }
-
-    def _with(self, other: int, other_phase: str, own_phase: str, own: list, now: float) -> dict[str, Any]:
-        seconds = _overlap_seconds(self.clock.intervals(other, other_phase, now), own)
-        return {"job": self.jobs[other].id, "output": self.report.jobs[other].output, "phase": other_phase,
-                "while": own_phase, "seconds": round(seconds, 6)}
-
-    def _outcome_overlap(self, flight: "_InFlight") -> dict[str, Any]:
-        """The report line's ``overlap``: how job ``flight.index``'s finish ran and for how long it shared the
-        device with the next job's begin (final: this finish has ended)."""
-        now = time.perf_counter()
-        i = flight.index
-        seconds = 0.0
-        if flight.after is not None:
-            seconds = _overlap_seconds(self.clock.intervals(i, "finish", now),
-                                       self.clock.intervals(flight.after, "begin", now))
-        begin, finish = self.clock.intervals(i, "begin", now), self.clock.intervals(i, "finish", now)
-        return {"finish": "overlapped" if flight.shared else "alone",
-                "with": None if flight.after is None else self.jobs[flight.after].id,
-                "overlapped_s": round(seconds, 3),
-                "waited_s": round(max(0.0, finish[0][0] - begin[-1][1]), 3) if begin and finish else 0.0,
-                "skipped": flight.skipped,
-                "retried_alone_after": flight.retried}
-
-
-@dataclass
-class _InFlight:
-    """A finish handed to the worker. ``shared``: it runs beside job ``after``'s begin; ``before``: the job whose
-    finish ran beside this job's begin."""
-
-    index: int
-    attempt: "_Attempt"
-    pending: Any
-    shared: bool
-    before: int | None
-    after: int | None
-    skipped: str | None
-    check: Any
-    retried: str | None = None  # the out-of-memory error after which a phase of this job was re-run alone
-    retry: "_Failure | None" = None
-    done: bool = False
+            if self.attempt is not None:
+                self.attempt.cleanup()
 
 
 @dataclass
@@ -620,14 +398,11 @@ class _Failure:
 
     error: str
     traceback: str | None
-    oom: bool = False
-    cancelled: bool = False
 
     @classmethod
-    def of(cls, exc: BaseException, cancelled: bool = False) -> "_Failure":
-        oom = isinstance(exc, MemoryError) or type(exc).__name__ == "OutOfMemoryError"  # torch.OutOfMemoryError
+    def of(cls, exc: BaseException) -> "_Failure":
         tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-        return cls(_describe(exc), tb, oom=oom, cancelled=cancelled or isinstance(exc, KeyboardInterrupt))
+        return cls(_describe(exc), tb)
 
 
 class _Attempt:
@@ -640,7 +415,6 @@ class _Attempt:
         self.temps = temp_paths(mp4, sidecar)
         remove_files(*self.temps)  # left by an earlier queue killed with SIGKILL
         self.before = {p: _identity(p) for p in (mp4, sidecar)}
-        self.busy = 0.0  # seconds in the renderer
 
     def check_written(self) -> None:
         if not (self.mp4.is_file() and self.sidecar.is_file()):
@@ -655,83 +429,6 @@ class _Attempt:
         if status == FAILED:
             self.outcome.traceback = failure.traceback
         self.cleanup()
-
-
-class _PhaseClock:
-    """Wall intervals (``time.perf_counter``) of every job's begin and finish, for the overlap accounting."""
-
-    def __init__(self):
-        self._lock = threading.Lock()
-        self._intervals: dict[tuple[int, str], list[list[float | None]]] = {}
-
-    def start(self, index: int, phase: str) -> None:
-        with self._lock:
-            self._intervals.setdefault((index, phase), []).append([time.perf_counter(), None])
-
-    def end(self, index: int, phase: str) -> None:
-        with self._lock:
-            self._intervals[(index, phase)][-1][1] = time.perf_counter()
-
-    def intervals(self, index: int, phase: str, now: float) -> list[tuple[float, float]]:
-        """The phase's intervals; one still running ends at ``now``."""
-        with self._lock:
-            return [(s, now if e is None else e) for s, e in self._intervals.get((index, phase), [])]
-
-
-def _overlap_seconds(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
-    """Length of the intersection of two sets of intervals (each set's intervals do not overlap each other)."""
-    return sum(max(0.0, min(e1, e2) - max(s1, s2)) for s1, e1 in a for s2, e2 in b)
-
-
-class _Worker:
-    """Runs one callable at a time on a background thread (the overlapped queue's finishes)."""
-
-    def __init__(self):
-        self._current: tuple[threading.Thread, threading.Event] | None = None
-
-    def start(self, fn: Callable[[], None]) -> None:
-        done = threading.Event()
-
-        def run():
-            try:
-                fn()
-            finally:
-                done.set()
-
-        thread = threading.Thread(target=run, name="h3render-finish", daemon=True)
-        self._current = (thread, done)
-        thread.start()
-
-    def wait(self) -> None:
-        """Block until the callable returns. Waits in short slices, so a signal handler can run in the main thread
-        meanwhile."""
-        if self._current is None:
-            return
-        thread, done = self._current
-        while not done.wait(0.1):
-            if thread.ident is None:  # interrupted before the thread was started: nothing runs
-                break
-        self._current = None
-
-
-def _render_one(renderer, job, mp4: Path, sidecar: Path, outcome: JobOutcome) -> bool:
-    """Render one job, recording the outcome; True on success. On any exit other than success (an Exception or
-    an interrupt) the job's temp files and any final-named file written during the attempt are removed."""
-    attempt = _Attempt(job, mp4, sidecar, outcome)
-    t0 = time.perf_counter()
-    try:
-        renderer.render(job, mp4, sidecar)
-        attempt.check_written()
-    except Exception as exc:
-        attempt.fail(_Failure.of(exc))
-        return False
-    except BaseException:
-        attempt.cleanup()
-        raise
-    finally:
-        outcome.seconds = time.perf_counter() - t0
-    outcome.status = SUCCEEDED
-    return True
 
 
 def _fail_all(report: BatchReport, reasons: list, error: str, tb: str) -> None:
@@ -763,10 +460,9 @@ def remove_files(*paths: Path) -> None:
             pass
 
 
-def _release_memory(collect: bool = True) -> None:
+def _release_memory() -> None:
     """Collect cycles (a failed job's traceback frames hold its tensors) and return cached CUDA blocks."""
-    if collect:
-        gc.collect()
+    gc.collect()
     torch = sys.modules.get("torch")  # never import torch just for this: no torch loaded means no device memory
     if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.empty_cache()

@@ -220,25 +220,17 @@ def _prompt(text: str, output: str, opts: dict) -> int:
 @click.option("--fail-fast", is_flag=True, help="Stop after the first failed job.")
 @click.option("--dry-run", is_flag=True, help="Validate and print the plan; load nothing.")
 @click.option("--quiet", is_flag=True, help="One log line per job instead of progress bars.")
-@click.option("--overlap/--no-overlap", default=True, show_default=True,
-              help="On one GPU (or CPU), decode and encode job N while job N+1 encodes its prompt and denoises, when "
-                   "device memory allows; several GPUs always run jobs one after another.")
-@click.option("--overlap-min-free-gb", type=click.FloatRange(min=0), default=None,
-              help="Overlap only with at least this much free GPU memory (default: estimated from measured peaks).")
 @_engine_options
-def batch_command(manifest, out_dir, shard, skip_existing, fail_fast, dry_run, quiet, overlap, overlap_min_free_gb,
-                  **opts) -> None:
+def batch_command(manifest, out_dir, shard, skip_existing, fail_fast, dry_run, quiet, **opts) -> None:
     """Render every job of MANIFEST (JSONL or YAML; schema in docs/manifest.md) with one resident model.
 
-    On one rank, job N's decode and MP4 encode overlap job N+1's text encoding and denoising (--no-overlap turns
-    that off); on CUDA only when the free device memory covers both, else that pair runs one after the other.
-    The sidecars' timings.overlap and the report's overlap fields say what ran beside what, and why not.
+    Jobs run one after another; each job's MP4 tail (encoder flush, trailer, fsync, rename, sidecar) finishes on
+    the writer's thread while the next job's prompt encode and denoise start.
     """
-    opts["overlap_min_free_gb"] = overlap_min_free_gb
-    _exit(_main_guard(_batch, manifest, out_dir, shard, skip_existing, fail_fast, dry_run, quiet, overlap, opts))
+    _exit(_main_guard(_batch, manifest, out_dir, shard, skip_existing, fail_fast, dry_run, quiet, opts))
 
 
-def _batch(manifest, out_dir, shard, skip_existing, fail_fast, dry_run, quiet, overlap, opts) -> int:
+def _batch(manifest, out_dir, shard, skip_existing, fail_fast, dry_run, quiet, opts) -> int:
     checkpoint = _resolve_checkpoint(opts["checkpoint"])
     _check_mode(opts["mode"], opts["adapter"], checkpoint)
     _check_transformer(opts["transformer"])
@@ -257,7 +249,7 @@ def _batch(manifest, out_dir, shard, skip_existing, fail_fast, dry_run, quiet, o
         return 0
     _check_writable(Path(out_dir))
     return _run(checkpoint, info, jobs, opts, out_dir=out_dir, shard=shard_spec, overwrite=not skip_existing,
-                fail_fast=fail_fast, quiet=quiet, overlap=overlap)
+                fail_fast=fail_fast, quiet=quiet)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -286,7 +278,7 @@ def _rank_main(checkpoint, jobs, opts, device, kw) -> int:
     from h3render.batch import run_batch
     from h3render.parallel.groups import init_parallel, largest_dividing_world, restrict, shutdown
     from h3render.parallel.launch import LeaderRenderer, follow
-    from h3render.pipeline import EngineSettings, Renderer
+    from h3render.engine import Engine, EngineSettings
 
     ctx = init_parallel(device)
     if ctx.distributed:
@@ -309,15 +301,14 @@ def _rank_main(checkpoint, jobs, opts, device, kw) -> int:
     settings = EngineSettings(crf=opts["crf"], x264_preset=opts["x264_preset"], vae_batch=opts["vae_batch"],
                               attention=opts["attention"],
                               progress=ctx.is_main and not kw.get("quiet", False) and sys.stderr.isatty(),
-                              save_latents=opts["save_latents"], step_bar_position=0 if "single" in kw else 1,
-                              overlap_min_free_gb=opts.get("overlap_min_free_gb"))
+                              save_latents=opts["save_latents"], step_bar_position=0 if "single" in kw else 1)
     dtype = _dtype(opts["dtype"], device)
 
     def load():
-        renderer = Renderer.load(checkpoint, ctx, dtype, settings, adapter=opts["adapter"],
-                                 transformer_file=opts["transformer"])
-        renderer.prepare(_distinct_setups(jobs))
-        return renderer
+        engine = Engine.load(checkpoint, ctx, dtype, settings, adapter=opts["adapter"],
+                             transformer_file=opts["transformer"])
+        engine.prepare(_distinct_setups(jobs))
+        return engine
 
     try:
         if not ctx.is_main:
@@ -333,9 +324,8 @@ def _rank_main(checkpoint, jobs, opts, device, kw) -> int:
         try:
             if "single" in kw:
                 return _render_single(factory, jobs[0], *kw["single"])
-            # On several ranks the factory returns a LeaderRenderer, which has no begin/finish: sequential there.
             report = run_batch(jobs, factory, kw["out_dir"], overwrite=kw["overwrite"], fail_fast=kw["fail_fast"],
-                               quiet=kw["quiet"], shard=kw["shard"], overlap=kw["overlap"])
+                               quiet=kw["quiet"], shard=kw["shard"])
             return report.exit_code
         finally:
             if ctx.distributed:

@@ -22,21 +22,14 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from h3render.spec import (AUDIO_CHANNELS, CANVAS_MULTIPLE, FRAMES_PER_LATENT, LATENT_TIME_UNITS, PATCH,
+                           SPATIAL_COMPRESSION, audio_latents, latent_frames)
+
 VIDEO_TAG, TEXT_TAG, AUDIO_TAG = 0, 1, 2
 
-FPS = 24  # released: fixed 24 fps
-AUDIO_LATENTS_PER_SECOND = 40  # audio VAE: 32 kHz, hop 800
-AUDIO_CHANNELS = 2  # stereo, packed channel-major
-AUDIO_LATENT_CHANNELS = 32
-VIDEO_LATENT_CHANNELS = 24
-SPATIAL_COMPRESSION = 16  # video VAE: pixels per latent, each spatial axis
-FRAMES_PER_CLIP, LATENTS_PER_CLIP = 17, 5  # video VAE: 17-frame clips -> 5 latent frames (frames = 17n + 5)
-PATCH = (1, 2, 2)  # released DiT patch (t, h, w) over the video latent
-CANVAS_MULTIPLE = SPATIAL_COMPRESSION * PATCH[2]  # 32 px
-
-# RoPE time: one latent frame spans 5/3 * (1, 4, 4, 4, 4)[k % 5] units; spatial grids are scaled by 32.
-_FRAME_TIME_SCALE = 5.0 / 3.0
-_FRAMES_PER_LATENT = (1, 4, 4, 4, 4)
+# RoPE time: one latent frame spans 5/3 * (1, 4, 4, 4, 4)[k % 5] units (spec); spatial grids are scaled by 32.
+_FRAME_TIME_SCALE = LATENT_TIME_UNITS
+_FRAMES_PER_LATENT = FRAMES_PER_LATENT
 _SPATIAL_SCALE = 32
 
 
@@ -99,22 +92,6 @@ class PackedLayout:
         return index
 
 
-def latent_frames_for(frames: int) -> int:
-    """Video latent frames for `frames` pixel frames (17n + 5 -> 5n + 2).
-
-    Raises:
-        ValueError: when frames is not of the form 17n + 5.
-    """
-    if frames < LATENTS_PER_CLIP or frames % FRAMES_PER_CLIP != LATENTS_PER_CLIP:
-        raise ValueError(f"frames must be 17n + 5 (e.g. 124, 243, 362), got {frames}")
-    return (frames - LATENTS_PER_CLIP) // FRAMES_PER_CLIP * LATENTS_PER_CLIP + 2
-
-
-def audio_latents_for(frames: int) -> int:
-    """Audio latents per channel: `round(frames / 24 * 40)` (Python round, as the reference)."""
-    return int(round(frames / FPS * AUDIO_LATENTS_PER_SECOND))
-
-
 def _spatial_grid(dim: int, patch: int, sqrt_area: float) -> np.ndarray:
     """`dim // patch` centred, aspect-normalized coordinates x 32, float64. numpy's linspace on purpose: its
     `start + arange(n) * step` differs from torch.linspace in the last ulp."""
@@ -149,9 +126,9 @@ def t2va_layout(text_len: int, height: int, width: int, frames: int) -> PackedLa
         raise ValueError(f"text_len must be >= 1, got {text_len}")
     if height <= 0 or width <= 0 or height % CANVAS_MULTIPLE or width % CANVAS_MULTIPLE:
         raise ValueError(f"height and width must be positive multiples of {CANVAS_MULTIPLE}, got {width}x{height}")
-    t_lat = latent_frames_for(frames)
+    t_lat = latent_frames(frames)
     h_lat, w_lat = height // SPATIAL_COMPRESSION, width // SPATIAL_COMPRESSION
-    audio_len = audio_latents_for(frames)
+    audio_len = audio_latents(frames)
     _, ph, pw = PATCH
 
     rows_per_frame = (h_lat // ph) * (w_lat // pw)

@@ -2,10 +2,7 @@
 
 Times are wall-clock ``time.perf_counter`` seconds. On CUDA a stage synchronizes the device at its edges,
 so a stage's time includes the kernels it queued (without that, asynchronous launches would bill their
-work to whichever stage syncs next). When two jobs share the device (the batch queue overlapping one job's
-decode with the next job's denoising, each on its own CUDA stream), a timer set to ``stream_sync`` waits for
-its own thread's current stream only: a device synchronization would wait for the other job's kernels too,
-billing them to this stage and stalling both streams. Each stage keeps its wall intervals ``[start, end]``; totals come from
+work to whichever stage syncs next). Each stage keeps its wall intervals ``[start, end]``; totals come from
 the intervals, so stages that run at the same time (VAE decode on the GPU while the encoder thread muxes)
 are reported as they happened and the job total is the union of intervals, never a double-counted sum.
 
@@ -69,13 +66,9 @@ class StageTimer:
     """Per-job stage timer. Make a new one per job: construction resets the device's peak-memory counter.
 
     Args:
-        device: where the job runs; a CUDA device makes stage edges synchronize it and enables peak memory.
-        stream_sync: on CUDA, synchronize only the calling thread's current stream at stage edges instead of the
-            whole device (set while another job's work runs on the same device). No effect on CPU.
-        reset_peaks: reset the device's peak-memory counter at construction and at each outermost stage, so
-            that ``stage_peak_bytes`` is per stage. Off while another job shares the device: the counter is
-            device-wide, and a reset here would also clear the other job's peak; the stage peaks are then the
-            device's peak since whoever reset it last (both jobs together).
+        device: where the job runs; a CUDA device makes stage edges synchronize it and enables peak memory (the
+            device's peak-memory counter is reset at construction and at each outermost stage, so that
+            ``stage_peak_bytes`` is per stage).
 
     Usage::
 
@@ -94,12 +87,9 @@ class StageTimer:
     memory assumes one thread runs outermost stages at a time.
     """
 
-    def __init__(self, device: Union[torch.device, str, None] = None, *, stream_sync: bool = False,
-                 reset_peaks: bool = True) -> None:
+    def __init__(self, device: Union[torch.device, str, None] = None) -> None:
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         self._cuda = self.device.type == "cuda" and torch.cuda.is_available()
-        self.stream_sync = stream_sync  # may be changed between phases of a job (pipeline.Renderer.finish does)
-        self.reset_peaks = reset_peaks
         self._lock = threading.Lock()
         self.intervals: dict[str, list[Interval]] = {}
         self.steps: dict[str, list[float]] = {}
@@ -107,7 +97,8 @@ class StageTimer:
         self.stage_peak_bytes: dict[str, int] = {}
         self._local = threading.local()  # stage nesting depth, per thread
         self._job_peak = 0
-        if self._cuda and reset_peaks:
+        self._frozen_peak: int | None = None
+        if self._cuda:
             torch.cuda.reset_peak_memory_stats(self.device)
 
     @property
@@ -121,11 +112,7 @@ class StageTimer:
         return time.perf_counter()
 
     def _sync(self) -> None:
-        if not self._cuda:
-            return
-        if self.stream_sync:
-            torch.cuda.current_stream(self.device).synchronize()  # this thread's stream only
-        else:
+        if self._cuda:
             torch.cuda.synchronize(self.device)
 
     def add_interval(self, name: str, start: float, end: float) -> None:
@@ -138,13 +125,12 @@ class StageTimer:
 
     @contextmanager
     def stage(self, name: str) -> Iterator[None]:
-        """Time a stage, synchronizing the CUDA device (or, with ``stream_sync``, this thread's stream) at both
-        edges. Outermost stages also record their peak allocated device memory (bytes) in ``stage_peak_bytes``;
+        """Time a stage, synchronizing the CUDA device at both edges. Outermost stages also record their peak allocated device memory (bytes) in ``stage_peak_bytes``;
         a stage may be entered several times."""
         depth = getattr(self._local, "depth", 0)
         outer = depth == 0
         self._sync()
-        if self._cuda and outer and self.reset_peaks:
+        if self._cuda and outer:
             torch.cuda.reset_peak_memory_stats(self.device)
         self._local.depth = depth + 1
         start = self.now()
@@ -199,10 +185,17 @@ class StageTimer:
             common = _intersect(common, self.intervals.get(name, []))
         return _length(common)
 
+    def freeze_peak(self) -> None:
+        """Fix the job's peak memory now: the job's device work is over (its MP4 tail runs on the host while the next
+        job, with its own timer, already uses the device and the device-wide counter)."""
+        self._frozen_peak = self.peak_memory_bytes()
+
     def peak_memory_bytes(self) -> int | None:
         """Peak allocated device memory over the job so far (None off CUDA)."""
         if not self._cuda:
             return None
+        if self._frozen_peak is not None:
+            return self._frozen_peak
         return max(self._job_peak, torch.cuda.max_memory_allocated(self.device))
 
     def summary(self) -> dict[str, Any]:

@@ -160,12 +160,12 @@ def test_renderer_captures_in_prepare_and_records_a_new_length(tmp_path):
     """The Renderer replays the audio decode from graphs captured in `prepare`; a length prepare did not see is
     captured by its first job and reported in the sidecar as warm-up (CPU stand-in for CUDA graphs)."""
     from h3render.jobs import Job
-    from h3render.packing import audio_latents_for
+    from h3render.spec import audio_latents as audio_latents_for
     from h3render.parallel.groups import ParallelContext
-    from h3render.pipeline import EngineSettings, Renderer
+    from h3render.engine import Engine, EngineSettings
 
     ctx = ParallelContext(0, 1, 0, torch.device("cpu"))
-    renderer = Renderer.load("tiny", ctx, torch.float32, EngineSettings(progress=False))
+    renderer = Engine.load("tiny", ctx, torch.float32, EngineSettings(progress=False))
     assert not renderer.audio_decode.graphs_on("cpu")  # on CPU the Renderer decodes eagerly
     standin = ReplayInPlace()
     renderer.audio_decode = ShapeGraphs(renderer.c.audio_vae.decode, backend=standin)

@@ -19,9 +19,9 @@ from h3render.media import (
     audio_samples_for,
     prepare_audio,
     temp_path_for,
-    write_mp4,
 )
 from tests._mp4 import decode as decode_mp4
+from tests._mp4 import write_mp4
 
 F, H, W = 39, 96, 128
 SR, FPS = 32_000, 24

@@ -1,4 +1,4 @@
-"""The Renderer's soundtrack hand-over: the waveform reaches the MP4 writer before the first video frame (so AAC is
+"""The engine's soundtrack hand-over: the waveform reaches the MP4 writer before the first video frame (so AAC is
 encoded while the video decodes, not inside the close), and a non-finite waveform fails the job without a file."""
 
 from __future__ import annotations
@@ -8,7 +8,8 @@ import os
 import pytest
 import torch
 
-import h3render.pipeline as pipeline
+import h3render.render as render
+from h3render.engine import Engine, EngineSettings, RenderError
 from h3render.jobs import Job
 from h3render.parallel.groups import ParallelContext
 
@@ -16,7 +17,7 @@ from h3render.parallel.groups import ParallelContext
 @pytest.fixture(scope="module")
 def renderer():
     ctx = ParallelContext(0, 1, 0, torch.device("cpu"))
-    return pipeline.Renderer.load("tiny", ctx, torch.float32, pipeline.EngineSettings(progress=False))
+    return Engine.load("tiny", ctx, torch.float32, EngineSettings(progress=False))
 
 
 JOB = Job(id="a", prompt="Waves on a pebble beach", width=224, height=128, frames=22, seed=3, steps=2, mode="t2va",
@@ -26,7 +27,7 @@ JOB = Job(id="a", prompt="Waves on a pebble beach", width=224, height=128, frame
 def test_audio_reaches_the_writer_before_the_frames(renderer, tmp_path, monkeypatch):
     calls = []
 
-    class Recording(pipeline.Mp4Writer):
+    class Recording(render.Mp4Writer):
         def write_audio(self, waveform):
             calls.append("audio")
             super().write_audio(waveform)
@@ -35,11 +36,11 @@ def test_audio_reaches_the_writer_before_the_frames(renderer, tmp_path, monkeypa
             calls.append("frames")
             super().write_frames(chunk)
 
-        def close(self):
+        def finish_async(self, then=None):
             calls.append("close")
-            super().close()
+            return super().finish_async(then)
 
-    monkeypatch.setattr(pipeline, "Mp4Writer", Recording)
+    monkeypatch.setattr(render, "Mp4Writer", Recording)
     data = renderer.render(JOB, tmp_path / "a.mp4", tmp_path / "a.json")
     assert calls[0] == "audio" and calls[-1] == "close" and calls.count("frames") >= 1
     assert data["extra"]["frames_written"] == 22 and (tmp_path / "a.mp4").is_file()
@@ -48,7 +49,7 @@ def test_audio_reaches_the_writer_before_the_frames(renderer, tmp_path, monkeypa
 def test_non_finite_audio_fails_without_a_file(renderer, tmp_path, monkeypatch):
     decode = renderer.audio_decode.fn
     monkeypatch.setattr(renderer.audio_decode, "fn", lambda latent: decode(latent) * float("nan"))
-    with pytest.raises(pipeline.RenderError, match="non-finite samples"):
+    with pytest.raises(RenderError, match="non-finite samples"):
         renderer.render(JOB, tmp_path / "b.mp4", tmp_path / "b.json")
     assert list(tmp_path.iterdir()) == []
 

@@ -458,21 +458,46 @@ class DiT(nn.Module):
         return rope_tables(positions, self.cfg.rope_freq_dim, self.cfg.rope_theta)
 
     @torch.no_grad()
-    def modulation_tables(self, timesteps: torch.Tensor) -> ModulationTables:
+    def modulation_tables(self, timesteps: torch.Tensor, device: torch.device | str | None = None) -> ModulationTables:
         """AdaLN tables for timesteps `[K]` (t = 1 - sigma, unscaled in [0, 1]); see `ModulationTables`.
+
+        Args:
+            device: where the tables are built and kept (default: where the time embedder is). An AdaLN projection
+                held elsewhere (host memory, to keep the ≈13 B AdaLN parameters of the release off the GPU) visits
+                `device` for its own block only and goes back, so peak memory grows by one block's projection
+                (≈0.5 GB at release).
 
         Raises:
             RuntimeError: after `drop_adaln_weights_()`.
         """
         if not self.has_adaln_weights:
             raise RuntimeError("DiT.modulation_tables: the AdaLN weights were dropped; build the tables before that")
-        timesteps = torch.as_tensor(timesteps, dtype=torch.float32).reshape(-1)
-        k, h = timesteps.numel(), self.cfg.hidden_size
         te = self.time_embedder.proj_in.weight
-        temb = self.time_embedder(timestep_sinusoid(timesteps.to(te.device), self.cfg.freq_dim).to(te.dtype))
-        blocks = tuple(b.adaln_proj(temb).view(k * NUM_MODALITIES, 6, h) for b in self.blocks)
-        final = self.final_layer.adaln_proj(temb).view(k, 2, h)
-        return ModulationTables(timesteps.to(te.device), blocks, final)
+        device = te.device if device is None else torch.device(device)
+        timesteps = torch.as_tensor(timesteps, dtype=torch.float32).reshape(-1).to(device)
+        k, h = timesteps.numel(), self.cfg.hidden_size
+        temb = self.time_embedder(timestep_sinusoid(timesteps, self.cfg.freq_dim).to(te.dtype))
+
+        def run(proj: nn.Module, rows: int) -> torch.Tensor:
+            home = proj.linear.weight.device
+            if home == device:
+                return proj(temb).view(rows, -1, h)
+            proj.to(device)
+            try:
+                return proj(temb).view(rows, -1, h)
+            finally:
+                proj.to(home)
+
+        blocks = tuple(run(b.adaln_proj, k * NUM_MODALITIES) for b in self.blocks)
+        final = run(self.final_layer.adaln_proj, k)
+        return ModulationTables(timesteps, blocks, final)
+
+    def offload_adaln_(self, device: torch.device | str = "cpu") -> None:
+        """Move every AdaLN projection (blocks + final layer) to `device` (host memory): the forward reads the tables
+        only, and `modulation_tables(timesteps, device=...)` brings each projection back for its own block."""
+        for proj in [b.adaln_proj for b in self.blocks] + [self.final_layer.adaln_proj]:
+            if proj is not None:
+                proj.to(device)
 
     # -- forward ----------------------------------------------------------------------------------------------------
 

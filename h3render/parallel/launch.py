@@ -134,13 +134,9 @@ class LeaderRenderer:
     """Rank 0's renderer: announces each job to the followers, renders its own part, and fails the job on every
     rank if any rank failed (no rank is left waiting in a collective).
 
-    It has `render` only, no `begin`/`finish` phases, so the batch queue runs jobs one after another here: every
-    rank must enter each job's collectives (all-to-alls, gathers) in the same order, and a decode overlapping the
-    next job's denoising would interleave two jobs' collectives differently on different ranks.
+    Its `render` waits for the whole job, MP4 tail included, before the ranks compare how it went: the failure
+    check is itself a collective, so every rank must reach it for the same job.
     """
-
-    overlap_unsupported = ("several ranks: every rank must run each job's collectives in the same order, so jobs "
-                           "run one after another")
 
     def __init__(self, renderer, ctx: ParallelContext):
         self.renderer = renderer

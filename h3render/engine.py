@@ -1,0 +1,340 @@
+"""The resident engine: load once, keep the weights on the device, render many jobs (`h3render.render`).
+
+The engine owns what outlives a job: the loaded components, the attention backend chosen by measurement, the
+parallel plan (`h3render.parallel.plan`: applied once here, handed to every job), the AdaLN tables per schedule,
+the audio decode's CUDA graphs per length, the pinned frame buffers, and the warm-up that keeps first-call costs
+(Triton compilation, communicator set-up, tokenizer load) out of job timings. A job itself is `render.render_job`.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from h3render import spec
+from h3render.graphs import ShapeGraphs
+from h3render.media import PinnedFrameStager
+from h3render.models.attention import attention as fast_attention
+from h3render.models.attention import fastest_for, select_backend
+from h3render.models.attention import runner as attention_runner
+from h3render.packing import t2va_layout
+from h3render.parallel.groups import ParallelContext
+from h3render.parallel.plan import ParallelPlan
+from h3render.sampling import Schedule, dit_model_fn
+
+
+class RenderError(RuntimeError):
+    """A job could not produce a valid MP4 (non-finite latents, frames or audio; bad job for this checkpoint)."""
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """Engine-level knobs, fixed for the life of an Engine.
+
+    Attributes:
+        crf, x264_preset: H.264 quality (x264 CRF 0..51) and speed preset; defaults CRF 18, "veryfast".
+        vae_batch: video VAE decode work items per decoder forward.
+        attention: attention backend name ("fa3", "cudnn", "sdpa") or None to choose by measurement.
+        progress: show the per-step tqdm bar (at `step_bar_position`; the batch queue bar is at 0).
+        compile_vae: on CUDA, `torch.compile` the video VAE decoder blocks (1x H200: 11.0 s -> 7.2 s for 72 latent
+            frames at 1344x768; compiled in `prepare`, outside job timings).
+        graph_audio: on CUDA, replay the audio VAE decode from a CUDA graph captured per audio length (in `prepare`
+            for the jobs' lengths; a new length is captured by the first job that has it, which records it in
+            the sidecar's `extra.job_warmup`). Same output bit for bit as the eager decode (h3render/graphs.py).
+        save_latents: also write the final latents (`<name>.latents.pt`: video `[24, T, h, w]`, audio
+            `[2, 32, Ta]`, float32) beside the MP4, for comparing runs (e.g. 1 vs N GPUs).
+    """
+
+    crf: int = 18
+    x264_preset: str = "veryfast"
+    vae_batch: int = 8
+    attention: str | None = None
+    progress: bool = True
+    save_latents: bool = False
+    step_bar_position: int = 1
+    compile_vae: bool = True
+    graph_audio: bool = True
+
+
+class Engine:
+    """Holds the loaded model on this rank's device and what jobs share; `render` runs one job.
+
+    Args:
+        components: loaded models + checkpoint info (`h3render.checkpoint.Components`).
+        ctx: this rank's place in the render (`h3render.parallel.groups.ParallelContext`).
+        settings: `EngineSettings`.
+        fasth3: the FastH3 few-step `Schedule` when a student runs (adapter fused, or a V2 checkpoint), else None.
+        adapter: what the sidecar says about the student (path, sha256, positions, source), or None.
+    """
+
+    def __init__(self, components, ctx: ParallelContext, settings: EngineSettings = EngineSettings(),
+                 fasth3: Schedule | None = None, load_seconds: float = 0.0, adapter: dict[str, Any] | None = None):
+        self.c = components
+        self.ctx = ctx
+        self.device = ctx.device
+        self.settings = settings
+        self.fasth3 = fasth3
+        self.adapter = adapter
+        self.transformer: dict[str, Any] | None = None  # the --transformer file, when the DiT came from one
+        self.load_seconds = load_seconds
+        self.warmup: dict[str, Any] = {}
+        self._tables: dict[tuple[float, ...], Any] = {}
+        self.stager = PinnedFrameStager(num_buffers=8)
+        self.audio_decode = ShapeGraphs(components.audio_vae.decode, name="audio VAE decode",
+                                        enabled=settings.graph_audio)  # eager off CUDA
+        self._audio_lengths: set[int] = set()  # audio lengths captured (the same set on every rank)
+        t0 = time.perf_counter()
+        if self.device.type == "cuda":
+            # Measured choice among FA3 / cuDNN SDPA / SDPA; the probe is warm-up, never part of a job.
+            self.warmup["attention_backend"] = select_backend(settings.attention)
+            self.c.dit.set_attention(fast_attention, refiner=True)
+            self.c.video_vae.set_attention(_heads_first(fast_attention))  # until prepare() probes the VAE's shape
+        else:
+            self.warmup["attention_backend"] = "sdpa (CPU)"
+        # One GEMM for the VAE decoder's q/k/v (weights are loaded; the decoder never saves a state dict).
+        self.c.video_vae.fuse_qkv_()
+        self.warmup["select_attention_s"] = time.perf_counter() - t0
+        # The parallel plan is applied once, here: the DiT forward, the decode split and the audio hand-over.
+        self.plan = ParallelPlan(ctx, self.c.dit)
+
+    @classmethod
+    def load(cls, checkpoint: str, ctx: ParallelContext, dtype: torch.dtype, settings: EngineSettings = EngineSettings(),
+             adapter: str | None = None, transformer_file: str | None = None) -> "Engine":
+        """Load a checkpoint (a path, or "tiny"/"small" for a built-in random model) onto this rank's device.
+
+        With `adapter`, the FastH3 student adapter is fused into the DiT weights while they stream to the device
+        (before any sharding), and the engine runs the student's fixed few-step schedule. `transformer_file` is a
+        single-file DiT (ComfyUI layout) used in place of the checkpoint's own transformer.
+
+        Raises:
+            CheckpointError, AdapterError: unreadable or mismatched checkpoint / adapter, naming file and tensor.
+        """
+        from h3render import checkpoint as ckpt
+        from h3render import fasth3
+
+        t0 = time.perf_counter()
+        info = ckpt.read_checkpoint_info(checkpoint)
+        hook = schedule = adapter_info = None
+        if adapter is not None:
+            random_model = info.layout == "builtin" or getattr(info, "random_model", None) is not None
+            base = fasth3.TINY_BASE_MODEL if random_model else fasth3.RELEASED_BASE_MODEL
+            ad = fasth3.read_adapter(adapter, base_model=base)
+            if ad.requires_vsa:
+                raise fasth3.AdapterError(f"{adapter}: a sparse-attention (VSA) student; h3render runs dense "
+                                          "attention only")
+            hook = fasth3.AdapterFusion(ad, info.release.dit, ctx.device)
+            schedule = fasth3.fasth3_schedule(ad, info.video_shift, info.audio_shift)
+            adapter_info = {"path": str(adapter), "sha256": ad.sha256, "base_model": ad.base_model,
+                            "rank": ad.rank, "positions": list(schedule.positions), "source": schedule.source}
+        elif info.layout != "builtin" and (contract := fasth3.read_v2_contract(checkpoint)) is not None:
+            # FastH3 V2: a full distilled checkpoint carrying its own few-step contract (8 forwards, video shift 10)
+            schedule = fasth3.fasth3_schedule(contract)
+            adapter_info = {"v2_contract": str(Path(checkpoint) / fasth3.V2_CONTRACT_FILE),
+                            "positions": list(schedule.positions), "source": schedule.source,
+                            "attention": "dense (V2 was trained with sparse attention)"}
+        components = ckpt.load_components(checkpoint, ctx.device, dtype, tensor_hook=hook,
+                                          transformer_file=transformer_file)
+        if ctx.device.type == "cuda":
+            torch.cuda.synchronize(ctx.device)
+        engine = cls(components, ctx, settings, fasth3=schedule, load_seconds=time.perf_counter() - t0,
+                     adapter=adapter_info)
+        if transformer_file is not None:
+            # The DiT came from this file, not from the checkpoint folder: the sidecar says so.
+            stat = Path(transformer_file).stat()
+            engine.transformer = {"path": str(Path(transformer_file).resolve()), "bytes": stat.st_size,
+                                  "mtime": stat.st_mtime}
+        return engine
+
+    # -- one job ------------------------------------------------------------------------------------------------
+
+    def render_async(self, job, mp4_path: Path | str, sidecar_path: Path | str) -> Future:
+        """Render `job`; returns once the last frame is handed to the MP4 writer. The writer's tail (encoder flush,
+        trailer, fsync, rename, sidecar) runs on the writer's thread meanwhile, so the next job's prompt encode and
+        denoise start on the device at once: the Future resolves to the sidecar dict (rank 0; {} elsewhere) when
+        both files are in place, or raises what went wrong (MediaError, OSError).
+
+        Raises:
+            RenderError: non-finite latents, frames or audio; a job this checkpoint cannot run.
+            MediaError: the MP4 could not be written (before the tail).
+        """
+        from h3render.render import render_job
+
+        return render_job(self, job, Path(mp4_path), Path(sidecar_path))
+
+    def render(self, job, mp4_path: Path | str, sidecar_path: Path | str) -> dict[str, Any]:
+        """`render_async(...)` waited for: the sidecar dict (rank 0) or {} (other ranks), both files written."""
+        return self.render_async(job, mp4_path, sidecar_path).result()
+
+    # -- what jobs share -------------------------------------------------------------------------------------------
+
+    def schedule(self, job) -> Schedule:
+        """Sigma lists for a job: the FastH3 student's fixed few-step schedule, or the base linspace+shift grid."""
+        info = self.c.info
+        if job.mode == "fasth3":
+            if self.fasth3 is None:
+                raise RenderError("mode fasth3 needs a FastH3 adapter (--adapter PATH) fused at load time")
+            return self.fasth3
+        if self.fasth3 is not None:
+            raise RenderError("this engine runs a FastH3 student (adapter fused, or a V2 checkpoint); base-model "
+                              "(t2va) jobs need the base checkpoint without --adapter")
+        return Schedule.base(job.steps or info.release.sigma_points, info.video_shift, info.audio_shift)
+
+    def tables(self, schedule: Schedule):
+        """AdaLN modulation tables for every timestep of a schedule, built once on the device and cached."""
+        key = tuple(schedule.timesteps.tolist())
+        if key not in self._tables:
+            self._tables[key] = self.c.dit.modulation_tables(schedule.timesteps, device=self.device)
+        return self._tables[key]
+
+    def model_fn(self, text: torch.Tensor, layout, tables):
+        """`sampling.denoise`'s model_fn for one job: the DiT forward of the parallel plan (the diffusers oracle
+        chain test drives the same `sampling.dit_model_fn`)."""
+        return dit_model_fn(self.plan.forward, text, layout, tables, self.c.dit.rope_tables(layout.positions))
+
+    def decode_audio(self, latent: torch.Tensor, timer) -> tuple[torch.Tensor | None, dict[str, Any]]:
+        """Audio latent `[2, 32, Ta]` -> (waveform `[2, Ta * 800]` float32 on the rank that decodes audio, else None;
+        the warm-up this job paid for).
+
+        A length `prepare` did not see is captured here first (once; later jobs of that length replay it), timed
+        apart from `vae_audio` as warm-up and reported in the sidecar's `extra.job_warmup`.
+        """
+        job_warmup: dict[str, Any] = {}
+        length = latent.shape[-1]
+        decodes = self.plan.decodes_audio
+        if self.audio_decode.graphs_on(self.device) and length not in self._audio_lengths:
+            self._audio_lengths.add(length)
+            seconds = None
+            if decodes:
+                with timer.warmup("audio_graph_capture"):
+                    seconds = self.audio_decode.capture(latent)
+            job_warmup["audio_graph_capture"] = {"latents": length, "rank": self.plan.audio_rank,
+                                                 "seconds": seconds, "failure": self.audio_decode.failure}
+        waveform = None
+        if decodes:
+            with timer.stage("vae_audio"):
+                waveform = self.audio_decode(latent)
+        return waveform, job_warmup
+
+    # -- warm-up ----------------------------------------------------------------------------------------------------
+
+    def prepare(self, jobs: list) -> None:
+        """Warm-up outside job timings, for the jobs about to run: the AdaLN tables of their schedules (then, on
+        CUDA, the AdaLN projections, ≈13 B parameters at release, go to host memory); one text encode and two short
+        DiT forwards; on CUDA the VAE decoder's attention backend measured at its own shape and its blocks
+        compiled for the jobs' tile shapes (`compile_vae`), the audio decoder's activations checked, and the audio
+        decode's CUDA graph captured for the jobs' audio lengths (`graph_audio`)."""
+        t0 = time.perf_counter()
+        for job in jobs:
+            self.tables(self.schedule(job))
+        if self.device.type == "cuda":
+            self.c.dit.offload_adaln_("cpu")
+            torch.cuda.empty_cache()
+        self.warmup["adaln_tables_s"] = time.perf_counter() - t0
+        if jobs:
+            t0 = time.perf_counter()
+            with torch.no_grad():
+                # First-call costs of the text encoder (tokenizer load, kernel selection) stay out of the first job:
+                # measured 0.94 s for the first job's 91-token prompt on 2xH200 against 0.04 s warm.
+                self.c.text_encoder.encode(jobs[0].prompt)
+                self._warm_dit(jobs[0])
+                self.plan.warm_up()
+            self.warmup["dit_te_warmup_s"] = time.perf_counter() - t0
+        if self.device.type == "cuda" and jobs:
+            self._warm_vae(jobs)
+            if self.plan.decodes_audio and "audio_activations" not in self.warmup:
+                self._choose_audio_activations()
+        lengths = sorted({spec.audio_latents(j.frames) for j in jobs} - self._audio_lengths)
+        if self.audio_decode.graphs_on(self.device) and lengths:
+            t0 = time.perf_counter()
+            for length in lengths:
+                self._audio_lengths.add(length)
+                if self.plan.decodes_audio:
+                    self.audio_decode.capture(self._audio_probe(length))
+            self.warmup["audio_graph_capture_s"] = self.warmup.get("audio_graph_capture_s", 0.0) + (
+                time.perf_counter() - t0)
+            self.warmup["audio_graph_latents"] = sorted(self._audio_lengths)
+            if self.audio_decode.failure is not None:
+                self.warmup["audio_graph_failure"] = self.audio_decode.failure  # decoding eagerly instead
+
+    @torch.no_grad()
+    def _warm_vae(self, jobs: list) -> None:
+        vae = self.c.video_vae
+        if self.settings.attention in (None, "auto"):
+            # The decoder's attention (short sequences, head dim 64) gets its own measured backend.
+            job = jobs[0]
+            plan = vae.plan_decode(vae.config.geometry.window_latents, job.height // 16, job.width // 16)
+            name, probe = fastest_for(vae.attention_shape(plan, self.settings.vae_batch))
+            vae.set_attention(_heads_first(attention_runner(name)))
+            self.warmup["vae_attention_backend"] = name
+            self.warmup["vae_attention_probe_s"] = probe
+        t0 = time.perf_counter()
+        if self.settings.compile_vae and not getattr(vae, "pad_batches", False):
+            vae.compile_blocks_(dynamic=False)
+        for width, height in sorted({(j.width, j.height) for j in jobs}):
+            # one decoder batch of one window of the canvas: every item of a plan shares one tile shape
+            plan = vae.plan_decode(vae.config.geometry.window_latents, height // 16, width // 16)
+            z = torch.zeros(vae.config.latent_channels, plan.latent_frames, plan.latent_height, plan.latent_width,
+                            device=self.device)
+            vae.decode_items(z, plan.items[: self.settings.vae_batch], self.settings.vae_batch)
+        torch.cuda.synchronize(self.device)
+        self.warmup["vae_compile_s" if self.settings.compile_vae else "vae_warmup_s"] = time.perf_counter() - t0
+
+    @torch.no_grad()
+    def _choose_audio_activations(self) -> None:
+        """Keep the audio decoder's Triton activations (`kernels.alias_free`, the default on CUDA) only if they run
+        and agree with the torch ones on a 1 s probe: relative error <= 1e-3 (float rounding gives ~1e-6 before cuDNN's
+        TF32 convolutions amplify it; a wrong kernel is off by O(1)). Otherwise the decoder uses the torch path."""
+        vae = self.c.audio_vae
+        g = torch.Generator().manual_seed(0)
+        probe = torch.randn(spec.AUDIO_CHANNELS, vae.config.latent_channels, spec.AUDIO_LATENTS_PER_SECOND,
+                            generator=g).to(self.device)
+        try:
+            fused = vae.set_fused_activations(None).decode(probe).double()
+            reference = vae.set_fused_activations(False).decode(probe).double()
+            err = float((fused - reference).norm() / reference.norm().clamp_min(1e-30))
+            ok, why = err <= 1e-3, f"rel. err {err:.1e} vs torch on a 1 s probe"  # NaN fails the test too
+        except Exception as exc:
+            ok, why = False, f"{type(exc).__name__}: {exc}"[:300]
+        vae.set_fused_activations(None if ok else False)
+        self.warmup["audio_activations"] = ("triton" if ok else "torch") + f" ({why})"
+
+    def _audio_probe(self, length: int) -> torch.Tensor:
+        """A zero audio latent `[2, 32, length]` (float32, this device): the decode's input shape."""
+        return torch.zeros(spec.AUDIO_CHANNELS, self.c.audio_vae.config.latent_channels, length, device=self.device)
+
+    def _warm_dit(self, job) -> None:
+        """Two short DiT forwards on the job's code path (sharded on several ranks), so the first denoising step of
+        the first job pays no Triton compilation, attention set-up or communicator creation (measured on 2xH200:
+        the first step took 0.8 s longer than the next ones without this).
+
+        Triton specializes integer arguments on divisibility by 16; one forward with a rank's row count divisible
+        by 16 and one with it not divisible compile both variants whatever the job's length.
+        """
+        dit, dev = self.c.dit, self.device
+        tables = self.tables(self.schedule(job))
+        frames = spec.FRAMES_REMAINDER  # the shortest clip (17n + 5 frames): one forward is milliseconds at any canvas
+        base = t2va_layout(1, job.height, job.width, frames).seq_len - 1  # rows besides the text
+        world = self.ctx.world_size
+        for remainder in (0, 7):
+            text_len = next(n for n in range(1, 16 * world + 2) if -(-(base + n) // world) % 16 == remainder)
+            layout = t2va_layout(text_len, job.height, job.width, frames).to(dev)
+            text = torch.zeros(text_len, dit.cfg.text_dim, dtype=dit.dtype, device=dev)
+            video = torch.zeros(layout.video_index.numel(), dit.cfg.video_patch_dim, device=dev)
+            audio = torch.zeros(layout.audio_index.numel(), dit.cfg.audio_in_channels, device=dev)
+            self.model_fn(text, layout, tables)(video, audio, tables.timesteps[0], tables.timesteps[0])
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+
+
+def _heads_first(fn):
+    """Adapt a `[B, S, H, D]` attention to the VAE decoder's `[B, H, S, D]` convention."""
+
+    def attention(q, k, v):
+        return fn(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)).transpose(1, 2)
+
+    return attention
