@@ -12,7 +12,7 @@ Stages (`--stages`, comma-separated):
   dit       DiT forward: ours vs diffusers at --ref-blocks blocks (same weights; scaled to 50), then ours at 50
             blocks alone (tables, AdaLN weights dropped), 1344x768x243 and 960x544x124
   vae       video VAE decode of 72 (and 32) latent frames: ours vs diffusers, same weights
-  audio     audio VAE decode (fp32), 2 x 405 latents: eager, CUDA graph (the Renderer's path), cudnn TF32 off, and
+  audio     audio VAE decode (fp32), 2 x 405 latents: eager, CUDA graph (the Engine's path), cudnn TF32 off, and
             torch.compile (--audio-compile-modes) with and without a graph; each vs our eager and vs diffusers;
             medians of --audio-reps calls timed with CUDA events
   te        text encoder, 50 of 64 Qwen3-VL-32B layers, 256- and 2,000-token prompts
@@ -22,10 +22,10 @@ Stages (`--stages`, comma-separated):
   e2e       complete MP4 of a 10.125 s 1344x768 clip with --forwards DiT forwards (4 = FastH3 length), all
             components resident; run under torchrun for several GPUs
   batch     queue throughput on 1 GPU: --batch-jobs jobs of --forwards DiT forwards at --batch-canvas through
-            `run_batch` with one resident Renderer, sequential then overlapped (job N's decode + encode beside job
-            N+1's text encode + denoise); prints both queue times and their ratio. Warm-up (prepare, and one untimed
-            job of the queue's shape for Triton JIT / first-call costs) is outside the timings. `--batch-model tiny`
-            runs it on the built-in tiny model (also on CPU: `--batch-device cpu`), a smoke test of the stage.
+            `run_batch` with one resident Engine (each job's MP4 tail beside the next job's start). Warm-up
+            (prepare, and one untimed job of the queue's shape for Triton JIT / first-call costs) is outside the
+            timings. `--batch-model tiny` runs it on the built-in tiny model (also on CPU: `--batch-device cpu`), a
+            smoke test of the stage.
 
 Usage (device): python scripts/bench.py --stages ceil,attn,kernels,dit,vae,audio,te
                 torchrun --nproc-per-node 2 scripts/bench.py --stages e2e
@@ -298,7 +298,7 @@ def stage_vae(args) -> None:
         ref.to(torch.bfloat16)  # all-bf16, as the anchor runs it (DESIGN.md §3)
         ref.enable_tiling()
     ours.apply_precision_(torch.bfloat16)
-    ours.fuse_qkv_()  # as the Renderer runs it
+    ours.fuse_qkv_()  # as the Engine runs it
     vae_attention(ours, args.vae_batches[-1], "vae")
     rec(stage="vae", what="video VAE params", params=sum(p.numel() for p in ours.parameters()))
     compiled = False
@@ -339,9 +339,9 @@ def stage_vae(args) -> None:
 
 
 def vae_attention(vae, batch: int, stage: str) -> None:
-    """The decoder's attention backend, measured at its own shape (as `Renderer.prepare` does)."""
+    """The decoder's attention backend, measured at its own shape (as `Engine.prepare` does)."""
     from h3render.models.attention import fastest_for, runner
-    from h3render.pipeline import _heads_first
+    from h3render.engine import _heads_first
 
     shape = vae.attention_shape(vae.plan_decode(vae.config.geometry.window_latents, 48, 84), batch)
     name, probe = fastest_for(shape)
@@ -395,11 +395,11 @@ def event_times(fn, reps: int = 25, warm: int = 3) -> dict:
 @torch.no_grad()
 def stage_audio(args) -> None:
     """Audio VAE decode, 2 x 405 latents (10.125 s stereo) -> [2, 324000] fp32: eager and CUDA graph (what the
-    Renderer runs), each with the Triton anti-aliased activations (default on CUDA) and with the torch ones,
+    Engine runs), each with the Triton anti-aliased activations (default on CUDA) and with the torch ones,
     torch.compile variants; every output checked against our default eager decode and diffusers' (same weights)."""
     from h3render.graphs import ShapeGraphs
     from h3render.models.audio_vae import AudioVAE, AudioVAEConfig
-    from h3render.pipeline import EngineSettings
+    from h3render.engine import EngineSettings
 
     cfg = AudioVAEConfig()
     ours = build_on_gpu(lambda: AudioVAE(cfg), torch.float32)
@@ -455,7 +455,7 @@ def stage_audio(args) -> None:
     report("eager, Triton activations", lambda: ours.decode(z))
     graphed = ShapeGraphs(ours.decode, name="audio")
     capture_s = graphed.capture(z)
-    report("CUDA graph, Triton activations: Renderer default", lambda: graphed(z),
+    report("CUDA graph, Triton activations: Engine default", lambda: graphed(z),
            {"capture_s": round(capture_s, 3), "graphed": graphed.graphs_on(z.device)})
 
     # What true fp32 convolutions cost, how far cuDNN's TF32 default is from them, and the Triton activations' own
@@ -517,19 +517,19 @@ def stage_te(args) -> None:
     peak_reset()
 
 
-def released_renderer(args, ctx):
-    """The real Renderer over random real-size components (text encoder 50 layers, DiT, both VAEs), all resident."""
+def released_engine(args, ctx):
+    """The real Engine over random real-size components (text encoder 50 layers, DiT, both VAEs), all resident."""
     from h3render.checkpoint import CheckpointInfo, Components, tiny_tokenizer
     from h3render.releases import QWEN3VL_RELEASED, RELEASES
     from h3render.models.audio_vae import AudioVAE
     from h3render.models.text_encoder import TextEncoder
     from h3render.models.video_vae import VideoVAE
-    from h3render.pipeline import EngineSettings, Renderer, offload_adaln_
+    from h3render.engine import Engine, EngineSettings
 
     release = RELEASES["released"]
     t0 = time.perf_counter()
     dit = released_dit(50)
-    offload_adaln_(dit)  # tables are built block by block in prepare(); keeps the build under the GPU's memory
+    dit.offload_adaln_("cpu")  # tables are built block by block in prepare(); keeps the build under the GPU's memory
     torch.cuda.empty_cache()
     vae = build_on_gpu(lambda: VideoVAE(release.video_vae, release.vae_tiling), torch.float32)
     random_(vae, 1).apply_precision_(torch.bfloat16)
@@ -542,9 +542,8 @@ def released_renderer(args, ctx):
     info = CheckpointInfo(path="random-released", layout="builtin", release=release)
     comps = Components(dit, vae, avae, te, info)
     settings = EngineSettings(vae_batch=args.vae_batches[-1], attention=args.attention, progress=False,
-                              overlap_min_free_gb=getattr(args, "overlap_min_free_gb", None),
                               save_latents=getattr(args, "save_latents", False))  # /tmp/e2e-w<N>.latents.pt
-    return Renderer(comps, ctx, settings, load_seconds=build_s)
+    return Engine(comps, ctx, settings, load_seconds=build_s)
 
 
 PROMPT = ("A lighthouse keeper climbs the spiral stairs at dusk, camera tracking upward; wind, waves, the creak of "
@@ -553,12 +552,12 @@ PROMPT = ("A lighthouse keeper climbs the spiral stairs at dusk, camera tracking
 
 @torch.no_grad()
 def stage_e2e(args) -> None:
-    """A complete MP4 through the real Renderer: random real-size components, all resident."""
+    """A complete MP4 through the real Engine: random real-size components, all resident."""
     from h3render.jobs import Job
     from h3render.parallel.groups import init_parallel
 
     ctx = init_parallel("cuda")
-    renderer = released_renderer(args, ctx)
+    renderer = released_engine(args, ctx)
     job = Job(id="bench", prompt=PROMPT, width=1344, height=768, frames=243, seed=0, steps=args.forwards + 1,
               mode="t2va", output="bench")
     renderer.prepare([job])
@@ -710,13 +709,16 @@ def stage_compare(args) -> None:
 
 
 def stage_batch(args) -> None:
-    """Queue throughput, sequential vs overlapped, with one Renderer (prepared and warmed once) for both queues."""
+    """Queue throughput on one GPU: `run_batch` over --batch-jobs jobs with one Engine (prepared and warmed once).
+    Each job's MP4 tail (flush, trailer, fsync, rename, sidecar) runs on the writer's thread beside the next job's
+    start; `tail_hidden_s` is the wall time the queue saved by that (the tails' seconds that ran beside the next
+    job)."""
     import shutil
 
     from h3render.batch import run_batch
+    from h3render.engine import Engine, EngineSettings
     from h3render.jobs import Job
     from h3render.parallel.groups import init_parallel
-    from h3render.pipeline import EngineSettings, Renderer
 
     width, height, frames = (int(x) for x in args.batch_canvas.lower().split("x"))
     device = args.batch_device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -725,13 +727,12 @@ def stage_batch(args) -> None:
     if ctx.world_size != 1:
         raise RuntimeError("the batch stage measures one GPU: run it without torchrun")
     if args.batch_model == "released":
-        renderer = released_renderer(args, ctx)
+        engine = released_engine(args, ctx)
     else:
         if not cuda:
             torch.set_flush_denormal(True)  # as the CLI does on CPU
-        settings = EngineSettings(vae_batch=args.vae_batches[-1], attention=args.attention, progress=False,
-                                  overlap_min_free_gb=args.overlap_min_free_gb)
-        renderer = Renderer.load(args.batch_model, ctx, torch.bfloat16 if cuda else torch.float32, settings)
+        settings = EngineSettings(vae_batch=args.vae_batches[-1], attention=args.attention, progress=False)
+        engine = Engine.load(args.batch_model, ctx, torch.bfloat16 if cuda else torch.float32, settings)
     jobs = [Job(id=f"q{i}", prompt=f"{PROMPT} Take {i}.", width=width, height=height, frames=frames, seed=i,
                 steps=args.forwards + 1, mode="t2va", output=f"q{i}") for i in range(args.batch_jobs)]
     shape = f"{args.batch_jobs} jobs x {width}x{height}x{frames}, {args.forwards} forwards"
@@ -740,72 +741,39 @@ def stage_batch(args) -> None:
 
     root.mkdir(parents=True)
     t0 = time.perf_counter()
-    renderer.prepare(jobs[:1])  # every job shares the schedule and canvas
+    engine.prepare(jobs[:1])  # every job shares the schedule and canvas
     for k in range(args.batch_warmup):  # Triton JIT at this shape, first-call library set-up, x264 start-up
-        renderer.render(jobs[0], root / f"warmup{k}.mp4", root / f"warmup{k}.json")
+        engine.render(jobs[0], root / f"warmup{k}.mp4", root / f"warmup{k}.json")
     rec(stage="batch", what="warm-up (outside the queue timings)", seconds=round(time.perf_counter() - t0, 1),
-        warmup=renderer.warmup, resident_gb=gb(torch.cuda.memory_allocated()) if cuda else None)
+        warmup=engine.warmup, resident_gb=gb(torch.cuda.memory_allocated()) if cuda else None)
 
-    queue_s = {}
-    modes = args.batch_modes.split(",")
-    if sorted(modes) != ["overlapped", "sequential"]:
-        raise ValueError(f"--batch-modes: name sequential and overlapped once each, got {args.batch_modes}")
-    for mode in modes:
-        out = root / mode
-        graphs = _dynamo_graphs()
-        if cuda:
-            torch.cuda.synchronize()
-            torch.cuda.empty_cache()
-        t0 = time.perf_counter()
-        report = run_batch(jobs, lambda: renderer, out, overwrite=True, quiet=True, progress=False,
-                           overlap=mode == "overlapped")
-        wall = time.perf_counter() - t0
-        data = json.loads(report.path.read_text())
-        sides = [json.loads((out / f"{j.output}.json").read_text()) for j in jobs if (out / f"{j.output}.json").is_file()]
-        phases = [_phases(side) for side in sides]
-        queue_s[mode] = data["queue_seconds"]
-        row = dict(stage="batch", what=f"{mode} queue, {shape}, 1 {device.upper()}",
-                   queue_s=round(data["queue_seconds"], 2), wall_s=round(wall, 2),
-                   statuses=[j["status"] for j in data["jobs"]],
-                   job_s=[j["seconds"] for j in data["jobs"]],
-                   begin_s=[round(b, 2) for b, _ in phases], finish_s=[round(f, 2) for _, f in phases],
-                   overlap=data["overlap"], new_compiled_graphs=_dynamo_graphs() - graphs,
-                   peak_gb=gb(max(s["timings"]["peak_memory_bytes"] or 0 for s in sides)) if sides else None)
-        if mode == "overlapped":
-            row["jobs_overlap"] = [j.get("overlap") for j in data["jobs"]]
-            row["memory_checks"] = [s["timings"]["overlap"]["memory"] for s in sides]
-        else:
-            row["ideal_ratio"] = round(_ideal_ratio(phases), 3) if phases else None
-        rec(**row)
-        if report.exit_code != 0:
-            raise RuntimeError(f"{mode} queue exit code {report.exit_code}: {[j['error'] for j in data['jobs']]}")
-    ratio = queue_s["sequential"] / queue_s["overlapped"]
-    rec(stage="batch", what=f"throughput overlapped / sequential, {shape}", ratio=round(ratio, 3),
-        sequential_s=round(queue_s["sequential"], 2), overlapped_s=round(queue_s["overlapped"], 2),
-        target=1.1, met=ratio >= 1.1)
+    out = root / "queue"
+    graphs = _dynamo_graphs()
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+    t0 = time.perf_counter()
+    report = run_batch(jobs, lambda: engine, out, overwrite=True, quiet=True, progress=False)
+    wall = time.perf_counter() - t0
+    data = json.loads(report.path.read_text())
+    sides = [json.loads((out / f"{j.output}.json").read_text()) for j in jobs if (out / f"{j.output}.json").is_file()]
+    tails = [s["timings"]["stages"]["mp4_close_after_decode"]["seconds"] for s in sides]
+    rec(stage="batch", what=f"queue, {shape}, 1 {device.upper()}", queue_s=round(data["queue_seconds"], 2),
+        wall_s=round(wall, 2), statuses=[j["status"] for j in data["jobs"]], job_s=[j["seconds"] for j in data["jobs"]],
+        tail_s=[round(t, 3) for t in tails], tail_hidden_s=round(sum(tails[:-1]), 3),
+        new_compiled_graphs=_dynamo_graphs() - graphs,
+        peak_gb=gb(max(s["timings"]["peak_memory_bytes"] or 0 for s in sides)) if sides else None)
+    if report.exit_code != 0:
+        raise RuntimeError(f"queue exit code {report.exit_code}: {[j['error'] for j in data['jobs']]}")
 
 
 def _dynamo_graphs() -> int:
-    """Graphs torch.compile has built so far in this process (a change between the queues would be a recompile)."""
+    """Graphs torch.compile has built so far in this process (a change between runs would be a recompile)."""
     try:
         from torch._dynamo.utils import counters
     except ImportError:
         return 0
     return int(counters["stats"]["unique_graphs"])
-
-
-def _phases(sidecar: dict) -> tuple[float, float]:
-    """(begin, finish) seconds of a job: its `total` stage has one interval per phase."""
-    intervals = sidecar["timings"]["stages"]["total"]["intervals"]
-    return intervals[0][1] - intervals[0][0], sum(e - s for s, e in intervals[1:])
-
-
-def _ideal_ratio(phases: list[tuple[float, float]]) -> float:
-    """Sequential time over the best overlapped time the sequential phases allow (each finish fully hidden beside
-    the next begin, at most one finish in flight, no slowdown from sharing the device): the ceiling of the ratio."""
-    sequential = sum(b + f for b, f in phases)
-    overlapped = phases[0][0] + sum(max(b, f_prev) for (b, _), (_, f_prev) in zip(phases[1:], phases)) + phases[-1][1]
-    return sequential / overlapped
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -882,14 +850,14 @@ def stream_mp4(path: Path, kind: str, frames: int, width: int, height: int, deco
     """One clip through the renderer's media path, paced like a decode that takes `decode_s` for all frames.
 
     Chunks are generated before the clock starts (on `device`); chunk i is handed over once its share of
-    `decode_s` has passed, the way `Renderer._write_chunk` does it: `rgb_to_i420` on the device, a
+    `decode_s` has passed, the way `render._write_chunk` does it: `rgb_to_i420` on the device, a
     `PinnedFrameStager` copy to the host, `Mp4Writer.write_frames`. On a CPU device the chunks are converted to
     I420 before the clock starts (the GPU does that in 0.04 s per clip; a CPU would steal the encoder's cores).
     The soundtrack goes in before the first chunk (`audio_first`) or after the last, then `close()`.
     """
     from h3render.colour import rgb_to_i420
     from h3render.media import Mp4Writer, PinnedFrameStager
-    from h3render.pipeline import EngineSettings
+    from h3render.engine import EngineSettings
 
     settings = EngineSettings()
     on_gpu = torch.device(device).type == "cuda"
@@ -902,7 +870,7 @@ def stream_mp4(path: Path, kind: str, frames: int, width: int, height: int, deco
     wave = synthetic_audio(frames, device)
     if on_gpu:
         torch.cuda.synchronize()
-    stager = PinnedFrameStager(num_buffers=8)  # as the Renderer's
+    stager = PinnedFrameStager(num_buffers=8)  # as the Engine's
     options = {"crf": settings.crf, "preset": settings.x264_preset, **writer_options}
     writer = Mp4Writer(path, width, height, frames, **options)
     try:
@@ -988,10 +956,7 @@ def main() -> None:
                    help="released: random real-size components on the GPU; tiny/small: the built-in random models")
     p.add_argument("--batch-device", default=None, choices=["cuda", "cpu"], help="default: cuda when available")
     p.add_argument("--batch-warmup", type=int, default=1, help="untimed jobs rendered before the two queues")
-    p.add_argument("--batch-modes", default="sequential,overlapped", help="order of the two queues")
     p.add_argument("--batch-out", default="/tmp/h3render-bench-batch")
-    p.add_argument("--overlap-min-free-gb", type=float, default=None,
-                   help="EngineSettings.overlap_min_free_gb (default: estimated from measured peaks)")
     p.add_argument("--audio-latents", type=int, default=405, help="audio stage: latents per channel (405 = 10.125 s)")
     p.add_argument("--audio-reps", type=int, default=25, help="audio stage: timed calls per variant (median)")
     p.add_argument("--audio-compile-modes", default="none",
@@ -1002,7 +967,7 @@ def main() -> None:
                    help="media stage: simulated decode seconds for the whole clip (2-GPU split 4.08, 1 GPU 7.07)")
     p.add_argument("--media-frames", type=int, default=243)
     p.add_argument("--media-audio", choices=("first", "last"), default="first",
-                   help="media stage: hand the soundtrack to the writer before the first frame (what the Renderer "
+                   help="media stage: hand the soundtrack to the writer before the first frame (what the Engine "
                         "does) or after the last (what it did before: AAC then runs inside the close)")
     p.add_argument("--media-grain", type=float, default=0.01, help="media stage: grain std of 'moving' content")
     p.add_argument("--media-x264-params", default="default",
