@@ -1,6 +1,6 @@
 """Write a random MiniMax-H3 checkpoint ("tiny" or "small") in a real on-disk layout.
 
-The weights are the built-in random model's (`h3render.checkpoint.build_random` with the same seed gives the same
+The weights are the built-in random model's (`h3render.make_checkpoint.build_random` with the same seed gives the same
 values), stored with the release's dtypes: DiT bf16 except its fp32 islands (patch projections, time embedder,
 output heads), text encoder bf16, both VAEs fp32. Layouts:
 
@@ -25,9 +25,10 @@ import torch
 from safetensors.torch import save_file
 from torch import Tensor
 
-from h3render.checkpoint import random_entries, tiny_tokenizer
-from h3render.dit_names import deinterleave_qkv, dit_state_dict_to_diffusers
-from h3render.releases import BUILTIN, RELEASES, Release
+from h3render.checkpoint.names import QKV_NATIVE, deinterleave_qkv, dit_state_dict_to_diffusers
+from h3render.checkpoint.releases import BUILTIN, RELEASES, Release
+from h3render.make_checkpoint.random_model import random_entries, tiny_tokenizer
+from h3render.make_checkpoint.synthetic_adapter import write_synthetic_adapter
 
 LAYOUTS = ("official", "diffusers", "single-file")
 DIFFUSERS_VERSION = "0.42.1"
@@ -78,8 +79,6 @@ def make_checkpoint(
         part = out / "FL2VA" if layout == "official" else out
         _write_partition(part, release, seed, layout, shards)
     if adapter is not None:
-        from h3render.fasth3 import write_synthetic_adapter
-
         write_synthetic_adapter(adapter, release.dit, seed=seed)
     return out
 
@@ -195,7 +194,7 @@ def _write_single_file(path: Path, release: Release, seed: int) -> None:
     cfg = release.dit
     tensors = {}
     for name, tensor in _materialize("dit", release, seed).items():
-        if name.endswith("attn.qkv_proj.weight"):
+        if name.endswith(QKV_NATIVE):
             tensor = torch.cat(deinterleave_qkv(tensor, cfg.num_attention_heads, cfg.attention_head_dim), dim=0)
         tensors[name] = tensor.contiguous()
     path.parent.mkdir(parents=True, exist_ok=True)
