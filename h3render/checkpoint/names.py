@@ -84,43 +84,36 @@ class Target:
     block: tuple[str, int] | None
 
 
+def _rows(module: str, side: int, vsa_gate: bool = False) -> list[tuple[str, str, Target]]:
+    """Every table row whose native (`side` 0) or diffusers (`side` 1) module path is `module`, as
+    (native path, diffusers path, target); the VSA gate is a row only with `vsa_gate`."""
+    for pair in TOP_MODULES:
+        if module == pair[side]:
+            return [(*pair, Target(pair[0], PLAIN, None, None))]
+    in_block = BLOCK_MODULES + (((VSA_GATE, VSA_GATE, PLAIN, None),) if vsa_gate else ())
+    for stack in STACKS:
+        if module.startswith(stack[side]):
+            index, _, suffix = module[len(stack[side]):].partition(".")
+            if not index.isdigit():
+                return []
+            native_prefix, diffusers_prefix = f"{stack[0]}{index}.", f"{stack[1]}{index}."
+            return [(native_prefix + row[0], diffusers_prefix + row[1],
+                     Target(native_prefix + row[0], row[2], row[3], (stack[0], int(index))))
+                    for row in in_block if suffix == row[side]]
+    return []
+
+
 def native_module(module: str, *, vsa_gate: bool = False) -> Target | None:
     """The native target of a diffusers module path (`transformer_blocks.3.attn.to_q`), or None for a name outside
     the table. `vsa_gate` also accepts the sparse-attention gate `attn.to_gate_compress` of a block."""
-    for native, diffusers in TOP_MODULES:
-        if module == diffusers:
-            return Target(native, PLAIN, None, None)
-    for native_prefix, diffusers_prefix, _ in STACKS:
-        if not module.startswith(diffusers_prefix):
-            continue
-        index, _, suffix = module[len(diffusers_prefix):].partition(".")
-        if not index.isdigit():
-            return None
-        block = (native_prefix, int(index))
-        if vsa_gate and suffix == VSA_GATE:
-            return Target(f"{native_prefix}{index}.{VSA_GATE}", PLAIN, None, block)
-        for native, diffusers, layout, slot in BLOCK_MODULES:
-            if suffix == diffusers:
-                return Target(f"{native_prefix}{index}.{native}", layout, slot, block)
-        return None
-    return None
+    rows = _rows(module, 1, vsa_gate)
+    return rows[0][2] if rows else None
 
 
 def diffusers_modules(module: str) -> tuple[str, ...]:
     """The diffusers module path(s) of a native module: three (`to_q`, `to_k`, `to_v`) for a fused
     `attn.qkv_proj`, else one; () for a name outside the table."""
-    for native, diffusers in TOP_MODULES:
-        if module == native:
-            return (diffusers,)
-    for native_prefix, diffusers_prefix, _ in STACKS:
-        if not module.startswith(native_prefix):
-            continue
-        index, _, suffix = module[len(native_prefix):].partition(".")
-        if not index.isdigit():
-            return ()
-        return tuple(f"{diffusers_prefix}{index}.{diffusers}" for native, diffusers, _, _ in BLOCK_MODULES
-                     if suffix == native)
-    return ()
+    return tuple(diffusers for _, diffusers, _ in _rows(module, 0))
 
 
 def dit_names_to_diffusers(native: str) -> tuple[str, ...]:

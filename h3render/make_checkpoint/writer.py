@@ -92,17 +92,9 @@ def _write_json(path: Path, data: Mapping[str, Any]) -> None:
     path.write_text(json.dumps(data, indent=2, sort_keys=False) + "\n")
 
 
-def _jsonable(obj: Any) -> Any:
-    if isinstance(obj, Mapping):
-        return {k: _jsonable(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_jsonable(v) for v in obj]
-    return obj
-
-
 def _diffusers_config(class_name: str, config: Any) -> dict[str, Any]:
     return {"_class_name": class_name, "_diffusers_version": DIFFUSERS_VERSION,
-            **_jsonable(dataclasses.asdict(config))}
+            **dataclasses.asdict(config)}  # json writes the config's tuples as lists
 
 
 def _save_sharded(folder: Path, tensors: Mapping[str, Tensor], stem: str, shards: int) -> None:
@@ -198,6 +190,6 @@ def _write_single_file(path: Path, release: Release, seed: int) -> None:
             tensor = torch.cat(deinterleave_qkv(tensor, cfg.num_attention_heads, cfg.attention_head_dim), dim=0)
         tensors[name] = tensor.contiguous()
     path.parent.mkdir(parents=True, exist_ok=True)
-    metadata = {"format": "pt", "config": json.dumps(_jsonable(dataclasses.asdict(cfg))),
+    metadata = {"format": "pt", "config": json.dumps(dataclasses.asdict(cfg)),
                 "h3render_random": release.name}
     save_file(tensors, str(path), metadata=metadata)
