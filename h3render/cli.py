@@ -120,7 +120,7 @@ def _dtype(dtype: str | None, device: str):
 
 
 def _check_mode(mode: str | None, adapter: str | None, checkpoint: str) -> None:
-    from h3render.fasth3 import read_v2_contract
+    from h3render.checkpoint import read_v2_contract
 
     if mode == "fasth3" and adapter is None:
         try:
@@ -381,7 +381,7 @@ def presets_command(checkpoint) -> None:
     """List the canvas presets with canvas, frames and packed row counts."""
 
     def run() -> int:
-        from h3render.releases import RELEASES
+        from h3render.checkpoint import RELEASES
 
         limits = _checkpoint_info(checkpoint).limits() if checkpoint else RELEASES["released"].limits()
         for line in jobs_mod.preset_lines(limits):
@@ -403,8 +403,8 @@ def make_checkpoint_command(out, config, layout, seed, adapter) -> None:
     """Write a random checkpoint in the real on-disk format (no downloads)."""
 
     def run() -> int:
-        from h3render.releases import RELEASES
-        from h3render.fasth3 import write_synthetic_adapter
+        from h3render.checkpoint import RELEASES
+        from h3render.make_checkpoint import write_synthetic_adapter
         from h3render.make_checkpoint import make_checkpoint
 
         path = make_checkpoint(out, config=config, layout=layout, seed=seed)

@@ -115,7 +115,7 @@ class Engine:
             CheckpointError, AdapterError: unreadable or mismatched checkpoint / adapter, naming file and tensor.
         """
         from h3render import checkpoint as ckpt
-        from h3render import fasth3
+        from h3render.checkpoint import adapter as fasth3
 
         t0 = time.perf_counter()
         info = ckpt.read_checkpoint_info(checkpoint)

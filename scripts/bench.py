@@ -254,7 +254,7 @@ def stage_dit(args) -> None:
 def diffusers_dit(dit):
     from diffusers import MiniMaxH3Transformer3DModel
 
-    from h3render.dit_names import dit_state_dict_to_diffusers
+    from h3render.checkpoint import dit_state_dict_to_diffusers
 
     config = dataclasses.asdict(dit.cfg)
     config["patch_size"] = tuple(config["patch_size"])
@@ -503,7 +503,7 @@ def stage_audio(args) -> None:
 
 @torch.no_grad()
 def stage_te(args) -> None:
-    from h3render.releases import QWEN3VL_RELEASED
+    from h3render.checkpoint import QWEN3VL_RELEASED
     from h3render.models.text_encoder import TextEncoder
 
     te = build_on_gpu(lambda: TextEncoder(dict(QWEN3VL_RELEASED["text_config"]), read_layer=50))
@@ -519,8 +519,8 @@ def stage_te(args) -> None:
 
 def released_engine(args, ctx):
     """The real Engine over random real-size components (text encoder 50 layers, DiT, both VAEs), all resident."""
-    from h3render.checkpoint import CheckpointInfo, Components, tiny_tokenizer
-    from h3render.releases import QWEN3VL_RELEASED, RELEASES
+    from h3render.checkpoint import QWEN3VL_RELEASED, RELEASES, CheckpointInfo, Components
+    from h3render.make_checkpoint import tiny_tokenizer
     from h3render.models.audio_vae import AudioVAE
     from h3render.models.text_encoder import TextEncoder
     from h3render.models.video_vae import VideoVAE
@@ -660,7 +660,7 @@ def stage_prof(args) -> None:
     if ctx.distributed:
         return
     from h3render.models.video_vae import VideoVAE
-    from h3render.releases import RELEASES
+    from h3render.checkpoint import RELEASES
 
     release = RELEASES["released"]
     vae = build_on_gpu(lambda: VideoVAE(release.video_vae, release.vae_tiling), torch.float32)

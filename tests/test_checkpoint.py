@@ -14,10 +14,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from h3render.checkpoint import CheckpointError, build_tiny, load_components, read_checkpoint_info
-from h3render.dit_names import dit_state_dict_to_diffusers
-from h3render.releases import RELEASES
-from h3render.make_checkpoint import make_checkpoint
+from h3render.checkpoint import (RELEASES, CheckpointError, dit_state_dict_to_diffusers, load_components,
+                                 read_checkpoint_info)
+from h3render.make_checkpoint import build_tiny, make_checkpoint
 from h3render.packing import step_timesteps, t2va_layout
 
 TOL = 1e-5

@@ -2,7 +2,8 @@
 h3render knows ("released", and the built-in random "tiny" and "small"), and the Qwen3-VL conditioner configs.
 
 A loaded checkpoint's own config files take precedence (`h3render.checkpoint.read_checkpoint_info`); the registry
-describes the released architecture and the built-in random models.
+describes the released architecture and the built-in random models. The released facts (24 fps, 17n + 5 frames,
+shifts 12 / 3, 50 sigma points, the canvas rule) come from `h3render.spec`.
 """
 
 from __future__ import annotations
@@ -10,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -18,8 +18,8 @@ from h3render.models.audio_vae import AUDIO_VAE_SMALL, AUDIO_VAE_TINY, AudioVAEC
 from h3render.models.dit import DIT_SMALL, DIT_TINY, DiTConfig
 from h3render.models.vae_tiling import RELEASED_TILING, TilingConfig
 from h3render.models.video_vae import VIDEO_VAE_SMALL, VIDEO_VAE_TINY, VideoVAEConfig
-
-FPS = 24  # MiniMax-H3 generates at a fixed 24 fps (diffusers 0.42.1 `MINIMAX_H3_FPS`)
+from h3render.spec import (FPS, RELEASED_AUDIO_SHIFT, RELEASED_MAX_PIXELS, RELEASED_SHORT_EDGE, RELEASED_SIGMA_POINTS,
+                           RELEASED_VIDEO_SHIFT, canvas_for_aspect, snap_frames_up)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -66,12 +66,6 @@ QWEN3VL_SMALL = _tiny_qwen3vl(hidden=DIT_SMALL.text_dim, layers=4, heads=4, head
 
 # ---------------------------------------------------------------------------------------------------------------------
 # Release registry.
-
-
-def snap_frames_up(frames: int) -> int:
-    """Smallest `17n + 5` frame count >= `frames` (the video VAE's clip geometry: 17-frame clips, 5 kept)."""
-    n = max(0, math.ceil((frames - 5) / 17))
-    return 17 * n + 5
 
 
 @dataclass(frozen=True)
@@ -146,15 +140,17 @@ class Release:
 RELEASES: dict[str, Release] = {
     "released": Release(
         name="released", dit=DiTConfig(), video_vae=VideoVAEConfig(), audio_vae=AudioVAEConfig(),
-        text_encoder=QWEN3VL_RELEASED, text_read_layer=50, video_shift=12.0, audio_shift=3.0,
-        min_frames=107, max_frames=362, canvas_short_edge=768, canvas_max_pixels=768 * 1344,
-        default_canvas=(1344, 768), default_duration_s=5.0, sigma_points=50, vae_tiling=RELEASED_TILING,
+        text_encoder=QWEN3VL_RELEASED, text_read_layer=50, video_shift=RELEASED_VIDEO_SHIFT,
+        audio_shift=RELEASED_AUDIO_SHIFT, min_frames=107, max_frames=362, canvas_short_edge=RELEASED_SHORT_EDGE,
+        canvas_max_pixels=RELEASED_MAX_PIXELS, default_canvas=canvas_for_aspect(16, 9), default_duration_s=5.0,
+        sigma_points=RELEASED_SIGMA_POINTS, vae_tiling=RELEASED_TILING,
     ),
     # Tiny: a 1 s render on a 224×128 canvas in seconds on CPU; 8 sigma points (7 forwards) keep the README render
     # fast. 128 px tiles with 32 px overlap make the tiled decode run even on this small canvas (2 tiles wide).
     "tiny": Release(
         name="tiny", dit=DIT_TINY, video_vae=VIDEO_VAE_TINY, audio_vae=AUDIO_VAE_TINY,
-        text_encoder=QWEN3VL_TINY, text_read_layer=2, video_shift=12.0, audio_shift=3.0,
+        text_encoder=QWEN3VL_TINY, text_read_layer=2, video_shift=RELEASED_VIDEO_SHIFT,
+        audio_shift=RELEASED_AUDIO_SHIFT,
         min_frames=22, max_frames=362, canvas_short_edge=128, canvas_max_pixels=128 * 224,
         default_canvas=(224, 128), default_duration_s=1.0, sigma_points=8,
         vae_tiling=TilingConfig(tile_height=128, tile_width=128, overlap_height=32, overlap_width=32),
@@ -162,9 +158,10 @@ RELEASES: dict[str, Release] = {
     # Small: more depth and width for GPU smoke runs of the full machinery at the released canvas sizes.
     "small": Release(
         name="small", dit=DIT_SMALL, video_vae=VIDEO_VAE_SMALL, audio_vae=AUDIO_VAE_SMALL,
-        text_encoder=QWEN3VL_SMALL, text_read_layer=3, video_shift=12.0, audio_shift=3.0,
-        min_frames=22, max_frames=362, canvas_short_edge=768, canvas_max_pixels=768 * 1344,
-        default_canvas=(1344, 768), default_duration_s=1.0, sigma_points=8, vae_tiling=RELEASED_TILING,
+        text_encoder=QWEN3VL_SMALL, text_read_layer=3, video_shift=RELEASED_VIDEO_SHIFT,
+        audio_shift=RELEASED_AUDIO_SHIFT, min_frames=22, max_frames=362, canvas_short_edge=RELEASED_SHORT_EDGE,
+        canvas_max_pixels=RELEASED_MAX_PIXELS, default_canvas=canvas_for_aspect(16, 9), default_duration_s=1.0,
+        sigma_points=8, vae_tiling=RELEASED_TILING,
     ),
 }
 BUILTIN = ("tiny", "small")  # registry entries with a built-in random model

@@ -18,11 +18,13 @@ Header metadata (all values strings), as written by FastVideo's ``finalize_adapt
 
 Tensor names are in the diffusers namespace (``transformer_blocks.{i}.attn.to_q``); our DiT uses the native
 official names (``blocks.{i}.attn.qkv_proj`` with q/k/v rows interleaved per head, ``blocks.{i}.mlp.fc1``
-gate-first). The mapping is the inverse of diffusers' ``convert_minimax_h3_transformer_checkpoint_to_diffusers``.
+gate-first). The mapping is the one table of ``h3render.checkpoint.names``.
 
 Sampling: the student was distilled at pre-shift positions that the checkpoint's per-modality shifts (video 12,
 audio 3) are applied on top of. V2 (``FastVideo/FastVideo-FastH3-8-Step-V2``) is a full checkpoint, 8 forwards,
-video shift 10, described by its ``fastvideo_inference.json`` contract.
+video shift 10, described by its ``fastvideo_inference.json`` contract. ``fasth3_schedule`` turns either into the
+few-step ``h3render.sampling.Schedule``. The synthetic adapter writer for the random models is
+``h3render.make_checkpoint.write_synthetic_adapter``.
 
 Sources: FastVideo 0.2.1 (``fastvideo/models/loader/lora_patch.py``, ``examples/inference/basic/basic_fasth3.py``),
 FastVideo ``scripts/lora_extraction/finalize_adapter.py``, vLLM-Omni ``minimax_h3/fasth3.py`` and
@@ -33,16 +35,18 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 
+from h3render.checkpoint.errors import AdapterError
+from h3render.checkpoint.names import (GATE_VALUE, QKV, STACKS, VSA_GATE, Target, dit_shapes, native_module, qkv_slot,
+                                       swap_halves)
+from h3render.models.dit import DiTConfig
 from h3render.sampling import Schedule
 from h3render.spec import RELEASED_AUDIO_SHIFT, RELEASED_VIDEO_SHIFT
 
@@ -60,68 +64,20 @@ COUNT_KEYS = ("low_rank_tensors", "diff_tensors", "set_weight_tensors")
 # release: dmd_denoising_steps [999, 749, 500, 250] / 1000 (FastH3 release; vLLM-Omni FASTH3_BASE_SCHEDULE).
 # fastvideo-example: FastVideo 0.2.1 basic_fasth3.py runs --steps 5 sigma-grid points = linspace(1, 0, 5).
 # v2: dmd_denoising_steps [999, 874, 749, 624, 500, 375, 250, 125] / 1000 (V2 fastvideo_inference.json).
+RELEASE_DMD_STEPS = (999, 749, 500, 250)
 POSITION_SETS: dict[str, tuple[float, ...]] = {
-    "release": (0.999, 0.749, 0.5, 0.25, 0.0),
+    "release": tuple(step / 1000 for step in RELEASE_DMD_STEPS) + (0.0,),
     "fastvideo-example": (1.0, 0.75, 0.5, 0.25, 0.0),
     "v2": (0.999, 0.874, 0.749, 0.624, 0.5, 0.375, 0.25, 0.125, 0.0),
 }
-RELEASE_DMD_STEPS = (999, 749, 500, 250)
-# Released checkpoint: video shift 12, audio shift 3 (model_index.json _minimax_h3.sigma_shift_scales).
-SUPPORTED_TASKS = frozenset({"t2va"})
 
 # V2 contract (fastvideo_inference.json of FastVideo/FastVideo-FastH3-8-Step-V2, as checked by vLLM-Omni).
 V2_MODEL_ID = "FastVideo/FastVideo-FastH3-8-Step-V2"
 V2_SCHEMA = "fasth3-inference-contract-v1"
 
 
-class AdapterError(ValueError):
-    """A FastH3 adapter file cannot be read, matched to the checkpoint, or fused."""
+# ---------------------------------------------------------------------------------------------- names
 
-
-class FastH3JobError(ValueError):
-    """A job asks for something FastH3's fixed few-step contract does not allow."""
-
-
-# ---------------------------------------------------------------------------------------------- name mapping
-
-# How a delta enters its native parameter.
-PLAIN = "plain"
-QKV = "qkv"  # one of q/k/v, scattered into rows interleaved per head: [head0: q k v, head1: q k v, ...]
-GATE_VALUE = "gate_value"  # diffusers ff.net.0.proj rows [value; gate] -> native mlp.fc1 rows [gate; value]
-
-_MODEL_TARGETS = {
-    "proj_in": "video_patch_proj",
-    "audio_proj_in": "audio_patch_proj",
-    "context_embedder": "condition_proj",
-    "time_embedder.linear_1": "time_embedder.proj_in",
-    "time_embedder.linear_2": "time_embedder.proj_out",
-    "token_refiner.final_norm": "token_refiner.final_norm",
-    "norm_out.norm": "final_layer.norm",
-    "norm_out.linear": "final_layer.adaln_proj.linear",
-    "proj_out": "final_layer.video_out",
-    "audio_proj_out": "final_layer.audio_out",
-}
-# Per-block diffusers suffix -> (native suffix, layout, q/k/v slot).
-_BLOCK_TARGETS = {
-    "norm1": ("norm1", PLAIN, None),
-    "norm2": ("norm2", PLAIN, None),
-    "attn.to_q": ("attn.qkv_proj", QKV, 0),
-    "attn.to_k": ("attn.qkv_proj", QKV, 1),
-    "attn.to_v": ("attn.qkv_proj", QKV, 2),
-    "attn.norm_q": ("attn.q_norm", PLAIN, None),
-    "attn.norm_k": ("attn.k_norm", PLAIN, None),
-    "attn.to_out.0": ("attn.out_proj", PLAIN, None),
-    "ff.net.0.proj": ("mlp.fc1", GATE_VALUE, None),
-    "ff.net.2": ("mlp.fc2", PLAIN, None),
-    "adaln_proj.linear": ("adaln_proj.linear", PLAIN, None),
-    # VSA compression gate: only in sparse-attention students, absent from the base DiT.
-    "attn.to_gate_compress": ("attn.to_gate_compress", PLAIN, None),
-}
-# Diffusers block prefix -> (native block prefix, config field holding the block count).
-_BLOCK_PREFIXES = (
-    ("token_refiner.refiner_blocks.", "token_refiner.blocks.", "num_refiner_layers"),
-    ("transformer_blocks.", "blocks.", "num_layers"),
-)
 # Adapter key suffix -> role. ``.diff_b`` is tested before ``.diff``.
 _ROLES = (
     (".lora_A.weight", "lora_A"),
@@ -132,37 +88,17 @@ _ROLES = (
 )
 
 
-@dataclass(frozen=True)
-class Target:
-    """Where one adapter module lands in the native DiT.
-
-    ``native`` is the native module path (no ``.weight``/``.bias``), ``layout`` one of ``plain``/``qkv``/
-    ``gate_value``, ``slot`` 0/1/2 for q/k/v, ``block`` the (native block prefix, index) or None at model level.
-    """
-
-    native: str
-    layout: str
-    slot: int | None
-    block: tuple[str, int] | None
-
-
 def native_target(module: str) -> Target:
-    """Map a diffusers-namespace module path (``transformer_blocks.3.attn.to_q``) to its native target.
+    """Map a diffusers-namespace module path (``transformer_blocks.3.attn.to_q``) to its native target
+    (``h3render.checkpoint.names``, the VSA gate ``attn.to_gate_compress`` included).
 
     Raises:
         AdapterError: the module names no known MiniMax-H3 DiT module.
     """
-    if module in _MODEL_TARGETS:
-        return Target(_MODEL_TARGETS[module], PLAIN, None, None)
-    for adapter_prefix, native_prefix, _ in _BLOCK_PREFIXES:
-        if not module.startswith(adapter_prefix):
-            continue
-        index, _, suffix = module[len(adapter_prefix):].partition(".")
-        if index.isdigit() and suffix in _BLOCK_TARGETS:
-            native_suffix, layout, slot = _BLOCK_TARGETS[suffix]
-            return Target(f"{native_prefix}{index}.{native_suffix}", layout, slot, (native_prefix, int(index)))
-        break
-    raise AdapterError(f"adapter module {module!r} names no MiniMax-H3 DiT module (unknown target)")
+    target = native_module(module, vsa_gate=True)
+    if target is None:
+        raise AdapterError(f"adapter module {module!r} names no MiniMax-H3 DiT module (unknown target)")
+    return target
 
 
 def split_adapter_key(key: str) -> tuple[str, str]:
@@ -177,54 +113,14 @@ def split_adapter_key(key: str) -> tuple[str, str]:
     raise AdapterError(f"adapter tensor {key!r} is not a {ADAPTER_FORMAT} payload (unknown suffix)")
 
 
-def native_shapes(config: Any) -> dict[str, tuple[int, ...]]:
-    """Native parameter name -> shape for a DiT config (fields named like diffusers' MiniMaxH3Transformer3DModel).
-
-    Covers every parameter an adapter may target, plus ``blocks.{i}.attn.to_gate_compress.weight`` [H·D, hidden]
-    (a VSA gate, not part of our DiT). Shapes: linears [out, in]; ``qkv_proj`` [3·H·D, hidden]; ``mlp.fc1``
-    [2·ffn, hidden]; block ``adaln_proj.linear`` [18·hidden, time_embed_dim]; final ``adaln_proj.linear``
-    [2·hidden, time_embed_dim].
-    """
-    hidden, inner = config.hidden_size, config.num_attention_heads * config.attention_head_dim
-    head_dim, ffn, temb = config.attention_head_dim, config.ffn_dim, config.time_embed_dim
-    patch_dim = config.in_channels * math.prod(config.patch_size)
-    shapes: dict[str, tuple[int, ...]] = {}
-
-    def linear(name: str, out: int, inp: int, bias: bool) -> None:
-        shapes[f"{name}.weight"] = (out, inp)
-        if bias:
-            shapes[f"{name}.bias"] = (out,)
-
-    linear("video_patch_proj", hidden, patch_dim, True)
-    linear("audio_patch_proj", hidden, config.audio_in_channels, True)
-    linear("condition_proj", hidden, config.text_dim, True)
-    linear("time_embedder.proj_in", config.time_embed_hidden_dim, config.freq_dim, True)
-    linear("time_embedder.proj_out", temb, config.time_embed_hidden_dim, True)
-    for prefix, count, modulated in (("token_refiner.blocks", config.num_refiner_layers, False),
-                                     ("blocks", config.num_layers, True)):
-        for i in range(count):
-            block = f"{prefix}.{i}"
-            shapes[f"{block}.norm1.weight"] = (hidden,)
-            shapes[f"{block}.norm2.weight"] = (hidden,)
-            shapes[f"{block}.attn.q_norm.weight"] = (head_dim,)
-            shapes[f"{block}.attn.k_norm.weight"] = (head_dim,)
-            linear(f"{block}.attn.qkv_proj", 3 * inner, hidden, False)
-            linear(f"{block}.attn.out_proj", hidden, inner, False)
-            linear(f"{block}.mlp.fc1", 2 * ffn, hidden, False)
-            linear(f"{block}.mlp.fc2", hidden, ffn, False)
-            if modulated:
-                linear(f"{block}.adaln_proj.linear", 18 * hidden, temb, True)
-                linear(f"{block}.attn.to_gate_compress", inner, hidden, False)
-    shapes["token_refiner.final_norm.weight"] = (hidden,)
-    shapes["final_layer.norm.weight"] = (hidden,)
-    linear("final_layer.adaln_proj.linear", 2 * hidden, temb, True)
-    linear("final_layer.video_out", patch_dim, hidden, True)
-    linear("final_layer.audio_out", config.audio_in_channels, hidden, True)
+def native_shapes(config: DiTConfig) -> dict[str, tuple[int, ...]]:
+    """Native parameter name -> shape of every parameter an adapter may target: the DiT's own (``dit_shapes``) plus
+    ``blocks.{i}.attn.to_gate_compress.weight`` [H·D, hidden], the VSA gate our DiT does not have."""
+    shapes = dit_shapes(config)
+    inner = config.num_attention_heads * config.attention_head_dim
+    for i in range(config.num_layers):
+        shapes[f"blocks.{i}.{VSA_GATE}.weight"] = (inner, config.hidden_size)
     return shapes
-
-
-def _is_gate(native_param: str) -> bool:
-    return native_param.endswith(".attn.to_gate_compress.weight")
 
 
 # ---------------------------------------------------------------------------------------------- reading
@@ -391,12 +287,12 @@ class AdapterFusion:
     ``device`` (``W + B·A + diff``, or the ``.set_weight`` value) and cast back to the input's dtype; the result
     lives on ``device``. Untargeted tensors come back unchanged. Then call ``finish()``.
 
-    Parameters the base checkpoint does not carry (VSA gates) are never streamed: take them from
-    ``extra_tensors()`` (our DiT has no such module, so a loader should refuse ``adapter.requires_vsa``).
+    A ``.set_weight`` parameter (a VSA gate) is assigned when the stream carries it; our DiT has no such module, so
+    a loader refuses ``adapter.requires_vsa`` before fusing (else ``finish()`` names the gate never streamed).
 
     Args:
         adapter: from ``read_adapter``.
-        dit_config: DiT config (diffusers field names: num_attention_heads, attention_head_dim, num_layers, ...).
+        dit_config: the checkpoint's DiT config.
         device: where deltas are computed (the GPU the shards stream to).
 
     Raises:
@@ -404,7 +300,7 @@ class AdapterFusion:
             is left untouched or does not exist; at call, on a repeated name or a shape mismatch.
     """
 
-    def __init__(self, adapter: Adapter, dit_config: Any, device: torch.device | str = "cpu"):
+    def __init__(self, adapter: Adapter, dit_config: DiTConfig, device: torch.device | str = "cpu"):
         self.adapter = adapter
         self.device = torch.device(device)
         self._heads = dit_config.num_attention_heads
@@ -436,14 +332,13 @@ class AdapterFusion:
         for param in self._assign:
             if param in self._patches:
                 raise AdapterError(f"{adapter.path}: {param!r} is both assigned (.set_weight) and patched")
-        for _, native_prefix, count_field in _BLOCK_PREFIXES:
+        for native_prefix, _, count_field in STACKS:
             count = getattr(dit_config, count_field)
             untouched = sorted(set(range(count)) - touched.get(native_prefix, set()))
             if untouched:
                 raise AdapterError(f"{adapter.path}: adapter leaves {native_prefix}{untouched[0]} untouched "
                                    f"({len(untouched)} of {count} {native_prefix}* blocks; {count_field}={count})")
         self._applied: set[str] = set()
-        self._extras_taken = False
         self._handle = None
 
     def _check_shape(self, key: str, shape: tuple[int, ...], role: str, target: Target,
@@ -494,27 +389,17 @@ class AdapterFusion:
         # Move in the stored dtype, widen on the device; copy=True so the caller's tensor is never updated.
         weight = tensor.to(self.device).to(torch.float32, copy=True)
         if patch.layout == QKV:
-            # [3·H·D, in] -> [H, 3, D, in]: slot s of head h sits at rows h·3·D + s·D ... + D.
-            per_head = weight.view(self._heads, 3, self._head_dim, -1)
             for slot in (0, 1, 2):
                 delta = self._slot_delta(patch, slot)
-                if delta is not None:
-                    per_head[:, slot] += delta.view(self._heads, self._head_dim, -1)  # [H·D, in] -> [H, D, in]
+                if delta is not None:  # [H·D, in] -> [H, D, in], into rows `slot` of every head
+                    rows = qkv_slot(weight, slot, self._heads, self._head_dim)
+                    rows += delta.view(self._heads, self._head_dim, -1)
         else:
             delta = self._slot_delta(patch, None)
             if patch.layout == GATE_VALUE and native_name.endswith(".weight"):
-                value, gate = delta.chunk(2, dim=0)  # diffusers [value; gate] -> native [gate; value]
-                delta = torch.cat((gate, value), dim=0)
+                delta = swap_halves(delta)  # diffusers [value; gate] -> native [gate; value]
             weight += delta
         return weight.to(tensor.dtype)
-
-    def extra_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Yield ``.set_weight`` parameters the checkpoint stream did not carry (fp32, on ``device``)."""
-        self._extras_taken = True
-        for native_name, key in sorted(self._assign.items()):
-            if native_name not in self._applied:
-                self._applied.add(native_name)
-                yield native_name, self._read(key)
 
     def finish(self) -> None:
         """Close the fusion: every adapter tensor must have reached its parameter.
@@ -527,20 +412,6 @@ class AdapterFusion:
         if missing:
             raise AdapterError(f"{self.adapter.path}: the checkpoint never provided {missing[0]!r} "
                                f"({len(missing)} adapter targets unconsumed)")
-
-
-def fuse_state_dict(state_dict: Mapping[str, torch.Tensor], adapter: Adapter, config: Any,
-                    device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
-    """Fuse ``adapter`` into an in-memory native DiT state dict; returns a new dict (``.set_weight`` extras added).
-
-    Raises:
-        AdapterError: as ``AdapterFusion`` and ``AdapterFusion.finish``.
-    """
-    fusion = AdapterFusion(adapter, config, device)
-    fused = {name: fusion(name, tensor) for name, tensor in state_dict.items()}
-    fused.update(fusion.extra_tensors())
-    fusion.finish()
-    return fused
 
 
 # ---------------------------------------------------------------------------------------------- schedules
@@ -677,120 +548,3 @@ def fasth3_schedule(metadata: Adapter | Mapping[str, Any] | None = None,
     else:
         chosen, source = positions_from_steps(RELEASE_DMD_STEPS), "release default"
     return Schedule.few_step(chosen, video_shift, audio_shift, source)
-
-
-def validate_fasth3_job(task: str, steps: int | None = None, video_shift: float | None = None,
-                        audio_shift: float | None = None, where: str = "job") -> None:
-    """Reject a job that would take the student off the schedule it was distilled for.
-
-    Under FastH3 the adapter fixes the schedule (4 forwards, checkpoint shifts), so a job may not set ``steps``,
-    ``video_shift`` or ``audio_shift``; only t2va was distilled.
-
-    Raises:
-        FastH3JobError: naming ``where`` and the offending field.
-    """
-    if task not in SUPPORTED_TASKS:
-        raise FastH3JobError(f"{where}: task={task!r} is not available under fasth3 (distilled for t2va only)")
-    for name, value in (("steps", steps), ("video_shift", video_shift), ("audio_shift", audio_shift)):
-        if value is not None:
-            raise FastH3JobError(f"{where}: {name}={value!r} cannot be set under fasth3: the adapter fixes the "
-                                 f"schedule (4 forwards at the checkpoint's shifts); remove {name}")
-
-
-# ---------------------------------------------------------------------------------------------- synthetic writer
-
-
-def _diffusers_module(native_module: str) -> str:
-    """Inverse of ``native_target`` for plain/gate_value targets (synthetic writer only)."""
-    for adapter_name, native in _MODEL_TARGETS.items():
-        if native == native_module:
-            return adapter_name
-    for adapter_prefix, native_prefix, _ in _BLOCK_PREFIXES:
-        if native_module.startswith(native_prefix):
-            index, _, suffix = native_module[len(native_prefix):].partition(".")
-            for adapter_suffix, (native_suffix, _, _) in _BLOCK_TARGETS.items():
-                if native_suffix == suffix:
-                    return f"{adapter_prefix}{index}.{adapter_suffix}"
-    raise KeyError(native_module)
-
-
-def write_synthetic_adapter(path: str | Path, dit_config: Any, seed: int, rank: int = 4,
-                            with_set_weight: bool = False, *, base_model: str = TINY_BASE_MODEL,
-                            dmd_denoising_steps: Sequence[int] | None = None,
-                            dtype: torch.dtype = torch.float32) -> Path:
-    """Write a random adapter in the real ``fastvideo-lora-v2`` layout for a (tiny) DiT config.
-
-    Contents, mirroring the released FastH3 adapter: rank-``rank`` factors for q/k/v/out/ff.net.0.proj/ff.net.2
-    of every block and refiner block plus ``adaln_proj.linear`` of every block; ``.diff`` for every norm1/norm2,
-    block 0's norm_q/norm_k, the refiner final norm and final norm; ``.diff_b`` for every block's adaLN bias;
-    proj_in with factors + ``.diff`` + ``.diff_b``; a few other model-level ``.diff``/``.diff_b``; with
-    ``with_set_weight``, a ``attn.to_gate_compress.set_weight`` [H·D, hidden] per block. Factors are scaled so
-    deltas are ~2% of a unit weight. Metadata as FastVideo's finalize_adapter.py writes it, ``dmd_denoising_steps``
-    added when given.
-
-    Returns: the written path.
-    """
-    path = Path(path)
-    generator = torch.Generator().manual_seed(seed)
-    shapes = native_shapes(dit_config)
-    tensors: dict[str, torch.Tensor] = {}
-
-    def rand(*shape: int, std: float) -> torch.Tensor:
-        return (torch.randn(*shape, generator=generator) * std).to(dtype)
-
-    def lora(module: str, out: int, inp: int) -> None:
-        tensors[f"{module}.lora_A.weight"] = rand(rank, inp, std=inp ** -0.5)  # [r, in]
-        tensors[f"{module}.lora_B.weight"] = rand(out, rank, std=0.02 * rank ** -0.5)  # [out, r]
-
-    def diff(native_param: str) -> None:
-        module = _diffusers_module(native_param.rsplit(".", 1)[0])
-        suffix = ".diff_b" if native_param.endswith(".bias") else ".diff"
-        tensors[module + suffix] = rand(*shapes[native_param], std=0.02)
-
-    inner = dit_config.num_attention_heads * dit_config.attention_head_dim
-    hidden = dit_config.hidden_size
-    for adapter_prefix, native_prefix, count_field in _BLOCK_PREFIXES:
-        for i in range(getattr(dit_config, count_field)):
-            block = f"{adapter_prefix}{i}"
-            for name in ("attn.to_q", "attn.to_k", "attn.to_v"):
-                lora(f"{block}.{name}", inner, hidden)
-            lora(f"{block}.attn.to_out.0", hidden, inner)
-            lora(f"{block}.ff.net.0.proj", 2 * dit_config.ffn_dim, hidden)
-            lora(f"{block}.ff.net.2", hidden, dit_config.ffn_dim)
-            diff(f"{native_prefix}{i}.norm1.weight")
-            diff(f"{native_prefix}{i}.norm2.weight")
-            if native_prefix == "blocks.":
-                lora(f"{block}.adaln_proj.linear", *shapes[f"blocks.{i}.adaln_proj.linear.weight"])
-                diff(f"blocks.{i}.adaln_proj.linear.bias")
-                if with_set_weight:
-                    tensors[f"{block}.attn.to_gate_compress.set_weight"] = rand(inner, hidden, std=hidden ** -0.5)
-    diff("blocks.0.attn.q_norm.weight")
-    diff("blocks.0.attn.k_norm.weight")
-    lora("proj_in", *shapes["video_patch_proj.weight"])
-    for param in ("video_patch_proj.weight", "video_patch_proj.bias", "audio_patch_proj.bias",
-                  "condition_proj.bias", "time_embedder.proj_in.bias", "time_embedder.proj_out.weight",
-                  "token_refiner.final_norm.weight", "final_layer.norm.weight", "final_layer.adaln_proj.linear.bias",
-                  "final_layer.video_out.bias", "final_layer.audio_out.weight"):
-        diff(param)
-    lora("norm_out.linear", *shapes["final_layer.adaln_proj.linear.weight"])
-
-    roles = [split_adapter_key(key)[1] for key in tensors]
-    metadata = {
-        "format": ADAPTER_FORMAT,
-        "base_model": base_model,
-        "finetuned_model": f"h3render/synthetic-fasth3-seed{seed}",
-        "base_revision": "",
-        "finetuned_revision": "",
-        "rank": str(rank),
-        "application": APPLICATION,
-        "low_rank_tensors": str(sum(role in ("lora_A", "lora_B") for role in roles)),
-        "diff_tensors": str(sum(role in ("diff", "diff_b") for role in roles)),
-        "set_weight_tensors": str(sum(role == "set_weight" for role in roles)),
-        "dropped_unchanged": "0",
-        "finalized_from": "h3render write_synthetic_adapter",
-    }
-    if dmd_denoising_steps is not None:
-        metadata["dmd_denoising_steps"] = json.dumps(list(dmd_denoising_steps))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    save_file({key: value.contiguous() for key, value in tensors.items()}, str(path), metadata=metadata)
-    return path

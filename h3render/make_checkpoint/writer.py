@@ -1,6 +1,6 @@
 """Write a random MiniMax-H3 checkpoint ("tiny" or "small") in a real on-disk layout.
 
-The weights are the built-in random model's (`h3render.checkpoint.build_random` with the same seed gives the same
+The weights are the built-in random model's (`h3render.make_checkpoint.build_random` with the same seed gives the same
 values), stored with the release's dtypes: DiT bf16 except its fp32 islands (patch projections, time embedder,
 output heads), text encoder bf16, both VAEs fp32. Layouts:
 
@@ -25,9 +25,10 @@ import torch
 from safetensors.torch import save_file
 from torch import Tensor
 
-from h3render.checkpoint import random_entries, tiny_tokenizer
-from h3render.dit_names import deinterleave_qkv, dit_state_dict_to_diffusers
-from h3render.releases import BUILTIN, RELEASES, Release
+from h3render.checkpoint.names import QKV_NATIVE, deinterleave_qkv, dit_state_dict_to_diffusers
+from h3render.checkpoint.releases import BUILTIN, RELEASES, Release
+from h3render.make_checkpoint.random_model import random_entries, tiny_tokenizer
+from h3render.make_checkpoint.synthetic_adapter import write_synthetic_adapter
 
 LAYOUTS = ("official", "diffusers", "single-file")
 DIFFUSERS_VERSION = "0.42.1"
@@ -78,8 +79,6 @@ def make_checkpoint(
         part = out / "FL2VA" if layout == "official" else out
         _write_partition(part, release, seed, layout, shards)
     if adapter is not None:
-        from h3render.fasth3 import write_synthetic_adapter
-
         write_synthetic_adapter(adapter, release.dit, seed=seed)
     return out
 
@@ -93,17 +92,9 @@ def _write_json(path: Path, data: Mapping[str, Any]) -> None:
     path.write_text(json.dumps(data, indent=2, sort_keys=False) + "\n")
 
 
-def _jsonable(obj: Any) -> Any:
-    if isinstance(obj, Mapping):
-        return {k: _jsonable(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_jsonable(v) for v in obj]
-    return obj
-
-
 def _diffusers_config(class_name: str, config: Any) -> dict[str, Any]:
     return {"_class_name": class_name, "_diffusers_version": DIFFUSERS_VERSION,
-            **_jsonable(dataclasses.asdict(config))}
+            **dataclasses.asdict(config)}  # json writes the config's tuples as lists
 
 
 def _save_sharded(folder: Path, tensors: Mapping[str, Tensor], stem: str, shards: int) -> None:
@@ -195,10 +186,10 @@ def _write_single_file(path: Path, release: Release, seed: int) -> None:
     cfg = release.dit
     tensors = {}
     for name, tensor in _materialize("dit", release, seed).items():
-        if name.endswith("attn.qkv_proj.weight"):
+        if name.endswith(QKV_NATIVE):
             tensor = torch.cat(deinterleave_qkv(tensor, cfg.num_attention_heads, cfg.attention_head_dim), dim=0)
         tensors[name] = tensor.contiguous()
     path.parent.mkdir(parents=True, exist_ok=True)
-    metadata = {"format": "pt", "config": json.dumps(_jsonable(dataclasses.asdict(cfg))),
+    metadata = {"format": "pt", "config": json.dumps(dataclasses.asdict(cfg)),
                 "h3render_random": release.name}
     save_file(tensors, str(path), metadata=metadata)

@@ -1,0 +1,245 @@
+"""Loading: a checkpoint (any layout, or a built-in random model) into our DiT, VAEs and text encoder.
+
+Every module is built with its parameters on the meta device (buffers computed normally), then its tensors stream
+straight to the target device through `stream_into`, cast to the dtype the module's precision policy gives them.
+The DiT goes through an optional per-tensor hook on the way (FastH3 fusion). The built-in random models ("tiny",
+"small") come from `h3render.make_checkpoint` and load through the same path.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Collection, Iterable, Iterator
+
+import torch
+
+from h3render.checkpoint.errors import CheckpointError
+from h3render.checkpoint.layouts import CheckpointInfo, dit_entries, read_checkpoint_info
+from h3render.checkpoint.releases import Release
+from h3render.checkpoint.stream import (Entry, TensorHook, cast_parameters_, finish_hook, parameters_on_meta,
+                                        safetensors_entries, stream_into, weights_where)
+from h3render.models.audio_vae import AudioVAE
+from h3render.models.dit import DiT, DiTConfig
+from h3render.models.text_encoder import TextEncoder
+from h3render.models.video_vae import VideoVAE
+
+PARTS = ("dit", "video_vae", "audio_vae", "text_encoder")
+# Each part's name in messages.
+_WHAT = {"dit": "DiT", "video_vae": "video VAE", "audio_vae": "audio VAE", "text_encoder": "text encoder"}
+
+
+@dataclass
+class Components:
+    """The loaded model parts (None for a part not asked for) and the checkpoint they came from."""
+
+    dit: DiT | None
+    video_vae: VideoVAE | None
+    audio_vae: AudioVAE | None
+    text_encoder: TextEncoder | None
+    info: CheckpointInfo
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Empty modules (parameters on meta, in the dtype each will be loaded in).
+
+
+def _empty_dit(config: DiTConfig, dtype: torch.dtype) -> DiT:
+    with parameters_on_meta():
+        model = DiT(config)
+    return model.apply_precision_(dtype)
+
+
+def _empty_video_vae(release: Release, dtype: torch.dtype) -> VideoVAE:
+    with parameters_on_meta():
+        model = VideoVAE(release.video_vae, tiling=release.vae_tiling)
+    return model.apply_precision_(dtype)
+
+
+def _empty_audio_vae(release: Release) -> AudioVAE:
+    # Released audio VAE: fp32 always (it degrades in bf16, DESIGN.md §1).
+    with parameters_on_meta():
+        model = AudioVAE(release.audio_vae)
+    cast_parameters_(model, torch.float32)
+    return model
+
+
+def _empty_text_encoder(release: Release, dtype: torch.dtype, tokenizer) -> TextEncoder:
+    with parameters_on_meta():
+        model = TextEncoder(release.text_config, release.text_read_layer, tokenizer=tokenizer)
+    cast_parameters_(model, dtype)
+    return model
+
+
+# Prefixes under which Qwen3-VL checkpoints store the language model: transformers >= 4.57
+# (`Qwen3VLForConditionalGeneration.save_pretrained`) and the older `language_model.model.` export.
+_TEXT_PREFIXES = ("model.language_model.", "language_model.model.")
+
+
+def _text_entries(entries: Iterable[Entry], read_layer: int) -> Iterator[Entry]:
+    """Language-model tensors with the prefix removed; the vision tower, LM head, final norm and layers past
+    `read_layer` are renamed to `_skip.*` so `stream_into` drops them unread."""
+    for entry in entries:
+        prefix = next((p for p in _TEXT_PREFIXES if entry.name.startswith(p)), None)
+        if prefix is None:
+            unused = entry.name.startswith(("model.visual.", "visual.", "lm_head.", "language_model.lm_head."))
+            yield Entry(entry.file, ("_skip." if unused else "") + entry.name, entry.load)
+            continue
+        name = entry.name[len(prefix):]
+        if name == "norm.weight":
+            name = "_skip." + name
+        elif name.startswith("layers."):
+            index = name.split(".", 2)[1]
+            if index.isdigit() and int(index) >= read_layer:
+                name = "_skip." + name
+        yield Entry(entry.file, name, entry.load)
+
+
+def _is_skipped(name: str) -> bool:
+    return name.startswith("_skip.")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Loading.
+
+
+def assemble_components(
+    info: CheckpointInfo,
+    source: Callable[[str], Iterable[Entry]],
+    where: Callable[[str], str],
+    tokenizer: Callable[[], Any],
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+    *,
+    parts: Collection[str] = PARTS,
+    tensor_hook: TensorHook | None = None,
+) -> Components:
+    """Build the asked-for parts empty and stream each one's tensors into it: the one loading path of checkpoints
+    on disk and of the built-in random models.
+
+    Args:
+        info: the checkpoint (its release gives every architecture).
+        source: `source(part)` -> the part's entries in checkpoint naming (the DiT's already native).
+        where: `where(part)` -> the file or folder named when a tensor is missing.
+        tokenizer: called once when the text encoder is asked for.
+        dtype: compute dtype of the DiT block stack, the video-VAE decoder linears and the text encoder; the
+            release's fp32 islands stay fp32 and the audio VAE is always fp32.
+        tensor_hook: applied to every DiT tensor while streaming, then `finish()` when it has one.
+
+    Raises:
+        CheckpointError: as `stream_into`.
+    """
+    release = info.release
+    built: dict[str, Any] = dict.fromkeys(PARTS)
+    if "dit" in parts:
+        built["dit"] = stream_into(_empty_dit(release.dit, dtype), source("dit"), device, what=_WHAT["dit"],
+                                   where=where("dit"), tensor_hook=tensor_hook)
+        finish_hook(tensor_hook)
+    if "video_vae" in parts:
+        built["video_vae"] = stream_into(_empty_video_vae(release, dtype), source("video_vae"), device,
+                                         what=_WHAT["video_vae"], where=where("video_vae"))
+    if "audio_vae" in parts:
+        built["audio_vae"] = stream_into(_empty_audio_vae(release), source("audio_vae"), device,
+                                         what=_WHAT["audio_vae"], where=where("audio_vae"))
+    if "text_encoder" in parts:
+        entries = _text_entries(source("text_encoder"), release.text_read_layer)
+        built["text_encoder"] = stream_into(_empty_text_encoder(release, dtype, tokenizer()), entries, device,
+                                            what=_WHAT["text_encoder"], where=where("text_encoder"),
+                                            skip=_is_skipped)
+    return Components(**built, info=info)
+
+
+def _folder(info: CheckpointInfo, part: str) -> str:
+    """The file or folder holding one part's weights."""
+    return info.transformer if part == "dit" else getattr(info, part)
+
+
+def _from_disk(info: CheckpointInfo, device: torch.device | str, dtype: torch.dtype, parts: Collection[str],
+               tensor_hook: TensorHook | None) -> Components:
+    def source(part: str) -> Iterable[Entry]:
+        return dit_entries(info, device) if part == "dit" else safetensors_entries(Path(_folder(info, part)), device)
+
+    return assemble_components(info, source, lambda part: weights_where(_folder(info, part)),
+                               lambda: load_tokenizer(info.tokenizer), device, dtype, parts=parts,
+                               tensor_hook=tensor_hook)
+
+
+def load_dit(info: CheckpointInfo, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
+             tensor_hook: TensorHook | None = None) -> DiT:
+    """Load the DiT of a (non-builtin) checkpoint.
+
+    Args:
+        info: from `read_checkpoint_info`.
+        dtype: block-stack dtype; `DiT.apply_precision_` keeps the fp32 islands fp32.
+        tensor_hook: optional `hook(native_name, tensor) -> tensor` applied to every DiT tensor while streaming
+            (e.g. FastH3 fusion), then `hook.finish()` if it has one.
+
+    Raises:
+        CheckpointError: as `stream_into`.
+    """
+    return _from_disk(info, device, dtype, ("dit",), tensor_hook).dit
+
+
+def load_components(
+    path: str | Path,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+    *,
+    parts: Collection[str] = PARTS,
+    tensor_hook: TensorHook | None = None,
+    transformer_file: str | Path | None = None,
+    seed: int = 0,
+) -> Components:
+    """Load a checkpoint (or build a built-in random model) onto `device`.
+
+    Args:
+        path: as `read_checkpoint_info`. A single-file checkpoint holds only the DiT: ask for `parts=("dit",)`.
+        dtype: compute dtype of the DiT block stack, the video-VAE decoder linears and the text encoder; the
+            release's fp32 islands stay fp32 and the audio VAE is always fp32.
+        parts: which of "dit", "video_vae", "audio_vae", "text_encoder" to load (the others are None).
+        tensor_hook: applied to every DiT tensor while streaming, then `finish()` (see `load_dit`).
+        transformer_file: a single-file transformer replacing the checkpoint's own; its architecture must match.
+        seed: weights seed of a built-in model ("tiny", "small"); ignored otherwise.
+
+    Raises:
+        CheckpointError: layout, config or tensor problems, naming the file and tensor; an unknown part.
+    """
+    unknown = sorted(set(parts) - set(PARTS))
+    if unknown:
+        raise CheckpointError(f"unknown component {unknown[0]!r} (choose from {', '.join(PARTS)})")
+    info = read_checkpoint_info(path)
+    if info.layout == "builtin":
+        if transformer_file is not None:
+            raise CheckpointError(f"{transformer_file}: a built-in model takes no transformer file")
+        from h3render.make_checkpoint import build_random  # the random models build on this module
+
+        return build_random(info.path, seed=seed, device=device, dtype=dtype, parts=parts, tensor_hook=tensor_hook)
+    if info.layout == "single-file" and set(parts) - {"dit"}:
+        raise CheckpointError(f"{info.path}: a single-file checkpoint holds only the transformer; load it with "
+                              f"parts=('dit',) or as transformer_file= of a full checkpoint")
+    if transformer_file is not None:
+        file_info = read_checkpoint_info(transformer_file)
+        if file_info.layout != "single-file":
+            raise CheckpointError(f"{transformer_file}: transformer_file must be a single .safetensors file")
+        if file_info.release.dit != info.release.dit:
+            raise CheckpointError(f"{transformer_file}: DiT architecture differs from {info.path}'s transformer")
+        info = dataclasses.replace(info, transformer=file_info.transformer, transformer_names="native-stacked")
+    return _from_disk(info, device, dtype, parts, tensor_hook)
+
+
+def load_tokenizer(folder: str | Path):
+    """The prompt tokenizer of a checkpoint (`tokenizer/`); only the tokenizer, never the vision processor.
+
+    Raises:
+        CheckpointError: the folder is missing or transformers cannot read it.
+    """
+    from transformers import AutoTokenizer
+
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise CheckpointError(f"{folder}: tokenizer folder missing")
+    try:
+        return AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"{folder}: cannot read the tokenizer: {exc}") from None
