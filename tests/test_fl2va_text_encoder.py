@@ -178,3 +178,28 @@ def test_errors(setup):
     plain = TextEncoder(full.config.text_config, READ, tokenizer=tiny_tokenizer())
     with pytest.raises(ValueError, match=r"no <\|vision_start\|> token"):
         plain.present_fl2va(PROMPT, [4])
+
+
+def test_tiny_release_vision_tower_builds_on_meta_and_encodes():
+    """The built-in tiny conditioner's `vision_config` (releases.QWEN3VL_TINY) with H3's processor budget: a
+    224 x 128 canvas is upsized by min_pixels 65536 to 352 x 208 (smart_resize, factor 16) -> 22 x 13 merged pads."""
+    import math
+
+    from h3render import checkpoint
+    from h3render.releases import RELEASES
+
+    release = RELEASES["tiny"]
+    processor = image_processor_from_dict(PROCESSOR)
+    with checkpoint._parameters_on_meta():  # how the loader builds it before streaming the weights in
+        meta = TextEncoder(release.text_config, release.text_read_layer, tokenizer=tiny_vl_tokenizer(),
+                           vision_config=QWEN3VL_TINY["vision_config"], image_processor=processor)
+    assert all(p.device.type == "meta" for n, p in meta.named_parameters() if n.startswith("visual."))
+    torch.manual_seed(0)
+    encoder = TextEncoder(release.text_config, release.text_read_layer, tokenizer=tiny_vl_tokenizer(),
+                          vision_config=QWEN3VL_TINY["vision_config"], image_processor=processor).eval()
+    beta = math.sqrt(65536 / (128 * 224))
+    h, w = math.ceil(128 * beta / 16) * 16, math.ceil(224 * beta / 16) * 16
+    assert (h, w) == (208, 352)
+    states, tags = encoder.encode_with_images(PROMPT, _images((224, 128)))
+    assert int((tags == VIDEO_TAG).sum()) == (h // 16) * (w // 16) + 2
+    assert states.shape == (tags.numel(), release.text_config.hidden_size)
