@@ -246,3 +246,184 @@ def rows_to_audio(rows: torch.Tensor, layout: PackedLayout) -> torch.Tensor:
     if rows.ndim != 2 or rows.shape[0] != layout.num_audio_rows:
         raise ValueError(f"audio rows must be [{layout.num_audio_rows}, C], got {list(rows.shape)}")
     return rows.reshape(AUDIO_CHANNELS, layout.audio_len, rows.shape[1]).permute(0, 2, 1)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# fl2va: keyframe condition rows.
+#
+# Rows are `[text | keyframe rows (first, then last) | audio L, R | target video]` (diffusers 0.42.1
+# `MiniMaxH3PrepareLayoutStep.build_packed_sequence` with `keyframe_anchors`). A keyframe is one latent frame of the
+# target's grid, (H/32) * (W/32) rows, tagged video, at the target's (h, w) grid and at t = text_len ("first") or
+# t = text_len + (F - 1) * 5/3 ("last"; the reference's numpy pairwise sum of the frame spans minus the last span).
+# `video_index` lists the keyframe rows first, then the target video rows (ascending), so the DiT embeds and projects
+# them like any video row; the sampler never writes them and drops their velocity.
+
+KEYFRAME_T = 0.999  # keyframes are noised once to t = 0.999 and run at max(t_video, 0.999) (`keyframe_noise_aug`)
+
+
+@dataclass(frozen=True, eq=False)
+class ConditionedLayout(PackedLayout):
+    """A `PackedLayout` with keyframe condition rows at the front of `video_index`.
+
+    Attributes (besides `PackedLayout`'s, whose `video_index` here is `[Nc + Nv]`: conditions first):
+        num_condition_rows: Nc = number of keyframes x rows_per_frame.
+        keyframe_anchors: "first"/"last" per keyframe, packed order.
+    """
+
+    num_condition_rows: int = 0
+    keyframe_anchors: tuple[str, ...] = ()
+
+    @property
+    def condition_index(self) -> torch.Tensor:
+        """`[Nc]` int64 sequence positions of the keyframe rows."""
+        return self.video_index[: self.num_condition_rows]
+
+    @property
+    def target_video_index(self) -> torch.Tensor:
+        """`[Nv]` int64 sequence positions of the generated video rows."""
+        return self.video_index[self.num_condition_rows:]
+
+    @property
+    def num_target_video_rows(self) -> int:
+        return self.video_index.numel() - self.num_condition_rows
+
+    def row_timestep_index(self, video_slot: int, audio_slot: int, condition_slot: int | None = None) -> torch.Tensor:
+        """Per-row index `[S]` int64: `audio_slot` on audio rows, `condition_slot` on keyframe rows, `video_slot`
+        elsewhere (text rows, vision pads included, take the video timestep).
+
+        Raises:
+            ValueError: the layout has keyframe rows and no `condition_slot` was given.
+        """
+        index = super().row_timestep_index(video_slot, audio_slot)
+        if self.num_condition_rows:
+            if condition_slot is None:
+                raise ValueError("this layout has keyframe rows: give their timestep slot (condition_slot)")
+            index[self.condition_index] = condition_slot
+        return index
+
+    def target_layout(self) -> PackedLayout:
+        """The target's geometry as a plain `PackedLayout` view (`video_index` = target rows only), for
+        `unpatchify_video` / `rows_to_audio` of the generated rows."""
+        return PackedLayout(
+            text_len=self.text_len, latent_frames=self.latent_frames, latent_height=self.latent_height,
+            latent_width=self.latent_width, patch=self.patch, audio_len=self.audio_len, seq_len=self.seq_len,
+            text_index=self.text_index, audio_index=self.audio_index, video_index=self.target_video_index,
+            token_tags=self.token_tags, positions=self.positions,
+        )
+
+
+def _last_keyframe_time(text_len: int, latent_frames: int) -> float:
+    """RoPE t of a "last" keyframe: text_len + sum of the frame spans - the last span, summed as the reference does
+    (numpy pairwise summation; a sequential sum differs in the last ulp from 16 latent frames on)."""
+    spans = np.full(latent_frames, _FRAME_TIME_SCALE, dtype=np.float64)
+    for offset, frames in enumerate(_FRAMES_PER_LATENT):
+        spans[offset :: len(_FRAMES_PER_LATENT)] *= frames
+    return float(text_len) + float(spans.sum()) - _FRAME_TIME_SCALE
+
+
+def fl2va_layout(
+    token_tags: torch.Tensor, height: int, width: int, frames: int, keyframe_anchors: tuple[str, ...]
+) -> ConditionedLayout:
+    """Layout of a keyframe-conditioned request.
+
+    Args:
+        token_tags: `[Nt]` int64 tags of the text-encoder rows (1 text, 0 the keyframes' vision blocks), from
+            `TextEncoder.encode_with_images`.
+        height, width: canvas in pixels, multiples of 32 (the keyframes were put onto it).
+        frames: pixel frames at 24 fps, 17n + 5.
+        keyframe_anchors: `("first",)`, `("last",)` or `("first", "last")`, packed order (an empty tuple gives the
+            t2va layout with the given text tags).
+
+    Returns:
+        `ConditionedLayout` (CPU tensors). At 1344 x 768 x 243 with both keyframes: 2,016 condition rows.
+
+    Raises:
+        ValueError: as `t2va_layout`; an unknown anchor; tags not `[Nt]` of 0/1.
+    """
+    if token_tags.ndim != 1 or bool(((token_tags != TEXT_TAG) & (token_tags != VIDEO_TAG)).any()):
+        raise ValueError(f"text token tags must be [Nt] of {TEXT_TAG} (text) / {VIDEO_TAG} (vision block)")
+    for anchor in keyframe_anchors:
+        if anchor not in ("first", "last"):
+            raise ValueError(f"keyframe anchor must be 'first' or 'last', got {anchor!r}")
+    text_len = token_tags.numel()
+    base = t2va_layout(text_len, height, width, frames)
+    rows_per_frame = base.rows_per_frame
+    n_cond = len(keyframe_anchors) * rows_per_frame
+    seq_len = base.seq_len + n_cond
+
+    # Everything after the text shifts back by the condition rows; the target positions are the t2va ones.
+    positions = torch.empty(seq_len, 3, dtype=torch.float64)
+    positions[:text_len] = base.positions[:text_len]
+    positions[text_len + n_cond:] = base.positions[text_len:]
+    _, ph, pw = PATCH
+    sqrt_area = np.sqrt(base.latent_height * base.latent_width)
+    h_grid = torch.from_numpy(_spatial_grid(base.latent_height, ph, sqrt_area))
+    w_grid = torch.from_numpy(_spatial_grid(base.latent_width, pw, sqrt_area))
+    frame_hw = torch.stack(torch.meshgrid(h_grid, w_grid, indexing="ij"), dim=-1).reshape(-1, 2)  # [rows, 2]
+    for k, anchor in enumerate(keyframe_anchors):
+        rows = slice(text_len + k * rows_per_frame, text_len + (k + 1) * rows_per_frame)
+        positions[rows, 0] = float(text_len) if anchor == "first" else _last_keyframe_time(text_len,
+                                                                                            base.latent_frames)
+        positions[rows, 1:] = frame_hw
+
+    tags = torch.empty(seq_len, dtype=torch.int64)
+    tags[:text_len] = token_tags.to(torch.int64)
+    tags[text_len + n_cond:] = base.token_tags[text_len:]
+    tags[text_len:text_len + n_cond] = VIDEO_TAG
+
+    audio_index = base.audio_index + n_cond
+    video_index = torch.cat([torch.arange(text_len, text_len + n_cond), base.video_index + n_cond])
+    return ConditionedLayout(
+        text_len=text_len, latent_frames=base.latent_frames, latent_height=base.latent_height,
+        latent_width=base.latent_width, patch=PATCH, audio_len=base.audio_len, seq_len=seq_len,
+        text_index=base.text_index, audio_index=audio_index, video_index=video_index, token_tags=tags,
+        positions=positions, num_condition_rows=n_cond, keyframe_anchors=tuple(keyframe_anchors),
+    )
+
+
+def condition_timestep(video_t: float | torch.Tensor) -> torch.Tensor:
+    """Timestep of the keyframe rows at a step: `max(t_video, 0.999)` as a 0-d float32 (0.999 in every normal
+    schedule: the keyframes are never run clean at t = 1)."""
+    return torch.tensor(max(float(video_t), KEYFRAME_T), dtype=torch.float32)
+
+
+def fl2va_step_timesteps(
+    layout: ConditionedLayout, video_t: float | torch.Tensor, audio_t: float | torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The distinct timesteps of one fl2va forward and every row's index into them (diffusers
+    `MiniMaxH3SetTimestepsStep.build_row_timesteps`): keyframe rows `condition_timestep(video_t)`, audio rows
+    `audio_t`, all others `video_t`.
+
+    Returns:
+        `(timesteps [K] float32 sorted, index [S] int64)`; K = 2 at step 0 (t_video = t_audio = 0), else 3.
+    """
+    row_t = torch.full((layout.seq_len,), float(video_t), dtype=torch.float32)
+    row_t[layout.condition_index.cpu()] = condition_timestep(video_t)
+    row_t[layout.audio_index.cpu()] = float(audio_t)
+    return torch.unique(row_t, sorted=True, return_inverse=True)
+
+
+def noise_keyframes(
+    condition_latents: list[torch.Tensor], generator: torch.Generator, patch: tuple[int, int, int] = PATCH
+) -> torch.Tensor:
+    """Noise the keyframe latents once to t = 0.999 and pack them: the condition rows, fixed for the whole loop.
+
+    One `randn` per keyframe of its latent's `[1, 24, 1, h, w]` shape, float32, in packed order, from the job's CPU
+    `generator` BEFORE the video and audio noise are drawn from it (diffusers `MiniMaxH3PrepareConditionLatentsStep`,
+    then `MiniMaxH3PrepareLatentsStep`); mixed `t * x0 + (1 - t) * n` in float32 (`MiniMaxH3Scheduler.scale_noise`).
+
+    Args:
+        condition_latents: one normalized latent `[24, 1, h, w]` per keyframe (`VideoVAE.encode_condition`).
+        generator: the job's CPU generator, seeded with the job's seed, not yet drawn from.
+
+    Returns:
+        `[Nc, 96]` float32 rows on the latents' device, keyframe by keyframe, each t-major then h then w.
+    """
+    packed = []
+    for latent in condition_latents:
+        if latent.ndim != 4 or latent.shape[1] != 1:
+            raise ValueError(f"a keyframe latent must be [C, 1, h, w], got {list(latent.shape)}")
+        noise = torch.randn((1, *latent.shape), generator=generator, dtype=torch.float32)[0].to(latent.device)
+        t = torch.tensor(KEYFRAME_T, dtype=torch.float32, device=latent.device)
+        packed.append(patchify_video(t * latent.float() + (1.0 - t) * noise, patch))
+    return torch.cat(packed)

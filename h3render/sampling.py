@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Callable, Sequence
 
 import torch
 
-from h3render.packing import PackedLayout
+from h3render.packing import PackedLayout, condition_timestep
 from h3render.spec import AUDIO_LATENT_CHANNELS, VIDEO_LATENT_CHANNELS
 
 if TYPE_CHECKING:
@@ -147,15 +147,16 @@ def euler_step(
     return ratio * x + (1.0 - ratio) * x0
 
 
-def draw_noise(seed: int, layout: PackedLayout) -> tuple[torch.Tensor, torch.Tensor]:
+def draw_noise(seed: int | torch.Generator, layout: PackedLayout) -> tuple[torch.Tensor, torch.Tensor]:
     """Initial noise from one CPU generator seeded with `seed`: video first, then audio directly in row layout.
 
-    The draw order and shapes are the reference's (a CUDA generator would give other numbers).
+    The draw order and shapes are the reference's (a CUDA generator would give other numbers). fl2va passes the
+    job's generator itself after `packing.noise_keyframes` drew the keyframe noise from it.
 
     Returns:
         `(video_latent [1, 24, T, h, w], audio_rows [2 * Ta, 32])`, float32 on CPU.
     """
-    gen = torch.Generator(device="cpu").manual_seed(int(seed))
+    gen = seed if isinstance(seed, torch.Generator) else torch.Generator(device="cpu").manual_seed(int(seed))
     video = torch.randn(
         (1, VIDEO_LATENT_CHANNELS, layout.latent_frames, layout.latent_height, layout.latent_width),
         generator=gen,
@@ -165,10 +166,13 @@ def draw_noise(seed: int, layout: PackedLayout) -> tuple[torch.Tensor, torch.Ten
     return video, audio
 
 
-def schedule_timesteps(video_sigmas: torch.Tensor, audio_sigmas: torch.Tensor) -> torch.Tensor:
+def schedule_timesteps(video_sigmas: torch.Tensor, audio_sigmas: torch.Tensor, keyframes: bool = False) -> torch.Tensor:
     """All distinct timesteps a run visits, sorted ascending `[K]` float32: what `DiT.modulation_tables` needs once
-    per schedule pair."""
-    return torch.unique(torch.cat([timesteps_of(video_sigmas), timesteps_of(audio_sigmas)]), sorted=True)
+    per schedule pair. `keyframes` adds the keyframe rows' `packing.condition_timestep` of every step (0.999)."""
+    parts = [timesteps_of(video_sigmas), timesteps_of(audio_sigmas)]
+    if keyframes:
+        parts.append(torch.stack([condition_timestep(t) for t in timesteps_of(video_sigmas)]))
+    return torch.unique(torch.cat(parts), sorted=True)
 
 
 def denoise(
@@ -214,6 +218,7 @@ def dit_model_fn(
     layout: PackedLayout,
     tables: "ModulationTables",
     rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+    condition_rows: torch.Tensor | None = None,
 ) -> ModelFn:
     """Adapt a `DiT` to `denoise`'s `model_fn` for one request.
 
@@ -223,6 +228,10 @@ def dit_model_fn(
         layout: the request's layout, tensors on the model's device.
         tables: `ModulationTables` holding every timestep of the run (see `schedule_timesteps`).
         rope: `(cos, sin)` from `dit.rope_tables(layout.positions)`; computed once here when None.
+        condition_rows: fl2va: `[Nc, 96]` noised keyframe rows (`packing.noise_keyframes`) for a
+            `packing.ConditionedLayout`. They are put in front of the generated video rows on every forward, run at
+            `packing.condition_timestep(video_t)`, and their velocity is dropped, so `denoise` sees (and writes) only
+            the generated rows. `tables` must hold the condition timesteps (`schedule_timesteps(..., keyframes=True)`).
     """
     if rope is None:
         rope = dit.rope_tables(layout.positions)
@@ -231,4 +240,15 @@ def dit_model_fn(
         index = layout.row_timestep_index(tables.index_of(video_t), tables.index_of(audio_t))
         return dit(video_rows, audio_rows, text, layout, tables, index, rope)
 
-    return model_fn
+    if condition_rows is None:
+        return model_fn
+    num_condition = condition_rows.shape[0]
+
+    def conditioned_model_fn(video_rows, audio_rows, video_t, audio_t):
+        index = layout.row_timestep_index(tables.index_of(video_t), tables.index_of(audio_t),
+                                          tables.index_of(condition_timestep(video_t)))
+        rows = torch.cat([condition_rows.to(video_rows.dtype), video_rows])
+        video_v, audio_v = dit(rows, audio_rows, text, layout, tables, index, rope)
+        return video_v[num_condition:], audio_v
+
+    return conditioned_model_fn

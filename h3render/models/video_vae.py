@@ -653,8 +653,11 @@ class VideoVAE(nn.Module):
 
         Recipe (diffusers `encode_vae_condition`): the posterior is *sampled* with a fresh CPU generator seeded with
         `seed` (released `keyframe_encode_seed` 42), the sample is rounded through float16, then normalized with
-        latents_mean/std. `video` should be uint8 pixels / 255.
+        latents_mean/std. `video` is `[3, F, H, W]` uint8 pixels (divided by 255 here in float32, as the reference
+        does) or float32 already divided by 255; F = 1 for a keyframe (one latent frame, tiled spatial encoder only).
         """
+        if video.dtype == torch.uint8:
+            video = video.to(torch.float32).div(255.0)
         mean, logvar = self.encode_moments(video)
         generator = torch.Generator().manual_seed(seed)
         noise = torch.randn((1, *mean.shape), generator=generator, dtype=mean.dtype)[0].to(mean.device)
