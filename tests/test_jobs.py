@@ -1,5 +1,6 @@
 """Manifest → Job: canvas and time rules, schema errors with lines, output names, presets, shards."""
 
+import json
 import textwrap
 from pathlib import Path
 
@@ -303,7 +304,7 @@ def test_fasth3_refuses_its_own_steps(tmp_path):
 def test_output_paths_that_escape_or_break_are_refused(tmp_path, output):
     assert J.output_path_problem(output) is not None
     path = tmp_path / "o.jsonl"
-    path.write_text(J.json.dumps({"prompt": "x", "output": output}) + "\n", encoding="utf-8")
+    path.write_text(json.dumps({"prompt": "x", "output": output}) + "\n", encoding="utf-8")
     [error] = errors_of(path)
     assert error.startswith(f"{path}:1: output: ")
 
@@ -322,7 +323,7 @@ def test_long_non_ascii_prompts_get_safe_short_unique_names(tmp_path):
              {"prompt": "東京の夜、雨のネオン街を歩く女性。"}, {"prompt": "東京の朝。"},
              {"prompt": "Sunset", "output": "sunset-s0"}, {"prompt": "Sunset"}, {"prompt": "SUNSET!"},
              {"prompt": "line\u2028separator", "seed": 1}]
-    path.write_text("\n".join(J.json.dumps(line, ensure_ascii=False) for line in lines), encoding="utf-8")
+    path.write_text("\n".join(json.dumps(line, ensure_ascii=False) for line in lines), encoding="utf-8")
     jobs = load_manifest(path, RELEASED)
     names = [job.output for job in jobs]
     print(names)
