@@ -216,7 +216,7 @@ def _read_jsonl(text: str, file: str, errors: _Errors) -> tuple[_Layer, list[_La
             errors.add(_Where(file, number), f"not valid JSON: {exc.msg} (column {exc.colno})")
             continue
         except RecursionError:  # the decoder recurses per level: 100,000 nested brackets exhaust the stack
-            errors.add(_Where(file, number), "not valid JSON here: nested too deeply (a job is one flat object)")
+            errors.add(_Where(file, number), "nested too deeply to read (a job is one flat object)")
             continue
         for key in duplicates:
             errors.add(_Where(file, number, key), "field given twice")
@@ -257,8 +257,7 @@ def _read_yaml(text: str, file: str, errors: _Errors) -> tuple[_Layer, list[_Lay
     try:
         deep_line = _too_deep(text)
         if deep_line:
-            errors.add(_Where(file, deep_line), f"not valid here: nested more than {MAX_NESTING} levels deep (a "
-                                                "manifest needs 3)")
+            errors.add(_Where(file, deep_line), f"nested more than {MAX_NESTING} levels deep (a manifest needs 3)")
             return defaults, []
         root = yaml.compose(text, Loader=yaml.SafeLoader)
     except yaml.MarkedYAMLError as exc:
