@@ -1,5 +1,6 @@
 """Manifest → Job: canvas and time rules, schema errors with lines, output names, presets, shards."""
 
+import json
 import textwrap
 from pathlib import Path
 
@@ -7,6 +8,7 @@ import pytest
 
 from h3render import jobs as J
 from h3render.jobs import Job, Limits, ManifestError, load_manifest
+from h3render.manifest import MAX_NESTING
 
 REPO = Path(__file__).resolve().parent.parent
 RELEASED = Limits(min_frames=107, max_frames=362, default_canvas=(1344, 768), default_frames=243, default_steps=50)
@@ -303,7 +305,7 @@ def test_fasth3_refuses_its_own_steps(tmp_path):
 def test_output_paths_that_escape_or_break_are_refused(tmp_path, output):
     assert J.output_path_problem(output) is not None
     path = tmp_path / "o.jsonl"
-    path.write_text(J.json.dumps({"prompt": "x", "output": output}) + "\n", encoding="utf-8")
+    path.write_text(json.dumps({"prompt": "x", "output": output}) + "\n", encoding="utf-8")
     [error] = errors_of(path)
     assert error.startswith(f"{path}:1: output: ")
 
@@ -322,7 +324,7 @@ def test_long_non_ascii_prompts_get_safe_short_unique_names(tmp_path):
              {"prompt": "東京の夜、雨のネオン街を歩く女性。"}, {"prompt": "東京の朝。"},
              {"prompt": "Sunset", "output": "sunset-s0"}, {"prompt": "Sunset"}, {"prompt": "SUNSET!"},
              {"prompt": "line\u2028separator", "seed": 1}]
-    path.write_text("\n".join(J.json.dumps(line, ensure_ascii=False) for line in lines), encoding="utf-8")
+    path.write_text("\n".join(json.dumps(line, ensure_ascii=False) for line in lines), encoding="utf-8")
     jobs = load_manifest(path, RELEASED)
     names = [job.output for job in jobs]
     print(names)
@@ -446,3 +448,144 @@ def test_showcase_examples_render_on_the_default_canvas():
     assert J.plan_lines(from_yaml)[-1] == f"{len(from_yaml)} job(s), {len(from_yaml) * 1.625:.3f} s of video"
     released = load_manifest(REPO / "examples/prompts/showcase.yaml", RELEASED)
     assert all((j.width, j.height, j.frames) == (1344, 768, 243) for j in released)
+
+
+# --- validation before load: FastH3 adapters, bounded inputs, Unicode names, encoder options -----------------------
+
+def test_fasth3_jobs_without_an_adapter_are_refused_per_line(tmp_path):
+    path = write(tmp_path, "mix.jsonl", """
+        {"id": "a", "prompt": "base"}
+        {"id": "b", "prompt": "fast", "mode": "fasth3"}
+        {"id": "c", "prompt": "base again"}
+        {"id": "d", "prompt": "fast again", "mode": "fasth3"}
+    """)
+    with pytest.raises(ManifestError) as info:
+        load_manifest(path, RELEASED, adapter_available=False)
+    assert [e.split(": ")[0:2] for e in info.value.errors] == [[f"{path}:2", "mode"], [f"{path}:4", "mode"]]
+    assert "needs a FastH3 adapter" in info.value.errors[0] and "--adapter" in info.value.errors[0]
+    # with an adapter at hand the mixed queue is accepted, in manifest order; unchecked (None) stays as before
+    for available in (True, None):
+        assert [j.mode for j in load_manifest(path, RELEASED, adapter_available=available)] == [
+            "t2va", "fasth3", "t2va", "fasth3"]
+
+
+def test_fasth3_inherited_from_defaults_or_command_line_names_its_origin(tmp_path):
+    path = write(tmp_path, "d.yaml", """
+        defaults:
+          mode: fasth3
+        jobs:
+          - {id: a, prompt: x}
+          - {id: b, prompt: y, mode: t2va}
+    """)
+    [error] = errors_of_kw(path, adapter_available=False)
+    assert error.startswith(f"{path}:4: mode: fasth3 (from the defaults at {path}:2) needs a FastH3 adapter")
+    plain = write(tmp_path, "p.jsonl", '{"prompt": "x"}\n')
+    [error] = errors_of_kw(plain, overrides={"mode": "fasth3"}, adapter_available=False)
+    assert error.startswith(f"{plain}:1: mode: fasth3 (from --mode) needs")
+
+
+def test_adapter_named_in_the_manifest_defaults(tmp_path):
+    (tmp_path / "adapters").mkdir()
+    (tmp_path / "adapters" / "student.safetensors").write_bytes(b"\0")
+    path = write(tmp_path, "a.yaml", """
+        defaults:
+          adapter: adapters/student.safetensors
+        jobs:
+          - {id: a, prompt: x}
+          - {id: b, prompt: y, mode: fasth3}
+    """)
+    manifest = J.read_manifest(path, RELEASED, adapter_available=False)
+    assert manifest.adapter == tmp_path / "adapters" / "student.safetensors"
+    assert [j.mode for j in manifest.jobs] == ["t2va", "fasth3"]
+    assert J.read_manifest(write(tmp_path, "n.jsonl", '{"prompt": "x"}\n'), RELEASED).adapter is None
+    # relative to the manifest's folder, not the working directory; a missing file is reported now
+    missing = write(tmp_path, "m.jsonl", '{"defaults": {"adapter": "nope.safetensors"}}\n{"prompt": "x"}\n')
+    assert errors_of_kw(missing) == [f"{missing}:1: adapter: no such file: {tmp_path / 'nope.safetensors'}"]
+    # a defaults-only field: not on a job, not as a command-line default
+    on_job = write(tmp_path, "j.jsonl", '{"prompt": "x", "adapter": "a"}\n')
+    assert errors_of_kw(on_job) == [f"{on_job}:1: adapter: may only be set in the manifest's defaults"]
+    assert errors_of_kw(write(tmp_path, "c.jsonl", '{"prompt": "x"}\n'), overrides={"adapter": "a"}) == [
+        "<command line>: adapter: may only be set in the manifest's defaults (on the command line: --adapter)"]
+
+
+def test_steps_and_prompt_length_are_bounded_by_the_limits(tmp_path):
+    path = write(tmp_path, "b.jsonl", f"""
+        {{"id": "ok", "prompt": "{'x' * 20_000}", "steps": 1000}}
+        {{"id": "huge", "prompt": "x", "steps": 1000000000}}
+        {{"id": "long", "prompt": "{'x' * 20_001}"}}
+    """)
+    errors = errors_of(path)
+    assert errors == [f"{path}:2: steps: 1000000000 sigma points is more than this checkpoint's limit of 1,000",
+                      f"{path}:3: prompt: 20,001 characters is longer than this checkpoint's limit of 20,000 "
+                      "characters"]
+    strict = Limits(107, 362, (1344, 768), 243, 50, max_sigma_points=60, max_prompt_chars=10)
+    errors = errors_of(path, strict)
+    assert [e.split(": ")[0] for e in errors] == [f"{path}:1", f"{path}:1", f"{path}:2", f"{path}:3"]
+    assert "limit of 60" in errors[1] and "limit of 10 " in errors[0]
+    with pytest.raises(ValueError, match="default_steps 50 must be within 2–40"):
+        Limits(107, 362, (1344, 768), 243, 50, max_sigma_points=40)
+
+
+def test_huge_integers_and_deep_nesting_are_line_errors(tmp_path):
+    digits = "9" * 5001
+    jsonl = tmp_path / "big.jsonl"
+    jsonl.write_text('{"prompt": "ok"}\n'
+                     f'{{"prompt": "x", "seed": {digits}}}\n'
+                     f'{{"prompt": "x", "frames": -{digits}}}\n'
+                     '{"prompt": "x", "seed": ' + "[" * 100_000 + "]" * 100_000 + "}\n", encoding="utf-8")
+    assert errors_of(jsonl) == [f"{jsonl}:2: seed: an integer of 5,001 digits is out of range",
+                                f"{jsonl}:3: frames: an integer of 5,001 digits is out of range",
+                                f"{jsonl}:4: nested too deeply to read (a job is one flat object)"]
+    yml = tmp_path / "big.yaml"
+    yml.write_text(f"jobs:\n  - prompt: x\n    seed: {digits}\n  - prompt: y\n", encoding="utf-8")
+    assert errors_of(yml) == [f"{yml}:3: seed: an integer of 5,001 digits is out of range"]
+    deep = tmp_path / "deep.yaml"
+    deep.write_text("jobs:\n  - prompt: x\n    seed:\n      " + "[" * 100_000 + "]" * 100_000 + "\n", encoding="utf-8")
+    assert errors_of(deep) == [f"{deep}:4: nested more than {MAX_NESTING} levels deep (a manifest needs 3)"]
+
+
+def test_ids_and_outputs_that_differ_only_in_unicode_normalization_clash(tmp_path):
+    nfc, nfd = "caf\u00e9", "cafe\u0301"
+    assert nfc != nfd and J.output_key(nfc) == J.output_key(nfd) == J.output_key("CAFE\u0301")
+    ids = tmp_path / "ids.jsonl"
+    ids.write_text(json.dumps({"id": nfc, "prompt": "x"}) + "\n" + json.dumps({"id": nfd, "prompt": "y"}) + "\n",
+                   encoding="utf-8")
+    [error] = errors_of(ids)
+    assert error.startswith(f"{ids}:2: id: duplicate id {nfd!r} (first at {ids}:1)")
+    outs = tmp_path / "outs.jsonl"
+    outs.write_text(json.dumps({"prompt": "x", "output": f"shots/{nfd}"}) + "\n"
+                    + json.dumps({"prompt": "y", "output": f"Shots/{nfc.upper()}"}) + "\n", encoding="utf-8")
+    [error] = errors_of(outs)
+    assert error.startswith(f"{outs}:2: output: output 'Shots/CAFÉ' is also written by the job at {outs}:1")
+    # a lone NFD name is written in NFC
+    outs.write_text(json.dumps({"id": nfd, "prompt": "x"}) + "\n", encoding="utf-8")
+    [job] = load_manifest(outs, RELEASED)
+    assert job.output == nfc and job.id == nfd
+
+
+def test_x264_preset_names_are_checked_up_front():
+    assert J.X264_PRESETS[0] == "ultrafast" and J.X264_PRESETS[-1] == "placebo" and len(J.X264_PRESETS) == 10
+    for name in J.X264_PRESETS:
+        assert J.check_x264_preset(name) == name
+    with pytest.raises(ValueError, match=r"--x264-preset 'ultrafastt' is not an x264 preset \(did you mean "
+                                         r"ultrafast\?\)"):
+        J.check_x264_preset("ultrafastt")
+    with pytest.raises(ValueError, match="one of ultrafast, superfast"):
+        J.check_x264_preset("Medium ")
+
+
+def test_spec_facts_are_not_restated():
+    from h3render import spec
+
+    for name in ("FPS", "CANVAS_MULTIPLE", "FRAMES_PER_CHUNK", "FRAMES_REMAINDER", "AUDIO_LATENTS_PER_SECOND",
+                 "AUDIO_CHANNELS", "RELEASED_SHORT_EDGE", "RELEASED_MAX_PIXELS", "MIN_ASPECT", "MAX_ASPECT",
+                 "canvas_for_aspect", "is_snapped", "latent_frames", "video_rows", "audio_rows"):
+        assert getattr(J, name) is getattr(spec, name), name
+    source = (REPO / "h3render" / "jobs.py").read_text() + (REPO / "h3render" / "manifest.py").read_text()
+    assert "FPS = " not in source and "def canvas_for_aspect" not in source
+
+
+def errors_of_kw(path, limits=RELEASED, overrides=None, **kw):
+    with pytest.raises(ManifestError) as info:
+        load_manifest(path, limits, overrides, **kw)
+    return info.value.errors

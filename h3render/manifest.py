@@ -1,0 +1,599 @@
+"""Manifests: JSONL and YAML files of render jobs read into resolved `Job`s, every problem reported at once.
+
+Schema and error forms: docs/manifest.md. Each problem is one line `file:line: field: problem` (in YAML the field's
+own line); the whole file is checked against the checkpoint's `Limits` before anything loads. `Job`, the canvas and
+time rules and output names are in `h3render.jobs`.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Mapping, NamedTuple
+
+import yaml
+
+from h3render.jobs import (CANVAS_MULTIPLE, DEFAULT_MODE, DEFAULT_SEED, MAX_SEED, MODES, Job, Limits, Preset,
+                           Requested, Source, _is_int, _one_line, canvas_for_aspect, check_canvas, load_presets,
+                           output_key, output_name, output_path_problem, parse_aspect, prompt_slug, snap_frames)
+
+JOB_FIELDS = ("id", "prompt", "preset", "aspect", "width", "height", "duration", "frames", "seed", "steps", "mode",
+              "output")
+JOB_ONLY_FIELDS = ("id", "prompt", "output")  # may not appear in `defaults` or in command-line defaults
+DEFAULTS_ONLY_FIELDS = ("adapter",)  # only in the manifest's `defaults` (the command line has --adapter)
+DEFAULT_FIELDS = tuple(f for f in JOB_FIELDS if f not in JOB_ONLY_FIELDS) + DEFAULTS_ONLY_FIELDS
+_KNOWN_FIELDS = JOB_FIELDS + DEFAULTS_ONLY_FIELDS
+_CANVAS_FIELDS = ("preset", "aspect", "width", "height")
+_TIME_FIELDS = ("duration", "frames")
+_STRING_FIELDS = ("id", "prompt", "preset", "aspect", "mode", "output", "adapter")
+_COMMAND_LINE = "<command line>"
+# Integers longer than this are never a valid value of any field (the largest, a seed, has 20 digits); they are kept
+# as their digit count, so a 5,001-digit number is a field error rather than Python's int-conversion ValueError.
+_MAX_INT_DIGITS = 100
+MAX_NESTING = 64  # YAML levels; a manifest needs 3. PyYAML composes recursively: 100,000 levels overflow the stack
+
+
+class ManifestError(ValueError):
+    """Every problem found in one manifest; `errors` holds the message lines in file order, each of the form
+    `file:line: field: problem`."""
+
+    def __init__(self, errors: list[str]):
+        self.errors = list(errors)
+        super().__init__("\n".join(self.errors))
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """A validated manifest: its `path`, its resolved `jobs` in file order, and the FastH3 `adapter` its defaults
+    name (resolved against the manifest's folder; None when absent; a command-line `--adapter` takes precedence)."""
+
+    path: Path
+    jobs: list[Job]
+    adapter: Path | None = None
+
+
+class _TooLong(NamedTuple):
+    digits: int  # an integer literal of more than _MAX_INT_DIGITS digits, kept as its digit count
+
+
+class _Value(NamedTuple):
+    value: Any
+    line: int  # 1-based line of the field; 0 when not from a file
+
+
+@dataclass
+class _Layer:
+    """The fields set at one level (a job line, manifest defaults, command-line defaults), with their lines."""
+
+    file: str
+    line: int
+    fields: dict[str, _Value] = field(default_factory=dict)
+
+    def where(self, name: str | None = None) -> _Where:
+        """The place to blame: the field's own line when it has one, else the job's."""
+        line = self.fields[name].line if name in self.fields and self.fields[name].line else self.line
+        return _Where(self.file, line, name)
+
+    def get(self, name: str) -> Any:
+        return self.fields[name].value if name in self.fields else None
+
+
+class _Where(NamedTuple):
+    file: str
+    line: int = 0
+    field: str | None = None
+
+    def __str__(self) -> str:
+        location = f"{self.file}:{self.line}" if self.line else self.file
+        return f"{location}: {self.field}" if self.field else location
+
+
+class _Errors:
+    """Collects problems from every pass; reports them in file order (command-line defaults first)."""
+
+    def __init__(self) -> None:
+        self.found: list[tuple[_Where, str]] = []
+
+    def add(self, where: _Where, message: str) -> None:
+        self.found.append((where, message))
+
+    def raise_if_any(self) -> None:
+        if self.found:  # sorted by line; the sort is stable, so same-line problems keep pass order
+            raise ManifestError([f"{where}: {message}" for where, message in
+                                 sorted(self.found, key=lambda item: item[0].line)])
+
+
+def read_manifest(path: str | Path, limits: Limits, defaults_overrides: Mapping[str, Any] | None = None, *,
+                  presets_dir: str | Path | None = None, adapter_available: bool | None = None) -> Manifest:
+    """Read a JSONL (`.jsonl`, `.ndjson`) or YAML (`.yaml`, `.yml`) manifest into resolved jobs, in file order.
+
+    Precedence for each field: the job's own value, then `defaults_overrides` (command-line defaults; None values
+    are ignored), then the manifest's `defaults`, then the preset in effect (canvas, duration), then `limits`.
+    The whole manifest is validated before anything is returned. Schema: docs/manifest.md.
+
+    Args:
+        adapter_available: whether a FastH3 adapter is at hand without the manifest (`--adapter`, or a FastH3 V2
+            checkpoint). False: each `mode: fasth3` job is an error unless the manifest's `defaults` name an
+            `adapter`; True: t2va and fasth3 jobs may mix. None (default): not checked here.
+
+    Raises:
+        ManifestError: every problem found, one line each, naming file, line and field.
+    """
+    path = Path(path)
+    errors = _Errors()
+    presets = _load_presets_for(errors, str(path), presets_dir)
+    suffix = path.suffix.lower()
+    if suffix not in (".jsonl", ".ndjson", ".yaml", ".yml"):
+        raise ManifestError([f"{path}: unknown manifest type {suffix or '(no extension)'!r}; use .jsonl or .yaml"])
+    try:
+        text = path.read_text(encoding="utf-8-sig")
+    except FileNotFoundError:
+        raise ManifestError([f"{path}: manifest not found"]) from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ManifestError([f"{path}: cannot read manifest: {_one_line(exc)}"]) from None
+    reader = _read_jsonl if suffix in (".jsonl", ".ndjson") else _read_yaml
+    defaults, job_layers = reader(text, str(path), errors)
+    overrides = _Layer(_COMMAND_LINE, 0, {k: _Value(v, 0) for k, v in (defaults_overrides or {}).items()
+                                          if v is not None})
+    adapter = _manifest_adapter(defaults, path, errors)
+    if adapter_available is not None:
+        adapter_available = adapter_available or adapter is not None
+    jobs = _resolve_all(job_layers, [overrides, defaults], limits, presets, errors, adapter_available)
+    if not job_layers and not errors.found:
+        errors.add(_Where(str(path)), "the manifest has no jobs")
+    errors.raise_if_any()
+    return Manifest(path, jobs, adapter)
+
+
+def load_manifest(path: str | Path, limits: Limits, defaults_overrides: Mapping[str, Any] | None = None, *,
+                  presets_dir: str | Path | None = None, adapter_available: bool | None = None) -> list[Job]:
+    """`read_manifest(...).jobs`: the resolved jobs only. Raises `ManifestError` as `read_manifest` does."""
+    return read_manifest(path, limits, defaults_overrides, presets_dir=presets_dir,
+                         adapter_available=adapter_available).jobs
+
+
+def job_from_fields(fields: Mapping[str, Any], limits: Limits, *, source: str = _COMMAND_LINE,
+                    presets_dir: str | Path | None = None, adapter_available: bool | None = None) -> Job:
+    """One job from a mapping of manifest fields (e.g. `h3render prompt "text" --aspect 16:9`), by the same
+    rules as a manifest line. None values are ignored; `adapter_available` as for `read_manifest`.
+
+    Raises:
+        ManifestError: as `read_manifest`, with `source` in place of the file name.
+    """
+    errors = _Errors()
+    presets = _load_presets_for(errors, source, presets_dir)
+    layer = _Layer(source, 0, {k: _Value(v, 0) for k, v in fields.items() if v is not None})
+    jobs = _resolve_all([layer], [], limits, presets, errors, adapter_available)
+    errors.raise_if_any()
+    return jobs[0]
+
+
+def _manifest_adapter(defaults: _Layer, manifest: Path, errors: _Errors) -> Path | None:
+    """`defaults: adapter:` relative to the manifest's folder; missing is an error now, not after the t2va jobs."""
+    value = defaults.get("adapter")
+    if not isinstance(value, str) or not value.strip():
+        return None  # absent, or reported by _check_layer
+    adapter = manifest.parent / os.path.expanduser(value)
+    if not adapter.is_file():
+        errors.add(defaults.where("adapter"), f"no such file: {adapter}")
+        return None
+    return adapter
+
+
+def _load_presets_for(errors: _Errors, where: str, presets_dir: str | Path | None) -> dict[str, Preset]:
+    try:
+        return load_presets(presets_dir)
+    except ValueError as exc:  # reported with the manifest's other problems; jobs naming a preset fail as unknown
+        errors.add(_Where(where), str(exc))
+    return {}
+
+
+def _read_jsonl(text: str, file: str, errors: _Errors) -> tuple[_Layer, list[_Layer]]:
+    defaults = _Layer(file, 0)
+    jobs: list[_Layer] = []
+    # split on "\n" only: str.splitlines() also breaks at U+2028, which json.dumps(ensure_ascii=False) leaves raw
+    for number, raw in enumerate(text.split("\n"), start=1):
+        stripped = raw.strip()
+        if not stripped or stripped.startswith("#"):
+            continue
+        duplicates: list[str] = []
+
+        def pairs(items: list[tuple[str, Any]]) -> dict[str, Any]:
+            seen: dict[str, Any] = {}
+            for key, value in items:
+                if key in seen:
+                    duplicates.append(key)
+                seen[key] = value
+            return seen
+
+        try:
+            obj = json.loads(stripped, object_pairs_hook=pairs, parse_int=_parse_int)
+        except json.JSONDecodeError as exc:
+            errors.add(_Where(file, number), f"not valid JSON: {exc.msg} (column {exc.colno})")
+            continue
+        except RecursionError:  # the decoder recurses per level: 100,000 nested brackets exhaust the stack
+            errors.add(_Where(file, number), "nested too deeply to read (a job is one flat object)")
+            continue
+        for key in duplicates:
+            errors.add(_Where(file, number, key), "field given twice")
+        if not isinstance(obj, dict):
+            errors.add(_Where(file, number), "each line must be a JSON object (one job)")
+            continue
+        if "defaults" in obj:
+            if jobs or defaults.line or len(obj) != 1 or not isinstance(obj["defaults"], dict):
+                errors.add(_Where(file, number, "defaults"),
+                           'a defaults line is {"defaults": {...}} alone on a line, before the first job')
+                continue
+            defaults = _Layer(file, number, {k: _Value(v, number) for k, v in obj["defaults"].items()})
+            continue
+        jobs.append(_Layer(file, number, {k: _Value(v, number) for k, v in obj.items()}))
+    return defaults, jobs
+
+
+def _parse_int(text: str) -> int | _TooLong:
+    digits = len(text.lstrip("-"))
+    return _TooLong(digits) if digits > _MAX_INT_DIGITS else int(text)
+
+
+def _too_deep(text: str) -> int:
+    """The line where the YAML nests deeper than `MAX_NESTING`, or 0 (the event parser keeps its own stack)."""
+    depth = 0
+    for event in yaml.parse(text, Loader=yaml.SafeLoader):
+        if isinstance(event, yaml.CollectionStartEvent):
+            depth += 1
+            if depth > MAX_NESTING:
+                return event.start_mark.line + 1
+        elif isinstance(event, yaml.CollectionEndEvent):
+            depth -= 1
+    return 0
+
+
+def _read_yaml(text: str, file: str, errors: _Errors) -> tuple[_Layer, list[_Layer]]:
+    defaults = _Layer(file, 0)
+    try:
+        deep_line = _too_deep(text)
+        if deep_line:
+            errors.add(_Where(file, deep_line), f"nested more than {MAX_NESTING} levels deep (a manifest needs 3)")
+            return defaults, []
+        root = yaml.compose(text, Loader=yaml.SafeLoader)
+    except yaml.MarkedYAMLError as exc:
+        line = exc.problem_mark.line + 1 if exc.problem_mark else 0
+        errors.add(_Where(file, line), f"not valid YAML: {exc.problem or exc.context}")
+        return defaults, []
+    except yaml.YAMLError as exc:
+        errors.add(_Where(file), f"not valid YAML: {_one_line(exc)}")
+        return defaults, []
+    loader = yaml.SafeLoader("")
+    if root is None:
+        return defaults, []
+    if isinstance(root, yaml.SequenceNode):
+        job_nodes = root
+    elif isinstance(root, yaml.MappingNode):
+        job_nodes = None
+        for key, value in _yaml_pairs(root, loader, file, errors):
+            if key.value == "defaults":
+                if isinstance(value, yaml.MappingNode):
+                    defaults = _yaml_layer(value, loader, file, errors)
+                elif not _is_null(value):
+                    errors.add(_Where(file, _line(value), "defaults"), "must be a mapping of fields")
+            elif key.value == "jobs":
+                job_nodes = value
+            elif not str(key.value).startswith("x-"):  # x-… keys hold YAML anchors for `<<` merges
+                errors.add(_Where(file, _line(key), key.value), "unknown top-level key; expected defaults and jobs")
+        if job_nodes is None:
+            errors.add(_Where(file, _line(root)), "missing the jobs: list")
+            return defaults, []
+        if not isinstance(job_nodes, yaml.SequenceNode):
+            errors.add(_Where(file, _line(job_nodes), "jobs"), "must be a list of jobs")
+            return defaults, []
+    else:
+        errors.add(_Where(file, _line(root)), "a YAML manifest is a mapping with defaults: and jobs:")
+        return defaults, []
+    jobs = []
+    for node in job_nodes.value:
+        if isinstance(node, yaml.MappingNode):
+            jobs.append(_yaml_layer(node, loader, file, errors))
+        else:
+            errors.add(_Where(file, _line(node)), "each job must be a mapping of fields")
+    return defaults, jobs
+
+
+def _yaml_pairs(node: yaml.MappingNode, loader: yaml.SafeLoader, file: str, errors: _Errors):
+    """A mapping's (key, value) nodes with `<<` merges applied; keys given twice on the mapping itself are errors
+    (PyYAML would silently keep the last)."""
+    seen: set[str] = set()
+    for key, _ in node.value:
+        if key.tag != "tag:yaml.org,2002:merge" and key.value in seen:
+            errors.add(_Where(file, _line(key), key.value), "field given twice")
+        seen.add(key.value)
+    try:
+        loader.flatten_mapping(node)
+    except yaml.YAMLError as exc:
+        errors.add(_Where(file, _line(node)), f"bad YAML merge: {_one_line(exc)}")
+    return [(k, v) for k, v in node.value if isinstance(k, yaml.ScalarNode)]
+
+
+def _yaml_layer(node: yaml.MappingNode, loader: yaml.SafeLoader, file: str, errors: _Errors) -> _Layer:
+    layer = _Layer(file, _line(node))
+    for key, value in _yaml_pairs(node, loader, file, errors):
+        layer.fields[key.value] = _Value(_yaml_value(key.value, value, loader, file, errors), _line(key))
+    return layer
+
+
+def _yaml_value(name: str, node: yaml.Node, loader: yaml.SafeLoader, file: str, errors: _Errors) -> Any:
+    # Text fields take the scalar's own text: YAML 1.1 would read `aspect: 16:9` as the base-60 integer 969 and
+    # `id: 007` as 7.
+    if name in _STRING_FIELDS and isinstance(node, yaml.ScalarNode) and not _is_null(node):
+        return node.value
+    if node.tag == "tag:yaml.org,2002:int" and isinstance(node, yaml.ScalarNode):
+        digits = sum(c.isdigit() for c in node.value)  # YAML ints may hold "_" and a sign
+        if digits > _MAX_INT_DIGITS:
+            return _TooLong(digits)
+    try:
+        return loader.construct_document(node)
+    except yaml.YAMLError as exc:
+        errors.add(_Where(file, _line(node), name), f"bad value: {_one_line(exc)}")
+        return None
+
+
+def _is_null(node: yaml.Node) -> bool:
+    return node.tag == "tag:yaml.org,2002:null"
+
+
+def _line(node: yaml.Node) -> int:
+    return node.start_mark.line + 1
+
+
+def _check_layer(layer: _Layer, presets: Mapping[str, Preset], limits: Limits, errors: _Errors, *,
+                 is_job: bool) -> bool:
+    """Type- and value-check one level's fields; returns False when anything was wrong (the job is dropped)."""
+    before = len(errors.found)
+    for name in list(layer.fields):
+        value = layer.get(name)
+        where = layer.where(name)
+        if name not in _KNOWN_FIELDS:
+            allowed = JOB_FIELDS if is_job else DEFAULT_FIELDS
+            close = difflib.get_close_matches(name, allowed, n=1)
+            hint = f" (did you mean {close[0]}?)" if close else f"; allowed: {', '.join(allowed)}"
+            errors.add(where, f"unknown field{hint}")
+            continue
+        if not is_job and name in JOB_ONLY_FIELDS:
+            errors.add(where, "may only be set on a job, not in defaults")
+            continue
+        if name in DEFAULTS_ONLY_FIELDS and (is_job or layer.file == _COMMAND_LINE):
+            errors.add(where, "may only be set in the manifest's defaults" +
+                       (" (on the command line: --adapter)" if layer.file == _COMMAND_LINE else ""))
+            continue
+        problem = _field_problem(name, value, presets, limits)
+        if problem:
+            errors.add(where, problem)
+    if "preset" in layer.fields and any(f in layer.fields for f in ("aspect", "width", "height")):
+        errors.add(layer.where("preset"), "conflicts with aspect/width/height on the same level (a preset sets the "
+                                          "canvas)")
+    elif "aspect" in layer.fields and any(f in layer.fields for f in ("width", "height")):
+        errors.add(layer.where("aspect"), "conflicts with width/height on the same level")
+    elif ("width" in layer.fields) != ("height" in layer.fields):
+        missing = "height" if "width" in layer.fields else "width"
+        present = "width" if missing == "height" else "height"
+        errors.add(layer.where(present), f"needs {missing} as well")
+    elif "width" in layer.fields and not any(_field_problem(f, layer.get(f), presets, limits)
+                                             for f in ("width", "height")):
+        try:
+            check_canvas(layer.get("width"), layer.get("height"))
+        except ValueError as exc:
+            errors.add(layer.where("width"), str(exc))
+    if "duration" in layer.fields and "frames" in layer.fields:
+        errors.add(layer.where("duration"), "conflicts with frames on the same level; give one of them")
+    if is_job and "prompt" not in layer.fields:
+        errors.add(layer.where()._replace(field="prompt"), "missing (every job needs a prompt)")
+    return len(errors.found) == before
+
+
+def _field_problem(name: str, value: Any, presets: Mapping[str, Preset], limits: Limits) -> str | None:
+    if isinstance(value, _TooLong):
+        return f"an integer of {value.digits:,} digits is out of range"
+    if name in _STRING_FIELDS and not isinstance(value, str):
+        return f"must be a string, got {_type_name(value)}"
+    if name in ("id", "prompt", "adapter") and not value.strip():
+        return "must not be empty"
+    if name == "prompt" and len(value) > limits.max_prompt_chars:
+        return (f"{len(value):,} characters is longer than this checkpoint's limit of {limits.max_prompt_chars:,} "
+                f"characters")
+    if name == "id" and any(ord(c) < 32 for c in value):
+        return "must not contain control characters"
+    if name == "preset" and value not in presets:
+        known = ", ".join(sorted(presets)) or "(none found)"
+        return f"unknown preset {value!r}; available: {known}"
+    if name == "aspect":
+        try:
+            canvas_for_aspect(*parse_aspect(value))
+        except ValueError as exc:
+            return str(exc)
+    if name in ("width", "height"):
+        if not _is_int(value):
+            return f"must be an integer number of px, got {_type_name(value)}"
+        if value <= 0 or value % CANVAS_MULTIPLE:
+            return f"{value} is not a positive multiple of {CANVAS_MULTIPLE}"
+    if name == "duration":
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            return f"must be a number of seconds, got {_type_name(value)}"
+        if not math.isfinite(value) or value <= 0:
+            return f"{value} must be a positive number of seconds"
+    if name in ("frames", "seed", "steps") and not _is_int(value):
+        return f"must be an integer{' number of sigma points' * (name == 'steps')}, got {_type_name(value)}"
+    if name == "frames" and value <= 0:
+        return f"{value} must be positive"
+    if name == "seed" and not 0 <= value <= MAX_SEED:
+        return f"{value} is outside 0 … 2**64-1"
+    if name == "steps":
+        if value < 2:
+            return f"{value} sigma points is too few (at least 2: N points run N-1 forwards)"
+        if value > limits.max_sigma_points:
+            return f"{value} sigma points is more than this checkpoint's limit of {limits.max_sigma_points:,}"
+    if name == "mode" and value not in MODES:
+        return f"{value!r} is not one of {', '.join(MODES)}"
+    if name == "output":
+        problem = output_path_problem(_strip_mp4(value))
+        if problem:
+            return problem
+    return None
+
+
+def _type_name(value: Any) -> str:
+    return {bool: "a boolean", type(None): "null", list: "a list", dict: "a mapping", str: "a string",
+            float: "a decimal number", int: "an integer"}.get(type(value), type(value).__name__)
+
+
+def _strip_mp4(output: str) -> str:
+    return output[:-4] if output.lower().endswith(".mp4") else output
+
+
+def _first(layers: Iterable[_Layer], names: Iterable[str]) -> _Layer | None:
+    names = tuple(names)
+    return next((layer for layer in layers if any(n in layer.fields for n in names)), None)
+
+
+def _resolve_all(job_layers: list[_Layer], default_layers: list[_Layer], limits: Limits,
+                 presets: Mapping[str, Preset], errors: _Errors, adapter_available: bool | None) -> list[Job]:
+    defaults_ok = all([_check_layer(layer, presets, limits, errors, is_job=False) for layer in default_layers])
+    resolved: list[tuple[_Layer, dict[str, Any]]] = []
+    for layer in job_layers:
+        # Every job is checked even when the defaults are bad, so one run reports every problem.
+        if not _check_layer(layer, presets, limits, errors, is_job=True) or not defaults_ok:
+            continue
+        values = _resolve_job(layer, [layer, *default_layers], limits, presets, errors, adapter_available)
+        if values is not None:
+            resolved.append((layer, values))
+    repeated_ids = _check_ids(job_layers, errors)
+    names = _assign_outputs(resolved, repeated_ids, errors)
+    if errors.found:
+        return []
+    return [Job(source=Source(layer.file, layer.line), output=name, **values)
+            for (layer, values), name in zip(resolved, names)]
+
+
+def _resolve_job(job: _Layer, layers: list[_Layer], limits: Limits, presets: Mapping[str, Preset],
+                 errors: _Errors, adapter_available: bool | None) -> dict[str, Any] | None:
+    """Apply precedence to one checked job; returns Job keyword arguments (without output/source) or None."""
+    requested: dict[str, Any] = {}
+    canvas_layer = _first(layers, _CANVAS_FIELDS)
+    preset = None
+    if canvas_layer is None:
+        width, height = limits.default_canvas
+    elif "preset" in canvas_layer.fields:
+        preset = presets[canvas_layer.get("preset")]
+        requested["preset"] = preset.name
+        width, height = preset.canvas(limits)
+    elif "aspect" in canvas_layer.fields:
+        requested["aspect"] = canvas_layer.get("aspect")
+        width, height = canvas_for_aspect(*parse_aspect(requested["aspect"]), short_edge=limits.canvas_short_edge,
+                                          max_pixels=limits.canvas_max_pixels)
+    else:
+        width, height = canvas_layer.get("width"), canvas_layer.get("height")
+        requested.update(width=width, height=height)
+
+    time_layer = _first(layers, _TIME_FIELDS)
+    try:
+        if time_layer is not None:
+            where = time_layer.where("duration" if "duration" in time_layer.fields else "frames")
+            requested.update(duration=time_layer.get("duration"), frames=time_layer.get("frames"))
+            frames = snap_frames(time_layer.get("frames"), time_layer.get("duration"), limits)
+        elif preset is not None:
+            where = f"{canvas_layer.where('preset')} (preset {preset.name})"
+            requested.update(duration=preset.duration, frames=preset.frames)
+            frames = preset.snapped_frames(limits)
+        else:
+            where = job.where()
+            frames = snap_frames(limits.default_frames, None, limits)
+    except ValueError as exc:
+        errors.add(where, str(exc))
+        return None
+
+    mode_layer = _first(layers, ["mode"])
+    mode = mode_layer.get("mode") if mode_layer else DEFAULT_MODE
+    steps_layer = _first(layers, ["steps"])
+    if mode == "fasth3" and adapter_available is False:
+        origin = mode_layer.where("mode")
+        inherited = ("" if mode_layer is job else " (from --mode)" if origin.file == _COMMAND_LINE
+                     else f" (from the defaults at {origin.file}:{origin.line})")
+        errors.add(job.where("mode"), f"fasth3{inherited} needs a FastH3 adapter and none is given: pass --adapter "
+                                      f"PATH, or name one in the manifest's defaults (adapter: PATH)")
+        return None
+    # The student only works on the schedule it was distilled for, which comes with the adapter: a steps inherited
+    # from defaults does not apply, one on the job itself is a mistake.
+    if mode == "fasth3" and "steps" in job.fields:
+        errors.add(job.where("steps"), "mode fasth3 runs the FastH3 adapter's fixed distilled schedule; remove steps")
+        return None
+    steps = None if mode == "fasth3" else steps_layer.get("steps") if steps_layer else limits.default_steps
+    seed_layer = _first(layers, ["seed"])
+    return dict(id=job.get("id"), prompt=job.get("prompt"), width=width, height=height, frames=frames,
+                seed=seed_layer.get("seed") if seed_layer else DEFAULT_SEED, steps=steps, mode=mode,
+                requested=Requested(**requested))
+
+
+def _check_ids(job_layers: list[_Layer], errors: _Errors) -> set[int]:
+    """Report repeated ids, compared in Unicode NFC (NFC "café" and NFD "café" look alike and are one id);
+    returns the `id()` of each repeating layer."""
+    first_line: dict[str, _Where] = {}
+    repeats = set()
+    for layer in job_layers:
+        job_id = layer.get("id")
+        if not isinstance(job_id, str):
+            continue
+        key = output_name(job_id)
+        if key in first_line:
+            errors.add(layer.where("id"), f"duplicate id {job_id!r} (first at {first_line[key].file}:"
+                                          f"{first_line[key].line})")
+            repeats.add(id(layer))
+        else:
+            first_line[key] = layer.where()
+    return repeats
+
+
+def _assign_outputs(resolved: list[tuple[_Layer, dict[str, Any]]], repeated_ids: set[int],
+                    errors: _Errors) -> list[str]:
+    """Output names: explicit `output`, else the id, else a prompt slug made unique with -2, -3, …
+
+    Names are written in Unicode NFC and compared by `output_key` (NFC, case-folded: macOS and Windows file
+    systems fold case, and NFC/NFD spellings look alike); explicit names that clash are errors, automatic names
+    step aside.
+    """
+    taken: dict[str, str] = {}
+    names: list[str | None] = []
+    for layer, values in resolved:
+        name_field = "output" if "output" in layer.fields else "id" if "id" in layer.fields else None
+        if name_field is None:
+            names.append(None)
+            continue
+        name = output_name(_strip_mp4(layer.get(name_field)))
+        problem = output_path_problem(name)
+        if problem:  # an output's own problems were reported by _check_layer; an id used as a name is checked here
+            if name_field == "id":
+                errors.add(layer.where("id"), f"cannot serve as the output name ({problem}); set output")
+            names.append(None)
+            continue
+        key = output_key(name)
+        if key in taken:
+            if name_field == "id" and id(layer) in repeated_ids:  # already reported as a duplicate id
+                names.append(name)
+                continue
+            errors.add(layer.where(name_field), f"output {name!r} is also written by the job at {taken[key]}")
+        else:
+            taken[key] = f"{layer.file}:{layer.line}"
+        names.append(name)
+    for index, (layer, values) in enumerate(resolved):
+        if names[index] is not None:
+            continue
+        counter = 1
+        name = prompt_slug(values["prompt"], values["seed"])
+        while output_key(name) in taken:
+            counter += 1
+            name = prompt_slug(values["prompt"], values["seed"], counter=counter)
+        taken[output_key(name)] = f"{layer.file}:{layer.line}"
+        names[index] = name
+    return names
+
