@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -73,13 +73,17 @@ class Engine:
     """
 
     def __init__(self, components, ctx: ParallelContext, settings: EngineSettings = EngineSettings(),
-                 fasth3: Schedule | None = None, load_seconds: float = 0.0, adapter: dict[str, Any] | None = None):
+                 fasth3: Schedule | None = None, load_seconds: float = 0.0, adapter: dict[str, Any] | None = None,
+                 deferred_fusion=None):
         self.c = components
         self.ctx = ctx
         self.device = ctx.device
         self.settings = settings
         self.fasth3 = fasth3
         self.adapter = adapter
+        # A mixed queue (t2va and fasth3 jobs): the base weights render the t2va jobs first, then the student is
+        # fused in place once (`fuse_student`, on the first fasth3 job); None when fused at load or no student.
+        self._deferred_fusion = deferred_fusion
         self.transformer: dict[str, Any] | None = None  # the --transformer file, when the DiT came from one
         self.load_seconds = load_seconds
         self.warmup: dict[str, Any] = {}
@@ -104,12 +108,15 @@ class Engine:
 
     @classmethod
     def load(cls, checkpoint: str, ctx: ParallelContext, dtype: torch.dtype, settings: EngineSettings = EngineSettings(),
-             adapter: str | None = None, transformer_file: str | None = None) -> "Engine":
+             adapter: str | None = None, transformer_file: str | None = None, *, base_jobs_first: bool = False
+             ) -> "Engine":
         """Load a checkpoint (a path, or "tiny"/"small" for a built-in random model) onto this rank's device.
 
         With `adapter`, the FastH3 student adapter is fused into the DiT weights while they stream to the device
-        (before any sharding), and the engine runs the student's fixed few-step schedule. `transformer_file` is a
-        single-file DiT (ComfyUI layout) used in place of the checkpoint's own transformer.
+        (before any sharding), and the engine runs the student's fixed few-step schedule (`mode: fasth3` jobs).
+        With `base_jobs_first` too (a queue holding t2va jobs as well), the base weights load unfused, the t2va jobs
+        run first, and the student is fused in place once, on the first fasth3 job (`fuse_student`).
+        `transformer_file` is a single-file DiT (ComfyUI layout) used in place of the checkpoint's own transformer.
 
         Raises:
             CheckpointError, AdapterError: unreadable or mismatched checkpoint / adapter, naming file and tensor.
@@ -137,12 +144,13 @@ class Engine:
             adapter_info = {"v2_contract": str(Path(checkpoint) / fasth3.V2_CONTRACT_FILE),
                             "positions": list(schedule.positions), "source": schedule.source,
                             "attention": "dense (V2 was trained with sparse attention)"}
-        components = ckpt.load_components(checkpoint, ctx.device, dtype, tensor_hook=hook,
+        deferred = hook if base_jobs_first else None
+        components = ckpt.load_components(checkpoint, ctx.device, dtype, tensor_hook=None if deferred else hook,
                                           transformer_file=transformer_file)
         if ctx.device.type == "cuda":
             torch.cuda.synchronize(ctx.device)
         engine = cls(components, ctx, settings, fasth3=schedule, load_seconds=time.perf_counter() - t0,
-                     adapter=adapter_info)
+                     adapter=adapter_info, deferred_fusion=deferred)
         if transformer_file is not None:
             # The DiT came from this file, not from the checkpoint folder: the sidecar says so.
             stat = Path(transformer_file).stat()
@@ -173,16 +181,37 @@ class Engine:
     # -- what jobs share -------------------------------------------------------------------------------------------
 
     def schedule(self, job) -> Schedule:
-        """Sigma lists for a job: the FastH3 student's fixed few-step schedule, or the base linspace+shift grid."""
+        """Sigma lists for a job: the FastH3 student's fixed few-step schedule, or the base linspace+shift grid.
+
+        A fasth3 job of a mixed queue fuses the student first (once)."""
         info = self.c.info
         if job.mode == "fasth3":
             if self.fasth3 is None:
-                raise RenderError("mode fasth3 needs a FastH3 adapter (--adapter PATH) fused at load time")
+                raise RenderError("mode fasth3 needs a FastH3 adapter (--adapter PATH, or `adapter` in the manifest's "
+                                  "defaults)")
+            if self._deferred_fusion is not None:
+                self.fuse_student()
             return self.fasth3
-        if self.fasth3 is not None:
+        if self.fasth3 is not None and self._deferred_fusion is None:
             raise RenderError("this engine runs a FastH3 student (adapter fused, or a V2 checkpoint); base-model "
-                              "(t2va) jobs need the base checkpoint without --adapter")
+                              "(t2va) jobs must run before the student is fused (the batch queue orders them so)")
         return Schedule.base(job.steps or info.release.sigma_points, info.video_shift, info.audio_shift)
+
+    @torch.no_grad()
+    def fuse_student(self) -> None:
+        """Fuse the deferred FastH3 adapter into the resident DiT weights in place (AdaLN projections held in host
+        memory included), once; the cached AdaLN tables are of the base weights and go."""
+        fusion, self._deferred_fusion = self._deferred_fusion, None
+        t0 = time.perf_counter()
+        for name, param in self.c.dit.named_parameters():
+            fused = fusion(name, param.data)
+            if fused is not param.data:
+                param.data.copy_(fused)
+        fusion.finish()
+        self._tables.clear()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.warmup["fasth3_fusion_s"] = time.perf_counter() - t0
 
     def tables(self, schedule: Schedule):
         """AdaLN modulation tables for every timestep of a schedule, built once on the device and cached."""
@@ -230,6 +259,8 @@ class Engine:
         decode's CUDA graph captured for the jobs' audio lengths (`graph_audio`)."""
         t0 = time.perf_counter()
         for job in jobs:
+            if job.mode == "fasth3" and self._deferred_fusion is not None:
+                continue  # built once the student is fused, on its first job
             self.tables(self.schedule(job))
         if self.device.type == "cuda":
             self.c.dit.offload_adaln_("cpu")
@@ -316,6 +347,8 @@ class Engine:
         by 16 and one with it not divisible compile both variants whatever the job's length.
         """
         dit, dev = self.c.dit, self.device
+        if job.mode == "fasth3" and self._deferred_fusion is not None:
+            job = replace(job, mode="t2va", steps=2)  # the student is not fused yet: warm up on a base schedule
         tables = self.tables(self.schedule(job))
         frames = spec.FRAMES_REMAINDER  # the shortest clip (17n + 5 frames): one forward is milliseconds at any canvas
         base = t2va_layout(1, job.height, job.width, frames).seq_len - 1  # rows besides the text

@@ -151,7 +151,7 @@ def _write_sidecar(engine, job, schedule: sampling.Schedule, timer: StageTimer, 
     info = engine.c.info
     extra = {"load_s": engine.load_seconds, "warmup": engine.warmup, "world_size": engine.ctx.world_size,
              "mode": job.mode, **result}
-    if engine.adapter is not None:
+    if engine.adapter is not None and job.mode == "fasth3":
         extra["fasth3"] = engine.adapter
     checkpoint = {"path": info.path, "layout": info.layout, "release": info.release.name,
                   "config_hash": info.config_hash}
