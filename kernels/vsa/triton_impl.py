@@ -17,6 +17,7 @@ With GATE the epilogue adds `dtype(dtype(coarse[h, qt]) * gate)` to `dtype(out)`
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 import triton
@@ -65,6 +66,7 @@ def _fine_kernel(
     TILE_ROWS: tl.constexpr,
     GATE: tl.constexpr,
     IEEE: tl.constexpr,  # fp32 inputs: exact fp32 dots (no TF32)
+    UPCAST: tl.constexpr,  # interpreter only: its bf16 dot is wrong, an fp32 dot of the same bf16 values is exact
 ):
     h = tl.program_id(0)
     qt = tl.program_id(1)
@@ -96,7 +98,9 @@ def _fine_kernel(
                     other=0.0)
         v = tl.load(v_ptr + k_rows[:, None] * stride_vs + h * stride_vh + offs_d[None, :], mask=k_valid[:, None],
                     other=0.0)
-        if IEEE:
+        if UPCAST:
+            qk = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+        elif IEEE:
             qk = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
             qk = tl.dot(q, tl.trans(k))
@@ -105,7 +109,10 @@ def _fine_kernel(
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(qk - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        if IEEE:
+        if UPCAST:
+            pv = tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32), input_precision="ieee")
+            acc = acc * alpha[:, None] + pv
+        elif IEEE:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
         else:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
@@ -186,6 +193,7 @@ def fine_attention_triton(
         plan.num_tiles, plan.num_prefix, plan.num_video, dense_q, topk,
         LOG2E / math.sqrt(d),
         HEAD_DIM=d, TILE_ROWS=TILE, GATE=gate is not None, IEEE=q.dtype == torch.float32,
+        UPCAST=not q.is_cuda and os.environ.get("TRITON_INTERPRET") == "1",
         num_warps=num_warps, num_stages=num_stages,
     )
     return out
