@@ -126,7 +126,7 @@ def vsa_attention_naive(
 
     Args:
         q, k, v: `[S, H, D]` packed rows (post-norm, post-RoPE q and k), bf16 or fp32; S = plan.seq_len.
-        gate: `[S, H, D]` output of the gate projection, or None (no coarse branch).
+        gate: `[S, H, D]` output of the gate projection, or None / all zero (no coarse branch).
         plan: the layout's `TilePlan`.
         sparsity: s in [0, 1): fraction of video key tiles dropped per query tile.
     Returns:
@@ -135,6 +135,6 @@ def vsa_attention_naive(
     qp, kp = pool_tiles_naive(q, plan), pool_tiles_naive(k, plan)
     scores = tile_scores(qp, kp)
     out = fine_attention_naive(q, k, v, block_mask(scores, plan.num_prefix, sparsity), plan)
-    if gate is None:
+    if gate is None or not bool(gate.any()):  # an all-zero gate adds exactly 0 (FastVideo skips the branch)
         return out
     return add_gated_coarse(out, coarse_attention_naive(scores, pool_tiles_naive(v, plan)), gate, plan)
