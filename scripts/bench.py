@@ -17,6 +17,10 @@ Stages (`--stages`, comma-separated):
             medians of --audio-reps calls timed with CUDA events
   te        text encoder, 50 of 64 Qwen3-VL-32B layers, 256- and 2,000-token prompts
   ulysses   DiT forward at 1344x768x243 sharded over the torchrun ranks, per head-chunk count (--ulysses-chunks)
+  vsa       FastH3 video sparse attention at 1344x768x243 (300 text + 810 audio rows), s = --vsa-sparsity: dense
+            attention vs the VSA layer (coarse + fine + gate) per fine backend, the coarse stage and each Triton
+            launch variant alone, rel. error vs the torch reference on 4 heads; then a 50-block DiT forward dense
+            vs VSA (random gates)
   prof      top device kernels of an 8-block DiT forward (sharded under torchrun) and a compiled VAE decode batch
   compare   1 GPU vs N GPUs: latents and frames saved by `e2e --save-latents` runs on this machine
   e2e       complete MP4 of a 10.125 s 1344x768 clip with --forwards DiT forwards (4 = FastH3 length), all
@@ -621,6 +625,84 @@ def stage_ulysses(args) -> None:
     peak_reset()
 
 
+# ---------------------------------------------------------------------------------------------------------------------
+# vsa stage (issue 14): FastH3 video sparse attention
+
+
+@torch.no_grad()
+def stage_vsa(args) -> None:
+    from h3render.kernels.vsa import select_tiles, topk_budget, vsa_attention, vsa_attention_naive
+    from h3render.kernels.vsa.naive import coarse_attention_naive, tile_scores
+    from h3render.kernels.vsa.triton_impl import fine_attention_triton, pool_tiles_triton
+    from h3render.models.attention import SparseAttention, attention, runner, select_backend
+    from h3render.packing import t2va_layout
+
+    s = args.vsa_sparsity
+    backend = select_backend(args.attention)
+    layout = t2va_layout(300, 768, 1344, 243)
+    plan = SparseAttention.for_layout(layout, s, "cuda").plan
+    heads, dim, n = 56, 128, plan.num_tiles
+    k_tiles = topk_budget(s, plan.num_video)
+    # Fine work relative to dense: prefix query tiles visit all n tiles, video ones P + k (padded 64-row tiles).
+    density = (plan.num_prefix * n + plan.num_video * (plan.num_prefix + k_tiles)) / n ** 2
+    rec(stage="vsa", what="geometry", seq=plan.seq_len, tiles=n, prefix_tiles=plan.num_prefix,
+        video_tiles=plan.num_video, k=k_tiles, sparsity=s, block_density=round(density, 4))
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v, gate = (torch.randn(plan.seq_len, heads, dim, device="cuda", generator=g).bfloat16() for _ in range(4))
+    flop_dense = 4 * plan.seq_len ** 2 * heads * dim
+
+    for name in dict.fromkeys([backend, "sdpa"]):
+        fn = runner(name)
+        t = cuda_time(lambda: fn(q[None], k[None], v[None]), reps=5)
+        rec(stage="vsa", what=f"dense attention one layer ({name})", ours_s=round(t, 4),
+            tflops=round(flop_dense / t / 1e12, 1))
+
+    # Reference on 4 heads (VSA is per head; the token-level reference is S x S per head in chunks).
+    sub = slice(0, 4)
+    ref = vsa_attention_naive(*(x[:, sub].contiguous() for x in (q, k, v, gate)), plan, s)
+    for fine in ("triton", "flex"):
+        fn = lambda: vsa_attention(q, k, v, gate, plan, s, fine=fine)  # noqa: E731
+        peak_reset()
+        t = cuda_time(fn, reps=5, warm=2)
+        rec(stage="vsa", what=f"VSA layer coarse+fine+gate ({fine})", ours_s=round(t, 4),
+            tflops=round(flop_dense * density / t / 1e12, 1), rel_err=rel_err(fn()[:, sub], ref), peak_gb=peak_gb())
+
+    def coarse():
+        scores = tile_scores(pool_tiles_triton(q, plan), pool_tiles_triton(k, plan))
+        return scores, select_tiles(scores, plan, s), coarse_attention_naive(scores, pool_tiles_triton(v, plan))
+
+    rec(stage="vsa", what="VSA coarse stage (pool, scores, top-k, coarse out)", ours_s=round(cuda_time(coarse), 4))
+    _, sel, out_c = coarse()
+    for warps, stages in ((4, 2), (4, 3), (4, 4), (8, 3)):
+        fn = lambda: fine_attention_triton(q, k, v, plan, sel, gate, out_c, num_warps=warps, num_stages=stages)  # noqa
+        t = cuda_time(fn, reps=5, warm=2)
+        rec(stage="vsa", what=f"VSA fine+gate Triton num_warps={warps} num_stages={stages}", ours_s=round(t, 4),
+            tflops=round(flop_dense * density / t / 1e12, 1), rel_err=rel_err(fn()[:, sub], ref))
+    del q, k, v, gate, ref, sel, out_c
+    torch.cuda.empty_cache()
+
+    # DiT forward, 50 blocks, dense then VSA with random gates (bf16, 7168 x 5376 per block).
+    dit = released_dit(50)
+    dit.set_attention(attention, refiner=True)
+    _, step = _dit_step(dit, 768, 1344, 243)
+    peak_reset()
+    t_dense = cuda_time(lambda: dit(*step), reps=2)
+    rec(stage="vsa", what=f"DiT forward 1344x768x243 dense ({backend})", ours_s=round(t_dense, 3), peak_gb=peak_gb())
+    dense_v = dit(*step)[0]
+    dit.enable_vsa(s)
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    for block in dit.blocks:
+        w = block.attn.gate_proj.weight
+        w.copy_(torch.randn(w.shape, device="cuda", generator=gen) * (0.5 / w.shape[1] ** 0.5))
+    peak_reset()
+    t_vsa = cuda_time(lambda: dit(*step), reps=2)
+    rec(stage="vsa", what=f"DiT forward 1344x768x243 VSA s={s} (Triton fine)", ours_s=round(t_vsa, 3),
+        ref_s=round(t_dense, 3), speedup=round(t_dense / t_vsa, 2), peak_gb=peak_gb(),
+        rel_err_vs_dense=rel_err(dit(*step)[0], dense_v))
+    del dit
+    torch.cuda.empty_cache()
+
+
 def _top_kernels(prof, n: int = 20) -> list[dict]:
     rows = []
     for e in prof.key_averages():
@@ -973,6 +1055,7 @@ def main() -> None:
     p.add_argument("--media-x264-params", default="default",
                    help="media stage: ';'-separated x264-params variants to compare ('default' = the writer's)")
     p.add_argument("--media-dir", default="/tmp/h3render-media", help="media stage: where the MP4s are written")
+    p.add_argument("--vsa-sparsity", type=float, default=0.9, help="vsa stage: sparsity (FastH3 v1 0.9, V2 0.8)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     args.vae_batches = [int(x) for x in args.vae_batches.split(",")]

@@ -9,6 +9,9 @@ Backends, fastest first on an H200 at the released size (S = 73,642, 56 heads x 
 The backend is picked once, by `select_backend(name)` with a name from the config/CLI, or automatically on first
 use: every available backend is timed on a small probe and checked against "sdpa", and the fastest that agrees
 wins. No mask, no padding: every backend here takes any sequence length.
+
+`SparseAttention` is the other kind: FastH3's video sparse attention (VSA-H3, `h3render.kernels.vsa`) over one packed
+layout, called with the block's gate; `DiT.enable_vsa` builds the gates with `gate_projection`.
 """
 
 from __future__ import annotations
@@ -16,9 +19,13 @@ from __future__ import annotations
 import importlib
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch import nn
+
+from h3render.kernels.vsa import TILE, TilePlan, tile_plan, vsa_attention
 
 BACKENDS = ("fa3", "cudnn", "sdpa")
 
@@ -82,17 +89,25 @@ def naive_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.
     return (scores.softmax(-1) @ vf).transpose(1, 2).to(q.dtype)  # [B, S, H, D]
 
 
-def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Full non-causal attention, no mask, default scale 1/sqrt(head_dim) (the DiT's default attention).
+
+    Args:
+        q, k, v: `[B, S, H, D]`.
+    Returns:
+        `[B, S, H, D]`, dtype of `q`.
+    """
     # SDPA wants [B, H, S, D]; transposed views avoid a copy on the way in and out.
     out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
     return out.transpose(1, 2)
+
 
 
 def _cudnn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-        return _sdpa(q, k, v)
+        return sdpa_attention(q, k, v)
 
 
 def _fa3(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -104,7 +119,7 @@ def _fa3(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
 _RUNNERS: dict[str, Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]] = {
     "fa3": _fa3,
     "cudnn": _cudnn,
-    "sdpa": _sdpa,
+    "sdpa": sdpa_attention,
 }
 
 
@@ -146,7 +161,7 @@ def fastest_for(shape: tuple[int, int, int, int]) -> tuple[str, dict[str, float]
         _fa3_func = _load_fa3()
     gen = torch.Generator(device="cuda").manual_seed(0)
     q, k, v = (torch.randn(shape, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(3))
-    ref = _sdpa(q, k, v)
+    ref = sdpa_attention(q, k, v)
     timings = {name: _probe_seconds(name, q, k, v, ref) for name in candidates}
     # min() keeps the first of equal timings, i.e. the preference order of BACKENDS.
     return min(candidates, key=lambda name: timings[name]), timings
@@ -224,3 +239,63 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor
     if k.dtype != q.dtype or v.dtype != q.dtype or k.device != q.device or v.device != q.device:
         raise ValueError(f"attention wants q, k, v of one dtype and device, got {q.dtype}/{k.dtype}/{v.dtype}")
     return _RUNNERS[current_backend()](q, k, v)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Video sparse attention (FastH3 students).
+
+
+def check_vsa_settings(sparsity: float, tile: int) -> float:
+    """The VSA sparsity as a float after checking it and the tile size.
+
+    Raises:
+        ValueError: sparsity outside [0, 1), or a tile other than 64 (the only tile the students were trained with
+            and the only one FastVideo runs outside Blackwell).
+    """
+    if not 0.0 <= float(sparsity) < 1.0:
+        raise ValueError(f"VSA sparsity must be in [0, 1), got {sparsity}")
+    if int(tile) != TILE:
+        raise ValueError(f"VSA tile size must be {TILE}, got {tile}")
+    return float(sparsity)
+
+
+def gate_projection(like: torch.Tensor, width: int) -> nn.Linear:
+    """Zero-filled gate projection `hidden -> width` without bias (FastVideo `to_gate_compress`, 5376 -> 7168
+    released), on the device and dtype of the weight `like` `[*, hidden]` (meta included)."""
+    proj = nn.Linear(like.shape[1], width, bias=False, device=like.device, dtype=like.dtype)
+    nn.init.zeros_(proj.weight)
+    return proj
+
+
+@dataclass(frozen=True, eq=False)
+class SparseAttention:
+    """VSA-H3 attention of one packed layout: `(q, k, v, gate) -> out`, each `[S, h, D]` (any head subset).
+
+    Attributes:
+        plan: the layout's tile plan (prefix segments text, audio; the patched video grid).
+        sparsity: fraction of video key tiles dropped per query tile.
+        fine: fine-stage backend for `kernels.vsa.vsa_attention` (None: Triton on CUDA, torch elsewhere).
+    """
+
+    plan: TilePlan
+    sparsity: float
+    fine: str | None = None
+
+    @classmethod
+    def for_layout(cls, layout, sparsity: float, device: torch.device | str, fine: str | None = None):
+        """From a `h3render.packing.PackedLayout` (rows `[text | audio | video]`, no pad rows). The plan is cached
+        by shape (`kernels.vsa.tile_plan`), so building this every forward costs nothing after the first.
+
+        Raises:
+            ValueError: when the layout's row counts do not add up to `[text | audio | video]`.
+        """
+        pt, ph, pw = layout.patch
+        grid = (layout.latent_frames // pt, layout.latent_height // ph, layout.latent_width // pw)
+        prefix = (layout.text_len, layout.num_audio_rows)
+        if sum(prefix) + math.prod(grid) != layout.seq_len or layout.num_video_rows != math.prod(grid):
+            raise ValueError(f"h3render/models/attention.py: VSA needs a [text | audio | video] layout; got "
+                             f"{layout.seq_len} rows for prefix {prefix} and video grid {grid}")
+        return cls(tile_plan(prefix, grid, str(torch.device(device))), float(sparsity), fine)
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
+        return vsa_attention(q, k, v, gate, self.plan, self.sparsity, fine=self.fine)

@@ -16,7 +16,8 @@ are built, `DiT.drop_adaln_weights_()` frees the AdaLN projections (about 13 B o
 
 The element-wise ops (`qk_norm_rope`, `modulate`, `gated_residual`, `swiglu`) are the `kernels/` functions: fused
 Triton on CUDA, their plain-torch references elsewhere. The swap point for attention backends and sequence
-parallelism is the `attention` attribute of every `Attention` module (`DiT.set_attention`).
+parallelism is the `attention` attribute of every `Attention` module (`DiT.set_attention`). `DiT.enable_vsa`
+switches the blocks (not the token refiner) to FastH3's video sparse attention and adds its gate projections.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from h3render import kernels
+from h3render.models.attention import SparseAttention, check_vsa_settings, gate_projection, sdpa_attention
 from h3render.models.config_dict import config_fields
 from h3render.packing import PackedLayout
 
@@ -136,18 +138,6 @@ DIT_SMALL = DiTConfig(
 # Attention and the element-wise ops of a block.
 
 
-def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """Full non-causal attention, no mask, default scale 1/sqrt(head_dim).
-
-    Args:
-        q, k, v: `[B, S, H, D]`.
-    Returns:
-        `[B, S, H, D]`, dtype of `q`.
-    """
-    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))  # [B, H, S, D]
-    return out.transpose(1, 2)
-
-
 # The element-wise work of a block lives in `kernels/`: each function there runs its Triton kernel on CUDA tensors
 # and its plain-torch reference (fp32 math, one rounding) elsewhere, so CPU parity tests exercise the reference and
 # the GPU the fused kernel (kernel-vs-reference tests: tests/test_kernels.py).
@@ -223,18 +213,21 @@ class Attention(nn.Module):
         # Replaces norm + RoPE + attention as one step when set (sequence parallelism lays q/k/v out for its
         # all-to-alls while normalizing them): fn(qkv [S, H, 3, D], q_weight, k_weight, rope, eps) -> [S, H, D].
         self.qkv_attention: QKVAttentionFn | None = None
+        self.gate_proj: nn.Linear | None = None  # `DiT.enable_vsa`: FastVideo's `to_gate_compress` (no bias)
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
-        """x: `[S, hidden]` -> `[S, hidden]`; rope: `(cos, sin)` `[S, R]` or None."""
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None, sparse=None) -> torch.Tensor:
+        """x: `[S, hidden]` -> `[S, hidden]`; rope: `(cos, sin)` `[S, R]` or None; `sparse`: `SparseAttention`."""
         s = x.shape[0]
         qkv = self.qkv_proj(x).view(s, self.heads, 3, self.head_dim)  # interleaved per head
+        gate = None if sparse is None else self.gate_proj(x).view(s, self.heads, self.head_dim)  # input of q/k/v
         if self.qkv_attention is not None:
-            out = self.qkv_attention(qkv, self.q_norm.weight, self.k_norm.weight, rope, self.qk_norm_eps)
+            extra = {} if sparse is None else dict(sparse=sparse, gate=gate)
+            out = self.qkv_attention(qkv, self.q_norm.weight, self.k_norm.weight, rope, self.qk_norm_eps, **extra)
             return self.out_proj(out.reshape(s, self.heads * self.head_dim))
         q, k, v = qkv.unbind(2)  # each [S, H, D]
         cos, sin = rope if rope is not None else (None, None)
         q, k, v = qk_norm_rope(q, k, v, self.q_norm.weight, self.k_norm.weight, cos, sin, self.qk_norm_eps)
-        out = self.attention(q[None], k[None], v[None])  # [1, S, H, D]
+        out = self.attention(q[None], k[None], v[None])[0] if sparse is None else sparse(q, k, v, gate)
         return self.out_proj(out.reshape(s, self.heads * self.head_dim))
 
 
@@ -309,18 +302,19 @@ class Block(RefinerBlock):
         table: torch.Tensor,
         rows: torch.Tensor,
         rope: tuple[torch.Tensor, torch.Tensor],
+        sparse=None,
     ) -> torch.Tensor:
         """
         Args:
             x: `[S, hidden]` packed hidden states.
             table: `[K*3, 6, hidden]` (shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp).
             rows: `[S]` int64, `timestep_index * 3 + tag`.
-            rope: `(cos, sin)` `[S, R]` float32.
+            rope: `(cos, sin)` `[S, R]` float32; sparse: this layout's `SparseAttention` (VSA) or None (dense).
         Returns:
             `[S, hidden]`.
         """
         h = modulate(x, self.norm1.weight, table[:, 0], table[:, 1], rows, self.norm1.eps)
-        x = gated_residual(x, self.attn(h, rope), table[:, 2], rows)
+        x = gated_residual(x, self.attn(h, rope, sparse), table[:, 2], rows)
         h = modulate(x, self.norm2.weight, table[:, 3], table[:, 4], rows, self.norm2.eps)
         return gated_residual(x, self.mlp(h), table[:, 5], rows)
 
@@ -410,6 +404,7 @@ class DiT(nn.Module):
         self.token_refiner = TokenRefiner(cfg)
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.num_layers))
         self.final_layer = FinalLayer(cfg)
+        self.vsa_sparsity: float | None = None  # set by enable_vsa
 
     # -- setup ------------------------------------------------------------------------------------------------------
 
@@ -439,6 +434,14 @@ class DiT(nn.Module):
         default (`qk_norm_rope` then `attention`). See `Attention.qkv_attention`."""
         for block in self.blocks:
             block.attn.qkv_attention = fn
+
+    def enable_vsa(self, sparsity: float, tile: int = 64) -> None:
+        """Blocks (not the token refiner) run VSA-H3 at `sparsity` (FastH3 v1 0.9, V2 0.8; 64-row tiles only) and
+        gain zero gates `blocks.{i}.attn.gate_proj.weight` `[heads * head_dim, hidden]` to load a student's into.
+        ValueError on a sparsity outside [0, 1) or another tile (`models.attention.check_vsa_settings`)."""
+        self.vsa_sparsity = check_vsa_settings(sparsity, tile)
+        for attn in (block.attn for block in self.blocks if block.attn.gate_proj is None):
+            attn.gate_proj = gate_projection(attn.qkv_proj.weight, attn.heads * attn.head_dim)
 
     def drop_adaln_weights_(self) -> None:
         """Delete `blocks.*.adaln_proj` and `final_layer.adaln_proj` (the forward reads `ModulationTables` only).
@@ -567,8 +570,9 @@ class DiT(nn.Module):
         t_index = _window_rows(timestep_index, start, end)  # [n]
         rows = t_index * NUM_MODALITIES + _window_rows(layout.token_tags, start, end)  # [n] into the block tables
         rope = (_window_rows(rope[0], start, end), _window_rows(rope[1], start, end))
+        sparse = None if self.vsa_sparsity is None else SparseAttention.for_layout(layout, self.vsa_sparsity, x.device)
         for block, table in zip(self.blocks, tables.blocks):
-            x = block(x, table, rows, rope)
+            x = block(x, table, rows, rope, sparse)
 
         final = tables.final
         x = modulate(x, self.final_layer.norm.weight, final[:, 0], final[:, 1], t_index, self.final_layer.norm.eps)

@@ -11,6 +11,10 @@ only — pad rows never act as keys — and the output is padded back before the
 
 The transform replaces the block attention's norm + RoPE + attention step (`DiT.set_qkv_attention`), so the fused
 norm kernel can write straight into the all-to-all's send layout; the model keeps one forward.
+
+Video sparse attention (FastH3 VSA students) rides the same exchange: its gate `[S/W, H, D]` travels with q/k/v, and
+since each rank then holds whole rows of its heads, tiles stay whole and the result equals one device (FastVideo's
+`DistributedAttention_VSA` does the same).
 """
 
 from __future__ import annotations
@@ -92,7 +96,9 @@ def ulysses_qkv_attention(inner: AttentionFn, seq_len: int, group, chunks: int =
         ValueError: W does not divide the heads or `chunks` does not divide H / W.
     """
 
-    def qkv_attention(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, rope, eps: float):
+    def qkv_attention(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, rope, eps: float,
+                      sparse=None, gate: torch.Tensor | None = None):
+        # sparse: a `SparseAttention` over the full sequence replacing `inner`; gate: its `[S/W, H, D]` rows or None.
         from h3render.models.dit import qk_norm_rope
 
         rows, heads, _, dim = qkv.shape
@@ -106,15 +112,19 @@ def ulysses_qkv_attention(inner: AttentionFn, seq_len: int, group, chunks: int =
         padded = rows * world
         cos, sin = rope if rope is not None else (None, None)
 
+        parts = 3 if gate is None else 4
         inbound = []
         for g in range(chunks):
-            send = qkv.new_empty(3, world, rows, width, dim)  # q/k/v x destination rank x my rows
+            send = qkv.new_empty(parts, world, rows, width, dim)  # q/k/v(/gate) x destination rank x my rows
             for w in range(world):
-                part = qkv[:, w * local + g * width: w * local + (g + 1) * width]  # [S/W, width, 3, D] view
+                heads_wg = slice(w * local + g * width, w * local + (g + 1) * width)
+                part = qkv[:, heads_wg]  # [S/W, width, 3, D] view
                 qk_norm_rope(part[:, :, 0], part[:, :, 1], part[:, :, 2], q_weight, k_weight, cos, sin, eps,
                              out=(send[0, w], send[1, w], send[2, w]))
-            recv = torch.empty_like(send)  # q/k/v x source rank (= row window) x its rows
-            works = [dist.all_to_all_single(recv[i], send[i], group=group, async_op=True) for i in range(3)]
+                if gate is not None:
+                    send[3, w].copy_(gate[:, heads_wg])
+            recv = torch.empty_like(send)  # q/k/v(/gate) x source rank (= row window) x its rows
+            works = [dist.all_to_all_single(recv[i], send[i], group=group, async_op=True) for i in range(parts)]
             inbound.append((recv, works))
 
         outbound = []
@@ -122,7 +132,10 @@ def ulysses_qkv_attention(inner: AttentionFn, seq_len: int, group, chunks: int =
             for work in works:
                 work.wait()
             q, k, v = (recv[i].view(padded, width, dim)[:seq_len] for i in range(3))
-            out = inner(q[None], k[None], v[None])[0]  # [S, width, D]
+            if sparse is None:
+                out = inner(q[None], k[None], v[None])[0]  # [S, width, D]
+            else:
+                out = sparse(q, k, v, None if gate is None else recv[3].view(padded, width, dim)[:seq_len])
             if padded > seq_len:
                 out = torch.cat([out, out.new_zeros(padded - seq_len, width, dim)])
             back = out.new_empty(world, rows, width, dim)  # source head group x my rows

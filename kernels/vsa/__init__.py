@@ -1,0 +1,113 @@
+"""Video sparse attention of the FastH3 students (FastVideo 0.2.1 `VIDEO_SPARSE_ATTN_H3`, tile 64).
+
+One call on the packed rows of one sequence (all heads or a Ulysses head shard):
+
+1. coarse, torch + a Triton pool kernel on CUDA: fp32 tile means of q and k, fp32 tile scores `[H, n, n]`, the
+   per-(head, query tile) top-k over video key tiles (`naive.topk_budget`);
+2. fine: block-sparse attention of every 64-row query tile over its kept key tiles, by the Triton kernel
+   (`fine="triton"`, default on CUDA), flex_attention (`fine="flex"`) or the token-level torch reference
+   (`fine="torch"`, default elsewhere);
+3. with a gate: `softmax(scores) @ v̄` (fp32, all tiles) cast to the rows' dtype, times the gate, added to every row
+   (fused into the Triton kernel's epilogue).
+
+The reference of the whole call is `vsa_attention_naive` (naive.py); tile geometry is `tile_plan` (tiles.py).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from h3render.kernels.utils import use_triton_for
+from h3render.kernels.vsa.naive import (
+    add_gated_coarse,
+    block_mask,
+    coarse_attention_naive,
+    fine_attention_naive,
+    pool_tiles_naive,
+    tile_scores,
+    topk_budget,
+    vsa_attention_naive,
+)
+from h3render.kernels.vsa.tiles import TILE, TilePlan, tile_plan
+
+__all__ = ["FINE_BACKENDS", "TILE", "TilePlan", "select_tiles", "tile_plan", "topk_budget", "vsa_attention",
+           "vsa_attention_naive"]
+
+FINE_BACKENDS = ("triton", "flex", "torch")
+
+
+def select_tiles(scores: torch.Tensor, plan: TilePlan, sparsity: float) -> torch.Tensor | None:
+    """Kept video key tiles of every video query tile.
+
+    Args:
+        scores: `[H, n, n]` fp32 tile scores.
+    Returns:
+        `[H, V, k]` int32 absolute tile ids (P..n-1), ascending; None when k == V (every tile kept).
+    """
+    p, v = plan.num_prefix, plan.num_video
+    k = topk_budget(sparsity, v)
+    if k == v:
+        return None
+    idx = scores[:, p:, p:].topk(k, dim=-1, sorted=False).indices  # [H, V, k]
+    return (idx.sort(dim=-1).values + p).to(torch.int32).contiguous()
+
+
+def _fine_backend(q: torch.Tensor, fine: str | None) -> str:
+    if fine is None:
+        return "triton" if use_triton_for(q, None) else "torch"
+    if fine not in FINE_BACKENDS:
+        raise ValueError(f"kernels/vsa: unknown fine backend {fine!r}; choose one of {', '.join(FINE_BACKENDS)}")
+    return fine
+
+
+def vsa_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    gate: torch.Tensor | None,
+    plan: TilePlan,
+    sparsity: float,
+    *,
+    fine: str | None = None,
+) -> torch.Tensor:
+    """VSA-H3 attention over one packed sequence.
+
+    Args:
+        q, k, v: `[S, H, D]` packed rows (q, k post-norm, post-RoPE), one dtype (bf16 on GPU), unit stride over D;
+            S = plan.seq_len (no pad rows); H any head subset (Ulysses); D a power of two for the Triton path.
+        gate: `[S, H, D]` gate projection output (`gate_proj`, no activation) or None: no coarse branch.
+        plan: `tile_plan(...)` of the layout, tensors on q's device.
+        sparsity: s in [0, 1): k = max(1, min(ceil((1 - s) V), V)) video key tiles per query tile.
+        fine: "triton" | "flex" | "torch"; None = Triton on CUDA tensors, the torch reference elsewhere.
+    Returns:
+        `[S, H, D]` in q's dtype.
+    Raises:
+        ValueError: shapes that do not match the plan, or an unknown `fine`.
+    """
+    if q.ndim != 3 or q.shape[0] != plan.seq_len or k.shape != q.shape or v.shape != q.shape:
+        raise ValueError(f"kernels/vsa: q, k, v must be [{plan.seq_len}, H, D] for this plan, got "
+                         f"{list(q.shape)}, {list(k.shape)}, {list(v.shape)}")
+    if gate is not None and gate.shape != q.shape:
+        raise ValueError(f"kernels/vsa: gate must be {list(q.shape)}, got {list(gate.shape)}")
+    backend = _fine_backend(q, fine)
+    if backend == "torch" and not q.is_cuda:
+        return vsa_attention_naive(q, k, v, gate, plan, sparsity)
+
+    if q.is_cuda or backend == "triton":
+        from h3render.kernels.vsa.triton_impl import pool_tiles_triton as pool
+    else:
+        pool = pool_tiles_naive
+    scores = tile_scores(pool(q, plan), pool(k, plan))  # [H, n, n] fp32
+    coarse = None if gate is None else coarse_attention_naive(scores, pool(v, plan))  # [H, n, D] fp32
+
+    if backend == "triton":
+        from h3render.kernels.vsa.triton_impl import fine_attention_triton
+
+        return fine_attention_triton(q, k, v, plan, select_tiles(scores, plan, sparsity), gate, coarse)
+    if backend == "flex":
+        from h3render.kernels.vsa.flex import fine_attention_flex
+
+        out = fine_attention_flex(q, k, v, plan, select_tiles(scores, plan, sparsity))
+    else:
+        out = fine_attention_naive(q, k, v, block_mask(scores, plan.num_prefix, sparsity), plan)
+    return out if gate is None else add_gated_coarse(out, coarse, gate, plan)

@@ -1,0 +1,199 @@
+"""Triton kernels of VSA-H3: tile pooling and the fine block-sparse forward with the gated coarse add fused in.
+
+Both read q/k/v straight from the packed rows `[S, H, D]` through the plan's `row_of_slot` (slot -> row, -1 on a pad
+slot), so no padded tile buffer is materialised and the output is written in packed row order.
+
+Fine kernel, one program per (head, 64-row query tile); programs are ordered head-fastest so the long dense prefix
+query tiles (all n key tiles each) start first:
+* query tiles below `dense_q` (the prefix tiles; all tiles when k == V) visit key tiles 0..n-1;
+* the others visit the P prefix tiles, then their k selected video tiles `sel[h, qt - P, :]` (ascending, so the
+  accumulation order is ascending tile order, as FastVideo's kernel);
+* online softmax in fp32 with exp2; P is cast to v's dtype before P·V (as FlashAttention and FastVideo's kernel);
+  key slots that hold no row (-1) get -inf.
+With GATE the epilogue adds `dtype(dtype(coarse[h, qt]) * gate)` to `dtype(out)`, rounding like the torch order
+`fine + coarse.to(dtype) * gate` (each bf16 op is an fp32 op rounded once).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from h3render.kernels.vsa.tiles import TILE, TilePlan
+
+LOG2E = 1.4426950408889634  # exp(x) = exp2(x * log2(e))
+
+
+@triton.jit
+def _pool_kernel(
+    x_ptr,  # [S, H, D] packed rows
+    out_ptr,  # [H, n, D] fp32 tile means
+    row_of_slot_ptr,  # [n * TILE] int32, -1 on pad slots
+    sizes_ptr,  # [n] int32 valid rows per tile
+    stride_xs, stride_xh,
+    num_tiles,
+    HEAD_DIM: tl.constexpr,
+    TILE_ROWS: tl.constexpr,
+):
+    h = tl.program_id(0)
+    t = tl.program_id(1)
+    offs_m = tl.arange(0, TILE_ROWS)
+    offs_d = tl.arange(0, HEAD_DIM)
+    rows = tl.load(row_of_slot_ptr + t * TILE_ROWS + offs_m)
+    valid = rows >= 0
+    rows = tl.where(valid, rows, 0).to(tl.int64)
+    x = tl.load(x_ptr + rows[:, None] * stride_xs + h * stride_xh + offs_d[None, :], mask=valid[:, None], other=0.0)
+    total = tl.sum(x.to(tl.float32), axis=0)  # [D]
+    size = tl.load(sizes_ptr + t).to(tl.float32)
+    tl.store(out_ptr + (h * num_tiles + t) * HEAD_DIM + offs_d, total / size)
+
+
+@triton.jit
+def _fine_kernel(
+    q_ptr, k_ptr, v_ptr, o_ptr,  # [S, H, D] packed rows (any row/head strides, unit stride over D)
+    gate_ptr,  # [S, H, D] (GATE only)
+    coarse_ptr,  # [H, n, D] fp32 coarse output per tile (GATE only)
+    row_of_slot_ptr,  # [n * TILE] int32
+    sel_ptr,  # [H, V, topk] int32 absolute key tile ids, ascending (unused when dense_q == n)
+    stride_qs, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_os, stride_oh, stride_gs, stride_gh,
+    num_tiles, num_prefix, num_video, dense_q, topk,
+    scale_log2,  # log2(e) / sqrt(D)
+    HEAD_DIM: tl.constexpr,
+    TILE_ROWS: tl.constexpr,
+    GATE: tl.constexpr,
+    IEEE: tl.constexpr,  # fp32 inputs: exact fp32 dots (no TF32)
+    UPCAST: tl.constexpr,  # interpreter only: its bf16 dot is wrong, an fp32 dot of the same bf16 values is exact
+):
+    h = tl.program_id(0)
+    qt = tl.program_id(1)
+    offs_m = tl.arange(0, TILE_ROWS)
+    offs_d = tl.arange(0, HEAD_DIM)
+
+    q_rows = tl.load(row_of_slot_ptr + qt * TILE_ROWS + offs_m)
+    q_valid = q_rows >= 0
+    q_rows = tl.where(q_valid, q_rows, 0).to(tl.int64)
+    q = tl.load(q_ptr + q_rows[:, None] * stride_qs + h * stride_qh + offs_d[None, :], mask=q_valid[:, None],
+                other=0.0)
+
+    m_i = tl.full([TILE_ROWS], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([TILE_ROWS], dtype=tl.float32)
+    acc = tl.zeros([TILE_ROWS, HEAD_DIM], dtype=tl.float32)
+
+    dense = qt < dense_q
+    count = tl.where(dense, num_tiles, num_prefix + topk)
+    vq = tl.maximum(qt - num_prefix, 0)
+    sel_row = sel_ptr + (h.to(tl.int64) * num_video + vq) * topk
+    for j in range(0, count):
+        pick = tl.minimum(tl.maximum(j - num_prefix, 0), topk - 1)
+        picked = tl.load(sel_row + pick, mask=qt >= dense_q, other=0)
+        kv = tl.where(dense | (j < num_prefix), j, picked)
+        k_rows = tl.load(row_of_slot_ptr + kv * TILE_ROWS + offs_m)
+        k_valid = k_rows >= 0
+        k_rows = tl.where(k_valid, k_rows, 0).to(tl.int64)
+        k = tl.load(k_ptr + k_rows[:, None] * stride_ks + h * stride_kh + offs_d[None, :], mask=k_valid[:, None],
+                    other=0.0)
+        v = tl.load(v_ptr + k_rows[:, None] * stride_vs + h * stride_vh + offs_d[None, :], mask=k_valid[:, None],
+                    other=0.0)
+        if UPCAST:
+            qk = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+        elif IEEE:
+            qk = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            qk = tl.dot(q, tl.trans(k))
+        qk = tl.where(k_valid[None, :], qk * scale_log2, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, axis=1))  # finite: every tile holds >= 1 row
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(qk - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        if UPCAST:
+            pv = tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32), input_precision="ieee")
+            acc = acc * alpha[:, None] + pv
+        elif IEEE:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+
+    out = (acc / l_i[:, None]).to(o_ptr.dtype.element_ty)
+    if GATE:
+        c = tl.load(coarse_ptr + (h * num_tiles + qt) * HEAD_DIM + offs_d).to(o_ptr.dtype.element_ty)  # [D]
+        g = tl.load(gate_ptr + q_rows[:, None] * stride_gs + h * stride_gh + offs_d[None, :], mask=q_valid[:, None],
+                    other=0.0)
+        cg = (c.to(tl.float32)[None, :] * g.to(tl.float32)).to(o_ptr.dtype.element_ty)
+        out = (out.to(tl.float32) + cg.to(tl.float32)).to(o_ptr.dtype.element_ty)
+    tl.store(o_ptr + q_rows[:, None] * stride_os + h * stride_oh + offs_d[None, :], out, mask=q_valid[:, None])
+
+
+def _check_head_dim(d: int) -> None:
+    if d < 16 or d > 256 or d & (d - 1):
+        raise ValueError(f"kernels/vsa/triton_impl.py: head dim {d} must be a power of two in [16, 256]")
+
+
+def pool_tiles_triton(x: torch.Tensor, plan: TilePlan) -> torch.Tensor:
+    """fp32 tile means. `x [S, H, D]` (unit stride over D) -> `[H, n, D]` float32."""
+    s, heads, d = x.shape
+    _check_head_dim(d)
+    out = torch.empty(heads, plan.num_tiles, d, dtype=torch.float32, device=x.device)
+    _pool_kernel[(heads, plan.num_tiles)](
+        x, out, plan.row_of_slot, plan.sizes, x.stride(0), x.stride(1), plan.num_tiles,
+        HEAD_DIM=d, TILE_ROWS=TILE, num_warps=4,
+    )
+    return out
+
+
+def fine_attention_triton(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    plan: TilePlan,
+    sel: torch.Tensor | None,
+    gate: torch.Tensor | None = None,
+    coarse: torch.Tensor | None = None,
+    *,
+    out: torch.Tensor | None = None,
+    num_warps: int = 4,
+    num_stages: int = 3,
+) -> torch.Tensor:
+    """Block-sparse fine attention (plus the gated coarse add when `gate` is given), packed rows in and out.
+
+    Args:
+        q, k, v: `[S, H, D]`, one dtype, unit stride over D; D a power of two in [16, 256] (128 released).
+        plan: the layout's `TilePlan` (its tensors on q's device).
+        sel: `[H, V, K]` int32, absolute key tile ids (P..n-1) each video query tile keeps, ascending; None keeps
+            every tile (k == V: all query tiles dense).
+        gate: `[S, H, D]` or None; coarse: `[H, n, D]` fp32 coarse output, required with `gate`.
+        out: optional `[S, H, D]` output buffer.
+        num_warps, num_stages: launch settings (4 warps = one Hopper warpgroup per 64-row tile).
+    Returns:
+        `[S, H, D]` in q's dtype.
+    """
+    s, heads, d = q.shape
+    _check_head_dim(d)
+    if (gate is None) != (coarse is None):
+        raise ValueError("kernels/vsa/triton_impl.py: gate and coarse go together")
+    if out is None:
+        out = torch.empty_like(q)
+    if sel is None:
+        dense_q, topk, sel = plan.num_tiles, 1, plan.row_of_slot  # sel unused: any int32 tensor
+    else:
+        dense_q, topk = plan.num_prefix, sel.shape[-1]
+        if sel.dtype != torch.int32 or not sel.is_contiguous() or tuple(sel.shape) != (heads, plan.num_video, topk):
+            raise ValueError(f"kernels/vsa/triton_impl.py: sel must be contiguous int32 [{heads}, {plan.num_video}, "
+                             f"K], got {sel.dtype} {list(sel.shape)}")
+    g = gate if gate is not None else q
+    c = coarse if coarse is not None else q
+    _fine_kernel[(heads, plan.num_tiles)](
+        q, k, v, out, g, c, plan.row_of_slot, sel,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        out.stride(0), out.stride(1), g.stride(0), g.stride(1),
+        plan.num_tiles, plan.num_prefix, plan.num_video, dense_q, topk,
+        LOG2E / math.sqrt(d),
+        HEAD_DIM=d, TILE_ROWS=TILE, GATE=gate is not None, IEEE=q.dtype == torch.float32,
+        UPCAST=not q.is_cuda and os.environ.get("TRITON_INTERPRET") == "1",
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    return out

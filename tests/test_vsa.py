@@ -1,0 +1,182 @@
+"""VSA-H3 (kernels/vsa): tile geometry, the torch reference's defining properties, and the Triton / flex fine stages
+against the reference (Triton under TRITON_INTERPRET=1 on CPU, NaN-poisoned outputs)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from h3render.kernels.vsa import select_tiles, tile_plan, topk_budget, vsa_attention, vsa_attention_naive
+from h3render.kernels.vsa.naive import block_mask, pool_tiles_naive, tile_scores
+from h3render.kernels.vsa.tiles import TILE, from_tiles, to_tiles
+from h3render.models.attention import naive_attention
+
+
+def _rand(plan, heads, dim, seed, dtype=torch.float32, n=4):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(plan.seq_len, heads, dim, generator=g).to(dtype) for _ in range(n)]
+
+
+# ---------------------------------------------------------------- geometry
+
+
+@pytest.mark.parametrize("prefix, grid", [((70, 0, 130), (9, 10, 13)), ((1,), (1, 1, 1)), ((300, 810), (5, 7, 6)),
+                                          ((65, 3), (4, 4, 4)), ((), (3, 5, 2))])
+def test_slot_map_is_a_bijection_onto_valid_slots(prefix, grid):
+    plan = tile_plan(prefix, grid)
+    s = sum(prefix) + math.prod(grid)
+    assert plan.seq_len == s and int(plan.sizes.sum()) == s
+    valid = (torch.arange(TILE)[None, :] < plan.sizes[:, None].long()).reshape(-1)  # [n*64]
+    hit = torch.zeros(plan.padded_len, dtype=torch.int64)
+    hit.index_add_(0, plan.slot, torch.ones(s, dtype=torch.int64))
+    assert torch.equal(hit, valid.long())  # every valid slot exactly once, no pad slot
+    assert torch.equal(plan.row_of_slot[plan.slot], torch.arange(s, dtype=torch.int32))
+    x = torch.randn(s, 3)
+    assert torch.equal(from_tiles(to_tiles(x, plan), plan), x)
+    assert bool((to_tiles(x, plan)[~valid] == 0).all())
+
+
+def test_tile_sizes_hand_computed_on_ragged_grid():
+    """Grid (9, 10, 13): t 4+4+1, h 4+4+2, w 4+4+4+1; prefix 70 -> 64+6, 5 -> 5, 130 -> 64+64+2."""
+    plan = tile_plan((70, 5, 130), (9, 10, 13))
+    assert plan.num_prefix == 6 and plan.num_video == 3 * 3 * 4
+    assert plan.sizes[:6].tolist() == [64, 6, 5, 64, 64, 2]
+    ext_t, ext_h, ext_w = [4, 4, 1], [4, 4, 2], [4, 4, 4, 1]
+    assert plan.sizes[6:].tolist() == [a * b * c for a in ext_t for b in ext_h for c in ext_w]
+    # The last video row (t=8, h=9, w=12) sits in the 1 x 2 x 1 corner tile, after (8, 8, 12): offset 1.
+    last = plan.slot[-1].item()
+    assert last // TILE == plan.num_tiles - 1 and last % TILE == 1 and plan.sizes[-1].item() == 2
+    # Row (t=1, h=2, w=5) of the video: tile (0, 0, 1), offset 1*16 + 2*4 + 1 = 25 inside a full 4x4x4 box.
+    r = sum((70, 5, 130)) + (1 * 10 + 2) * 13 + 5
+    assert plan.slot[r].item() == (6 + 1) * TILE + 25
+    # Row (t=0, h=8, w=0): tile (0, 2, 0) is 4 x 2 x 4; row offset 0, next row (h=8, w=1) offset 1, (h=9, w=0) 4.
+    base = sum((70, 5, 130))
+    assert plan.slot[base + 8 * 13].item() == (6 + 8) * TILE
+    assert plan.slot[base + 9 * 13].item() == (6 + 8) * TILE + 4
+
+
+def test_release_geometry():
+    plan = tile_plan((300, 810), (72, 24, 42))
+    assert (plan.num_prefix, plan.num_video) == (5 + 13, 18 * 6 * 11)
+    assert plan.padded_len == 1206 * 64 and plan.seq_len == 300 + 810 + 72 * 24 * 42
+    assert topk_budget(0.9, plan.num_video) == 119 and topk_budget(0.8, plan.num_video) == 238
+
+
+def test_topk_budget_rounds_in_float64():
+    assert topk_budget(0.9, 660) == 66
+    k32 = math.ceil(float(torch.tensor(1.0, dtype=torch.float32) - torch.tensor(0.9, dtype=torch.float32)) * 660)
+    assert k32 == 67  # the float32 pitfall the float64 formula avoids
+    assert topk_budget(0.0, 17) == 17 and topk_budget(0.999, 5) == 1
+
+
+# ---------------------------------------------------------------- reference properties
+
+
+def test_sparsity_zero_with_zero_gate_equals_dense():
+    plan = tile_plan((70, 5, 130), (9, 6, 5))
+    q, k, v = _rand(plan, 2, 8, seed=3, n=3)
+    dense = naive_attention(q[None], k[None], v[None])[0]
+    for gate in (None, torch.zeros_like(q)):
+        out = vsa_attention_naive(q, k, v, gate, plan, 0.0)
+        torch.testing.assert_close(out, dense, rtol=1e-5, atol=1e-6)
+
+
+def test_prefix_rows_dense_video_rows_sparse_at_75_percent():
+    prefix = (70, 5, 130)
+    plan = tile_plan(prefix, (9, 6, 5))
+    q, k, v = _rand(plan, 2, 8, seed=4, n=3)
+    dense = naive_attention(q[None], k[None], v[None])[0]
+    out = vsa_attention_naive(q, k, v, None, plan, 0.75)
+    p = sum(prefix)
+    torch.testing.assert_close(out[:p], dense[:p], rtol=1e-5, atol=1e-6)
+    assert (out[p:] - dense[p:]).abs().max() > 1e-2
+
+
+def test_block_mask_policy():
+    plan = tile_plan((70, 5, 130), (9, 6, 5))
+    q, k = _rand(plan, 3, 8, seed=5, n=2)
+    scores = tile_scores(pool_tiles_naive(q, plan), pool_tiles_naive(k, plan))
+    p, kk = plan.num_prefix, topk_budget(0.75, plan.num_video)
+    mask = block_mask(scores, p, 0.75)
+    assert mask[:, :p].all() and mask[:, :, :p].all()
+    assert (mask[:, p:, p:].sum(-1) == kk).all()
+    sel = select_tiles(scores, plan, 0.75)
+    assert sel.shape == (3, plan.num_video, kk) and bool((sel.diff(dim=-1) > 0).all())
+    rebuilt = torch.zeros_like(mask[:, p:, p:])
+    rebuilt.scatter_(-1, sel.long() - p, True)
+    assert torch.equal(rebuilt, mask[:, p:, p:])
+
+
+def test_pooling_is_fp32_mean_over_true_size():
+    plan = tile_plan((5, 70), (2, 3, 5))
+    (x,) = _rand(plan, 2, 4, seed=6, dtype=torch.bfloat16, n=1)
+    pooled = pool_tiles_naive(x, plan)
+    tile = plan.tile_of_row
+    for j in (0, 1, 2, plan.num_tiles - 1):
+        torch.testing.assert_close(pooled[:, j], x[tile == j].float().mean(0), rtol=1e-6, atol=1e-6)
+
+
+# ---------------------------------------------------------------- fast paths vs the reference
+
+# Shapes small enough for the Triton interpreter: n = 10 or 12 tiles.
+CASES = [((37, 21), (5, 6, 7), 2, 16, 0.5), ((70, 5), (6, 5, 4), 3, 32, 0.75), ((40,), (5, 6, 7), 1, 16, 0.0)]
+
+
+F32, BF16 = torch.float32, torch.bfloat16
+TRITON_CASES = [(*CASES[0], F32, True), (*CASES[0], BF16, True), (*CASES[1], BF16, True), (*CASES[1], F32, False),
+                (*CASES[2], BF16, False), (*CASES[2], F32, True)]
+
+
+@pytest.mark.parametrize("prefix, grid, heads, dim, sparsity, dtype, with_gate", TRITON_CASES)
+def test_triton_matches_reference(prefix, grid, heads, dim, sparsity, dtype, with_gate):
+    from h3render.kernels.vsa.triton_impl import fine_attention_triton, pool_tiles_triton
+
+    plan = tile_plan(prefix, grid)
+    q, k, v, g = _rand(plan, heads, dim, seed=sum(grid) + heads, dtype=dtype)
+    gate = g if with_gate else None
+    ref = vsa_attention_naive(q, k, v, gate, plan, sparsity)
+    torch.testing.assert_close(pool_tiles_triton(q, plan), pool_tiles_naive(q, plan), rtol=1e-6, atol=1e-6)
+
+    scores = tile_scores(pool_tiles_naive(q, plan), pool_tiles_naive(k, plan))
+    coarse = None
+    if with_gate:
+        from h3render.kernels.vsa.naive import coarse_attention_naive
+
+        coarse = coarse_attention_naive(scores, pool_tiles_naive(v, plan))
+    out = torch.full_like(q, float("nan"))
+    fine_attention_triton(q, k, v, plan, select_tiles(scores, plan, sparsity), gate, coarse, out=out)
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(out, ref, **tol)
+    rel = ((out.double() - ref.double()).norm() / ref.double().norm()).item()
+    assert rel < (1e-6 if dtype == torch.float32 else 1e-2)
+
+
+def test_triton_reads_strided_rows():
+    """Ulysses hands the kernel `[S, h, D]` slices of a wider buffer: row and head strides must be honoured."""
+    plan = tile_plan((37, 21), (5, 6, 7))
+    wide = _rand(plan, 4, 16, seed=9)
+    q, k, v, g = (t[:, 1:3] for t in wide)  # non-contiguous head slices
+    ref = vsa_attention_naive(q.contiguous(), k.contiguous(), v.contiguous(), g.contiguous(), plan, 0.5)
+    out = vsa_attention(q, k, v, g, plan, 0.5, fine="triton")
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("prefix, grid, heads, dim, sparsity", CASES[1:2])
+def test_flex_matches_reference(prefix, grid, heads, dim, sparsity):
+    plan = tile_plan(prefix, grid)
+    q, k, v, g = _rand(plan, heads, dim, seed=11)
+    ref = vsa_attention_naive(q, k, v, g, plan, sparsity)
+    torch.testing.assert_close(vsa_attention(q, k, v, g, plan, sparsity, fine="flex"), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_bad_shapes_and_backend_raise():
+    plan = tile_plan((37, 21), (5, 6, 7))
+    q, k, v, g = _rand(plan, 2, 16, seed=1)
+    with pytest.raises(ValueError, match="for this plan"):
+        vsa_attention(q[:-1], k[:-1], v[:-1], None, plan, 0.5)
+    with pytest.raises(ValueError, match="unknown fine backend"):
+        vsa_attention(q, k, v, g, plan, 0.5, fine="tk")
+    with pytest.raises(ValueError, match="tile_plan"):
+        tile_plan((3,), (0, 2, 2))
