@@ -4,6 +4,7 @@ against the reference (Triton under TRITON_INTERPRET=1 on CPU, NaN-poisoned outp
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 import torch
@@ -14,9 +15,14 @@ from h3render.kernels.vsa.tiles import TILE, from_tiles, to_tiles
 from h3render.models.attention import naive_attention
 
 
+# The fast-path cases run on the GPU where there is one and Triton is not interpreted (TRITON_INTERPRET=0 on the
+# device machine), else on CPU tensors under the interpreter (tests/conftest.py sets it by default).
+FAST_DEVICE = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") == "0" else "cpu"
+
+
 def _rand(plan, heads, dim, seed, dtype=torch.float32, n=4):
     g = torch.Generator().manual_seed(seed)
-    return [torch.randn(plan.seq_len, heads, dim, generator=g).to(dtype) for _ in range(n)]
+    return [torch.randn(plan.seq_len, heads, dim, generator=g).to(dtype).to(plan.sizes.device) for _ in range(n)]
 
 
 # ---------------------------------------------------------------- geometry
@@ -133,7 +139,7 @@ TRITON_CASES = [(*CASES[0], F32, True), (*CASES[0], BF16, True), (*CASES[1], BF1
 def test_triton_matches_reference(prefix, grid, heads, dim, sparsity, dtype, with_gate):
     from h3render.kernels.vsa.triton_impl import fine_attention_triton, pool_tiles_triton
 
-    plan = tile_plan(prefix, grid)
+    plan = tile_plan(prefix, grid, FAST_DEVICE)
     q, k, v, g = _rand(plan, heads, dim, seed=sum(grid) + heads, dtype=dtype)
     gate = g if with_gate else None
     ref = vsa_attention_naive(q, k, v, gate, plan, sparsity)
@@ -155,7 +161,7 @@ def test_triton_matches_reference(prefix, grid, heads, dim, sparsity, dtype, wit
 
 def test_triton_reads_strided_rows():
     """Ulysses hands the kernel `[S, h, D]` slices of a wider buffer: row and head strides must be honoured."""
-    plan = tile_plan((37, 21), (5, 6, 7))
+    plan = tile_plan((37, 21), (5, 6, 7), FAST_DEVICE)
     wide = _rand(plan, 4, 16, seed=9)
     q, k, v, g = (t[:, 1:3] for t in wide)  # non-contiguous head slices
     ref = vsa_attention_naive(q.contiguous(), k.contiguous(), v.contiguous(), g.contiguous(), plan, 0.5)
@@ -165,7 +171,7 @@ def test_triton_reads_strided_rows():
 
 @pytest.mark.parametrize("prefix, grid, heads, dim, sparsity", CASES[1:2])
 def test_flex_matches_reference(prefix, grid, heads, dim, sparsity):
-    plan = tile_plan(prefix, grid)
+    plan = tile_plan(prefix, grid, FAST_DEVICE)
     q, k, v, g = _rand(plan, heads, dim, seed=11)
     ref = vsa_attention_naive(q, k, v, g, plan, sparsity)
     torch.testing.assert_close(vsa_attention(q, k, v, g, plan, sparsity, fine="flex"), ref, rtol=1e-5, atol=1e-5)

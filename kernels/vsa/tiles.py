@@ -155,7 +155,7 @@ def to_tiles(x: torch.Tensor, plan: TilePlan) -> torch.Tensor:
     if x.shape[0] != plan.seq_len:
         raise ValueError(f"kernels/vsa/tiles.py: to_tiles: {x.shape[0]} rows, the plan tiles {plan.seq_len}")
     out = x.new_zeros(plan.padded_len, *x.shape[1:])
-    out[plan.slot] = x
+    out.index_copy_(0, plan.slot, x)  # a row scatter: one contiguous H*D row per packed row
     return out
 
 
