@@ -23,7 +23,8 @@ Stages (`--stages`, comma-separated):
             vs VSA (random gates)
   prof      top device kernels of an 8-block DiT forward (sharded under torchrun) and a compiled VAE decode batch
   compare   1 GPU vs N GPUs: latents and frames saved by `e2e --save-latents` runs on this machine
-  e2e       complete MP4 of a 10.125 s 1344x768 clip with --forwards DiT forwards (4 = FastH3 length), all
+  e2e       complete MP4 of --e2e-canvases clips (default a 10.125 s 1344x768) with --forwards DiT forwards (4 = FastH3
+            length; --e2e-vsa: then again with VSA at --vsa-sparsity, random gates), all
             components resident; run under torchrun for several GPUs
   batch     queue throughput on 1 GPU: --batch-jobs jobs of --forwards DiT forwards at --batch-canvas through
             `run_batch` with one resident Engine (each job's MP4 tail beside the next job's start). Warm-up
@@ -556,32 +557,45 @@ PROMPT = ("A lighthouse keeper climbs the spiral stairs at dusk, camera tracking
 
 @torch.no_grad()
 def stage_e2e(args) -> None:
-    """A complete MP4 through the real Engine: random real-size components, all resident."""
+    """A complete MP4 through the real Engine: random real-size components, all resident. For each canvas of
+    --e2e-canvases, dense attention and, with --e2e-vsa, VSA at --vsa-sparsity with random gates (a FastH3 VSA
+    student's attention; same engine, the gates added after the dense jobs)."""
     from h3render.jobs import Job
     from h3render.parallel.groups import init_parallel
 
     ctx = init_parallel("cuda")
-    renderer = released_engine(args, ctx)
-    job = Job(id="bench", prompt=PROMPT, width=1344, height=768, frames=243, seed=0, steps=args.forwards + 1,
-              mode="t2va", output="bench")
-    renderer.prepare([job])
-    rec(stage="e2e", what="warm-up (outside job timings)", warmup=renderer.warmup)
+    engine = released_engine(args, ctx)
+    canvases = [tuple(int(x) for x in c.lower().split("x")) for c in args.e2e_canvases.split(",")]
+    jobs = [Job(id="bench", prompt=PROMPT, width=w, height=h, frames=f, seed=0, steps=args.forwards + 1,
+                mode="t2va", output="bench") for w, h, f in canvases]
+    engine.prepare(jobs)
+    rec(stage="e2e", what="warm-up (outside job timings)", warmup=engine.warmup)
     rec(stage="e2e", what="resident after AdaLN offload", gb=gb(torch.cuda.memory_allocated()), world=ctx.world_size)
     out = Path("/tmp") / f"e2e-w{ctx.world_size}.mp4"  # random weights encode as noise: too big to bring back
-    results = []
-    for rep in range(args.e2e_reps):
-        peak_reset()
-        t0 = time.perf_counter()
-        renderer.render(job, out, out.with_suffix(".json"))
-        wall = time.perf_counter() - t0
-        sidecar = json.loads(out.with_suffix(".json").read_text()) if ctx.is_main else None
-        results.append(wall)
-        if ctx.is_main:
-            stages = {k: round(v["seconds"], 3) for k, v in sidecar["timings"]["stages"].items()}
-            rec(stage="e2e", what=f"complete MP4 1344x768x243, {args.forwards} forwards, {ctx.world_size} GPU(s), "
-                                  f"rep {rep}", wall_s=round(wall, 2), stages=stages,
-                denoise_steps=[round(s, 3) for s in sidecar["timings"]["stages"]["denoise"]["steps"]],
-                peak_gb=peak_gb(), mp4_bytes=out.stat().st_size)
+    for attention in ["dense"] + (["vsa"] if args.e2e_vsa else []):
+        if attention == "vsa":
+            dit = engine.c.dit
+            dit.enable_vsa(args.vsa_sparsity)
+            gen = torch.Generator(device="cuda").manual_seed(1)
+            for block in dit.blocks:
+                w = block.attn.gate_proj.weight
+                w.copy_(torch.randn(w.shape, device="cuda", generator=gen) * (0.5 / w.shape[1] ** 0.5))
+            for job in jobs:  # the first VSA forward at a shape builds its tile plan (host syncs): outside timings
+                engine.render(job, out, out.with_suffix(".json"))
+        for job in jobs:
+            for rep in range(args.e2e_reps):
+                peak_reset()
+                t0 = time.perf_counter()
+                engine.render(job, out, out.with_suffix(".json"))
+                wall = time.perf_counter() - t0
+                if not ctx.is_main:
+                    continue
+                sidecar = json.loads(out.with_suffix(".json").read_text())
+                stages = {k: round(v["seconds"], 3) for k, v in sidecar["timings"]["stages"].items()}
+                rec(stage="e2e", what=f"complete MP4 {job.width}x{job.height}x{job.frames}, {args.forwards} forwards, "
+                                      f"{attention}, {ctx.world_size} GPU(s), rep {rep}", wall_s=round(wall, 2),
+                    stages=stages, denoise_steps=[round(s, 3) for s in sidecar["timings"]["stages"]["denoise"]["steps"]],
+                    peak_gb=peak_gb(), mp4_bytes=out.stat().st_size)
 
 
 def _dit_step(dit, height: int, width: int, frames: int):
@@ -1033,6 +1047,8 @@ def main() -> None:
     p.add_argument("--vae-batches", default="8", help="comma-separated decode batch sizes to time")
     p.add_argument("--forwards", type=int, default=4)
     p.add_argument("--e2e-reps", type=int, default=1)
+    p.add_argument("--e2e-canvases", default="1344x768x243", help="e2e: comma-separated WxHxFRAMES")
+    p.add_argument("--e2e-vsa", action="store_true", help="e2e: also render with VSA (random gates) after dense")
     p.add_argument("--save-latents", action="store_true", help="e2e: also write the final latents beside the MP4")
     p.add_argument("--ulysses-chunks", default="1,2,4", help="head chunks per rank to time in the ulysses stage")
     p.add_argument("--batch-canvas", default="1344x768x243", help="WxHxFRAMES of every queued job (batch stage)")
