@@ -132,15 +132,8 @@ class BatchReport:
             return True
         with self._write_lock:
             self.final_write_failed = True
-            data = (json.dumps(self.to_dict(), indent=2) + "\n").encode()
             try:
-                fd = os.open(self.path, os.O_WRONLY)
-                try:
-                    os.write(fd, data)
-                    os.ftruncate(fd, len(data))
-                    os.fsync(fd)
-                finally:
-                    os.close(fd)
+                _write_in_place(self.path, (json.dumps(self.to_dict(), indent=2) + "\n").encode())
                 return True
             except OSError:
                 remove_files(self.path)
@@ -166,6 +159,17 @@ def _write_json_atomic(path: Path, data: dict) -> None:
     except BaseException:
         remove_files(tmp)
         raise
+
+
+def _write_in_place(path: Path, data: bytes) -> None:
+    """Overwrite an existing file's bytes without a temp file (no new blocks needed for the same length)."""
+    fd = os.open(path, os.O_WRONLY)
+    try:
+        os.write(fd, data)
+        os.ftruncate(fd, len(data))
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def remove_files(*paths: Path) -> None:
