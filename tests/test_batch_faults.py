@@ -256,3 +256,20 @@ def test_a_killed_overwrite_leaves_a_temp_that_the_next_run_sweeps_while_skippin
     _, err = resume.communicate(timeout=120)
     assert resume.returncode == 0 and "2 already rendered (skipped), 0 to render" in err, err
     assert files_under(out) == {"batch-report.json", "j0.mp4", "j0.json", "j1.mp4", "j1.json"}
+
+
+def test_the_cli_gives_exit_2_and_one_line_for_a_bad_out_dir(tmp_path):
+    manifest = tmp_path / "m.jsonl"
+    manifest.write_text(json.dumps({"id": "a", "prompt": "x", "frames": 22, "steps": 2}) + "\n")
+    (tmp_path / "file").write_text("")
+    (tmp_path / "broken").symlink_to(tmp_path / "gone")
+    (tmp_path / "loop").symlink_to(tmp_path / "loop")
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    env.pop("H3RENDER_CHECKPOINT", None)
+    for out, needle in ((tmp_path / "file/sub", "is a file, not a folder"), (tmp_path / "broken", "broken symlink"),
+                        (tmp_path / "loop", "symlink loop")):
+        r = subprocess.run([sys.executable, "-m", "h3render.cli", "batch", str(manifest), "--out-dir", str(out)],
+                           capture_output=True, text=True, env=env, timeout=300)
+        errors = [ln for ln in r.stderr.splitlines() if ln.startswith("h3render: error")]
+        assert r.returncode == 2 and len(errors) == 1 and needle in errors[0], r.stderr
+        assert "Traceback" not in r.stderr

@@ -149,3 +149,29 @@ def test_the_queue_bar_after_ctrl_c(tmp_path, capsys):
     assert after.endswith("batch-report.json\n") and after.count("\n") == 1, after  # nothing drawn below it
     assert "denoise" not in after and "\r" not in after
     assert not tqdm._instances
+
+
+def test_the_sbatch_script_forwards_usr1_and_requeues_on_75(tmp_path):
+    """scripts/h3render.sbatch without SLURM: a stand-in h3render (exits 75 on SIGUSR1) and a stand-in scontrol
+    that records its arguments."""
+    bin_ = tmp_path / "bin"
+    bin_.mkdir()
+    (bin_ / "scontrol").write_text(f"#!/bin/sh\necho \"$@\" > {tmp_path / 'scontrol.args'}\n")
+    fake = tmp_path / "fake_h3render.py"
+    fake.write_text("import signal, sys, time, pathlib\n"
+                    "signal.signal(signal.SIGUSR1, lambda *a: sys.exit(75))\n"
+                    f"pathlib.Path({str(tmp_path / 'ready')!r}).write_text(' '.join(sys.argv[1:]))\n"
+                    "time.sleep(60)\nsys.exit(0)\n")
+    (bin_ / "scontrol").chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_}{os.pathsep}{os.environ['PATH']}", "H3RENDER": f"{sys.executable} {fake}",
+           "SLURM_JOB_ID": "123", "SLURM_ARRAY_JOB_ID": "100", "SLURM_ARRAY_TASK_ID": "3"}
+    p = subprocess.Popen(["bash", str(REPO / "scripts/h3render.sbatch"), "m.jsonl", "out", "--quiet"], env=env,
+                         stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 30
+    while not (tmp_path / "ready").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert (tmp_path / "ready").read_text() == "batch m.jsonl --out-dir out --quiet"
+    p.send_signal(signal.SIGUSR1)  # SLURM's --signal=B:USR1@120 reaches the batch shell
+    err = p.communicate(timeout=30)[1]
+    assert p.returncode == 75, err
+    assert (tmp_path / "scontrol.args").read_text().split() == ["requeue", "100_3"]
