@@ -469,8 +469,7 @@ class _Queue:
         if report.crashed:
             self.log.line(f"internal error: {report.crashed}; report written")
         elif report.interrupted:
-            how = ("stopped for a requeue" if report.signum in REQUEUE_SIGNALS
-                   else "interrupted")
+            how = "stopped for a requeue" if report.signum in REQUEUE_SIGNALS else "interrupted"
             self.log.line(f"{how} ({signal_name(report.signum)}); exit {report.exit_code}; report {report.path}")
         else:
             c = report.counts
