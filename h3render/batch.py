@@ -1,152 +1,76 @@
-"""The batch queue: render a list of jobs with one resident model, job by job, resumable and interruptible.
+"""The batch queue: render a list of jobs with one resident model, job by job, resumable, interruptible, and safe
+beside another queue on the same out dir.
 
-`run_batch` walks the jobs in order. A job whose MP4 and JSON sidecar already exist, and whose sidecar's
-``"job"`` equals ``job.params()``, is skipped (resume); every other job is rendered by one renderer, built lazily by
-``renderer_factory()`` the first time a job needs it, so the model loads once per queue and not at all when
-everything is already rendered. A job that raises is recorded as failed and the queue goes on (``fail_fast`` stops
-it); SIGINT or SIGTERM stops it cleanly. ``<out_dir>/batch-report.json`` is rewritten atomically after every job,
-so even a queue killed with SIGKILL leaves a report of what finished.
+`run_batch` walks the jobs in order. A job whose MP4 and JSON sidecar exist, whose sidecar's ``"job"`` equals
+``job.params()`` and whose ``"mp4"`` record (size, sha256) matches the MP4 on disk, is skipped (resume); every
+other job is rendered by one renderer, built lazily by ``renderer_factory()`` the first time a job needs it. A job
+that raises (its folder set-up included) is recorded as failed and the queue goes on (``fail_fast`` stops it);
+the signals of `h3render.signals` stop it cleanly. ``<out_dir>/batch-report.json`` is rewritten atomically after
+every job, and a final state is written on every exit path Python sees (a SIGKILL leaves ``running``, with the pid).
+
+Two queues on one out dir (a requeued SLURM task beside its old copy, an array submitted twice): a job is rendered
+while holding its OS lock ``<name>.lock`` (`h3render.locks`); a job locked by a live process is recorded as
+``elsewhere`` ("in progress elsewhere"), tried once more at the end of the queue, and otherwise left to its holder;
+a dead holder's lock is free again, so a later run picks the job up. Every temp name of a job is written only
+under that lock, so the stale-temp sweep (under the lock, also for skipped jobs) removes only what a dead process
+left. The report belongs to one process: the first queue holds ``batch-report.json.lock``; a second queue on the
+same report name writes ``batch-report.<host>-<pid>.json`` instead, so each report says what its process did.
 
 Exit codes (``BatchReport.exit_code``; the CLI exits with it):
 
 ====  =====================================================================================================
 0     every job succeeded or was skipped as already rendered (an empty shard too)
-1     at least one job failed; the others still ran (or, with ``fail_fast``, the rest stayed pending)
-2     bad input or usage, found before anything loads: manifest errors, bad ``--shard``. The CLI returns it;
-      ``run_batch`` is never reached. ``run_batch`` itself raises ``ValueError`` for two jobs sharing an output.
-130   interrupted by SIGINT (Ctrl-C) or SIGTERM (``scancel``, a SLURM time limit): 128 + SIGINT, the shell's code
+1     a job failed, a job was left ``elsewhere`` (another live process renders it), or the final report
+      could not be written (the log names the file); the other jobs still ran
+2     bad input or usage, found before anything renders: manifest errors, bad ``--shard``, two jobs sharing an
+      output, an ``--out-dir`` that is a file, under a file, or a broken or looping symlink (`BatchUsageError`)
+75    stopped by SIGUSR1/SIGUSR2 (SLURM's warning before the time limit): requeue and resume
+130   interrupted by SIGINT, SIGTERM or SIGHUP
 ====  =====================================================================================================
 
-File names, for a job with ``output = "clips/a"``: final ``<out_dir>/clips/a.mp4`` and ``clips/a.json``; the
-renderer writes them through ``clips/a.tmp.mp4`` and ``clips/a.json.tmp`` (or ``clips/a.tmp.json``) and renames.
-Whatever way a job ends other than success, those temp names are swept and any final-named file written during
-the attempt is removed, so nothing partial ever sits under a final name.
+File names, for a job with ``output = "clips/a"``: final ``<out_dir>/clips/a.mp4`` and ``clips/a.json``, lock
+``clips/a.lock`` (removed when released); the renderer writes through ``clips/a.tmp.mp4`` and ``clips/a.json.tmp``
+(or ``clips/a.tmp.json``) and renames, MP4 first. Whatever way a job ends other than success, its temp names are
+swept and any final-named file written during the attempt is removed. The commit order makes every crash point
+resumable: before the MP4 rename the old pair stands; between the renames the new MP4 no longer matches the old
+sidecar's record (or there is no sidecar), so resume renders it again; after the sidecar rename the pair matches.
 
-The renderer contract (``h3render.engine.Engine``): ``render_async(job, mp4_path, sidecar_path) -> Future``, which
-returns once the last frame is in the MP4 writer and whose Future resolves when the MP4 and then the sidecar (which
-holds ``"job": job.params()``) are in place, both atomically; a renderer with only ``render(...) -> dict`` works too.
-While job N's writer tail (encoder flush, trailer, fsync, rename, sidecar) finishes on the writer's thread, job N+1's
-prompt encode and denoise already run; job N's outcome is recorded when its tail ends. Jobs need ``id``,
-``output`` and ``params()`` (``h3render.jobs.Job``).
+The renderer contract (``h3render.engine.Engine``): ``render_async(job, mp4_path, sidecar_path) -> Future`` resolving
+once the MP4 and then the sidecar are in place (or ``render(...) -> dict``). Jobs need ``id``, ``output``, ``params()``.
 """
 
 from __future__ import annotations
 
+import errno
 import gc
 import json
 import os
-import signal
-import socket
 import sys
 import threading
 import time
 import traceback
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-EXIT_OK = 0
-EXIT_FAILED = 1
+from h3render import locks
+from h3render.report import (ELSEWHERE, EXIT_FAILED, EXIT_OK, FAILED, INTERRUPTED, PENDING, SKIPPED, STATUSES,  # noqa: F401
+                             SUCCEEDED, BatchReport, JobOutcome, QueueLog, _name, claim_report, remove_files,
+                             report_name)
+from h3render.signals import (EXIT_INTERRUPTED, EXIT_REQUEUE, REQUEUE_SIGNALS, InterruptGuard, settle,  # noqa: F401
+                              signal_name, signum_of)
+
 EXIT_USAGE = 2
-EXIT_INTERRUPTED = 130
-
-SUCCEEDED = "succeeded"
-FAILED = "failed"
-SKIPPED = "skipped"
-PENDING = "pending"
-INTERRUPTED = "interrupted"
-STATUSES = (SUCCEEDED, FAILED, SKIPPED, PENDING, INTERRUPTED)
-
-REPORT_FORMAT = 3  # bump when a consumer-visible field of batch-report.json changes (3: no overlap fields)
 
 
-class Interrupted(KeyboardInterrupt):
-    """Raised in the main thread when SIGTERM arrives, so it unwinds exactly like Ctrl-C (KeyboardInterrupt)."""
+class BatchUsageError(ValueError):
+    """A usage error found before anything renders (exit 2, one line): two jobs share an output, a bad out dir."""
 
 
-@dataclass
-class JobOutcome:
-    """One job's line in the report. ``output`` is the MP4 path relative to the out dir; ``seconds`` is wall time
-    of this job's render up to its sidecar (the one-off model load is ``BatchReport.load_seconds``), None when it
-    did not run; the last fraction of a second of it (the writer tail) ran beside the next job's start."""
-
-    id: str | None
-    output: str
-    status: str = PENDING
-    seconds: float | None = None
-    error: str | None = None  # "ExceptionType: message" for failed / interrupted jobs
-    traceback: str | None = None
-
-    def to_dict(self) -> dict[str, Any]:
-        d = {"id": self.id, "output": self.output, "status": self.status,
-             "seconds": None if self.seconds is None else round(self.seconds, 3), "error": self.error}
-        if self.traceback is not None:
-            d["traceback"] = self.traceback
-        return d
-
-
-@dataclass
-class BatchReport:
-    """What happened to each job, in manifest order, and where the report file was written."""
-
-    path: Path
-    jobs: list[JobOutcome]
-    shard: tuple[int, int] | None = None
-    interrupted: bool = False
-    finished: bool = False
-    load_seconds: float | None = None
-    queue_seconds: float | None = None  # wall time from the first render to the latest job outcome (load excluded)
-    started_at: str = field(default_factory=lambda: _now())
-    _write_lock: Any = field(default_factory=threading.Lock, repr=False, compare=False)
-
-    def count(self, status: str) -> int:
-        return sum(1 for j in self.jobs if j.status == status)
-
-    @property
-    def counts(self) -> dict[str, int]:
-        return {s: self.count(s) for s in STATUSES}
-
-    @property
-    def exit_code(self) -> int:
-        """130 if interrupted, else 1 if any job failed, else 0 (see the module docstring)."""
-        if self.interrupted:
-            return EXIT_INTERRUPTED
-        return EXIT_FAILED if self.count(FAILED) else EXIT_OK
-
-    def to_dict(self) -> dict[str, Any]:
-        state = "interrupted" if self.interrupted else ("finished" if self.finished else "running")
-        return {
-            "format": REPORT_FORMAT,
-            "state": state,
-            "exit_code": self.exit_code if (self.finished or self.interrupted) else None,
-            "shard": None if self.shard is None else {"index": self.shard[0], "count": self.shard[1]},
-            "host": socket.gethostname(),
-            "pid": os.getpid(),
-            "started_at": self.started_at,
-            "updated_at": _now(),
-            "load_seconds": None if self.load_seconds is None else round(self.load_seconds, 3),
-            "queue_seconds": None if self.queue_seconds is None else round(self.queue_seconds, 3),
-            "counts": self.counts,
-            "jobs": [j.to_dict() for j in self.jobs],
-        }
-
-    def write(self) -> None:
-        """Atomically (temp file in the same folder, fsync, rename) replace the report file. Thread-safe (a job's
-        outcome is recorded on its MP4 writer's thread when the tail ends)."""
-        with self._write_lock:
-            _write_json_atomic(self.path, self.to_dict())
-
-
-def report_name(shard: tuple[int, int] | None = None) -> str:
-    """``batch-report.json``, or ``batch-report.shard-<i>-of-<n>.json`` (i 0-based) so array tasks writing into one
-    out dir do not overwrite each other's report."""
-    if shard is None:
-        return "batch-report.json"
-    index, count = shard
-    return f"batch-report.shard-{index}-of-{count}.json"
+class JobPathError(OSError):
+    """A job's folder cannot be used: a file in its way, or a symlinked folder leading out of the out dir."""
 
 
 def output_paths(out_dir: Path, job) -> tuple[Path, Path]:
@@ -157,14 +81,21 @@ def output_paths(out_dir: Path, job) -> tuple[Path, Path]:
 
 def temp_paths(mp4: Path, sidecar: Path) -> tuple[Path, ...]:
     """The temp names a job's final files pass through: ``<name>.tmp.mp4`` (media.Mp4Writer), and for the
-    sidecar both ``<name>.json.tmp`` (timing.write_sidecar) and ``<name>.tmp.json``."""
+    sidecar both ``<name>.json.tmp`` (timing.write_sidecar) and ``<name>.tmp.json``. Written only by the holder
+    of the job's lock."""
     return (mp4.with_name(mp4.stem + ".tmp.mp4"), sidecar.with_name(sidecar.name + ".tmp"),
             sidecar.with_name(sidecar.stem + ".tmp.json"))
 
 
+def lock_path(mp4: Path) -> Path:
+    """``<name>.lock`` beside the job's MP4: held while the job renders (`h3render.locks`)."""
+    return mp4.with_name(mp4.stem + ".lock")
+
+
 def render_reason(job, mp4: Path, sidecar: Path, *, overwrite: bool = False) -> str | None:
     """Why the job must be rendered ("overwrite", "no MP4", "no sidecar", "sidecar unreadable", "parameters
-    changed"), or None when its outputs are complete and were rendered with ``job.params()`` (skip it)."""
+    changed", "MP4 empty", or an MP4 that is not the one its sidecar records: `h3render.timing.media_mismatch`),
+    or None when its outputs are complete and were rendered with ``job.params()`` (skip it)."""
     if overwrite:
         return "overwrite"
     if not mp4.is_file():
@@ -172,12 +103,56 @@ def render_reason(job, mp4: Path, sidecar: Path, *, overwrite: bool = False) -> 
     if not sidecar.is_file():
         return "no sidecar"
     try:
-        recorded = json.loads(sidecar.read_text(encoding="utf-8"))["job"]
+        doc = json.loads(sidecar.read_text(encoding="utf-8"))
+        recorded = doc["job"]
     except (OSError, ValueError, KeyError, TypeError):
         return "sidecar unreadable"
     # Round-trip through JSON so tuples compare equal to the lists the sidecar holds.
     if recorded != json.loads(json.dumps(job.params())):
         return "parameters changed"
+    record = doc.get("mp4")
+    if record is None:  # a sidecar written before the MP4 record existed: only an empty MP4 can be told
+        try:
+            return "MP4 empty" if mp4.stat().st_size == 0 else None
+        except OSError:
+            return "no MP4"
+    from h3render.timing import media_mismatch  # imports torch: only when a record is there to check
+
+    return media_mismatch(mp4, record)
+
+
+def prepare_out_dir(out_dir: str | os.PathLike) -> Path:
+    """Create the out dir (and its parents).
+
+    Raises:
+        BatchUsageError: naming the component in the way: a file, a broken or a looping symlink.
+    """
+    out_dir = Path(out_dir)
+    problem = _blocker(out_dir)
+    if problem is not None:
+        raise BatchUsageError(f"--out-dir {out_dir}: {problem}")
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise BatchUsageError(f"--out-dir {out_dir}: cannot create it: {exc.strerror or exc}") from None
+    return out_dir
+
+
+def _blocker(folder: Path) -> str | None:
+    """What stops `folder` from being (or becoming, by mkdir) a folder: its nearest existing ancestor-or-self is a
+    file or a dangling/looping symlink; None when nothing does."""
+    for p in (folder, *folder.parents):
+        if not os.path.lexists(p):
+            continue
+        if p.is_dir():
+            return None
+        if p.is_symlink():
+            try:
+                os.stat(p)
+            except OSError as exc:
+                what = "a symlink loop" if exc.errno == errno.ELOOP else f"a broken symlink (to {os.readlink(p)})"
+                return f"{p} is {what}"
+        return f"{p} is a file, not a folder"
     return None
 
 
@@ -202,93 +177,143 @@ def run_batch(
             first job that needs rendering; never when all are skipped.
         out_dir: folder for the MP4s, sidecars and the report; created if missing.
         overwrite: render every job even when its outputs are complete and current (default: resume, skip those).
-        fail_fast: stop after the first failed job; later jobs stay ``pending`` (a job already started when an
-            earlier job's writer tail failed still runs to its end).
+        fail_fast: stop after the first failed job; later jobs stay ``pending``.
         quiet: no progress bars; one line per job on stderr.
         progress: draw the tqdm queue bar at position 0 (the renderer's step bar takes position 1). None (the
-            default): only when stderr is a terminal. Without the bar (False, a SLURM log, ``quiet``) the queue
-            logs one line per job instead.
+            default): only when stderr is a terminal.
         shard: ``(index, count)`` of this array task, 0-based; only names the report file and is recorded in it.
     Returns:
-        The final ``BatchReport``; ``<out_dir>/batch-report[.shard-i-of-n].json`` holds the same.
+        The final ``BatchReport``; ``report.path`` holds the same.
 
     Raises:
-        ValueError: two jobs share an output path (usage error; nothing was rendered).
+        BatchUsageError: two jobs share an output path, or the out dir cannot be a folder (nothing was rendered).
 
-    SIGINT and SIGTERM do not propagate: the running job is cleaned up, its status becomes ``interrupted``, the
-    report is written and ``exit_code`` is 130. The handlers are only installed when called from the main thread.
-
+    Signals do not propagate (`h3render.signals`): the running job is cleaned up, its status becomes
+    ``interrupted``, the report is written and ``exit_code`` is 130 (75 for SIGUSR1/SIGUSR2). Handlers are only
+    installed when called from the main thread. An internal error is recorded (state ``crashed``) and re-raised.
     """
     out_dir = Path(out_dir)
     targets = [output_paths(out_dir, job) for job in jobs]
     seen: dict[Path, int] = {}
     for i, (mp4, _) in enumerate(targets):
         if mp4 in seen:
-            raise ValueError(f"jobs {seen[mp4] + 1} and {i + 1} both write {mp4}; give each job its own output")
+            raise BatchUsageError(f"jobs {seen[mp4] + 1} and {i + 1} both write {mp4}; give each job its own output")
         seen[mp4] = i
-    out_dir.mkdir(parents=True, exist_ok=True)
-
-    report = BatchReport(
-        path=out_dir / report_name(shard),
-        jobs=[JobOutcome(id=job.id, output=mp4.relative_to(out_dir).as_posix())
-              for job, (mp4, _) in zip(jobs, targets)],
-        shard=shard,
-    )
-    reasons = [render_reason(job, mp4, side, overwrite=overwrite) for job, (mp4, side) in zip(jobs, targets)]
-    for outcome, reason in zip(report.jobs, reasons):
-        if reason is None:
-            outcome.status = SKIPPED
-    to_render = sum(r is not None for r in reasons)
+    prepare_out_dir(out_dir)
+    try:
+        report_path, report_lock, note, locking = claim_report(out_dir, shard)
+    except OSError as exc:
+        raise BatchUsageError(f"--out-dir {out_dir}: cannot write there: {exc.strerror or exc}") from None
+    report = BatchReport(path=report_path, shard=shard,
+                         jobs=[JobOutcome(id=job.id, output=mp4.relative_to(out_dir).as_posix())
+                               for job, (mp4, _) in zip(jobs, targets)])
     if progress is None:
         progress = sys.stderr.isatty()
-    log = _QueueLog(total=to_render, bar=progress and not quiet)
-    log.line(f"{len(jobs)} jobs: {len(jobs) - to_render} already rendered (skipped), {to_render} to render"
-             + ("" if shard is None else f" [shard {shard[0]} of {shard[1]}]"))
-    report.write()
-
-    queue = _Queue(jobs, targets, reasons, report, renderer_factory, log, fail_fast=fail_fast)
-    with _InterruptGuard() as guard:
-        try:
-            queue.run(guard)
-        except KeyboardInterrupt as exc:
-            guard.acknowledge()
-            report.interrupted = True
-            queue.interrupted(exc)
-            log.line(f"interrupted ({exc if isinstance(exc, Interrupted) else 'KeyboardInterrupt'}); "
-                     f"report written")
-            queue.write()
-            log.close()
-            _release_memory()
-            return report
-
-    report.finished = True
-    queue.write()
-    log.close()
-    counts = report.counts
-    log.line(f"done: {counts[SUCCEEDED]} succeeded, {counts[FAILED]} failed, {counts[SKIPPED]} skipped, "
-             f"{counts[PENDING]} pending; report {report.path}")
+    queue = _Queue(jobs, targets, report, renderer_factory, out_dir, QueueLog(bar=progress and not quiet),
+                   fail_fast=fail_fast)
+    queue.locking = locking
+    crash: BaseException | None = None
+    try:
+        with InterruptGuard() as guard:
+            try:
+                queue.start(overwrite, shard, note)
+                queue.run(guard)
+                guard.acknowledge()  # the outcome is decided: a signal from here on changes nothing
+                report.finished = True
+            except KeyboardInterrupt as exc:
+                guard.acknowledge()
+                if not report.finished:
+                    report.interrupted, report.signum = True, signum_of(exc)
+                    queue.interrupted(exc)
+            except BaseException as exc:
+                guard.acknowledge()
+                report.crashed, crash = _describe(exc), exc
+                queue.interrupted(exc)
+            queue.close()
+            settle()
+    finally:
+        if report_lock is not None:
+            report_lock.release()
+    if crash is not None:
+        raise crash
     return report
 
 
 class _Queue:
     """The loop of ``run_batch``: one job after another, each job's writer tail beside the next job's start."""
 
-    def __init__(self, jobs, targets, reasons, report: BatchReport, factory, log: "_QueueLog", *, fail_fast: bool):
-        self.jobs, self.targets, self.reasons, self.report = jobs, targets, reasons, report
+    def __init__(self, jobs, targets, report: BatchReport, factory, out_dir: Path, log: "QueueLog", *,
+                 fail_fast: bool):
+        self.jobs, self.targets, self.report = jobs, targets, report
         self.factory, self.log, self.fail_fast = factory, log, fail_fast
-        self.order = [i for i, r in enumerate(reasons) if r is not None]
+        self.out_dir = out_dir
+        self.out_real = out_dir.resolve()
+        self.reasons: list[str | None] = [None] * len(jobs)
+        self.order: list[int] = []
         self.renderer = None
         self.current: int | None = None  # the job the main thread renders
         self.attempt: _Attempt | None = None
         self.tails: list[tuple[int, Future]] = []  # jobs whose writer tail may still run (one at a time)
         self.lock = threading.RLock()  # job outcomes, the log and the report (tails end on writer threads)
         self.t_queue: float | None = None
+        self.said_write_error: str | None = None
+        self.locking = True  # False once the filesystem refused flock (said once)
+
+    def start(self, overwrite: bool, shard, note: str | None) -> None:
+        """Decide what to render, sweep what dead queues left beside skipped jobs, write the first report."""
+        self.reasons = [render_reason(job, mp4, side, overwrite=overwrite)
+                        for job, (mp4, side) in zip(self.jobs, self.targets)]
+        for outcome, reason in zip(self.report.jobs, self.reasons):
+            if reason is None:
+                outcome.status = SKIPPED
+        self.order = [i for i, r in enumerate(self.reasons) if r is not None]
+        n = len(self.jobs)
+        self.log.start(len(self.order))
+        if note:
+            self.log.line(note)
+        self.log.line(f"{n} jobs: {n - len(self.order)} already rendered (skipped), {len(self.order)} to render"
+                      + ("" if shard is None else f" [shard {shard[0]} of {shard[1]}]"))
+        for i, reason in enumerate(self.reasons):
+            if reason is None:
+                self._sweep_skipped(*self.targets[i])
+        self.write()
+
+    def try_lock(self, path: Path):
+        """The job's lock, None when a live process holds it, or `_UNLOCKED` where flock is unsupported."""
+        if not self.locking:
+            return _UNLOCKED
+        try:
+            return locks.FileLock.try_acquire(path)
+        except locks.LockUnsupported as exc:
+            self.locking = False
+            self.log.line(f"{exc.strerror}; running without job locks (two queues on this out dir would clash)")
+            return _UNLOCKED
+
+    def _sweep_skipped(self, mp4: Path, sidecar: Path) -> None:
+        """Temps a killed queue left beside a finished job (a killed ``--overwrite``), removed if their owner is
+        gone: only the holder of the job's lock ever writes them."""
+        leftovers = [p for p in (*temp_paths(mp4, sidecar), lock_path(mp4)) if os.path.lexists(p)]
+        if not leftovers:
+            return
+        try:
+            lock = self.try_lock(lock_path(mp4))
+            if lock is None:
+                return  # a live process is on it: its temps are its own
+            try:
+                remove_files(*temp_paths(mp4, sidecar))
+            finally:
+                lock.release()
+        except OSError as exc:
+            self.log.line(f"could not sweep the temp files of {mp4}: {exc}")
 
     def write(self) -> None:
         with self.lock:
             if self.t_queue is not None:
                 self.report.queue_seconds = time.perf_counter() - self.t_queue
-            self.report.write()
+            if not self.report.write() and self.report.write_error != self.said_write_error:
+                self.said_write_error = self.report.write_error
+                self.log.line(f"could not write the report {self.report.write_error}; trying again after the "
+                              f"next job")
 
     def _job_done(self, i: int) -> None:
         with self.lock:
@@ -301,16 +326,20 @@ class _Queue:
             return True
         return False
 
-    def run(self, guard: "_InterruptGuard") -> None:
+    def run(self, guard: InterruptGuard) -> None:
         for i in self.order:
             guard.check()
             if self._stop_for_failure():  # an earlier job's tail failed meanwhile
                 break
-            if self.renderer is None:
-                self.current = i
-                if not self._load():
+            if not self._render(i):
+                return
+        again = [i for i in self.order if self.report.jobs[i].status == ELSEWHERE]
+        if again and not self._stop_for_failure():
+            self.log.line(f"{len(again)} job(s) were in progress elsewhere; trying them once more")
+            for i in again:
+                guard.check()
+                if not self._render(i):
                     return
-            self._render(i)
         self.wait_tails()
 
     def _load(self) -> bool:
@@ -326,15 +355,42 @@ class _Queue:
         self.t_queue = time.perf_counter()
         return True
 
-    def _render(self, i: int) -> None:
-        """Job i up to its writer tail; the tail's end records the outcome (`_tail_done`)."""
+    def _render(self, i: int) -> bool:
+        """Job i up to its writer tail; the tail's end records the outcome (`_tail_done`). False: stop the queue
+        (the renderer could not be created)."""
         job, (mp4, sidecar) = self.jobs[i], self.targets[i]
         outcome = self.report.jobs[i]
+        outcome.status, outcome.error = PENDING, None
         self.current = i
         self.attempt = attempt = _Attempt(job, mp4, sidecar, outcome)
         t0 = time.perf_counter()
         failure = future = None
         try:
+            busy = attempt.claim(self)
+            if busy is not None:
+                outcome.status, outcome.error = ELSEWHERE, f"in progress elsewhere ({busy})"
+                self.log.line(f"job {i + 1}/{len(self.jobs)} {_name(outcome)}: in progress elsewhere ({busy}); "
+                              f"moving on")
+                self.current = self.attempt = None
+                self.write()
+                return True
+            # Under the lock: another queue may have finished the job since `start` looked.
+            reason = "overwrite" if self.reasons[i] == "overwrite" else render_reason(job, mp4, sidecar)
+            if reason is None:
+                attempt.release()
+                outcome.status = SKIPPED
+                self.current = self.attempt = None
+                self.log.skipped_late(i, len(self.jobs), outcome)
+                self.write()
+                return True
+            self.reasons[i] = reason
+            if self.renderer is None:
+                t0 = time.perf_counter()
+                if not self._load():
+                    attempt.release()
+                    self.current = self.attempt = None
+                    return False
+                t0 = time.perf_counter()
             if callable(getattr(self.renderer, "render_async", None)):
                 future = self.renderer.render_async(job, mp4, sidecar)
             else:
@@ -342,22 +398,25 @@ class _Queue:
                 future.set_result(self.renderer.render(job, mp4, sidecar))
         except Exception as exc:
             failure = _Failure.of(exc)  # text only: the exception and its frames go when this block ends
-        except BaseException:  # an interrupt: `interrupted` marks the job
+        except BaseException:  # an interrupt: `interrupted` marks the job and releases its lock
             outcome.seconds = time.perf_counter() - t0
             attempt.cleanup()
             raise
         self.current = self.attempt = None
         if failure is not None:
             attempt.fail(failure)
+            attempt.release()
             outcome.seconds = time.perf_counter() - t0
             _release_memory()  # the cycles a failed job's traceback left hold its tensors
             self._job_done(i)
-            return
+            return True
         self.tails.append((i, future))
         future.add_done_callback(lambda f: self._tail_done(i, attempt, f, t0))
+        return True
 
     def _tail_done(self, i: int, attempt: "_Attempt", future: Future, t0: float) -> None:
-        """Job i's MP4 and sidecar are in place (or its tail failed): record it. Runs on the writer's thread."""
+        """Job i's MP4 and sidecar are in place (or its tail failed): record it, then give the lock back. Runs on
+        the writer's thread; never raises (an exception here would only be logged by concurrent.futures)."""
         with self.lock:
             outcome = attempt.outcome
             outcome.seconds = time.perf_counter() - t0
@@ -368,7 +427,10 @@ class _Queue:
                 attempt.fail(_Failure.of(exc))
             else:
                 outcome.status = SUCCEEDED
-            self._job_done(i)
+            try:
+                self._job_done(i)
+            finally:
+                attempt.release()
 
     def wait_tails(self) -> None:
         """Wait for every writer tail still running, in short slices so a signal handler can run meanwhile."""
@@ -381,14 +443,53 @@ class _Queue:
         self.tails.clear()
 
     def interrupted(self, exc: BaseException) -> None:
-        """After an interrupt reached the main thread: let a running tail end (its job is then done, or failed),
-        and mark the job being rendered interrupted, with its files removed."""
+        """After an interrupt (or an internal error) reached the main thread: let a running tail end (its job is
+        then done, or failed), mark the job being rendered interrupted, remove its files, give its lock back."""
         self.wait_tails()
         if self.current is not None and self.report.jobs[self.current].status == PENDING:
             outcome = self.report.jobs[self.current]
             outcome.status, outcome.error = INTERRUPTED, _describe(exc)
-            if self.attempt is not None:
-                self.attempt.cleanup()
+        if self.attempt is not None:
+            self.attempt.cleanup()
+            self.attempt.release()
+
+    def close(self) -> None:
+        """The final report and the last log lines (after the bars are gone, so none is redrawn below them)."""
+        report = self.report
+        with self.lock:
+            if self.t_queue is not None:
+                report.queue_seconds = time.perf_counter() - self.t_queue
+            written = report.write_final()
+        self.log.close(strays=report.interrupted or report.crashed is not None)
+        if not written:
+            self.log.line(f"could not write the report {report.write_error}; removed it rather than leave one "
+                          f"saying the queue is running")
+        elif report.final_write_failed:
+            self.log.line(f"could not replace the report {report.write_error}; rewrote it in place")
+        if report.crashed:
+            self.log.line(f"internal error: {report.crashed}; report written")
+        elif report.interrupted:
+            how = "stopped for a requeue" if report.signum in REQUEUE_SIGNALS else "interrupted"
+            self.log.line(f"{how} ({signal_name(report.signum)}); exit {report.exit_code}; report {report.path}")
+        else:
+            c = report.counts
+            self.log.line(f"done: {c[SUCCEEDED]} succeeded, {c[FAILED]} failed, {c[SKIPPED]} skipped, "
+                          f"{c[PENDING]} pending" + (f", {c[ELSEWHERE]} in progress elsewhere" if c[ELSEWHERE]
+                                                     else "") + f"; report {report.path}")
+            return
+        _release_memory()  # an interrupted job's tensors
+
+
+class _Unlocked:
+    """Stands in for a lock where the filesystem has none."""
+
+    held = True
+
+    def release(self) -> None:
+        pass
+
+
+_UNLOCKED = _Unlocked()
 
 
 @dataclass
@@ -406,34 +507,72 @@ class _Failure:
 
 
 class _Attempt:
-    """One job's render attempt: the files it may touch and the seconds it spent. Every end other than success
-    removes the job's temp files and any final-named file written during the attempt."""
+    """One job's render attempt: its folder, its lock, the files it may touch. Every end other than success
+    removes the job's temp files and any final-named file written during the attempt, but only once the attempt
+    holds the lock: before that, those files may be another process's."""
 
     def __init__(self, job, mp4: Path, sidecar: Path, outcome: JobOutcome):
-        mp4.parent.mkdir(parents=True, exist_ok=True)
         self.job, self.mp4, self.sidecar, self.outcome = job, mp4, sidecar, outcome
         self.temps = temp_paths(mp4, sidecar)
-        remove_files(*self.temps)  # left by an earlier queue killed with SIGKILL
-        self.before = {p: _identity(p) for p in (mp4, sidecar)}
+        self.lock = None
+        self.before: dict[Path, Any] = {}
+
+    def claim(self, queue: _Queue) -> str | None:
+        """Make the job's folder (inside the out dir), take its lock and sweep what a dead holder left. Returns
+        who holds the lock when another live process does (nothing touched), else None.
+
+        Raises:
+            JobPathError, OSError: the folder cannot be made or used (the message names the path).
+        """
+        folder = self.mp4.parent
+        try:
+            real = folder.resolve()
+        except (OSError, RuntimeError) as exc:  # RuntimeError: a symlink loop, before Python 3.13
+            raise JobPathError(f"{folder}: cannot resolve the job's folder: {exc}") from None
+        if real != queue.out_real and queue.out_real not in real.parents:
+            raise JobPathError(f"{folder}: the job's folder leads out of the out dir {queue.out_dir} (it resolves "
+                               f"to {real}: a symlinked folder); nothing is written outside the out dir")
+        problem = _blocker(folder)
+        if problem is not None:
+            raise JobPathError(f"cannot create the job's folder {folder}: {problem}")
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise JobPathError(f"cannot create the job's folder {folder}: {exc.strerror or exc}") from None
+        lock = queue.try_lock(lock_path(self.mp4))
+        if lock is None:
+            return locks.holder(lock_path(self.mp4))
+        self.lock = lock
+        remove_files(*self.temps)  # ours now: any temp of this job was left by a dead process
+        self.before = {p: _identity(p) for p in (self.mp4, self.sidecar)}
+        return None
+
+    def release(self) -> None:
+        if self.lock is not None:
+            self.lock.release()
+            self.lock = None
 
     def check_written(self) -> None:
         if not (self.mp4.is_file() and self.sidecar.is_file()):
             raise RuntimeError(f"renderer returned without writing {self.mp4.name} and {self.sidecar.name}")
 
     def cleanup(self) -> None:
-        remove_files(*self.temps)
-        remove_files(*(p for p in (self.mp4, self.sidecar) if _identity(p) not in (None, self.before[p])))
+        if self.lock is None:
+            return
+        try:
+            remove_files(*self.temps)
+            remove_files(*(p for p in (self.mp4, self.sidecar) if _identity(p) not in (None, self.before[p])))
+        except OSError:
+            pass  # best effort; the next run sweeps temps under the lock
 
-    def fail(self, failure: _Failure, status: str = FAILED) -> None:
-        self.outcome.status, self.outcome.error = status, failure.error
-        if status == FAILED:
-            self.outcome.traceback = failure.traceback
+    def fail(self, failure: _Failure) -> None:
+        self.outcome.status, self.outcome.error, self.outcome.traceback = FAILED, failure.error, failure.traceback
         self.cleanup()
 
 
 def _fail_all(report: BatchReport, reasons: list, error: str, tb: str) -> None:
     for outcome, reason in zip(report.jobs, reasons):
-        if reason is not None and outcome.status == PENDING:
+        if reason is not None and outcome.status in (PENDING, ELSEWHERE):
             outcome.status, outcome.error, outcome.traceback = FAILED, error, tb
 
 
@@ -446,18 +585,9 @@ def _identity(path: Path) -> tuple[int, int, int] | None:
     """(inode, mtime ns, size), which changes when a file is replaced or rewritten; None if absent."""
     try:
         st = path.stat()
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):
         return None
     return st.st_ino, st.st_mtime_ns, st.st_size
-
-
-def remove_files(*paths: Path) -> None:
-    """Delete each path that exists (temp files of a failed or interrupted job)."""
-    for p in paths:
-        try:
-            p.unlink()
-        except FileNotFoundError:
-            pass
 
 
 def _release_memory() -> None:
@@ -468,136 +598,3 @@ def _release_memory() -> None:
         torch.cuda.empty_cache()
 
 
-def _write_json_atomic(path: Path, data: dict) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    try:
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(data, f, indent=2)
-            f.write("\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        remove_files(tmp)
-        raise
-
-
-def _now() -> str:
-    return datetime.now(timezone.utc).isoformat(timespec="seconds")
-
-
-class _InterruptGuard:
-    """While the queue runs, SIGTERM (``scancel``, a SLURM time limit) and SIGINT raise ``Interrupted`` in the main
-    thread, so both unwind like Ctrl-C through the renderer's own cleanup.
-
-    Python drops an exception raised while a ``__del__`` or a weakref callback runs and hands it to
-    ``sys.unraisablehook`` (seen under SLURM: the SIGTERM landed in ``regex``'s ``Group.__del__`` during a garbage
-    collection, and the queue went on rendering). The guard's hook marks the signal lost and a helper thread sends
-    it again a moment later, when the main thread is out of the ``__del__``; the loop also checks for it between
-    jobs. Handlers are only installed from the main thread (Python allows no other); an ignored SIGINT (a
-    background job) stays ignored.
-    """
-
-    RESEND_DELAY_S = 0.05
-
-    def __init__(self):
-        self.received: int | None = None
-        self._lost = threading.Event()
-        self._acknowledged = threading.Event()
-        self._lock = threading.Lock()  # no re-send once acknowledged (the default SIGTERM action would kill us)
-        self._previous: dict[int, Any] = {}
-        self._previous_hook = None
-
-    def __enter__(self) -> "_InterruptGuard":
-        if threading.current_thread() is threading.main_thread():
-            for signum in (signal.SIGTERM, signal.SIGINT):
-                if signal.getsignal(signum) is not signal.SIG_IGN:
-                    self._previous[signum] = signal.signal(signum, self._handle)
-            self._previous_hook, sys.unraisablehook = sys.unraisablehook, self._unraisable
-        return self
-
-    def __exit__(self, *exc_info) -> None:
-        with self._lock:
-            self._acknowledged.set()
-        for signum, handler in self._previous.items():
-            signal.signal(signum, handler)
-        if self._previous_hook is not None:
-            sys.unraisablehook = self._previous_hook
-
-    def _handle(self, signum, frame) -> None:
-        if self.received is None:
-            self.received = signum
-            threading.Thread(target=self._resend_lost, name="h3render-resend-signal", daemon=True).start()
-        raise Interrupted(f"{signal.Signals(signum).name} received")
-
-    def _unraisable(self, unraisable) -> None:
-        if isinstance(unraisable.exc_value, Interrupted):
-            self._lost.set()  # not re-sent from here: the handler would run inside this hook and be dropped too
-            return
-        self._previous_hook(unraisable)
-
-    def _resend_lost(self) -> None:
-        while not self._acknowledged.is_set():
-            if self._lost.wait(0.5) and not self._acknowledged.wait(self.RESEND_DELAY_S):
-                with self._lock:
-                    if not self._acknowledged.is_set():
-                        self._lost.clear()
-                        print(f"h3render batch: {signal.Signals(self.received).name} was dropped inside a __del__; "
-                              f"sending it again", file=sys.stderr, flush=True)
-                        os.kill(os.getpid(), self.received)
-
-    def check(self) -> None:
-        """Raise ``Interrupted`` if a signal arrived whose exception got lost on the way."""
-        if self.received is not None:
-            raise Interrupted(f"{signal.Signals(self.received).name} received")
-
-    def acknowledge(self) -> None:
-        """The queue has the interrupt: ignore further signals while it writes the report and returns
-        (milliseconds; leaving the guard restores the previous handlers)."""
-        with self._lock:
-            self._acknowledged.set()
-        for signum in self._previous:
-            signal.signal(signum, signal.SIG_IGN)
-
-
-class _QueueLog:
-    """The queue's progress: a tqdm bar (done / failed / left, ETA) or, without it, one stderr line per job."""
-
-    def __init__(self, total: int, bar: bool):
-        self.total, self.done, self.failed = total, 0, 0
-        self.bar = None
-        if bar and total:
-            from tqdm.auto import tqdm
-
-            self.bar = tqdm(total=total, position=0, desc="queue", unit="job", file=sys.stderr, dynamic_ncols=True)
-            self._postfix()
-
-    def _postfix(self) -> None:
-        self.bar.set_postfix_str(f"done {self.done}, failed {self.failed}, left {self.total - self.done - self.failed}")
-
-    def line(self, text: str) -> None:
-        if self.bar is not None:
-            self.bar.write(f"h3render batch: {text}", file=sys.stderr)
-        else:
-            print(f"h3render batch: {text}", file=sys.stderr, flush=True)
-
-    def job_done(self, index: int, n_jobs: int, outcome: JobOutcome, reason: str) -> None:
-        if outcome.status == SUCCEEDED:
-            self.done += 1
-        else:
-            self.failed += 1
-        name = outcome.output if outcome.id is None else f"{outcome.id} ({outcome.output})"
-        if self.bar is not None:
-            self.bar.update(1)
-            self._postfix()
-            if outcome.status == FAILED:
-                self.line(f"job {index + 1}/{n_jobs} {name} failed: {outcome.error}")
-        else:
-            tail = f": {outcome.error}" if outcome.status == FAILED else ""
-            self.line(f"job {index + 1}/{n_jobs} {name} {outcome.status} in {outcome.seconds:.1f} s "
-                      f"(rendered because: {reason}){tail}; left {self.total - self.done - self.failed}")
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
-            self.bar = None

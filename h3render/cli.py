@@ -160,9 +160,15 @@ def _exit(code: int) -> NoReturn:
 
 
 def _main_guard(fn, *args) -> int:
+    from h3render.batch import BatchUsageError
+    from h3render.signals import exit_code_for, signal_name, signum_of
+
     try:
         return fn(*args)
-    except UsageError as exc:
+    except KeyboardInterrupt as exc:  # a signal before the queue took over (start-up: imports, manifest, load)
+        _say(f"h3render: interrupted ({signal_name(signum_of(exc))}) before any job started; nothing written")
+        return exit_code_for(signum_of(exc))
+    except (UsageError, BatchUsageError) as exc:
         _say(f"h3render: error: {exc}")
         return EXIT_USAGE
     except jobs_mod.ManifestError as exc:
@@ -248,6 +254,9 @@ def _batch(manifest, out_dir, shard, skip_existing, fail_fast, dry_run, quiet, o
             print(line)
         return 0
     _check_writable(Path(out_dir))
+    from h3render.batch import prepare_out_dir
+
+    prepare_out_dir(out_dir)  # a file or a broken/looping symlink in the way: exit 2 before any rank starts
     return _run(checkpoint, info, jobs, opts, out_dir=out_dir, shard=shard_spec, overwrite=not skip_existing,
                 fail_fast=fail_fast, quiet=quiet)
 
@@ -418,6 +427,9 @@ def make_checkpoint_command(out, config, layout, seed, adapter) -> None:
 
 
 def main() -> None:
+    from h3render.signals import ProcessGuard
+
+    ProcessGuard().install()  # from here on a signal gives 130 (75: SIGUSR1/2) and one line, not click's "Aborted!"
     cli()
 
 

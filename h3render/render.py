@@ -94,7 +94,7 @@ def render_job(engine, job, mp4_path: Path, sidecar_path: Path) -> Future:
         result = {"frames_written": written, "writer": dict(writer.stats)}
         if job_warmup:
             result["job_warmup"] = job_warmup
-        return _write_sidecar(engine, job, schedule, timer, sidecar_path, result)
+        return _write_sidecar(engine, job, schedule, timer, sidecar_path, result, mp4_path)
 
     return writer.finish_async(then=tail)
 
@@ -147,7 +147,7 @@ def _write_chunk(engine, writer: Mp4Writer, first: int, frames: torch.Tensor) ->
 
 
 def _write_sidecar(engine, job, schedule: sampling.Schedule, timer: StageTimer, path: Path,
-                   result: dict[str, Any]) -> dict[str, Any]:
+                   result: dict[str, Any], mp4_path: Path) -> dict[str, Any]:
     info = engine.c.info
     extra = {"load_s": engine.load_seconds, "warmup": engine.warmup, "world_size": engine.ctx.world_size,
              "mode": job.mode, **result}
@@ -159,7 +159,7 @@ def _write_sidecar(engine, job, schedule: sampling.Schedule, timer: StageTimer, 
         checkpoint["transformer"] = engine.transformer
     data = dict(job_params=job.params(), checkpoint=checkpoint, sigmas=schedule.to_dict(), timings=timer.summary(),
                 versions=versions(), extra=extra)
-    write_sidecar(path, **data)
+    write_sidecar(path, media=mp4_path, **data)  # size + sha256 of the MP4 now in place: resume checks them
     return data
 
 

@@ -12,6 +12,7 @@ to_uint8_d2h, encode_mux, total.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import platform
@@ -25,7 +26,7 @@ from typing import Any, Iterator, Mapping, Union
 
 import torch
 
-__all__ = ["STAGES", "StageTimer", "merge_intervals", "versions", "write_sidecar"]
+__all__ = ["STAGES", "StageTimer", "merge_intervals", "media_record", "media_mismatch", "versions", "write_sidecar"]
 
 STAGES = ("load", "text_encode", "denoise", "vae_video", "vae_audio", "to_uint8_d2h", "encode_mux", "total")
 SIDECAR_SCHEMA = 1
@@ -299,6 +300,7 @@ def write_sidecar(
     timings: Union[StageTimer, Mapping[str, Any]],
     versions: Mapping[str, Any],
     extra: Mapping[str, Any] | None = None,
+    media: Union[str, os.PathLike, None] = None,
 ) -> Path:
     """Write the job's JSON sidecar atomically (``<name>.tmp`` in the same folder, fsync, rename).
 
@@ -310,10 +312,13 @@ def write_sidecar(
         timings: a :class:`StageTimer` (its ``summary()`` is stored) or a ready dict.
         versions: :func:`versions` output.
         extra: anything else, stored under ``"extra"``.
+        media: the finished MP4 this sidecar describes, already in place: its `media_record` (size, mtime,
+            sha256) is stored under ``"mp4"``, so that resume can tell a truncated or replaced MP4 from this one.
     Returns:
         ``Path(path)``.
     Raises:
         ValueError: a value JSON cannot hold (NaN/inf included: the sidecar is strict JSON).
+        OSError: the sidecar (or the MP4, for its hash) could not be written or read; the message names the file.
     """
     path = Path(path)
     doc = {
@@ -325,6 +330,8 @@ def write_sidecar(
         "versions": dict(versions),
         "extra": dict(extra or {}),
     }
+    if media is not None:
+        doc["mp4"] = media_record(media)
     try:
         text = json.dumps(doc, indent=2, default=_jsonable, allow_nan=False)
     except (TypeError, ValueError) as exc:
@@ -336,7 +343,55 @@ def write_sidecar(
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, path)
+    except OSError as exc:  # a write() error carries no file name (ENOSPC at the sidecar said only "No space")
+        tmp.unlink(missing_ok=True)
+        raise OSError(exc.errno, f"{path}: could not write the sidecar: {exc.strerror or exc}") from exc
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
     return path
+
+
+_HASH_CHUNK = 1 << 20
+
+
+def media_record(path: Union[str, os.PathLike]) -> dict[str, Any]:
+    """``{"name", "bytes", "mtime_ns", "sha256"}`` of a finished file (read once, 1 MiB at a time: ~20 ms for a
+    20 MB clip, on the writer's thread beside the next job).
+
+    Raises:
+        OSError: the file cannot be read (the message names it).
+    """
+    path = Path(path)
+    digest = hashlib.sha256()
+    try:
+        with open(path, "rb") as fh:
+            st = os.fstat(fh.fileno())
+            while chunk := fh.read(_HASH_CHUNK):
+                digest.update(chunk)
+    except OSError as exc:
+        raise OSError(exc.errno, f"{path}: cannot read it to record its hash: {exc.strerror or exc}") from exc
+    return {"name": path.name, "bytes": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": digest.hexdigest()}
+
+
+def media_mismatch(path: Union[str, os.PathLike], record: Any) -> str | None:
+    """Why the file at `path` is not the one `record` (`media_record`) describes ("MP4 size differs", "MP4
+    content differs", "MP4 unreadable", "MP4 record unreadable"), or None when it is. The size is checked
+    first; the hash only when the mtime differs from the recorded one (a copy without times, a replaced file), so a
+    resume over a thousand untouched clips reads none of them."""
+    if not (isinstance(record, dict) and isinstance(record.get("bytes"), int)
+            and isinstance(record.get("sha256"), str)):
+        return "MP4 record unreadable"
+    try:
+        st = os.stat(path)
+    except OSError:
+        return "MP4 unreadable"
+    if st.st_size != record["bytes"]:
+        return "MP4 size differs from its sidecar"
+    if st.st_mtime_ns == record.get("mtime_ns"):
+        return None
+    try:
+        now = media_record(path)["sha256"]
+    except OSError:
+        return "MP4 unreadable"
+    return None if now == record["sha256"] else "MP4 content differs from its sidecar"

@@ -97,7 +97,8 @@ def test_all_succeed_and_report_lists_every_job(tmp_path):
     assert [j["id"] for j in data["jobs"]] == ["j0", "j1", "j2"]
     assert [j["output"] for j in data["jobs"]] == ["sub/j0.mp4", "sub/j1.mp4", "sub/j2.mp4"]
     assert all(j["status"] == "succeeded" and j["error"] is None and j["seconds"] >= 0 for j in data["jobs"])
-    assert data["counts"] == {"succeeded": 3, "failed": 0, "skipped": 0, "pending": 0, "interrupted": 0}
+    assert data["counts"] == {"succeeded": 3, "failed": 0, "skipped": 0, "pending": 0, "interrupted": 0,
+                              "elsewhere": 0}
     assert files_under(tmp_path) == {"batch-report.json"} | {f"sub/j{i}.{e}" for i in range(3) for e in ("mp4", "json")}
 
 
@@ -381,7 +382,7 @@ def test_next_job_starts_while_the_previous_tail_runs(tmp_path):
     assert renderer.events.index("start j2") < renderer.events.index("tail done j1")
     assert [j.status for j in report.jobs] == ["succeeded"] * 3 and report.exit_code == 0
     data = json.loads((tmp_path / "batch-report.json").read_text())
-    assert data["format"] == 3 and data["state"] == "finished" and "overlap" not in data
+    assert data["format"] == 4 and data["state"] == "finished" and "overlap" not in data
     assert all(j["seconds"] > 0 for j in data["jobs"])
     for i in range(3):
         assert (tmp_path / f"sub/j{i}.mp4").is_file() and (tmp_path / f"sub/j{i}.json").is_file()

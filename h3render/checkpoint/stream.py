@@ -182,7 +182,8 @@ def stream_into(
         skip: names present in the checkpoint that this module does not build (never read).
 
     Raises:
-        CheckpointError: unexpected, repeated, mis-shaped or missing tensor, naming the file and tensor.
+        CheckpointError: unexpected, repeated, mis-shaped or missing tensor, or an integer (or bool) tensor for a
+            floating-point parameter, naming the file and tensor.
     """
     device = torch.device(device)
     targets = {name: (tuple(t.shape), t.dtype) for name, t in module.state_dict(keep_vars=True).items()}
@@ -205,6 +206,10 @@ def stream_into(
         if tuple(tensor.shape) != shape:
             raise CheckpointError(f"{entry.file}: tensor {entry.name!r} has shape {tuple(tensor.shape)}, the "
                                   f"{what} config expects {shape}")
+        if dtype.is_floating_point and not (tensor.is_floating_point() or tensor.is_complex()):
+            # A cast would turn stored integers (a quantized or corrupt export) into garbage weights silently.
+            raise CheckpointError(f"{entry.file}: tensor {entry.name!r} is stored as {tensor.dtype}, the {what} "
+                                  f"parameter is floating point; refusing to cast integers into weights")
         tensor = tensor.to(device)
         if tensor_hook is not None:
             tensor = tensor_hook(entry.name, tensor)

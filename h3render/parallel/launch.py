@@ -80,7 +80,9 @@ def spawn(world: int, fn: Callable[..., int], *args: Any) -> int:
     procs = [ctx.Process(target=_child, args=(rank, world, code, fn, args), daemon=False) for rank in range(world)]
     for p in procs:
         p.start()
-    previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM)}
+    # SIGUSR1/2 too: the sbatch script forwards SLURM's warning to the whole process group (rank 0 handles it).
+    previous = {sig: signal.signal(sig, signal.SIG_IGN)
+                for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)}
     try:
         procs[0].join()
         for p in procs[1:]:
@@ -105,8 +107,10 @@ def _child(rank: int, world: int, code, fn, args) -> None:
 
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
     if rank != 0:
-        # Rank 0 owns interrupts; a follower would only print a traceback from inside a collective.
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        # Rank 0 owns interrupts; a follower would only print a traceback from inside a collective (and die of
+        # SIGUSR1's default action).
+        for sig in (signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2):
+            signal.signal(sig, signal.SIG_IGN)
     result = fn(*args)
     if rank == 0:
         code.value = int(result)

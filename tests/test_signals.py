@@ -1,0 +1,177 @@
+"""Signals and exit codes: SIGUSR1/SIGUSR2 stop the queue cleanly with 75 (requeue), SIGINT at start-up gives 130
+and one line (not click's "Aborted!"), a signal once the outcome is written changes neither report nor exit code,
+a second signal cannot break the first one's cleanup, and the queue bar after Ctrl-C."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from h3render import signals
+from h3render.batch import run_batch
+from h3render.report import BatchReport
+from tests.test_batch import FakeRenderer, Factory, files_under, make_jobs, read_report
+from tests.test_batch_concurrency import REPO, start_queue, wait_for
+
+
+def test_sigusr1_mid_job_stops_cleanly_with_the_requeue_code(tmp_path):
+    out, ctl = tmp_path / "out", tmp_path / "ctl"
+    ctl.mkdir()
+    q = start_queue(out, ctl, 3, "--gate", "j1")
+    wait_for(ctl / "started-j1", q)
+    q.send_signal(signal.SIGUSR1)  # SLURM's --signal=B:USR1@120, forwarded by scripts/h3render.sbatch
+    _, err = q.communicate(timeout=60)
+    assert q.returncode == signals.EXIT_REQUEUE == 75, err
+    data = read_report(out)
+    assert data["state"] == "interrupted" and data["exit_code"] == 75 and data["signal"] == "SIGUSR1"
+    assert [j["status"] for j in data["jobs"]] == ["succeeded", "interrupted", "pending"]
+    assert data["jobs"][1]["error"] == "Interrupted: SIGUSR1 received"
+    assert files_under(out) == {"batch-report.json", "j0.mp4", "j0.json"}  # j1's temp and lock are gone
+    assert "stopped for a requeue (SIGUSR1); exit 75" in err
+
+
+@pytest.mark.parametrize("signum, code", [(signal.SIGUSR2, 75), (signal.SIGHUP, 130), (signal.SIGTERM, 130)])
+def test_each_handled_signal_gives_its_code(tmp_path, signum, code):
+    before = {s: signal.getsignal(s) for s in signals.HANDLED}
+
+    class Sends(FakeRenderer):
+        def render(self, job, mp4, sidecar):
+            if job.id == "j1":
+                os.kill(os.getpid(), signum)
+                for _ in range(1000):
+                    pass
+            return super().render(job, mp4, sidecar)
+
+    report = run_batch(make_jobs(3), Factory(Sends()), tmp_path, progress=False)
+    assert report.exit_code == code and read_report(tmp_path)["signal"] == signal.Signals(signum).name
+    assert [j.status for j in report.jobs] == ["succeeded", "interrupted", "pending"]
+    assert {s: signal.getsignal(s) for s in signals.HANDLED} == before
+
+
+def test_a_second_signal_during_the_cleanup_is_ignored(tmp_path):
+    class Twice(FakeRenderer):
+        def render(self, job, mp4, sidecar):
+            if job.id == "j1":
+                try:
+                    os.kill(os.getpid(), signal.SIGTERM)
+                    for _ in range(1000):
+                        pass
+                finally:  # the renderer's own cleanup meets the second signal (sbatch forwarding + SLURM's own)
+                    os.kill(os.getpid(), signal.SIGTERM)
+                    for _ in range(1000):
+                        pass
+                    self.cleaned = True
+            return super().render(job, mp4, sidecar)
+
+    renderer = Twice()
+    report = run_batch(make_jobs(3), Factory(renderer), tmp_path, progress=False)
+    assert renderer.cleaned and report.exit_code == 130
+    assert [j.status for j in report.jobs] == ["succeeded", "interrupted", "pending"]
+
+
+def test_a_signal_while_the_final_report_is_written_changes_nothing(tmp_path, monkeypatch):
+    real = BatchReport.write_final
+
+    def signalled(self):
+        os.kill(os.getpid(), signal.SIGTERM)  # right after "done": the queue has acknowledged, it is ignored
+        for _ in range(1000):
+            pass
+        return real(self)
+
+    monkeypatch.setattr(BatchReport, "write_final", signalled)
+    report = run_batch(make_jobs(2), Factory(FakeRenderer()), tmp_path, progress=False)
+    assert report.exit_code == 0 and read_report(tmp_path)["state"] == "finished"
+
+
+def test_once_settled_the_process_guard_ignores_signals(tmp_path):
+    before = {s: signal.getsignal(s) for s in signals.HANDLED}
+    try:
+        signals.ProcessGuard().install()
+        with pytest.raises(signals.Interrupted) as info:  # start-up: a signal raises, carrying its number
+            os.kill(os.getpid(), signal.SIGUSR1)
+            for _ in range(1000):
+                pass
+        assert signals.exit_code_for(info.value.signum) == 75
+        guard = signals.ProcessGuard().install()
+        report = run_batch(make_jobs(1), Factory(FakeRenderer()), tmp_path, progress=False)
+        assert guard.settled  # run_batch settled it after the final report
+        os.kill(os.getpid(), signal.SIGTERM)  # after `done:`: ignored, the exit code stays the report's
+        for _ in range(1000):
+            pass
+        assert report.exit_code == 0
+    finally:
+        signals._process_guard = None
+        for s, h in before.items():
+            signal.signal(s, h)
+
+
+def test_sigint_during_start_up_exits_130_with_one_line(tmp_path):
+    fifo = tmp_path / "jobs.jsonl"
+    os.mkfifo(fifo)  # reading the manifest blocks: the CLI is still starting up when the signal comes
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env.pop("H3RENDER_CHECKPOINT", None)
+    p = subprocess.Popen([sys.executable, "-m", "h3render.cli", "batch", str(fifo), "--out-dir", str(tmp_path / "o")],
+                         cwd=REPO, env=env, stderr=subprocess.PIPE, text=True)
+    first = p.stderr.readline()  # the tiny-model notice: main() has installed its handlers by now
+    assert "random weights" in first
+    time.sleep(0.5)
+    p.send_signal(signal.SIGINT)
+    rest = p.communicate(timeout=60)[1]
+    assert p.returncode == 130, rest
+    assert "Aborted!" not in rest and "Traceback" not in rest
+    assert rest.strip().splitlines() == ["h3render: interrupted (SIGINT) before any job started; nothing written"]
+
+
+def test_the_queue_bar_after_ctrl_c(tmp_path, capsys):
+    from tqdm import tqdm
+
+    class StepBar(FakeRenderer):
+        def render(self, job, mp4, sidecar):
+            bar = tqdm(total=10, desc="denoise", position=1, leave=False, file=sys.stderr)
+            bar.update(3)
+            if job.id == "j1":
+                raise KeyboardInterrupt  # the step bar is left open, as render.py leaves it on an exception
+            bar.close()
+            return super().render(job, mp4, sidecar)
+
+    report = run_batch(make_jobs(3), Factory(StepBar()), tmp_path, progress=True)
+    assert report.exit_code == 130
+    err = capsys.readouterr().err
+    assert "failed 1" not in err  # an interrupted job is not counted as failed
+    after = err.split("h3render batch: interrupted (SIGINT)", 1)[1]
+    assert after.endswith("batch-report.json\n") and after.count("\n") == 1, after  # nothing drawn below it
+    assert "denoise" not in after and "\r" not in after
+    assert not tqdm._instances
+
+
+def test_the_sbatch_script_forwards_usr1_and_requeues_on_75(tmp_path):
+    """scripts/h3render.sbatch without SLURM: a stand-in h3render (exits 75 on SIGUSR1) and a stand-in scontrol
+    that records its arguments."""
+    bin_ = tmp_path / "bin"
+    bin_.mkdir()
+    (bin_ / "scontrol").write_text(f"#!/bin/sh\necho \"$@\" > {tmp_path / 'scontrol.args'}\n")
+    fake = tmp_path / "fake_h3render.py"
+    fake.write_text("import signal, sys, time, pathlib\n"
+                    "signal.signal(signal.SIGUSR1, lambda *a: sys.exit(75))\n"
+                    f"pathlib.Path({str(tmp_path / 'ready')!r}).write_text(' '.join(sys.argv[1:]))\n"
+                    "time.sleep(60)\nsys.exit(0)\n")
+    (bin_ / "scontrol").chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_}{os.pathsep}{os.environ['PATH']}", "H3RENDER": f"{sys.executable} {fake}",
+           "SLURM_JOB_ID": "123", "SLURM_ARRAY_JOB_ID": "100", "SLURM_ARRAY_TASK_ID": "3"}
+    p = subprocess.Popen(["bash", str(REPO / "scripts/h3render.sbatch"), "m.jsonl", "out", "--quiet"], env=env,
+                         stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 30
+    while not (tmp_path / "ready").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert (tmp_path / "ready").read_text() == "batch m.jsonl --out-dir out --quiet"
+    p.send_signal(signal.SIGUSR1)  # SLURM's --signal=B:USR1@120 reaches the batch shell
+    err = p.communicate(timeout=30)[1]
+    assert p.returncode == 75, err
+    assert (tmp_path / "scontrol.args").read_text().split() == ["requeue", "100_3"]
