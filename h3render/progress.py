@@ -50,9 +50,10 @@ class Progress:
     def stream(self) -> TextIO:
         return self._stream if self._stream is not None else sys.stderr
 
-    def stage(self, job: str, name: str, total: int | None = None, unit: str = "") -> "StageProgress":
-        """Start reporting stage `name` of job `job` (its output name); `total` units expected (None: unknown)."""
-        return StageProgress(self, job, name, total, unit)
+    def stage(self, job: str, name: str, total: int | None = None, unit: str = "", row: int = 0) -> "StageProgress":
+        """Start reporting stage `name` of job `job` (its output name); `total` units expected (None: unknown).
+        `row`: bar row below `position`, for a stage that runs beside another (encode beside decode)."""
+        return StageProgress(self, job, name, total, unit, row)
 
     def write(self, text: str) -> None:
         with self._lock:
@@ -65,9 +66,10 @@ class Progress:
 
 
 class StageProgress:
-    """One running stage: `update(n)` as units finish, `close()` at its end (both safe from any thread)."""
+    """One running stage: `update(n)` as units finish, `close()` at its end (both safe from any thread; `close` more
+    than once is a no-op). Also a context manager that closes on exit."""
 
-    def __init__(self, owner: Progress, job: str, name: str, total: int | None, unit: str) -> None:
+    def __init__(self, owner: Progress, job: str, name: str, total: int | None, unit: str, row: int = 0) -> None:
         self.owner, self.job, self.name, self.total, self.unit = owner, job, name, total, unit
         self.done = 0
         self.start = self.last_line = owner.clock()
@@ -76,8 +78,14 @@ class StageProgress:
         if owner.style == "bar":
             from tqdm import tqdm
 
-            self._bar = tqdm(total=total, desc=name, unit=unit or "it", position=owner.position, leave=False,
+            self._bar = tqdm(total=total, desc=name, unit=unit or "it", position=owner.position + row, leave=False,
                              file=owner.stream, dynamic_ncols=True)
+
+    def __enter__(self) -> "StageProgress":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
 
     def update(self, n: int = 1) -> None:
         self.done += n
@@ -88,7 +96,7 @@ class StageProgress:
             now = self.owner.clock()
             if now - self.last_line >= self.owner.every_s:
                 self.last_line = now
-                self.owner.write(f"h3render: {self.job}: {self.name} {self._count()} ({now - self.start:.1f} s)")
+                self.owner.write(f"h3render: {self.job}: {self.name} {self._count()}, {now - self.start:.1f} s so far")
 
     def close(self) -> None:
         if self.closed:
@@ -99,12 +107,13 @@ class StageProgress:
             return
         elapsed = self.owner.clock() - self.start
         if self.owner.style == "lines" or (self.owner.style == "slow" and elapsed >= self.owner.every_s):
-            self.owner.write(f"h3render: {self.job}: {self.name} done: {self._count()} in {elapsed:.1f} s")
+            count = f" ({self._count()})" if self.total is not None or self.done else ""
+            self.owner.write(f"h3render: {self.job}: {self.name} done in {elapsed:.1f} s{count}")
 
     def _count(self) -> str:
-        if self.total is None:
-            return f"{self.done} {self.unit}".rstrip()
-        return f"{self.done}/{self.total} {self.unit}".rstrip()
+        """'12/49 steps', or '12 steps' without a total."""
+        done = str(self.done) if self.total is None else f"{self.done}/{self.total}"
+        return f"{done} {self.unit}".rstrip()
 
 
 def as_progress(value, position: int = 0) -> Progress:
