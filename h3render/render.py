@@ -182,7 +182,7 @@ def _write_chunk(engine, writer: Mp4Writer, first: int, frames: torch.Tensor) ->
 
 def run_facts(engine, mp4_path: Path, started_at: str) -> dict[str, Any]:
     """What ran this job, for the sidecar's ``run`` (docs/sidecar.md): the output, the start time, the device, the
-    dtypes the components hold and the attention backends actually used (the one asked for when it differs)."""
+    dtypes the components hold, the attention backends actually used (and the one asked for), the x264 settings."""
     dev = engine.device
     requested = engine.settings.attention or "auto"
     dit_attention = str(engine.warmup.get("attention_backend", "sdpa"))
@@ -198,7 +198,8 @@ def run_facts(engine, mp4_path: Path, started_at: str) -> dict[str, Any]:
     return {"output": str(Path(mp4_path).resolve()), "started_at": started_at,
             "device": {"type": dev.type, "name": device_name(dev), "ranks": engine.ctx.world_size},
             "dtype": precision["dit"], "precision": precision,
-            "attention": {"requested": requested, "dit": dit_attention, "vae": vae_attention}}
+            "attention": {"requested": requested, "dit": dit_attention, "vae": vae_attention},
+            "encoder": {"crf": engine.settings.crf, "x264_preset": engine.settings.x264_preset}}
 
 
 def _main_dtype(module: torch.nn.Module) -> str:

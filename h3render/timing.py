@@ -27,8 +27,8 @@ from typing import Any, Iterator, Mapping, Union
 
 import torch
 
-__all__ = ["SIDECAR_SCHEMA", "STAGES", "StageTimer", "device_name", "merge_intervals", "utc_now", "versions",
-           "write_sidecar"]
+__all__ = ["SIDECAR_SCHEMA", "STAGES", "StageTimer", "device_name", "merge_intervals", "rendered_with", "utc_now",
+           "versions", "write_sidecar"]
 
 STAGES = ("load", "text_encode", "denoise", "vae_video", "vae_audio", "to_uint8_d2h", "encode_mux", "total")
 # Stages that are parts (or latencies) of another stage, so they never count as concurrency: the VAE forwards
@@ -304,6 +304,32 @@ def versions() -> dict[str, Any]:
         "pyav": pyav,
         "ffmpeg": ffmpeg,
     }
+
+
+def rendered_with(sidecar: Mapping[str, Any], checkpoint: Mapping[str, Any], encoder: Mapping[str, Any]) -> str | None:
+    """For resume's "skipped" line: how an existing sidecar's render differs from this run's settings.
+
+    Args:
+        sidecar: the parsed sidecar of a job resume skips.
+        checkpoint: this run's ``{"path", "config_hash"}`` and, with ``--transformer``, ``"transformer"`` (its path).
+        encoder: this run's ``{"crf", "x264_preset"}``.
+    Returns:
+        e.g. ``"rendered earlier with checkpoint /m/a (now /m/b), crf 18 (now 23)"``, or None when nothing recorded
+        differs (a schema-1 sidecar has no encoder settings: only its checkpoint is compared).
+    """
+    was = sidecar.get("checkpoint") or {}
+    then_encoder = (sidecar.get("run") or {}).get("encoder") or {}
+    pairs = [("checkpoint", was.get("path"), checkpoint.get("path")),
+             ("checkpoint config", was.get("config_hash"), checkpoint.get("config_hash")),
+             ("--transformer", (was.get("transformer") or {}).get("path"), checkpoint.get("transformer")),
+             ("crf", then_encoder.get("crf", encoder.get("crf")), encoder.get("crf")),
+             ("x264 preset", then_encoder.get("x264_preset", encoder.get("x264_preset")), encoder.get("x264_preset"))]
+    changes = [f"{name} {then if then is not None else 'none'} (now {now if now is not None else 'none'})"
+               for name, then, now in pairs if then != now]
+    if changes and changes[0].startswith("checkpoint ") and len(changes) > 1 and changes[1].startswith(
+            "checkpoint config"):
+        del changes[1]  # another path: its config hash differs too, which says nothing more
+    return f"rendered earlier with {', '.join(changes)}" if changes else None
 
 
 def _jsonable(value: Any) -> Any:

@@ -165,3 +165,21 @@ def test_sidecar_refuses_nan_and_leaves_nothing(tmp_path):
         write_sidecar(tmp_path / "clip.json", job_params={"x": object()}, checkpoint={},
                       sigmas={}, timings={}, versions={})
     assert list(tmp_path.iterdir()) == []
+
+
+def test_rendered_with_names_what_changed_since_a_skipped_render():
+    from h3render.timing import rendered_with
+
+    side = {"checkpoint": {"path": "/m/a", "config_hash": "h1"},
+            "run": {"encoder": {"crf": 18, "x264_preset": "veryfast"}}}
+    same = rendered_with(side, {"path": "/m/a", "config_hash": "h1"}, {"crf": 18, "x264_preset": "veryfast"})
+    assert same is None
+    note = rendered_with(side, {"path": "/m/b", "config_hash": "h2"}, {"crf": 23, "x264_preset": "veryfast"})
+    assert note == "rendered earlier with checkpoint /m/a (now /m/b), crf 18 (now 23)"
+    # same folder, new weights: the config hash says so; a schema-1 sidecar (no run.encoder) compares the checkpoint
+    note = rendered_with({"checkpoint": {"path": "/m/a", "config_hash": "h1"}}, {"path": "/m/a", "config_hash": "h3"},
+                         {"crf": 30, "x264_preset": "slow"})
+    assert note == "rendered earlier with checkpoint config h1 (now h3)"
+    note = rendered_with(side, {"path": "/m/a", "config_hash": "h1", "transformer": "/t.st"},
+                         {"crf": 18, "x264_preset": "veryfast"})
+    assert note == "rendered earlier with --transformer none (now /t.st)"
