@@ -28,6 +28,24 @@ def _fail(message: str) -> NoReturn:
     raise UsageError(message)
 
 
+class _X264Preset(click.Choice):
+    """`click.Choice` over `h3render.media.X264_PRESETS`, read when click first needs it: importing h3render.media
+    loads torch (about 3 s), which `h3render --help` and `h3render presets` should not wait for."""
+
+    def __init__(self) -> None:
+        super().__init__(())
+
+    @property
+    def choices(self):
+        from h3render.media import X264_PRESETS
+
+        return X264_PRESETS
+
+    @choices.setter
+    def choices(self, value) -> None:
+        pass  # fixed: the writer's presets
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # shared options
 
@@ -39,16 +57,19 @@ def _engine_options(f):
         click.option("--transformer", type=str, default=None,
                      help="Single-file DiT (.safetensors, ComfyUI style: q/k/v stacked) replacing the checkpoint's."),
         click.option("--mode", type=click.Choice(jobs_mod.MODES), default=None, help="t2va (base) or fasth3."),
-        click.option("--adapter", type=str, default=None, help="FastH3 adapter (.safetensors) fused at load time."),
+        click.option("--adapter", type=str, default=None,
+                     help="FastH3 adapter (.safetensors) fused at load time; on `prompt` it implies --mode fasth3."),
         click.option("--device", type=click.Choice(["cuda", "cpu"]), default=None,
                      help="Default: cuda when available."),
         click.option("--dtype", type=click.Choice(["bf16", "fp32"]), default=None,
                      help="Default: bf16 on CUDA, fp32 on CPU."),
         click.option("--gpus", type=int, default=None, help="GPUs to use (default: every visible GPU; with --device cpu: CPU processes, for testing)."),
         click.option("--crf", type=click.IntRange(0, 51), default=18, show_default=True, help="x264 CRF."),
-        click.option("--x264-preset", default="veryfast", show_default=True, help="x264 speed preset."),
+        click.option("--x264-preset", type=_X264Preset(), default="veryfast", show_default=True,
+                     help="x264 speed preset (faster presets: bigger files at the same CRF)."),
         click.option("--attention", type=click.Choice(["fa3", "cudnn", "sdpa"]), default=None,
-                     help="Attention backend (default: fastest available, by measurement)."),
+                     help="Attention backend on CUDA (default: fastest available, by measurement); on CPU "
+                          "torch SDPA always runs. The sidecar's run.attention says what ran."),
         click.option("--save-latents", is_flag=True, hidden=True,
                      help="Also write <name>.latents.pt (final latents) beside each MP4, for comparing runs."),
         click.option("--vae-batch", type=click.IntRange(1, 256), default=8, show_default=True,
@@ -133,6 +154,34 @@ def _check_mode(mode: str | None, adapter: str | None, checkpoint: str) -> None:
         _fail(f"--adapter {adapter}: no such file")
 
 
+def _adapter_mode(mode: str | None, adapter: str | None) -> str | None:
+    """`h3render prompt`'s mode: --adapter fuses the FastH3 student, whose jobs are fasth3 jobs, so it implies
+    --mode fasth3 (announced); --mode t2va with --adapter asks for both models at once and is refused."""
+    if adapter is None or mode == "fasth3":
+        return mode
+    if mode == "t2va":
+        _fail("--adapter fuses the FastH3 student, which runs --mode fasth3 only; drop --adapter to render with the "
+              "base model, or --mode t2va to use the student")
+    _say("h3render: --adapter given: rendering with the FastH3 student (--mode fasth3)")
+    return "fasth3"
+
+
+def _check_attention(attention: str | None, device: str) -> None:
+    """--attention: on CPU the models keep torch SDPA (warned, and the sidecar's run.attention records it); on CUDA
+    a backend this machine cannot run is refused before anything loads."""
+    if attention is None:
+        return
+    if device != "cuda":
+        _say(f"h3render: warning: --attention {attention} applies on CUDA only; on {device} attention runs torch "
+             "SDPA (sdpa), as the sidecar's run.attention records")
+        return
+    from h3render.models.attention import available_backends
+
+    if attention not in available_backends():
+        _fail(f"--attention {attention}: not available on this machine (available: "
+              f"{', '.join(available_backends())})")
+
+
 def _check_transformer(transformer: str | None) -> None:
     if transformer is not None and not Path(transformer).is_file():
         _fail(f"--transformer {transformer}: no such file")
@@ -189,10 +238,15 @@ def cli() -> None:
 @cli.command("prompt")
 @click.argument("text")
 @click.option("-o", "--output", required=True, help="Output .mp4 path (sidecar: same name, .json).")
+@click.option("--quiet", is_flag=True, help="No stage progress (bars on a terminal, else a line per stage).")
 @_canvas_time_options
 @_engine_options
 def prompt_command(text, output, **opts) -> None:
-    """Render one prompt to OUTPUT (MP4) and its JSON sidecar."""
+    """Render one prompt to OUTPUT (MP4) and its JSON sidecar (fields: docs/sidecar.md).
+
+    Progress goes to stderr: a bar per stage (text encode, denoise, decode, encode) on a terminal; otherwise a
+    line when each stage ends and, while one runs, a line every 10 s.
+    """
     _exit(_main_guard(_prompt, text, output, opts))
 
 
@@ -202,6 +256,7 @@ def _prompt(text: str, output: str, opts: dict) -> int:
         _fail(f"output {output} must end in .mp4")
     _check_writable(out.parent if str(out.parent) else Path("."))
     checkpoint = _resolve_checkpoint(opts["checkpoint"])
+    opts["mode"] = _adapter_mode(opts["mode"], opts["adapter"])
     _check_mode(opts["mode"], opts["adapter"], checkpoint)
     _check_transformer(opts["transformer"])
     info = _checkpoint_info(checkpoint)
@@ -225,13 +280,25 @@ def _prompt(text: str, output: str, opts: dict) -> int:
               help="Resume (skip finished, current jobs) or render everything again.")
 @click.option("--fail-fast", is_flag=True, help="Stop after the first failed job.")
 @click.option("--dry-run", is_flag=True, help="Validate and print the plan; load nothing.")
-@click.option("--quiet", is_flag=True, help="One log line per job instead of progress bars.")
+@click.option("--quiet", is_flag=True, help="One log line per job; no bars, no stage lines.")
+@click.option("--seed", type=int, default=None,
+              help="Batch-wide default seed: replaces the manifest's defaults; a job's own seed wins.")
+@click.option("--steps", type=int, default=None,
+              help="Batch-wide default sigma points for t2va jobs: replaces the manifest's defaults; a job's own "
+                   "steps win.")
+@click.option("--preset", default=None,
+              help="Batch-wide default canvas preset (see `h3render presets`): replaces the manifest's default "
+                   "canvas; a job's own preset/aspect/width/height win.")
 @_engine_options
 def batch_command(manifest, out_dir, shard, skip_existing, fail_fast, dry_run, quiet, **opts) -> None:
     """Render every job of MANIFEST (JSONL or YAML; schema in docs/manifest.md) with one resident model.
 
     Jobs run one after another; each job's MP4 tail (encoder flush, trailer, fsync, rename, sidecar) finishes on
-    the writer's thread while the next job's prompt encode and denoise start.
+    the writer's thread while the next job's prompt encode and denoise start. --seed, --steps, --preset and --mode
+    act as command-line defaults: above the manifest's defaults, below a job's own fields.
+
+    Progress: on a terminal a queue bar and a bar per stage of the running job; in a log one line per job, plus
+    stage lines only for a stage that runs 10 s or longer; --quiet keeps the job lines only.
     """
     _exit(_main_guard(_batch, manifest, out_dir, shard, skip_existing, fail_fast, dry_run, quiet, opts))
 
@@ -241,7 +308,8 @@ def _batch(manifest, out_dir, shard, skip_existing, fail_fast, dry_run, quiet, o
     _check_mode(opts["mode"], opts["adapter"], checkpoint)
     _check_transformer(opts["transformer"])
     info = _checkpoint_info(checkpoint)
-    overrides = {"mode": opts["mode"]}
+    # Command-line defaults, passed like --mode: load_manifest applies them below each job's own fields.
+    overrides = {k: opts[k] for k in ("mode", "seed", "steps", "preset")}
     jobs = jobs_mod.load_manifest(manifest, info.limits(), overrides)
     try:
         shard_spec = jobs_mod.parse_shard(shard) if shard else jobs_mod.shard_from_slurm(os.environ)
@@ -268,6 +336,7 @@ def _run(checkpoint, info, jobs, opts, **kw) -> int:
     from h3render.parallel.launch import plan_world, spawn
 
     device = _device(opts["device"])
+    _check_attention(opts["attention"], device)
     try:
         world, warning = plan_world(opts["gpus"], device, info.release.dit.num_attention_heads)
     except ValueError as exc:
@@ -309,8 +378,9 @@ def _rank_main(checkpoint, jobs, opts, device, kw) -> int:
             return 0
     settings = EngineSettings(crf=opts["crf"], x264_preset=opts["x264_preset"], vae_batch=opts["vae_batch"],
                               attention=opts["attention"],
-                              progress=ctx.is_main and not kw.get("quiet", False) and sys.stderr.isatty(),
-                              save_latents=opts["save_latents"], step_bar_position=0 if "single" in kw else 1)
+                              progress=_progress(ctx.is_main and not (opts.get("quiet") or kw.get("quiet")),
+                                                single="single" in kw),
+                              save_latents=opts["save_latents"])
     dtype = _dtype(opts["dtype"], device)
 
     def load():
@@ -343,6 +413,18 @@ def _rank_main(checkpoint, jobs, opts, device, kw) -> int:
                 LeaderRenderer(loaded[0], ctx).stop()
     finally:
         shutdown()
+
+
+def _progress(shown: bool, single: bool):
+    """Stage progress (h3render.progress): bars on a terminal (under batch's queue bar, one row down); in a log a
+    line per stage for `prompt`, and for `batch` (which logs a line per job) only stages of 10 s or longer."""
+    from h3render.progress import Progress
+
+    if not shown:
+        return Progress("off")
+    if sys.stderr.isatty():
+        return Progress("bar", position=0 if single else 1)
+    return Progress("lines" if single else "slow")
 
 
 def _render_single(factory, job, mp4: Path, sidecar: Path) -> int:
@@ -412,6 +494,9 @@ def make_checkpoint_command(out, config, layout, seed, adapter) -> None:
     """Write a random checkpoint in the real on-disk format (no downloads)."""
 
     def run() -> int:
+        target = Path(out)
+        if target.exists() and (target.is_file() or any(target.iterdir())):
+            _fail(f"make-checkpoint: {out} already exists and is not empty; name a new or empty folder")
         from h3render.checkpoint import RELEASES
         from h3render.make_checkpoint import write_synthetic_adapter
         from h3render.make_checkpoint import make_checkpoint

@@ -40,7 +40,8 @@ class EngineSettings:
         crf, x264_preset: H.264 quality (x264 CRF 0..51) and speed preset; defaults CRF 18, "veryfast".
         vae_batch: video VAE decode work items per decoder forward.
         attention: attention backend name ("fa3", "cudnn", "sdpa") or None to choose by measurement.
-        progress: show the per-step tqdm bar (at `step_bar_position`; the batch queue bar is at 0).
+        progress: stage progress of each job: a `h3render.progress.Progress` (bars on a terminal, lines in a log),
+            or True for tqdm bars at `step_bar_position` (the batch queue bar is at 0), False for none.
         compile_vae: on CUDA, `torch.compile` the video VAE decoder blocks (1x H200: 11.0 s -> 7.2 s for 72 latent
             frames at 1344x768; compiled in `prepare`, outside job timings).
         graph_audio: on CUDA, replay the audio VAE decode from a CUDA graph captured per audio length (in `prepare`
@@ -54,7 +55,7 @@ class EngineSettings:
     x264_preset: str = "veryfast"
     vae_batch: int = 8
     attention: str | None = None
-    progress: bool = True
+    progress: Any = True  # bool | h3render.progress.Progress
     save_latents: bool = False
     step_bar_position: int = 1
     compile_vae: bool = True

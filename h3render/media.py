@@ -38,11 +38,15 @@ __all__ = [
     "PinnedFrameStager",
     "SAMPLE_RATE",
     "StagedChunk",
+    "X264_PRESETS",
     "audio_samples_for",
     "prepare_audio",
     "temp_path_for",
 ]
 
+# libx264's speed presets, fastest first (x264 --fullhelp, "--preset"); the CLI offers exactly these.
+X264_PRESETS = ("ultrafast", "superfast", "veryfast", "faster", "fast", "medium", "slow", "slower", "veryslow",
+                "placebo")
 AUDIO_FRAME_SAMPLES = 1024  # AAC-LC frame length (32 ms at 32 kHz)
 # The audio VAE emits round(frames/24*40) latents x 800 samples, which can fall short of
 # round(frames*32000/24) by up to half a latent (400 samples); one whole latent (25 ms) of zero padding is
@@ -186,12 +190,13 @@ class Mp4Writer:
         MediaError: bad arguments, bad chunks/audio, wrong final frame count, or an encoder failure. Every
         error aborts the writer: the temp file is removed and nothing exists under ``path``.
 
-    After ``close()``, ``stats`` holds wall-clock facts in ``time.perf_counter`` seconds: ``start``/``end``
-    (open to rename), ``encode_s`` (encoder-thread busy time), ``audio_s`` (AAC part of it),
-    ``finalize_s`` (flush, trailer, faststart rewrite, fsync, rename) and its parts ``flush_s`` (draining x264
-    and AAC), ``trailer_s`` (index + faststart rewrite), ``sync_s`` (fsync + rename), ``blocked_s`` (producer
-    waiting on back-pressure), ``last_frame_in`` (when the last frame was handed over) and ``frames_done``
-    (when the encoder thread had taken in the last frame).
+    After ``close()``, ``stats`` holds durations in seconds (the sidecar's ``extra.writer``): ``open_s`` (open to
+    rename), ``encode_s`` (encoder-thread busy time), ``audio_s`` (AAC part of it), ``finalize_s`` (flush,
+    trailer, faststart rewrite, fsync, rename) and its parts ``flush_s`` (draining x264 and AAC), ``trailer_s``
+    (index + faststart rewrite), ``sync_s`` (fsync + rename), ``blocked_s`` (producer waiting on back-pressure),
+    ``last_frame_in_s`` (open to the last frame handed over) and ``frames_done_s`` (open to the encoder thread
+    having taken in the last frame). ``marks`` holds the same instants as ``time.perf_counter`` values (``start``,
+    ``last_frame_in``, ``frames_done``, ``end``), for a ``StageTimer`` interval on the caller's clock.
     """
 
     def __init__(
@@ -230,9 +235,9 @@ class Mp4Writer:
         self.width, self.height, self.frames, self.fps = width, height, frames, fps
         self.sample_rate = sample_rate
         self.audio_samples = audio_samples_for(frames, sample_rate, fps)
-        self.stats: dict[str, float] = {"start": time.perf_counter(), "encode_s": 0.0, "audio_s": 0.0,
-                                        "finalize_s": 0.0, "flush_s": 0.0, "trailer_s": 0.0, "sync_s": 0.0,
-                                        "blocked_s": 0.0}
+        self.marks: dict[str, float] = {"start": time.perf_counter()}
+        self.stats: dict[str, float] = {"encode_s": 0.0, "audio_s": 0.0, "finalize_s": 0.0, "flush_s": 0.0,
+                                        "trailer_s": 0.0, "sync_s": 0.0, "blocked_s": 0.0}
 
         self._frames_in = 0  # frames accepted from the producer
         self._audio: np.ndarray | None = None
@@ -322,7 +327,7 @@ class Mp4Writer:
             self._put((kind, array, staged))
             queued = True
             if self._frames_in == self.frames:
-                self.stats["last_frame_in"] = time.perf_counter()
+                self._mark("last_frame_in")
         except BaseException:
             if staged is not None and not queued:
                 staged.release()
@@ -450,6 +455,16 @@ class Mp4Writer:
                 f"{self.path}: frames must be uint8, got {x.dtype} (convert float video with frames_to_uint8)")
         return x
 
+    @property
+    def frames_encoded(self) -> int:
+        """Frames the encoder thread has passed to x264 so far (progress display; read from any thread)."""
+        return self._pts
+
+    def _mark(self, name: str) -> None:
+        """Record instant ``name``: ``marks[name]`` (perf_counter) and ``stats[name + "_s"]`` (seconds since open)."""
+        self.marks[name] = time.perf_counter()
+        self.stats[name + "_s"] = self.marks[name] - self.marks["start"]
+
     def _put(self, item) -> None:
         t0 = time.perf_counter()
         while True:
@@ -523,7 +538,7 @@ class Mp4Writer:
             if kind != "audio":
                 self._encode_video(kind, array)
                 if self._pts == self.frames:
-                    self.stats["frames_done"] = time.perf_counter()
+                    self._mark("frames_done")
         finally:
             if staged is not None:
                 staged.release()
@@ -574,7 +589,8 @@ class Mp4Writer:
             _fsync_dir(self.path.parent)
             self.stats["sync_s"] = time.perf_counter() - t0
             self.stats["finalize_s"] += self.stats["sync_s"]
-            self.stats["end"] = time.perf_counter()
+            self._mark("end")
+            self.stats["open_s"] = self.stats.pop("end_s")
         except BaseException as exc:
             self._state = "aborted"
             self._discard()

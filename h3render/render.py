@@ -20,7 +20,8 @@ from h3render.colour import frames_to_uint8, rgb_to_i420
 from h3render.engine import RenderError
 from h3render.media import Mp4Writer
 from h3render.packing import patchify_video, rows_to_audio, t2va_layout, unpatchify_video
-from h3render.timing import StageTimer, versions, write_sidecar
+from h3render.progress import Progress, as_progress
+from h3render.timing import StageTimer, device_name, utc_now, versions, write_sidecar
 
 
 @torch.no_grad()
@@ -37,8 +38,12 @@ def render_job(engine, job, mp4_path: Path, sidecar_path: Path) -> Future:
     c, dev, plan, settings = engine.c, engine.device, engine.plan, engine.settings
     timer = StageTimer(dev)
     t_start = timer.now()
+    started_at = utc_now()
+    # Stage progress on rank 0 only (the ranks run the same stages in lock-step).
+    progress = as_progress(settings.progress, settings.step_bar_position) if plan.writes else Progress("off")
+    label = mp4_path.stem
 
-    with timer.stage("text_encode"):
+    with progress.stage(label, "text encode"), timer.stage("text_encode"):
         text = c.text_encoder.encode(job.prompt).to(dev)  # [Nt, text_dim]
     layout = t2va_layout(text.shape[0], job.height, job.width, job.frames).to(dev)
     schedule = engine.schedule(job)
@@ -47,12 +52,10 @@ def render_job(engine, job, mp4_path: Path, sidecar_path: Path) -> Future:
     video_rows = patchify_video(video_noise[0]).to(dev)  # [Nv, 96]
     audio_rows = audio_rows.to(dev)  # [Na, 32]
 
-    with timer.stage("denoise"):
+    with timer.stage("denoise"), progress.stage(label, "denoise", schedule.forwards, "steps") as shown:
         model_fn = _timed_steps(engine.model_fn(text, layout, tables), timer)
-        bar = _step_bar(schedule.forwards, settings.progress and plan.writes, settings.step_bar_position)
         video_rows, audio_rows = sampling.denoise(model_fn, video_rows, audio_rows, schedule.video, schedule.audio,
-                                                  on_step=lambda i, v, a: bar.update(1))
-        bar.close()
+                                                  on_step=lambda i, v, a: shown.update(1))
     if not (torch.isfinite(video_rows).all() and torch.isfinite(audio_rows).all()):
         raise RenderError("denoising produced non-finite latents (NaN/Inf); no video written")
     video_latent = unpatchify_video(video_rows, layout)  # [24, T, h, w]
@@ -77,29 +80,58 @@ def render_job(engine, job, mp4_path: Path, sidecar_path: Path) -> Future:
         return done
 
     writer = Mp4Writer(mp4_path, job.width, job.height, job.frames, crf=settings.crf, preset=settings.x264_preset)
+    shown = _Shown(progress.stage(label, "decode", job.frames, "frames"),
+                   progress.stage(label, "encode", job.frames, "frames", row=1), writer)
     try:
-        written = _stream_video(engine, writer, waveform, frames, timer)
+        written = _stream_video(engine, writer, waveform, frames, timer, shown)
     except BaseException:
+        shown.close()
         writer.abort()
         raise
     t_close = timer.now()
     timer.freeze_peak()
+    shown.decode.close()
 
     def tail() -> dict[str, Any]:
         # On the writer's thread, once the MP4 is renamed into place: the sidecar goes last, so a sidecar never
         # describes an MP4 that is not there.
-        timer.add_interval("encode_mux", writer.stats.get("start", t_close), writer.stats.get("end", timer.now()))
+        shown.close()
+        timer.add_interval("encode_mux", writer.marks.get("start", t_close), writer.marks.get("end", timer.now()))
         timer.add_interval("mp4_close_after_decode", t_close, timer.now())
         timer.add_interval("total", t_start, timer.now())
         result = {"frames_written": written, "writer": dict(writer.stats)}
         if job_warmup:
             result["job_warmup"] = job_warmup
-        return _write_sidecar(engine, job, schedule, timer, sidecar_path, result, mp4_path)
+        run = run_facts(engine, mp4_path, started_at)
+        return _write_sidecar(engine, job, schedule, timer, sidecar_path, result, run, mp4_path)
 
-    return writer.finish_async(then=tail)
+    try:
+        future = writer.finish_async(then=tail)
+    except BaseException:
+        shown.close()
+        raise
+    future.add_done_callback(lambda _: shown.close())  # an encoder failure in the tail never reaches tail()
+    return future
 
 
-def _stream_video(engine, writer: Mp4Writer, waveform: torch.Tensor | None, frames: Iterator, timer) -> int:
+class _Shown:
+    """The decode and encode progress of one job: frames decoded, and frames the writer's x264 thread took in."""
+
+    def __init__(self, decode, encode, writer: Mp4Writer):
+        self.decode, self.encode, self.writer = decode, encode, writer
+
+    def frames(self, n: int) -> None:
+        self.decode.update(n)
+        self.encode.update(self.writer.frames_encoded - self.encode.done)
+
+    def close(self) -> None:
+        self.decode.close()
+        self.encode.update(self.writer.frames_encoded - self.encode.done)
+        self.encode.close()
+
+
+def _stream_video(engine, writer: Mp4Writer, waveform: torch.Tensor | None, frames: Iterator, timer,
+                  shown: _Shown) -> int:
     """Soundtrack first, then every decoded chunk into the writer; returns the frames written.
 
     On several ranks a failure here is raised only after the stream is drained: the other ranks still decode and
@@ -121,7 +153,9 @@ def _stream_video(engine, writer: Mp4Writer, waveform: torch.Tensor | None, fram
                 continue  # drain
             t0 = timer.now()
             try:
-                written += _write_chunk(engine, writer, first, chunk)
+                n = _write_chunk(engine, writer, first, chunk)
+                written += n
+                shown.frames(n)
             except Exception as exc:
                 if not engine.ctx.distributed:
                     raise
@@ -146,8 +180,39 @@ def _write_chunk(engine, writer: Mp4Writer, first: int, frames: torch.Tensor) ->
     return chunk.shape[0]
 
 
+def run_facts(engine, mp4_path: Path, started_at: str) -> dict[str, Any]:
+    """What ran this job, for the sidecar's ``run`` (docs/sidecar.md): the output, the start time, the device, the
+    dtypes the components hold, the attention backends actually used (and the one asked for), the x264 settings."""
+    dev = engine.device
+    requested = engine.settings.attention or "auto"
+    dit_attention = str(engine.warmup.get("attention_backend", "sdpa"))
+    if dev.type != "cuda":
+        dit_attention = vae_attention = "sdpa"  # off CUDA the models keep torch SDPA; --attention is not applied
+    else:
+        # The VAE decoder runs the process-wide choice until prepare() measures its own shape (auto only).
+        vae_attention = str(engine.warmup.get("vae_attention_backend", dit_attention))
+    c = engine.c
+    precision = {"dit": str(c.dit.dtype).removeprefix("torch."), "text_encoder": _main_dtype(c.text_encoder),
+                 "video_vae": _main_dtype(c.video_vae), "audio_vae": _main_dtype(c.audio_vae),
+                 "float32_matmul": torch.get_float32_matmul_precision()}
+    return {"output": str(Path(mp4_path).resolve()), "started_at": started_at,
+            "device": {"type": dev.type, "name": device_name(dev), "ranks": engine.ctx.world_size},
+            "dtype": precision["dit"], "precision": precision,
+            "attention": {"requested": requested, "dit": dit_attention, "vae": vae_attention},
+            "encoder": {"crf": engine.settings.crf, "x264_preset": engine.settings.x264_preset}}
+
+
+def _main_dtype(module: torch.nn.Module) -> str:
+    """The dtype that holds most of a module's parameters (fp32 islands aside), e.g. "bfloat16"."""
+    count: dict[str, int] = {}
+    for p in module.parameters():
+        name = str(p.dtype).removeprefix("torch.")
+        count[name] = count.get(name, 0) + p.numel()
+    return max(count, key=count.get) if count else "none"
+
+
 def _write_sidecar(engine, job, schedule: sampling.Schedule, timer: StageTimer, path: Path,
-                   result: dict[str, Any], mp4_path: Path) -> dict[str, Any]:
+                   result: dict[str, Any], run: dict[str, Any], mp4_path: Path) -> dict[str, Any]:
     info = engine.c.info
     extra = {"load_s": engine.load_seconds, "warmup": engine.warmup, "world_size": engine.ctx.world_size,
              "mode": job.mode, **result}
@@ -158,7 +223,7 @@ def _write_sidecar(engine, job, schedule: sampling.Schedule, timer: StageTimer, 
     if engine.transformer is not None:
         checkpoint["transformer"] = engine.transformer
     data = dict(job_params=job.params(), checkpoint=checkpoint, sigmas=schedule.to_dict(), timings=timer.summary(),
-                versions=versions(), extra=extra)
+                versions=versions(), run=run, extra=extra)
     write_sidecar(path, media=mp4_path, **data)  # size + sha256 of the MP4 now in place: resume checks them
     return data
 
@@ -184,8 +249,3 @@ def _timed_decode(it: Iterator, timer: StageTimer) -> Iterator:
         timer.add_interval("vae_decode", t0, timer.now())
         yield item
 
-
-def _step_bar(total: int, enabled: bool, position: int):
-    from tqdm import tqdm
-
-    return tqdm(total=total, desc="denoise", unit="step", position=position, leave=False, disable=not enabled)

@@ -7,7 +7,8 @@ the intervals, so stages that run at the same time (VAE decode on the GPU while 
 are reported as they happened and the job total is the union of intervals, never a double-counted sum.
 
 Stage names used by the pipeline: load, text_encode, denoise (with per-step entries), vae_video, vae_audio,
-to_uint8_d2h, encode_mux, total.
+to_uint8_d2h, encode_mux, total. Every field of the sidecar is described in docs/sidecar.md, and
+docs/schema/sidecar.schema.json checks it (tests/test_sidecar_schema.py).
 """
 
 from __future__ import annotations
@@ -21,15 +22,23 @@ import subprocess
 import threading
 import time
 from contextlib import contextmanager
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Iterator, Mapping, Union
 
 import torch
 
-__all__ = ["STAGES", "StageTimer", "merge_intervals", "media_record", "media_mismatch", "versions", "write_sidecar"]
+__all__ = ["SIDECAR_SCHEMA", "STAGES", "StageTimer", "device_name", "media_mismatch", "media_record", "merge_intervals",
+           "rendered_with", "utc_now", "versions", "write_sidecar"]
 
 STAGES = ("load", "text_encode", "denoise", "vae_video", "vae_audio", "to_uint8_d2h", "encode_mux", "total")
-SIDECAR_SCHEMA = 1
+# Stages that are parts (or latencies) of another stage, so they never count as concurrency: the VAE forwards
+# (`vae_decode`) and the conversion to uint8 (`to_uint8_d2h`) inside `vae_video`, and `mp4_close_after_decode`
+# (last frame handed over -> MP4 in place), the end of `encode_mux` seen from the decoding thread.
+SUBSTAGES = ("vae_decode", "to_uint8_d2h", "mp4_close_after_decode")
+# 2: top-level "run" (device, dtypes, attention, output, start time); timings.overlapped_s -> concurrent_s;
+#    extra.writer in seconds (durations) instead of perf_counter instants
+SIDECAR_SCHEMA = 2
 
 Interval = tuple[float, float]
 
@@ -78,13 +87,13 @@ class StageTimer:
             for i in range(steps):
                 with timer.step("denoise"):
                     ...
-        timer.add_interval("encode_mux", writer.stats["start"], writer.stats["end"])  # from another thread
+        timer.add_interval("encode_mux", writer.marks["start"], writer.marks["end"])  # from another thread
         with timer.warmup("compile"):  # kept apart from the stage totals
             ...
         timer.summary()
 
     Recording is thread-safe. Use ``stage``/``step`` on the thread that drives the device and
-    ``add_interval`` for work measured elsewhere (the encoder thread's ``Mp4Writer.stats``); per-stage peak
+    ``add_interval`` for work measured elsewhere (the encoder thread's ``Mp4Writer.marks``); per-stage peak
     memory assumes one thread runs outermost stages at a time.
     """
 
@@ -204,9 +213,9 @@ class StageTimer:
 
         ``stages[name]``: ``seconds`` (union of its intervals), ``intervals`` (relative to the first recorded
         start), and ``steps`` where per-step entries exist. ``wall_s``: union of every interval except an
-        explicit ``total`` (or that stage's length if recorded). ``overlapped_s``: sum of the stage seconds
-        (``total`` excluded) minus their union: time hidden by running stages concurrently. Stages other than
-        ``total`` are meant not to nest: time inside a nested stage counts as overlapped.
+        explicit ``total`` (or that stage's length if recorded). ``concurrent_s``: sum of the stage seconds
+        minus their union, over the stages other than ``total`` and `SUBSTAGES`: the stage time hidden by this
+        job's stages running at the same time (the encoder thread's ``encode_mux`` beside ``vae_video``).
         """
         with self._lock:
             intervals = {k: list(v) for k, v in self.intervals.items()}
@@ -225,12 +234,14 @@ class StageTimer:
             stages[name] = entry
         for name, st in steps.items():
             stages.setdefault(name, {"seconds": sum(st), "intervals": [], "steps": st})
-        stage_sum = sum(_length(v) for k, v in intervals.items() if k != "total")
+        top = {k: v for k, v in intervals.items() if k != "total" and k not in SUBSTAGES}
+        stage_sum = sum(_length(v) for v in top.values())
+        top_union = _length([iv for v in top.values() for iv in v])
         wall = _length(intervals["total"]) if "total" in intervals else _length(every)
         return {
             "stages": stages,
             "wall_s": wall,
-            "overlapped_s": max(0.0, stage_sum - _length(every)),
+            "concurrent_s": max(0.0, stage_sum - top_union),
             "warmup_s": warmups,
             "peak_memory_bytes": self.peak_memory_bytes(),
             "stage_peak_memory_bytes": dict(self.stage_peak_bytes),
@@ -248,6 +259,27 @@ def _nvidia_driver() -> str | None:
         return None
     first = out.strip().splitlines()
     return first[0].strip() if first else None
+
+
+def utc_now() -> str:
+    """Now as ISO 8601 UTC with milliseconds, e.g. ``2026-12-01T09:30:12.345+00:00``."""
+    return datetime.now(timezone.utc).isoformat(timespec="milliseconds")
+
+
+def device_name(device: Union[torch.device, str]) -> str:
+    """What a device is, for the sidecar: the GPU's name (``torch.cuda.get_device_name``) or the CPU's model name
+    (``/proc/cpuinfo``, else ``platform.processor()``, else the machine type)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as fh:
+            for line in fh:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "cpu"
 
 
 def versions() -> dict[str, Any]:
@@ -275,6 +307,32 @@ def versions() -> dict[str, Any]:
     }
 
 
+def rendered_with(sidecar: Mapping[str, Any], checkpoint: Mapping[str, Any], encoder: Mapping[str, Any]) -> str | None:
+    """For resume's "skipped" line: how an existing sidecar's render differs from this run's settings.
+
+    Args:
+        sidecar: the parsed sidecar of a job resume skips.
+        checkpoint: this run's ``{"path", "config_hash"}`` and, with ``--transformer``, ``"transformer"`` (its path).
+        encoder: this run's ``{"crf", "x264_preset"}``.
+    Returns:
+        e.g. ``"rendered earlier with checkpoint /m/a (now /m/b), crf 18 (now 23)"``, or None when nothing recorded
+        differs (a schema-1 sidecar has no encoder settings: only its checkpoint is compared).
+    """
+    was = sidecar.get("checkpoint") or {}
+    then_encoder = (sidecar.get("run") or {}).get("encoder") or {}
+    pairs = [("checkpoint", was.get("path"), checkpoint.get("path")),
+             ("checkpoint config", was.get("config_hash"), checkpoint.get("config_hash")),
+             ("--transformer", (was.get("transformer") or {}).get("path"), checkpoint.get("transformer")),
+             ("crf", then_encoder.get("crf", encoder.get("crf")), encoder.get("crf")),
+             ("x264 preset", then_encoder.get("x264_preset", encoder.get("x264_preset")), encoder.get("x264_preset"))]
+    changes = [f"{name} {then if then is not None else 'none'} (now {now if now is not None else 'none'})"
+               for name, then, now in pairs if then != now]
+    if changes and changes[0].startswith("checkpoint ") and len(changes) > 1 and changes[1].startswith(
+            "checkpoint config"):
+        del changes[1]  # another path: its config hash differs too, which says nothing more
+    return f"rendered earlier with {', '.join(changes)}" if changes else None
+
+
 def _jsonable(value: Any) -> Any:
     if isinstance(value, torch.Tensor):
         return value.detach().cpu().tolist()
@@ -299,6 +357,7 @@ def write_sidecar(
     sigmas: Mapping[str, Any],
     timings: Union[StageTimer, Mapping[str, Any]],
     versions: Mapping[str, Any],
+    run: Mapping[str, Any] | None = None,
     extra: Mapping[str, Any] | None = None,
     media: Union[str, os.PathLike, None] = None,
 ) -> Path:
@@ -311,6 +370,8 @@ def write_sidecar(
         sigmas: schedules actually used, e.g. ``{"video": [...], "audio": [...]}`` (tensors accepted).
         timings: a :class:`StageTimer` (its ``summary()`` is stored) or a ready dict.
         versions: :func:`versions` output.
+        run: what ran and where to (device, dtypes, attention backends, output path, start time; docs/sidecar.md),
+            stored under ``"run"`` (omitted when None).
         extra: anything else, stored under ``"extra"``.
         media: the finished MP4 this sidecar describes, already in place: its `media_record` (size, mtime,
             sha256) is stored under ``"mp4"``, so that resume can tell a truncated or replaced MP4 from this one.
@@ -332,6 +393,8 @@ def write_sidecar(
     }
     if media is not None:
         doc["mp4"] = media_record(media)
+    if run is not None:
+        doc["run"] = dict(run)
     try:
         text = json.dumps(doc, indent=2, default=_jsonable, allow_nan=False)
     except (TypeError, ValueError) as exc:

@@ -999,7 +999,7 @@ def stream_mp4(path: Path, kind: str, frames: int, width: int, height: int, deco
         "kind": kind, "decode_s": decode_s, "decode_span_s": round(t_last - t_start, 3),
         "audio": "first" if audio_first else "last", "x264_params": writer_options.get("x264_params"),
         "close_latency_s": round(t_end - t_last, 3), "mp4_close_after_decode_s": round(t_end - t_close, 3),
-        "backlog_at_last_frame_s": round(max(0.0, st.get("frames_done", t_last) - t_last), 3),
+        "backlog_at_last_frame_s": round(max(0.0, writer.marks.get("frames_done", t_last) - t_last), 3),
         "flush_s": round(st["flush_s"], 3), "trailer_s": round(st["trailer_s"], 3), "sync_s": round(st["sync_s"], 3),
         "encode_s": round(st["encode_s"], 3), "audio_s": round(st["audio_s"], 3),
         "blocked_s": round(st["blocked_s"], 3), "to_i420_stage_write_s": round(convert_s, 3),

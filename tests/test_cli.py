@@ -1,4 +1,8 @@
-"""End-to-end CLI tests on the tiny model: real MP4s opened with PyAV, determinism, and bad-argument handling."""
+"""End-to-end CLI tests on the tiny model: real MP4s opened with PyAV, determinism, and bad-argument handling.
+
+Usage errors run in-process through click's CliRunner (they stop before any weights load); renders and exit
+behaviour run the real command in a subprocess.
+"""
 
 from __future__ import annotations
 
@@ -10,11 +14,36 @@ from pathlib import Path
 import av
 import numpy as np
 import pytest
+from click.testing import CliRunner
 
+from h3render.cli import cli
 from h3render.media import audio_samples_for
 from tests._mp4 import decode
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+def invoke(*args: str, env: dict | None = None):
+    """`h3render ARGS` in this process (no H3RENDER_CHECKPOINT unless `env` sets it); the click Result."""
+    return CliRunner().invoke(cli, list(args), env={"H3RENDER_CHECKPOINT": None, **(env or {})})
+
+
+def one_error_line(result) -> str:
+    """The single `h3render: error:` line of a usage error (exit 2, no traceback); returns it."""
+    assert result.exit_code == 2, (result.exit_code, result.output)
+    assert result.exception is None or isinstance(result.exception, SystemExit), result.exception
+    errors = [line for line in result.stderr.splitlines() if line.startswith("h3render: error")]
+    assert len(errors) == 1, result.stderr
+    assert "Traceback" not in result.output
+    return errors[0]
+
+
+def click_error(result) -> str:
+    """click's own usage error (a bad option value): exit 2, one `Error:` line naming the option."""
+    assert result.exit_code == 2, (result.exit_code, result.output)
+    errors = [line for line in result.stderr.splitlines() if line.startswith("Error:")]
+    assert len(errors) == 1 and "Traceback" not in result.output, result.stderr
+    return errors[0]
 
 
 def run_cli(*args: str, env: dict | None = None, cwd: Path | None = None) -> subprocess.CompletedProcess:
@@ -110,28 +139,89 @@ def test_builtin_tiny_same_seed_identical_other_seed_differs(tmp_path):
 )
 def test_bad_arguments_exit_2_one_line_no_output(args, needle, tmp_path):
     out = tmp_path / "x.mp4"
-    r = run_cli("prompt", "hello", "-o", str(out), *args)
-    assert r.returncode == 2, (r.returncode, r.stderr)
-    errors = [line for line in r.stderr.splitlines() if line.startswith("h3render: error")]
-    assert len(errors) == 1 and needle in errors[0].lower(), r.stderr
-    assert "Traceback" not in r.stderr
+    line = one_error_line(invoke("prompt", "hello", "-o", str(out), *args))
+    assert needle in line.lower()
     assert not out.exists() and not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize(
+    "args, option",
+    [
+        (["--x264-preset", "ultrafastt"], "--x264-preset"),  # was raw libav text after denoising, exit 1
+        (["--crf", "52"], "--crf"),
+        (["--crf", "-1"], "--crf"),
+        (["--attention", "flash"], "--attention"),
+        (["--vae-batch", "0"], "--vae-batch"),
+    ],
+)
+def test_bad_option_values_are_refused_by_the_parser(args, option, tmp_path):
+    line = click_error(invoke("prompt", "hello", "-o", str(tmp_path / "x.mp4"), *args))
+    assert option in line
+    assert not list(tmp_path.iterdir())
+
+
+def test_x264_preset_choices_are_the_writers():
+    from h3render.media import X264_PRESETS
+
+    r = invoke("prompt", "--help")
+    assert r.exit_code == 0
+    help_text = " ".join(r.output.split())
+    assert "|".join(X264_PRESETS) in help_text.replace(" ", "")
+    assert invoke("prompt", "hello", "-o", "x.mp4", "--x264-preset", "placebo", "--frames", "0").exit_code == 2
+
+
+def test_adapter_with_mode_t2va_is_refused_and_alone_implies_fasth3(tmp_path):
+    adapter = tmp_path / "a.safetensors"
+    adapter.write_bytes(b"")  # never read: both commands stop before loading
+    line = one_error_line(invoke("prompt", "x", "-o", str(tmp_path / "x.mp4"), "--adapter", str(adapter),
+                                 "--mode", "t2va"))
+    assert "--adapter" in line and "fasth3" in line
+    # Without --mode the job becomes a fasth3 job: its schedule is the adapter's, so --steps is a usage error.
+    r = invoke("prompt", "x", "-o", str(tmp_path / "x.mp4"), "--adapter", str(adapter), "--steps", "4")
+    assert "steps" in one_error_line(r) and "fasth3" in r.stderr
+
+
+def test_make_checkpoint_into_a_non_empty_folder_is_one_line(tmp_path):
+    (tmp_path / "keep.txt").write_text("mine")
+    line = one_error_line(invoke("make-checkpoint", str(tmp_path)))
+    assert "not empty" in line and str(tmp_path) in line
+    assert [p.name for p in tmp_path.iterdir()] == ["keep.txt"]
 
 
 def test_unwritable_output_directory(tmp_path):
     locked = tmp_path / "locked"
     locked.mkdir()
     (locked / "file").write_text("")
-    r = run_cli("prompt", "hello", "-o", str(locked / "file" / "x.mp4"))
-    assert r.returncode == 2, r.stderr
-    assert "Traceback" not in r.stderr
+    one_error_line(invoke("prompt", "hello", "-o", str(locked / "file" / "x.mp4")))
 
 
 def test_presets_lists_canvas_frames_rows():
-    r = run_cli("presets")
-    assert r.returncode == 0, r.stderr
+    r = invoke("presets")
+    assert r.exit_code == 0, r.output
     assert "1344x768" in r.stdout.replace("×", "x")
     assert "72,576" in r.stdout or "72576" in r.stdout or "landscape" in r.stdout
+
+
+def test_batch_seed_steps_preset_are_defaults_below_a_jobs_own_fields(tmp_path):
+    manifest = tmp_path / "jobs.jsonl"
+    manifest.write_text('{"defaults": {"seed": 1, "steps": 9, "aspect": "4:3"}}\n'
+                        '{"id": "plain", "prompt": "a"}\n'
+                        '{"id": "own", "prompt": "b", "seed": 7, "steps": 5, "width": 256, "height": 128}\n')
+    r = invoke("batch", str(manifest), "--dry-run", "--seed", "42", "--steps", "3", "--preset", "square")
+    assert r.exit_code == 0, r.output
+    plain, own = (line for line in r.stdout.splitlines() if line.startswith("["))
+    assert "seed 42" in plain and "3 sigma points" in plain and "preset square" in plain
+    assert "seed 7" in own and "5 sigma points" in own and "256x128" in own.replace("×", "x")
+    r = invoke("batch", str(manifest), "--dry-run")  # without them the manifest's defaults apply
+    assert "seed 1" in r.stdout and "9 sigma points" in r.stdout and "preset square" not in r.stdout and "4:3" in r.stdout
+    # bad values are manifest-style errors naming the command line
+    line = one_error_line(invoke("batch", str(manifest), "--dry-run", "--preset", "nope"))
+    assert "<command line>" in line and "preset" in line
+    assert "steps" in one_error_line(invoke("batch", str(manifest), "--dry-run", "--steps", "1"))
+    help_text = " ".join(invoke("batch", "--help").output.split())
+    for option in ("--seed", "--steps", "--preset"):
+        assert option in help_text
+    assert "a job's own seed wins" in help_text
 
 
 def test_fasth3_renders_with_synthetic_adapter_and_records_schedule(tmp_path):
@@ -151,12 +241,11 @@ def test_fasth3_renders_with_synthetic_adapter_and_records_schedule(tmp_path):
 
     assert side["extra"]["fasth3"]["sha256"] == hashlib.sha256(adapter.read_bytes()).hexdigest()
     # steps are fixed by the student: asking for them is a usage error
-    r = run_cli("prompt", "x", "-o", str(tmp_path / "no.mp4"), "--checkpoint", str(ckpt), "--mode", "fasth3",
-                "--adapter", str(adapter), "--steps", "4")
-    assert r.returncode == 2 and "steps" in r.stderr and not (tmp_path / "no.mp4").exists()
+    r = invoke("prompt", "x", "-o", str(tmp_path / "no.mp4"), "--checkpoint", str(ckpt), "--mode", "fasth3",
+               "--adapter", str(adapter), "--steps", "4")
+    assert "steps" in one_error_line(r) and not (tmp_path / "no.mp4").exists()
     # fasth3 without an adapter is refused before anything loads
-    r = run_cli("prompt", "x", "-o", str(tmp_path / "no.mp4"), "--mode", "fasth3")
-    assert r.returncode == 2 and "--adapter" in r.stderr
+    assert "--adapter" in one_error_line(invoke("prompt", "x", "-o", str(tmp_path / "no.mp4"), "--mode", "fasth3"))
 
 
 def test_fasth3_v2_checkpoint_runs_its_own_contract(official_ckpt, tmp_path):
@@ -199,11 +288,11 @@ def test_single_file_transformer_replaces_the_checkpoint_dit(official_ckpt, tmp_
     assert "transformer" not in json.loads(a.with_suffix(".json").read_text())["checkpoint"]
     recorded = json.loads(b.with_suffix(".json").read_text())["checkpoint"]["transformer"]
     assert recorded["path"] == str(single.resolve()) and recorded["bytes"] == single.stat().st_size
-    r = run_cli("prompt", "x", "-o", str(tmp_path / "c.mp4"), *args, "--transformer", str(tmp_path / "nope.st"))
-    assert r.returncode == 2 and "--transformer" in r.stderr
+    r = invoke("prompt", "x", "-o", str(tmp_path / "c.mp4"), *args, "--transformer", str(tmp_path / "nope.st"))
+    assert "--transformer" in one_error_line(r)
     # a single file given as --checkpoint: exit 2, pointing at --transformer (was exit 1 after the plan)
-    r = run_cli("prompt", "x", "-o", str(tmp_path / "d.mp4"), "--checkpoint", str(single))
-    assert r.returncode == 2 and "--transformer" in r.stderr and not (tmp_path / "d.mp4").exists()
+    r = invoke("prompt", "x", "-o", str(tmp_path / "d.mp4"), "--checkpoint", str(single))
+    assert "--transformer" in one_error_line(r) and not (tmp_path / "d.mp4").exists()
 
 
 def test_batch_renders_jobs_in_turn_and_the_overlap_flags_are_gone(tmp_path):
@@ -216,5 +305,5 @@ def test_batch_renders_jobs_in_turn_and_the_overlap_flags_are_gone(tmp_path):
     report = json.loads((out / "batch-report.json").read_text())
     assert [j["status"] for j in report["jobs"]] == ["succeeded"] * 2 and report["queue_seconds"] > 0
     assert "overlap" not in report and "overlap" not in json.loads((out / "a.json").read_text())["timings"]
-    r = run_cli("batch", str(manifest), "--out-dir", str(out), "--no-overlap")
-    assert r.returncode == 2 and "No such option: --no-overlap" in r.stderr
+    line = click_error(invoke("batch", str(manifest), "--out-dir", str(out), "--no-overlap"))
+    assert "No such option" in line and "--no-overlap" in line

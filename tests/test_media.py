@@ -200,7 +200,7 @@ def test_streaming_equals_simple(tmp_path):
     print(f"streaming vs simple: max frame diff {diff}, audio diff {np.abs(a_audio - b_audio).max():.2e}")
     assert a_frames.shape == b_frames.shape and diff <= 1
     assert a_audio.shape == b_audio.shape and np.allclose(a_audio, b_audio, atol=1e-4)
-    assert writer.stats["end"] > writer.stats["start"] and writer.stats["encode_s"] > 0
+    assert writer.marks["end"] > writer.marks["start"] and writer.stats["encode_s"] > 0
 
 
 def test_i420_planes_path_matches_rgb_path(tmp_path):

@@ -59,7 +59,7 @@ def test_stage_totals_and_steps(timer_and_clock):
     assert s["stages"]["denoise"]["steps"] == [1.0, 2.0, 3.0]
     assert s["stages"]["load"]["intervals"] == [[0.0, 2.0]]
     assert s["stages"]["denoise"]["intervals"] == [[2.0, 8.5]]
-    assert s["wall_s"] == 9.0 and s["overlapped_s"] == 0.0
+    assert s["wall_s"] == 9.0 and s["concurrent_s"] == 0.0
     assert s["peak_memory_bytes"] is None  # CPU
 
 
@@ -84,11 +84,11 @@ def test_overlapped_stages_are_not_double_counted(timer_and_clock):
     assert timer.overlap("vae_video", "to_uint8_d2h", "encode_mux") == 1.0  # only [15, 16]
     s = timer.summary()
     assert s["wall_s"] == 13.0  # union [10, 23], not 10 + 2 + 11
-    assert s["overlapped_s"] == pytest.approx(23.0 - 13.0)
+    assert s["concurrent_s"] == pytest.approx(8.0)  # vae_video with encode_mux; to_uint8_d2h is part of vae_video
     # An explicit 'total' stage is the wall time and stays out of the overlap sum.
     timer.add_interval("total", 9.0, 24.0)
     s = timer.summary()
-    assert s["wall_s"] == 15.0 and s["overlapped_s"] == pytest.approx(10.0)
+    assert s["wall_s"] == 15.0 and s["concurrent_s"] == pytest.approx(8.0)
     assert s["stages"]["total"]["intervals"] == [[0.0, 15.0]]
     with pytest.raises(ValueError, match="ends before it starts"):
         timer.add_interval("encode_mux", 5.0, 4.0)
@@ -106,7 +106,7 @@ def test_warmup_is_kept_apart(timer_and_clock):
 
 
 def test_real_clock_and_writer_interval(tmp_path):
-    # The writer's stats are on the timer's clock, so its interval can be recorded from another thread.
+    # The writer's marks are on the timer's clock, so its interval can be recorded from another thread.
     from h3render.media import Mp4Writer
 
     timer = StageTimer(torch.device("cpu"))
@@ -114,7 +114,7 @@ def test_real_clock_and_writer_interval(tmp_path):
     with timer.stage("encode_total"):
         with Mp4Writer(tmp_path / "a.mp4", 32, 32, 4, audio=False) as w:
             w.write_frames(frames)
-    timer.add_interval("encode_mux", w.stats["start"], w.stats["end"])
+    timer.add_interval("encode_mux", w.marks["start"], w.marks["end"])
     outer = timer.intervals["encode_total"][0]
     inner = timer.intervals["encode_mux"][0]
     assert outer[0] <= inner[0] < inner[1] <= outer[1]
@@ -147,7 +147,7 @@ def test_sidecar_round_trip(tmp_path, timer_and_clock):
         extra={"note": "test"},
     )
     doc = json.loads(path.read_text())
-    assert doc["schema"] == 1
+    assert doc["schema"] == 2
     assert doc["job"] == {"prompt": "a cat", "seed": 7, "frames": 107, "canvas": [1344, 768]}
     assert doc["checkpoint"]["path"] == str(tmp_path / "ckpt")
     assert doc["sigmas"] == {"video": [1.0, 0.5, 0.0], "audio": [1.0, 0.25, 0.0]}
@@ -165,3 +165,21 @@ def test_sidecar_refuses_nan_and_leaves_nothing(tmp_path):
         write_sidecar(tmp_path / "clip.json", job_params={"x": object()}, checkpoint={},
                       sigmas={}, timings={}, versions={})
     assert list(tmp_path.iterdir()) == []
+
+
+def test_rendered_with_names_what_changed_since_a_skipped_render():
+    from h3render.timing import rendered_with
+
+    side = {"checkpoint": {"path": "/m/a", "config_hash": "h1"},
+            "run": {"encoder": {"crf": 18, "x264_preset": "veryfast"}}}
+    same = rendered_with(side, {"path": "/m/a", "config_hash": "h1"}, {"crf": 18, "x264_preset": "veryfast"})
+    assert same is None
+    note = rendered_with(side, {"path": "/m/b", "config_hash": "h2"}, {"crf": 23, "x264_preset": "veryfast"})
+    assert note == "rendered earlier with checkpoint /m/a (now /m/b), crf 18 (now 23)"
+    # same folder, new weights: the config hash says so; a schema-1 sidecar (no run.encoder) compares the checkpoint
+    note = rendered_with({"checkpoint": {"path": "/m/a", "config_hash": "h1"}}, {"path": "/m/a", "config_hash": "h3"},
+                         {"crf": 30, "x264_preset": "slow"})
+    assert note == "rendered earlier with checkpoint config h1 (now h3)"
+    note = rendered_with(side, {"path": "/m/a", "config_hash": "h1", "transformer": "/t.st"},
+                         {"crf": 18, "x264_preset": "veryfast"})
+    assert note == "rendered earlier with --transformer none (now /t.st)"

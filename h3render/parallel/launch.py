@@ -39,7 +39,13 @@ def plan_world(requested: int | None, device: str | None, num_heads: int) -> tup
         raise ValueError(f"--gpus must be >= 1, got {requested}")
     if device == "cpu":
         # CPU processes (gloo) only when asked for: how the one-command multi-rank path is tested without GPUs.
-        return largest_dividing_world(requested or 1, num_heads), None
+        want = requested or 1
+        world = largest_dividing_world(want, num_heads)
+        warning = None
+        if world != want:
+            warning = (f"using {world} of {want} CPU processes: Ulysses splits the {num_heads} attention heads "
+                       f"evenly, and {world} is the largest count <= {want} that divides {num_heads}")
+        return world, warning
     available = visible_gpus()
     if requested is not None:
         if requested < 1:
@@ -106,6 +112,7 @@ def _child(rank: int, world: int, code, fn, args) -> None:
     import signal
 
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    _thread_lock_for_tqdm()
     if rank != 0:
         # Rank 0 owns interrupts; a follower would only print a traceback from inside a collective (and die of
         # SIGUSR1's default action).
@@ -115,6 +122,17 @@ def _child(rank: int, world: int, code, fn, args) -> None:
     if rank == 0:
         code.value = int(result)
     hard_exit(0 if rank != 0 else int(result))
+
+
+def _thread_lock_for_tqdm() -> None:
+    """Give tqdm a plain thread lock in this rank process. Its default lock adds a multiprocessing semaphore, which
+    `hard_exit` (no interpreter teardown) never releases, so the parent's resource tracker warned "There appear to
+    be N leaked semaphore objects" after every N-rank run; bars only draw on rank 0, no process shares them."""
+    import threading
+
+    from tqdm import tqdm
+
+    tqdm.set_lock(threading.RLock())
 
 
 def hard_exit(code: int) -> None:

@@ -1,0 +1,138 @@
+"""docs/schema/*.schema.json against real sidecars and a real batch report from tiny renders (subprocesses), and the
+sidecar's `run` facts: what device, dtypes and attention actually ran, where the MP4 went, when the job started."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import subprocess
+import sys
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+
+import pytest
+
+jsonschema = pytest.importorskip("jsonschema")
+
+REPO = Path(__file__).resolve().parents[1]
+SMALL = ("--width", "128", "--height", "64", "--frames", "22")
+
+
+def schema(name: str) -> dict:
+    doc = json.loads((REPO / "docs" / "schema" / f"{name}.schema.json").read_text())
+    jsonschema.Draft202012Validator.check_schema(doc)
+    return doc
+
+
+def validate(doc: dict, name: str) -> None:
+    jsonschema.Draft202012Validator(schema(name)).validate(doc)
+
+
+def h3render(*args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env.pop("H3RENDER_CHECKPOINT", None)
+    return subprocess.run([sys.executable, "-m", "h3render.cli", *args], capture_output=True, text=True, env=env,
+                          cwd=REPO, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def t2va(tmp_path_factory):
+    """One base-model render on CPU asking for fa3 (which CPU cannot run): (sidecar, stderr, before, after)."""
+    out = tmp_path_factory.mktemp("t2va") / "clip.mp4"
+    before = datetime.now(timezone.utc)
+    r = h3render("prompt", "Gulls over a harbour", "-o", str(out), *SMALL, "--steps", "3", "--device", "cpu",
+                 "--attention", "fa3")
+    after = datetime.now(timezone.utc)
+    assert r.returncode == 0, r.stderr
+    return json.loads(out.with_suffix(".json").read_text()), r.stderr, before, after, out
+
+
+def test_t2va_sidecar_matches_the_schema_and_says_what_ran(t2va):
+    side, stderr, before, after, out = t2va
+    validate(side, "sidecar")
+    run = side["run"]
+    assert run["output"] == str(out.resolve())
+    assert before - timedelta(seconds=1) <= datetime.fromisoformat(run["started_at"]) <= after
+    assert run["device"]["type"] == "cpu" and run["device"]["ranks"] == 1
+    assert run["dtype"] == "float32" and run["precision"]["audio_vae"] == "float32"  # CPU default fp32
+    # fa3 was asked for; CPU ran torch SDPA, and both the warning and the sidecar say so
+    assert run["attention"] == {"requested": "fa3", "dit": "sdpa", "vae": "sdpa"}
+    warning = [line for line in stderr.splitlines() if "warning" in line and "--attention fa3" in line]
+    assert len(warning) == 1 and "sdpa" in warning[0]
+
+
+def test_writer_stats_are_durations_on_the_jobs_scale(t2va):
+    side = t2va[0]
+    writer, stages = side["extra"]["writer"], side["timings"]["stages"]
+    # open -> rename is the encode_mux interval itself; raw perf_counter values would be far larger than the job
+    assert writer["open_s"] == pytest.approx(stages["encode_mux"]["seconds"], abs=1e-6)
+    assert 0 < writer["last_frame_in_s"] <= writer["frames_done_s"] <= writer["open_s"] <= stages["total"]["seconds"]
+    assert writer["flush_s"] + writer["trailer_s"] + writer["sync_s"] == pytest.approx(writer["finalize_s"])
+    assert "overlapped_s" not in side["timings"] and "overlap" not in side["timings"]
+    # concurrent_s: encode_mux beside vae_video, never more than the shorter of the two
+    timings = side["timings"]
+    assert 0 <= timings["concurrent_s"] <= min(stages["encode_mux"]["seconds"], stages["vae_video"]["seconds"]) + 1e-9
+
+
+def test_non_tty_prompt_prints_a_line_per_stage(t2va):
+    stderr = t2va[1]
+    for stage, count in (("text encode", ""), ("denoise", "(2/2 steps)"), ("decode", "(22/22 frames)"),
+                         ("encode", "(22/22 frames)")):
+        lines = [line for line in stderr.splitlines() if line.startswith(f"h3render: clip: {stage} done in ")]
+        assert len(lines) == 1 and lines[0].endswith(count), (stage, stderr)
+
+
+def test_schema_rejects_the_old_field_names(t2va):
+    side = t2va[0]
+    old = copy.deepcopy(side)
+    old["timings"]["overlapped_s"] = old["timings"].pop("concurrent_s")
+    with pytest.raises(jsonschema.ValidationError):
+        validate(old, "sidecar")
+    raw = copy.deepcopy(side)
+    raw["extra"]["writer"]["start"] = 1234567.8  # a perf_counter instant
+    with pytest.raises(jsonschema.ValidationError):
+        validate(raw, "sidecar")
+    no_run = copy.deepcopy(side)
+    del no_run["run"]["device"]
+    with pytest.raises(jsonschema.ValidationError):
+        validate(no_run, "sidecar")
+
+
+def test_fasth3_sidecar_with_adapter_implied_mode(tmp_path):
+    from h3render.checkpoint import RELEASES
+    from h3render.make_checkpoint import write_synthetic_adapter
+
+    adapter = tmp_path / "adapter.safetensors"
+    write_synthetic_adapter(adapter, RELEASES["tiny"].dit, 0)
+    out = tmp_path / "fast.mp4"
+    r = h3render("prompt", "A drum solo", "-o", str(out), *SMALL, "--adapter", str(adapter))  # no --mode
+    assert r.returncode == 0, r.stderr
+    assert "--mode fasth3" in r.stderr
+    side = json.loads(out.with_suffix(".json").read_text())
+    validate(side, "sidecar")
+    assert side["job"]["mode"] == "fasth3" and side["job"]["steps"] is None
+    assert side["extra"]["fasth3"]["path"] == str(adapter)
+
+
+def test_batch_report_and_its_sidecars_match_the_schemas(tmp_path):
+    manifest = tmp_path / "jobs.jsonl"
+    manifest.write_text("".join(json.dumps({"id": name, "prompt": f"Rain, take {name}", "frames": 22, "steps": 2,
+                                            "width": 128, "height": 64}) + "\n" for name in "ab"))
+    out = tmp_path / "out"
+    r = h3render("batch", str(manifest), "--out-dir", str(out), "--seed", "11")
+    assert r.returncode == 0, r.stderr
+    report = json.loads((out / "batch-report.json").read_text())
+    validate(report, "batch-report")
+    assert report["state"] == "finished" and report["counts"]["succeeded"] == 2
+    for name in "ab":
+        side = json.loads((out / f"{name}.json").read_text())
+        validate(side, "sidecar")
+        assert side["job"]["seed"] == 11  # --seed: a batch-wide default (the jobs name none)
+    # in a log, batch prints no stage lines for stages shorter than 10 s (one line per job instead)
+    assert " done in " not in r.stderr and "job 2/2" in r.stderr
+    r = h3render("batch", str(manifest), "--out-dir", str(out), "--seed", "11")  # resume: both skipped
+    assert r.returncode == 0, r.stderr
+    report = json.loads((out / "batch-report.json").read_text())
+    validate(report, "batch-report")
+    assert [j["status"] for j in report["jobs"]] == ["skipped", "skipped"] and report["load_seconds"] is None
