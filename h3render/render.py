@@ -38,23 +38,32 @@ def render_job(engine, job, mp4_path: Path, sidecar_path: Path) -> Future:
     timer = StageTimer(dev)
     t_start = timer.now()
 
-    with timer.stage("text_encode"):
-        text = c.text_encoder.encode(job.prompt).to(dev)  # [Nt, text_dim]
-    layout = t2va_layout(text.shape[0], job.height, job.width, job.frames).to(dev)
     schedule = engine.schedule(job)
-    tables = engine.tables(schedule)
-    video_noise, audio_rows = sampling.draw_noise(job.seed, layout)  # CPU generator, as released
+    # fl2va (keyframes): text with vision blocks, condition rows, a layout with them (h3render.conditioning).
+    condition = _condition(engine, job, timer)
+    if condition is None:
+        with timer.stage("text_encode"):
+            text = c.text_encoder.encode(job.prompt).to(dev)  # [Nt, text_dim]
+        layout = t2va_layout(text.shape[0], job.height, job.width, job.frames).to(dev)
+    else:
+        text, layout = condition.text, condition.layout
+    tables = engine.tables(schedule, keyframes=condition is not None)
+    # CPU generator, as released; fl2va continues the generator that drew the keyframe noise
+    video_noise, audio_rows = sampling.draw_noise(job.seed if condition is None else condition.generator, layout)
     video_rows = patchify_video(video_noise[0]).to(dev)  # [Nv, 96]
     audio_rows = audio_rows.to(dev)  # [Na, 32]
 
     with timer.stage("denoise"):
-        model_fn = _timed_steps(engine.model_fn(text, layout, tables), timer)
+        model_fn = _timed_steps(engine.model_fn(text, layout, tables, None if condition is None else condition.rows),
+                                timer)
         bar = _step_bar(schedule.forwards, settings.progress and plan.writes, settings.step_bar_position)
         video_rows, audio_rows = sampling.denoise(model_fn, video_rows, audio_rows, schedule.video, schedule.audio,
                                                   on_step=lambda i, v, a: bar.update(1))
         bar.close()
     if not (torch.isfinite(video_rows).all() and torch.isfinite(audio_rows).all()):
         raise RenderError("denoising produced non-finite latents (NaN/Inf); no video written")
+    if condition is not None:
+        layout = layout.target_layout()  # the generated rows only; the condition rows were never written
     video_latent = unpatchify_video(video_rows, layout)  # [24, T, h, w]
     audio_latent = rows_to_audio(audio_rows, layout).float()  # [2, 32, Ta]
     if settings.save_latents and plan.writes:
@@ -94,6 +103,8 @@ def render_job(engine, job, mp4_path: Path, sidecar_path: Path) -> Future:
         result = {"frames_written": written, "writer": dict(writer.stats)}
         if job_warmup:
             result["job_warmup"] = job_warmup
+        if condition is not None:
+            result["fl2va"] = condition.record
         return _write_sidecar(engine, job, schedule, timer, sidecar_path, result)
 
     return writer.finish_async(then=tail)
@@ -161,6 +172,22 @@ def _write_sidecar(engine, job, schedule: sampling.Schedule, timer: StageTimer, 
                 versions=versions(), extra=extra)
     write_sidecar(path, **data)
     return data
+
+
+def _condition(engine, job, timer: StageTimer):
+    """fl2va: the job's `h3render.conditioning.Condition`, or None for a t2va job.
+
+    Raises:
+        RenderError: a keyframe changed since validation or can no longer be read.
+    """
+    if getattr(job, "task", "t2va") != "fl2va":
+        return None
+    from h3render.conditioning import prepare_condition
+
+    try:
+        return prepare_condition(engine, job, timer)
+    except ValueError as exc:
+        raise RenderError(f"job {job.output!r}: {exc}") from None
 
 
 def _timed_steps(model_fn, timer: StageTimer):
