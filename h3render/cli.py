@@ -239,6 +239,8 @@ def cli() -> None:
 @click.argument("text")
 @click.option("-o", "--output", required=True, help="Output .mp4 path (sidecar: same name, .json).")
 @click.option("--quiet", is_flag=True, help="No stage progress (bars on a terminal, else a line per stage).")
+@click.option("--first-frame", default=None, help="fl2va: image (PNG/JPEG/WebP) the video starts from.")
+@click.option("--last-frame", default=None, help="fl2va: image (PNG/JPEG/WebP) the video ends on.")
 @_canvas_time_options
 @_engine_options
 def prompt_command(text, output, **opts) -> None:
@@ -261,10 +263,12 @@ def _prompt(text: str, output: str, opts: dict) -> int:
     _check_transformer(opts["transformer"])
     info = _checkpoint_info(checkpoint)
     fields = {k: opts[k] for k in ("preset", "aspect", "width", "height", "duration", "frames", "steps", "seed",
-                                   "mode")}
+                                   "mode", "first_frame", "last_frame")}
     fields.update(prompt=text, output=out.stem)
     job = jobs_mod.job_from_fields(fields, info.limits())
     _say(f"h3render: {job.canvas_note()}, {job.time_note()}")
+    if job.task == "fl2va":
+        _say("h3render: fl2va: " + "; ".join(k.describe() for k in job.keyframes))
     sidecar = out.with_suffix(".json")
     return _run(checkpoint, info, [job], opts, single=(out, sidecar))
 

@@ -22,10 +22,10 @@ from h3render.media import PinnedFrameStager
 from h3render.models.attention import attention as fast_attention
 from h3render.models.attention import fastest_for, select_backend
 from h3render.models.attention import runner as attention_runner
-from h3render.packing import t2va_layout
+from h3render.packing import fl2va_layout, noise_keyframes, t2va_layout
 from h3render.parallel.groups import ParallelContext
 from h3render.parallel.plan import ParallelPlan
-from h3render.sampling import Schedule, dit_model_fn
+from h3render.sampling import Schedule, dit_model_fn, schedule_timesteps
 
 
 class RenderError(RuntimeError):
@@ -184,8 +184,15 @@ class Engine:
     def schedule(self, job) -> Schedule:
         """Sigma lists for a job: the FastH3 student's fixed few-step schedule, or the base linspace+shift grid.
 
-        A fasth3 job of a mixed queue fuses the student first (once)."""
+        A fasth3 job of a mixed queue fuses the student first (once).
+
+        Raises:
+            RenderError: an fl2va job on a FastH3 student (students are t2va-only); fasth3 without a student.
+        """
         info = self.c.info
+        if getattr(job, "task", "t2va") == "fl2va" and (job.mode == "fasth3" or self.fasth3 is not None):
+            raise RenderError(f"job {job.output!r} is fl2va (keyframes given): FastH3 students are t2va-only; "
+                              "render it on the base checkpoint without --adapter")
         if job.mode == "fasth3":
             if self.fasth3 is None:
                 raise RenderError("mode fasth3 needs a FastH3 adapter (--adapter PATH, or `adapter` in the manifest's "
@@ -214,17 +221,43 @@ class Engine:
             torch.cuda.synchronize(self.device)
         self.warmup["fasth3_fusion_s"] = time.perf_counter() - t0
 
-    def tables(self, schedule: Schedule):
-        """AdaLN modulation tables for every timestep of a schedule, built once on the device and cached."""
-        key = tuple(schedule.timesteps.tolist())
+    def tables(self, schedule: Schedule, keyframes: bool = False):
+        """AdaLN modulation tables for every timestep of a schedule, built once on the device and cached; with
+        `keyframes`, also the fl2va keyframe rows' timesteps (`sampling.schedule_timesteps(..., keyframes=True)`)."""
+        timesteps = schedule_timesteps(schedule.video, schedule.audio, keyframes=keyframes)
+        key = tuple(timesteps.tolist())
         if key not in self._tables:
-            self._tables[key] = self.c.dit.modulation_tables(schedule.timesteps, device=self.device)
+            self._tables[key] = self.c.dit.modulation_tables(timesteps, device=self.device)
         return self._tables[key]
 
-    def model_fn(self, text: torch.Tensor, layout, tables):
+    def model_fn(self, text: torch.Tensor, layout, tables, condition_rows: torch.Tensor | None = None):
         """`sampling.denoise`'s model_fn for one job: the DiT forward of the parallel plan (the diffusers oracle
-        chain test drives the same `sampling.dit_model_fn`)."""
-        return dit_model_fn(self.plan.forward, text, layout, tables, self.c.dit.rope_tables(layout.positions))
+        chain test drives the same `sampling.dit_model_fn`); fl2va passes its fixed keyframe rows `[Nc, 96]`."""
+        return dit_model_fn(self.plan.forward, text, layout, tables, self.c.dit.rope_tables(layout.positions),
+                            condition_rows=condition_rows)
+
+    def ensure_vision(self, timer=None) -> None:
+        """Load the conditioner's vision tower and keyframe image processor (fl2va) if not yet loaded: in `prepare`
+        for a queue with fl2va jobs, else by the first fl2va job (timed as its warm-up `vision_load`).
+
+        Raises:
+            CheckpointError: the checkpoint has no vision tower config or no processor config.
+        """
+        te = self.c.text_encoder
+        if te.has_vision and te.image_processor is not None:
+            return
+        from contextlib import nullcontext
+
+        from h3render.checkpoint import load_vision
+
+        t0 = time.perf_counter()
+        with timer.warmup("vision_load") if timer is not None else nullcontext():
+            tower, processor = load_vision(self.c.info, self.device, te.embed_tokens.weight.dtype)
+        if tower.config.out_hidden_size != te.text_dim:
+            raise RenderError(f"vision tower out_hidden_size {tower.config.out_hidden_size} is not the text width "
+                              f"{te.text_dim}")
+        te.visual, te.image_processor = tower, processor
+        self.warmup["vision_load_s"] = time.perf_counter() - t0
 
     def decode_audio(self, latent: torch.Tensor, timer) -> tuple[torch.Tensor | None, dict[str, Any]]:
         """Audio latent `[2, 32, Ta]` -> (waveform `[2, Ta * 800]` float32 on the rank that decodes audio, else None;
@@ -262,7 +295,7 @@ class Engine:
         for job in jobs:
             if job.mode == "fasth3" and self._deferred_fusion is not None:
                 continue  # built once the student is fused, on its first job
-            self.tables(self.schedule(job))
+            self.tables(self.schedule(job), keyframes=job.task == "fl2va")
         if self.device.type == "cuda":
             self.c.dit.offload_adaln_("cpu")
             torch.cuda.empty_cache()
@@ -276,6 +309,12 @@ class Engine:
                 self._warm_dit(jobs[0])
                 self.plan.warm_up()
             self.warmup["dit_te_warmup_s"] = time.perf_counter() - t0
+            fl2va = [j for j in jobs if j.task == "fl2va"]
+            if fl2va:
+                t0 = time.perf_counter()
+                self.ensure_vision()
+                self._warm_fl2va(fl2va[0])
+                self.warmup["fl2va_warmup_s"] = time.perf_counter() - t0
         if self.device.type == "cuda" and jobs:
             self._warm_vae(jobs)
             if self.plan.decodes_audio and "audio_activations" not in self.warmup:
@@ -338,6 +377,30 @@ class Engine:
     def _audio_probe(self, length: int) -> torch.Tensor:
         """A zero audio latent `[2, 32, length]` (float32, this device): the decode's input shape."""
         return torch.zeros(spec.AUDIO_CHANNELS, self.c.audio_vae.config.latent_channels, length, device=self.device)
+
+    @torch.no_grad()
+    def _warm_fl2va(self, job) -> None:
+        """One presentation encode with grey keyframes on the job's canvas, one keyframe VAE encode, and one DiT
+        forward with the job's condition rows on the shortest clip: first-call costs (kernel selection, Triton
+        specialization of the longer row count) stay out of the first fl2va job."""
+        from PIL import Image
+
+        from h3render.keyframes import keyframe_pixels
+
+        c, dev = self.c, self.device
+        grey = [Image.new("RGB", (job.width, job.height), (128, 128, 128))] * len(job.keyframes)
+        text, presentation = c.text_encoder.encode_presentation(job.prompt, grey)
+        latent = c.video_vae.encode_condition(keyframe_pixels(grey[0]).to(dev))
+        anchors = tuple(k.anchor for k in job.keyframes)
+        layout = fl2va_layout(presentation.tags, job.height, job.width, spec.FRAMES_REMAINDER, anchors).to(dev)
+        rows = noise_keyframes([latent] * len(anchors), torch.Generator().manual_seed(0))
+        tables = self.tables(self.schedule(job), keyframes=True)
+        video = torch.zeros(layout.num_target_video_rows, c.dit.cfg.video_patch_dim, device=dev)
+        audio = torch.zeros(layout.audio_index.numel(), c.dit.cfg.audio_in_channels, device=dev)
+        t = tables.timesteps[0]
+        self.model_fn(text.to(dev), layout, tables, condition_rows=rows)(video, audio, t, t)
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
 
     def _warm_dit(self, job) -> None:
         """Two short DiT forwards on the job's code path (sharded on several ranks), so the first denoising step of

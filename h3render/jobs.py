@@ -3,10 +3,10 @@
 A job reads top to bottom: manifest line → `Job` → encode → pack → denoise → decode → write. This module owns the
 job side of the first arrow: `Job` and the checkpoint's `Limits`, the canvas and time requests (`parse_aspect`,
 `check_canvas`, `snap_frames`), the canvas presets in the repository's `presets/` folder, output names, the
-`--dry-run` plan, the split of a batch into shards (`--shard i/n`, SLURM arrays) and the encoder options checked
-up front. The manifest formats (JSONL and YAML) and their `file:line: field: problem` errors are in
-`h3render.manifest`; `load_manifest`, `read_manifest`, `job_from_fields`, `Manifest` and `ManifestError` are also
-importable from here.
+`--dry-run` plan and the encoder options checked up front; the split of a batch into shards (`--shard i/n`, SLURM
+arrays) is `h3render.shards`, re-exported here; fl2va keyframe files are checked by `h3render.job_keyframes`. The
+manifest formats (JSONL and YAML) and their `file:line: field: problem` errors are in `h3render.manifest`;
+`load_manifest`, `read_manifest`, `job_from_fields`, `Manifest` and `ManifestError` are also importable from here.
 
 The frame grid, latent rates and canvas rule live in `h3render.spec`; the names callers took from this module
 (`FPS`, `canvas_for_aspect`, `latent_frames`, …) are re-exported from there.
@@ -29,13 +29,16 @@ from typing import Any, Mapping, NamedTuple
 import yaml
 
 import h3render.presets
+from h3render.job_keyframes import KeyframeRef
+from h3render.shards import parse_shard, shard_from_slurm, shard_jobs  # noqa: F401  (re-exported)
 from h3render.spec import (  # noqa: F401  (re-exported: callers import these names from h3render.jobs)
     AUDIO_CHANNELS, AUDIO_LATENTS_PER_SECOND, CANVAS_MULTIPLE, FPS, FRAMES_PER_CHUNK, FRAMES_REMAINDER, MAX_ASPECT,
     MIN_ASPECT, RELEASED_MAX_PIXELS, RELEASED_SHORT_EDGE, audio_rows, canvas_for_aspect, is_snapped, latent_frames,
     snap_frames_up, video_rows)
 
 # --- h3render choices (docs/manifest.md) ---------------------------------------------------------------------------
-MODES = ("t2va", "fasth3")
+MODES = ("t2va", "fasth3")  # the sampler: base model or distilled FastH3 student (t2va-only)
+TASKS = ("t2va", "fl2va")  # what conditions the video: the prompt alone, or also a first and/or last keyframe
 DEFAULT_MODE = "t2va"
 DEFAULT_SEED = 0  # a fixed value, so a manifest without seeds renders the same twice
 MAX_SEED = 2**64 - 1  # torch.Generator.manual_seed accepts 0 … 2**64 − 1
@@ -121,7 +124,8 @@ class Requested:
     """What the user asked for, before snapping and defaults; kept for the log ("10 s → 243 frames = 10.125 s").
 
     All fields None when the job took the checkpoint's defaults. `aspect` is the text given ("16:9"); `width` and
-    `height` are set only for an explicit canvas; `duration` in s.
+    `height` are set only for an explicit canvas; `duration` in s; `canvas_from` names the keyframe whose aspect
+    set the canvas of an fl2va job that named none ("first frame's aspect (640x480)").
     """
 
     preset: str | None = None
@@ -130,6 +134,7 @@ class Requested:
     height: int | None = None
     duration: float | None = None
     frames: int | None = None
+    canvas_from: str | None = None
 
 
 @dataclass(frozen=True)
@@ -149,6 +154,8 @@ class Job:
             `<out_dir>/<output>.json`.
         requested: what the user asked for (`Requested`).
         source: manifest file and line, for messages.
+        first_frame, last_frame: fl2va keyframe files (`h3render.job_keyframes.KeyframeRef`), or None; either one
+            makes the job's `task` "fl2va".
     """
 
     id: str | None
@@ -162,6 +169,8 @@ class Job:
     output: str
     requested: Requested = field(default_factory=Requested)
     source: Source = Source("<job>", 0)
+    first_frame: KeyframeRef | None = None
+    last_frame: KeyframeRef | None = None
 
     def __post_init__(self) -> None:
         check_canvas(self.width, self.height)
@@ -169,15 +178,33 @@ class Job:
             raise ValueError(f"Job {self.output!r}: frames {self.frames} is not of the form 17n+5")
         if self.mode not in MODES:
             raise ValueError(f"Job {self.output!r}: mode {self.mode!r} is not one of {', '.join(MODES)}")
+        if self.mode == "fasth3" and self.task == "fl2va":
+            raise ValueError(f"Job {self.output!r}: FastH3 students are t2va-only; an fl2va job needs mode t2va")
         problem = output_path_problem(self.output)
         if problem:
             raise ValueError(f"Job output {self.output!r}: {problem}")
 
     def params(self) -> dict[str, Any]:
         """Everything that determines the rendered output, as plain JSON values: the resume key and the sidecar's
-        `"job"` entry. The output name and the manifest position are not part of it."""
-        return {"prompt": self.prompt, "seed": self.seed, "width": self.width, "height": self.height,
-                "frames": self.frames, "steps": self.steps, "mode": self.mode}
+        `"job"` entry. The output name and the manifest position are not part of it. An fl2va job adds `task` and
+        each keyframe's content hash (`first_frame_sha256`, `last_frame_sha256`): editing a picture re-renders the
+        job, renaming it does not (its path is in the sidecar's `extra.fl2va`)."""
+        params = {"prompt": self.prompt, "seed": self.seed, "width": self.width, "height": self.height,
+                  "frames": self.frames, "steps": self.steps, "mode": self.mode}
+        if self.task == "fl2va":
+            params["task"] = "fl2va"
+            params.update({f"{k.anchor}_frame_sha256": k.sha256 for k in self.keyframes})
+        return params
+
+    @property
+    def task(self) -> str:
+        """"fl2va" when a first or last keyframe is given, else "t2va"."""
+        return "fl2va" if self.first_frame is not None or self.last_frame is not None else "t2va"
+
+    @property
+    def keyframes(self) -> tuple[KeyframeRef, ...]:
+        """The given keyframes in packed order (first, then last)."""
+        return tuple(k for k in (self.first_frame, self.last_frame) if k is not None)
 
     @property
     def seconds(self) -> float:
@@ -216,6 +243,8 @@ class Job:
     def canvas_note(self) -> str:
         """How the canvas came about, e.g. "16:9 → 1344x768" or "1344x768 (default)"."""
         canvas = f"{self.width}x{self.height}"
+        if self.requested.canvas_from is not None:
+            return f"{self.requested.canvas_from} → {canvas}"
         if self.requested.preset is not None:
             return f"preset {self.requested.preset} → {canvas}"
         if self.requested.aspect is not None:
@@ -491,7 +520,7 @@ def _one_line(exc: BaseException) -> str:
     return " ".join(str(exc).split())
 
 
-# --- Dry-run plan and shards -----------------------------------------------------------------------------------------
+# --- Dry-run plan ----------------------------------------------------------------------------------------------------
 
 def plan_lines(jobs: list[Job]) -> list[str]:
     """One line per job for `--dry-run` (output, canvas, frames and s, steps, packed rows, source) and a total."""
@@ -499,74 +528,13 @@ def plan_lines(jobs: list[Job]) -> list[str]:
     for number, job in enumerate(jobs, start=1):
         label = job.output if job.id is None or job.id == job.output else f"{job.id} → {job.output}"
         steps = "adapter schedule" if job.steps is None else f"{job.steps} sigma points"
-        lines.append(f"[{number}/{len(jobs)}] {label}: {job.canvas_note()}, {job.time_note()}, {job.mode} "
+        task = "" if job.task == "t2va" else f"fl2va ({', '.join(k.describe() for k in job.keyframes)}), "
+        lines.append(f"[{number}/{len(jobs)}] {label}: {task}{job.canvas_note()}, {job.time_note()}, {job.mode} "
                      f"{steps}, seed {job.seed}, rows video {job.video_rows:,} + audio "
                      f"{job.audio_rows:,} ({job.source})")
     total = sum(job.seconds for job in jobs)
     lines.append(f"{len(jobs)} job(s), {total:.3f} s of video")
     return lines
-
-
-def shard_jobs(jobs: list[Job], index: int, count: int) -> list[Job]:
-    """The jobs of shard `index` (0-based) of `count`: job i goes to shard i % count, so the shards of any count
-    cover every job exactly once and a shard's jobs keep manifest order.
-
-    Raises:
-        ValueError: count < 1 or index outside 0 … count − 1.
-    """
-    _check_shard(index, count)
-    return [job for position, job in enumerate(jobs) if position % count == index]
-
-
-def _check_shard(index: int, count: int) -> None:
-    if not _is_int(count) or count < 1:
-        raise ValueError(f"shard count {count!r} must be a positive integer")
-    if not _is_int(index) or not 0 <= index < count:
-        raise ValueError(f"shard index {index!r} must be within 0 … {count - 1} (shards are numbered from 0)")
-
-
-def parse_shard(text: str) -> tuple[int, int]:
-    """Parse `--shard i/n` (0-based i): "0/4" … "3/4" → (i, n).
-
-    Raises:
-        ValueError: not of the form i/n, or i outside 0 … n − 1.
-    """
-    match = re.fullmatch(r"\s*(\d+)\s*/\s*(\d+)\s*", text)
-    if not match:
-        raise ValueError(f'--shard {text!r} must look like "0/4" (0-based index / count)')
-    index, count = int(match[1]), int(match[2])
-    _check_shard(index, count)
-    return index, count
-
-
-def shard_from_slurm(env: Mapping[str, str]) -> tuple[int, int] | None:
-    """The shard of a SLURM array task, or None outside an array job.
-
-    index = (SLURM_ARRAY_TASK_ID − SLURM_ARRAY_TASK_MIN) / SLURM_ARRAY_TASK_STEP, count = SLURM_ARRAY_TASK_COUNT,
-    so `--array=0-3`, `--array=1-4` and `--array=0-6:2` all give shards 0 … 3 of 4. MIN defaults to 0, STEP to 1.
-
-    Raises:
-        ValueError: a non-integer variable, a missing count, or an array that is not an evenly spaced range (e.g.
-            `--array=1,4,9`): pass `--shard i/n` instead.
-    """
-    if not env.get("SLURM_ARRAY_TASK_ID"):
-        return None
-    values = {}
-    for name, default in (("ID", None), ("COUNT", None), ("MIN", "0"), ("STEP", "1")):
-        raw = env.get(f"SLURM_ARRAY_TASK_{name}", default)
-        if raw is None:
-            raise ValueError(f"SLURM_ARRAY_TASK_ID is set but SLURM_ARRAY_TASK_{name} is not; pass --shard i/n")
-        try:
-            values[name] = int(raw)
-        except ValueError:
-            raise ValueError(f"SLURM_ARRAY_TASK_{name}={raw!r} is not an integer") from None
-    offset, step, count = values["ID"] - values["MIN"], values["STEP"], values["COUNT"]
-    if step < 1 or offset % step or not 0 <= offset // step < max(count, 1):
-        raise ValueError(f"SLURM array task {values['ID']} (min {values['MIN']}, step {step}, count {count}) is not "
-                         f"part of an evenly spaced range; pass --shard i/n")
-    index = offset // step
-    _check_shard(index, count)
-    return index, count
 
 
 # --- Encoder options, checked before load, so a typo fails in the first second rather than after denoising --------

@@ -128,7 +128,10 @@ def load_keyframe(path: str | Path, anchor: str = "first") -> Keyframe:
             image = _to_rgb(oriented)
     except ValueError:
         raise
-    except (UnidentifiedImageError, OSError, SyntaxError, Image.DecompressionBombError, EOFError) as exc:
+    except UnidentifiedImageError:
+        raise ValueError(f"{path}: not a decodable image (Pillow recognizes no image format in its "
+                         f"{len(data):,} bytes)") from None
+    except (OSError, SyntaxError, Image.DecompressionBombError, EOFError) as exc:
         raise ValueError(f"{path}: not a decodable image ({type(exc).__name__}: {exc})") from None
     width, height = image.size
     if width < 1 or height < 1:

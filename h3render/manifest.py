@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import difflib
 import json
-import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,23 +16,23 @@ from typing import Any, Iterable, Mapping, NamedTuple
 
 import yaml
 
-from h3render.jobs import (CANVAS_MULTIPLE, DEFAULT_MODE, DEFAULT_SEED, MAX_SEED, MODES, Job, Limits, Preset,
-                           Requested, Source, _is_int, _one_line, canvas_for_aspect, check_canvas, load_presets,
-                           output_key, output_name, output_path_problem, parse_aspect, prompt_slug, snap_frames)
+from h3render.job_keyframes import KEYFRAME_FIELDS
+from h3render.jobs import (DEFAULT_MODE, DEFAULT_SEED, Job, Limits, Preset, Requested, Source, _one_line,
+                           canvas_for_aspect, check_canvas, load_presets, output_key, output_name, output_path_problem,
+                           parse_aspect, prompt_slug, snap_frames)
+from h3render.manifest_fields import (MAX_INT_DIGITS as _MAX_INT_DIGITS, STRING_FIELDS as _STRING_FIELDS,
+                                      TooLong as _TooLong, field_problem as _field_problem, keyframe_canvas,
+                                      resolve_keyframes, strip_mp4 as _strip_mp4)
 
 JOB_FIELDS = ("id", "prompt", "preset", "aspect", "width", "height", "duration", "frames", "seed", "steps", "mode",
-              "output")
-JOB_ONLY_FIELDS = ("id", "prompt", "output")  # may not appear in `defaults` or in command-line defaults
+              "output", *KEYFRAME_FIELDS)
+JOB_ONLY_FIELDS = ("id", "prompt", "output", *KEYFRAME_FIELDS)  # not in `defaults` or command-line defaults
 DEFAULTS_ONLY_FIELDS = ("adapter",)  # only in the manifest's `defaults` (the command line has --adapter)
 DEFAULT_FIELDS = tuple(f for f in JOB_FIELDS if f not in JOB_ONLY_FIELDS) + DEFAULTS_ONLY_FIELDS
 _KNOWN_FIELDS = JOB_FIELDS + DEFAULTS_ONLY_FIELDS
 _CANVAS_FIELDS = ("preset", "aspect", "width", "height")
 _TIME_FIELDS = ("duration", "frames")
-_STRING_FIELDS = ("id", "prompt", "preset", "aspect", "mode", "output", "adapter")
 _COMMAND_LINE = "<command line>"
-# Integers longer than this are never a valid value of any field (the largest, a seed, has 20 digits); they are kept
-# as their digit count, so a 5,001-digit number is a field error rather than Python's int-conversion ValueError.
-_MAX_INT_DIGITS = 100
 MAX_NESTING = 64  # YAML levels; a manifest needs 3. PyYAML composes recursively: 100,000 levels overflow the stack
 
 
@@ -54,10 +53,6 @@ class Manifest:
     path: Path
     jobs: list[Job]
     adapter: Path | None = None
-
-
-class _TooLong(NamedTuple):
-    digits: int  # an integer literal of more than _MAX_INT_DIGITS digits, kept as its digit count
 
 
 class _Value(NamedTuple):
@@ -393,65 +388,6 @@ def _check_layer(layer: _Layer, presets: Mapping[str, Preset], limits: Limits, e
     return len(errors.found) == before
 
 
-def _field_problem(name: str, value: Any, presets: Mapping[str, Preset], limits: Limits) -> str | None:
-    if isinstance(value, _TooLong):
-        return f"an integer of {value.digits:,} digits is out of range"
-    if name in _STRING_FIELDS and not isinstance(value, str):
-        return f"must be a string, got {_type_name(value)}"
-    if name in ("id", "prompt", "adapter") and not value.strip():
-        return "must not be empty"
-    if name == "prompt" and len(value) > limits.max_prompt_chars:
-        return (f"{len(value):,} characters is longer than this checkpoint's limit of {limits.max_prompt_chars:,} "
-                f"characters")
-    if name == "id" and any(ord(c) < 32 for c in value):
-        return "must not contain control characters"
-    if name == "preset" and value not in presets:
-        known = ", ".join(sorted(presets)) or "(none found)"
-        return f"unknown preset {value!r}; available: {known}"
-    if name == "aspect":
-        try:
-            canvas_for_aspect(*parse_aspect(value))
-        except ValueError as exc:
-            return str(exc)
-    if name in ("width", "height"):
-        if not _is_int(value):
-            return f"must be an integer number of px, got {_type_name(value)}"
-        if value <= 0 or value % CANVAS_MULTIPLE:
-            return f"{value} is not a positive multiple of {CANVAS_MULTIPLE}"
-    if name == "duration":
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            return f"must be a number of seconds, got {_type_name(value)}"
-        if not math.isfinite(value) or value <= 0:
-            return f"{value} must be a positive number of seconds"
-    if name in ("frames", "seed", "steps") and not _is_int(value):
-        return f"must be an integer{' number of sigma points' * (name == 'steps')}, got {_type_name(value)}"
-    if name == "frames" and value <= 0:
-        return f"{value} must be positive"
-    if name == "seed" and not 0 <= value <= MAX_SEED:
-        return f"{value} is outside 0 … 2**64-1"
-    if name == "steps":
-        if value < 2:
-            return f"{value} sigma points is too few (at least 2: N points run N-1 forwards)"
-        if value > limits.max_sigma_points:
-            return f"{value} sigma points is more than this checkpoint's limit of {limits.max_sigma_points:,}"
-    if name == "mode" and value not in MODES:
-        return f"{value!r} is not one of {', '.join(MODES)}"
-    if name == "output":
-        problem = output_path_problem(_strip_mp4(value))
-        if problem:
-            return problem
-    return None
-
-
-def _type_name(value: Any) -> str:
-    return {bool: "a boolean", type(None): "null", list: "a list", dict: "a mapping", str: "a string",
-            float: "a decimal number", int: "an integer"}.get(type(value), type(value).__name__)
-
-
-def _strip_mp4(output: str) -> str:
-    return output[:-4] if output.lower().endswith(".mp4") else output
-
-
 def _first(layers: Iterable[_Layer], names: Iterable[str]) -> _Layer | None:
     names = tuple(names)
     return next((layer for layer in layers if any(n in layer.fields for n in names)), None)
@@ -480,9 +416,20 @@ def _resolve_job(job: _Layer, layers: list[_Layer], limits: Limits, presets: Map
                  errors: _Errors, adapter_available: bool | None) -> dict[str, Any] | None:
     """Apply precedence to one checked job; returns Job keyword arguments (without output/source) or None."""
     requested: dict[str, Any] = {}
+    # fl2va: keyframe files are read now (relative to the manifest's folder), before anything loads.
+    base_dir = "." if job.file == _COMMAND_LINE else os.path.dirname(job.file) or "."
+    keyframes, problems = resolve_keyframes({f: job.get(f) for f in KEYFRAME_FIELDS if f in job.fields}, base_dir)
+    for name, problem in problems:
+        errors.add(job.where(name), problem)
+    if problems:
+        return None
     canvas_layer = _first(layers, _CANVAS_FIELDS)
     preset = None
-    if canvas_layer is None:
+    if canvas_layer is None and keyframes:  # the canvas follows the leading keyframe (first given)
+        leading = next(iter(keyframes.values()))
+        requested["canvas_from"] = f"{leading.anchor} frame's aspect ({leading.width}x{leading.height})"
+        width, height = keyframe_canvas(leading, limits)
+    elif canvas_layer is None:
         width, height = limits.default_canvas
     elif "preset" in canvas_layer.fields:
         preset = presets[canvas_layer.get("preset")]
@@ -523,6 +470,13 @@ def _resolve_job(job: _Layer, layers: list[_Layer], limits: Limits, presets: Map
         errors.add(job.where("mode"), f"fasth3{inherited} needs a FastH3 adapter and none is given: pass --adapter "
                                       f"PATH, or name one in the manifest's defaults (adapter: PATH)")
         return None
+    if mode == "fasth3" and keyframes:
+        origin = mode_layer.where("mode")
+        named = f" {job.get('id')!r}" if job.get("id") else ""
+        errors.add(job.where(next(iter(keyframes))), f"job{named} is fl2va (keyframes given) but its mode is fasth3"
+                   f"{'' if mode_layer is job else f' (from {origin})'}: FastH3 students are t2va-only; render it "
+                   f"with mode t2va")
+        return None
     # The student only works on the schedule it was distilled for, which comes with the adapter: a steps inherited
     # from defaults does not apply, one on the job itself is a mistake.
     if mode == "fasth3" and "steps" in job.fields:
@@ -532,7 +486,7 @@ def _resolve_job(job: _Layer, layers: list[_Layer], limits: Limits, presets: Map
     seed_layer = _first(layers, ["seed"])
     return dict(id=job.get("id"), prompt=job.get("prompt"), width=width, height=height, frames=frames,
                 seed=seed_layer.get("seed") if seed_layer else DEFAULT_SEED, steps=steps, mode=mode,
-                requested=Requested(**requested))
+                requested=Requested(**requested), **keyframes)
 
 
 def _check_ids(job_layers: list[_Layer], errors: _Errors) -> set[int]:

@@ -43,21 +43,30 @@ def render_job(engine, job, mp4_path: Path, sidecar_path: Path) -> Future:
     progress = as_progress(settings.progress, settings.step_bar_position) if plan.writes else Progress("off")
     label = mp4_path.stem
 
-    with progress.stage(label, "text encode"), timer.stage("text_encode"):
-        text = c.text_encoder.encode(job.prompt).to(dev)  # [Nt, text_dim]
-    layout = t2va_layout(text.shape[0], job.height, job.width, job.frames).to(dev)
     schedule = engine.schedule(job)
-    tables = engine.tables(schedule)
-    video_noise, audio_rows = sampling.draw_noise(job.seed, layout)  # CPU generator, as released
+    # fl2va (keyframes): text with vision blocks, condition rows, a layout with them (h3render.conditioning).
+    condition = _condition(engine, job, timer)
+    if condition is None:
+        with progress.stage(label, "text encode"), timer.stage("text_encode"):
+            text = c.text_encoder.encode(job.prompt).to(dev)  # [Nt, text_dim]
+        layout = t2va_layout(text.shape[0], job.height, job.width, job.frames).to(dev)
+    else:
+        text, layout = condition.text, condition.layout
+    tables = engine.tables(schedule, keyframes=condition is not None)
+    # CPU generator, as released; fl2va continues the generator that drew the keyframe noise
+    video_noise, audio_rows = sampling.draw_noise(job.seed if condition is None else condition.generator, layout)
     video_rows = patchify_video(video_noise[0]).to(dev)  # [Nv, 96]
     audio_rows = audio_rows.to(dev)  # [Na, 32]
 
     with timer.stage("denoise"), progress.stage(label, "denoise", schedule.forwards, "steps") as shown:
-        model_fn = _timed_steps(engine.model_fn(text, layout, tables), timer)
+        model_fn = _timed_steps(engine.model_fn(text, layout, tables, None if condition is None else condition.rows),
+                                timer)
         video_rows, audio_rows = sampling.denoise(model_fn, video_rows, audio_rows, schedule.video, schedule.audio,
                                                   on_step=lambda i, v, a: shown.update(1))
     if not (torch.isfinite(video_rows).all() and torch.isfinite(audio_rows).all()):
         raise RenderError("denoising produced non-finite latents (NaN/Inf); no video written")
+    if condition is not None:
+        layout = layout.target_layout()  # the generated rows only; the condition rows were never written
     video_latent = unpatchify_video(video_rows, layout)  # [24, T, h, w]
     audio_latent = rows_to_audio(audio_rows, layout).float()  # [2, 32, Ta]
     if settings.save_latents and plan.writes:
@@ -102,6 +111,8 @@ def render_job(engine, job, mp4_path: Path, sidecar_path: Path) -> Future:
         result = {"frames_written": written, "writer": dict(writer.stats)}
         if job_warmup:
             result["job_warmup"] = job_warmup
+        if condition is not None:
+            result["fl2va"] = condition.record
         run = run_facts(engine, mp4_path, started_at)
         return _write_sidecar(engine, job, schedule, timer, sidecar_path, result, run, mp4_path)
 
@@ -226,6 +237,22 @@ def _write_sidecar(engine, job, schedule: sampling.Schedule, timer: StageTimer, 
                 versions=versions(), run=run, extra=extra)
     write_sidecar(path, media=mp4_path, **data)  # size + sha256 of the MP4 now in place: resume checks them
     return data
+
+
+def _condition(engine, job, timer: StageTimer):
+    """fl2va: the job's `h3render.conditioning.Condition`, or None for a t2va job.
+
+    Raises:
+        RenderError: a keyframe changed since validation or can no longer be read.
+    """
+    if getattr(job, "task", "t2va") != "fl2va":
+        return None
+    from h3render.conditioning import prepare_condition
+
+    try:
+        return prepare_condition(engine, job, timer)
+    except ValueError as exc:
+        raise RenderError(f"job {job.output!r}: {exc}") from None
 
 
 def _timed_steps(model_fn, timer: StageTimer):

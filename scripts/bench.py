@@ -26,6 +26,10 @@ Stages (`--stages`, comma-separated):
   e2e       complete MP4 of --e2e-canvases clips (default a 10.125 s 1344x768) with --forwards DiT forwards (4 = FastH3
             length; --e2e-vsa: then again with VSA at --vsa-sparsity, random gates), all
             components resident; run under torchrun for several GPUs
+  fl2va     fl2va's extra cost over t2va at --fl2va-canvas (scripts/bench_fl2va.py): vision tower + processor for 2
+            keyframes, their VAE encode, the text encoder's longer presentation, one DiT forward with the +2,016
+            condition rows vs without, summed for --fl2va-forwards forwards; `--fl2va-model tiny --fl2va-device
+            cpu --fl2va-canvas 224x128x39` is the CPU smoke run
   batch     queue throughput on 1 GPU: --batch-jobs jobs of --forwards DiT forwards at --batch-canvas through
             `run_batch` with one resident Engine (each job's MP4 tail beside the next job's start). Warm-up
             (prepare, and one untimed job of the queue's shape for Triton JIT / first-call costs) is outside the
@@ -866,6 +870,13 @@ def stage_batch(args) -> None:
         raise RuntimeError(f"queue exit code {report.exit_code}: {[j['error'] for j in data['jobs']]}")
 
 
+def stage_fl2va(args) -> None:
+    """fl2va's extra cost over t2va (scripts/bench_fl2va.py)."""
+    import bench_fl2va
+
+    bench_fl2va.run(args, sys.modules[__name__])
+
+
 def _dynamo_graphs() -> int:
     """Graphs torch.compile has built so far in this process (a change between runs would be a recompile)."""
     try:
@@ -1076,6 +1087,12 @@ def main() -> None:
     p.add_argument("--media-dir", default="/tmp/h3render-media", help="media stage: where the MP4s are written")
     p.add_argument("--vsa-layer-only", action="store_true", help="vsa stage: one layer only, no DiT forward")
     p.add_argument("--vsa-sparsity", type=float, default=0.9, help="vsa stage: sparsity (FastH3 v1 0.9, V2 0.8)")
+    p.add_argument("--fl2va-canvas", default="1344x768x243", help="fl2va stage: WxHxFRAMES")
+    p.add_argument("--fl2va-model", default="released", choices=["released", "tiny", "small"])
+    p.add_argument("--fl2va-device", default=None, choices=["cuda", "cpu"], help="default: cuda when available")
+    p.add_argument("--fl2va-forwards", type=int, default=49, help="fl2va stage: DiT forwards of the job (49 = base)")
+    p.add_argument("--fl2va-reps", type=int, default=3, help="fl2va stage: timed calls per measurement (median)")
+    p.add_argument("--fl2va-te", type=int, default=1, help="fl2va stage: 0 skips the text encoder (≈ 50 GB)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     args.vae_batches = [int(x) for x in args.vae_batches.split(",")]
@@ -1097,7 +1114,8 @@ def main() -> None:
             traceback.print_exc()
             rec(stage=name, error=f"{type(exc).__name__}: {exc}"[:400])
         rec(stage=name, what="stage wall", seconds=round(time.perf_counter() - t0, 1))
-        torch.cuda.empty_cache()
+        if cuda:
+            torch.cuda.empty_cache()
     if args.out and int(os.environ.get("RANK", "0")) == 0:
         Path(args.out).write_text(json.dumps(RESULTS, indent=1, default=str))
     if int(os.environ.get("RANK", "0")) == 0:

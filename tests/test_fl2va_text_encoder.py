@@ -23,7 +23,7 @@ from h3render.models.text_encoder import (
     mrope_position_ids,
     tiny_vl_tokenizer,
 )
-from h3render.releases import QWEN3VL_TINY
+from h3render.checkpoint.releases import QWEN3VL_TINY
 from tests._diffusers_ref import rel_err
 
 pytest.importorskip("diffusers")
@@ -173,7 +173,7 @@ def test_errors(setup):
     no_vision = TextEncoder(full.config.text_config, READ, tokenizer=ours.tokenizer)
     with pytest.raises(ValueError, match="no vision tower"):
         no_vision.encode_with_images(PROMPT, _images((64, 64)))
-    from h3render.checkpoint import tiny_tokenizer
+    from h3render.make_checkpoint import tiny_tokenizer
 
     plain = TextEncoder(full.config.text_config, READ, tokenizer=tiny_tokenizer())
     with pytest.raises(ValueError, match=r"no <\|vision_start\|> token"):
@@ -185,12 +185,12 @@ def test_tiny_release_vision_tower_builds_on_meta_and_encodes():
     224 x 128 canvas is upsized by min_pixels 65536 to 352 x 208 (smart_resize, factor 16) -> 22 x 13 merged pads."""
     import math
 
-    from h3render import checkpoint
-    from h3render.releases import RELEASES
+    from h3render.checkpoint.stream import parameters_on_meta
+    from h3render.checkpoint.releases import RELEASES
 
     release = RELEASES["tiny"]
     processor = image_processor_from_dict(PROCESSOR)
-    with checkpoint._parameters_on_meta():  # how the loader builds it before streaming the weights in
+    with parameters_on_meta():  # how the loader builds it before streaming the weights in
         meta = TextEncoder(release.text_config, release.text_read_layer, tokenizer=tiny_vl_tokenizer(),
                            vision_config=QWEN3VL_TINY["vision_config"], image_processor=processor)
     assert all(p.device.type == "meta" for n, p in meta.named_parameters() if n.startswith("visual."))

@@ -51,6 +51,8 @@ class CheckpointInfo:
         transformer: folder (or file) of the DiT weights; None for a built-in.
         transformer_names: "native" (official), "diffusers", or "native-stacked" (single file).
         text_encoder, tokenizer, video_vae, audio_vae: component folders; None for a built-in / single file.
+        processor: the keyframe image processor's config file (fl2va), or None (a built-in model's is in its
+            release; a checkpoint without `processor/` renders t2va only).
         random_model: "tiny" / "small" for a built-in or a checkpoint written by `make_checkpoint` (its
             `_minimax_h3.h3render_random` / `h3render_random` metadata), else None: a FastH3 adapter for it states
             h3render's synthetic base model rather than the release's.
@@ -66,6 +68,7 @@ class CheckpointInfo:
     video_vae: str | None = None
     audio_vae: str | None = None
     random_model: str | None = None
+    processor: str | None = None
 
     @property
     def config_hash(self) -> str:
@@ -148,6 +151,30 @@ def _read_layer(meta: Mapping[str, Any], text_encoder: Mapping[str, Any], where:
     return layer
 
 
+# Where the keyframe image processor's config lives: the official layout's `processor/preprocessor_config.json`; a
+# diffusers folder's `processor/` (diffusers 0.42.1's MiniMax-H3 blocks load `ComponentSpec("processor",
+# Qwen3VLProcessor)` from it) holds either that file or, as transformers 5.x `ProcessorMixin.save_pretrained`
+# writes it, `processor_config.json` with the image processor's dict under "image_processor".
+_PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json")
+
+
+def _image_processor_config(part: Path) -> tuple[str | None, Mapping[str, Any] | None]:
+    """(config file, the image processor's dict) of a partition, or (None, None) when it has no processor."""
+    for name in _PROCESSOR_FILES:
+        path = part / "processor" / name
+        if not path.is_file():
+            continue
+        data = read_json(path)
+        if name == "processor_config.json":
+            data = data.get("image_processor")
+            if not isinstance(data, Mapping):
+                continue  # a processor_config.json beside a preprocessor_config.json, or without the images part
+        if not isinstance(data.get("patch_size"), int) or not isinstance(data.get("merge_size"), int):
+            raise CheckpointError(f"{path}: the image processor config needs integer patch_size and merge_size")
+        return str(path), data
+    return None, None
+
+
 def _find_partition(root: Path) -> tuple[str, Path]:
     if (root / "FL2VA" / "model_index.json").is_file():
         return "official", root / "FL2VA"
@@ -208,16 +235,17 @@ def read_checkpoint_info(path: str | Path) -> CheckpointInfo:
         video_shift, audio_shift = shifts
     defaults = _registry_defaults(dit)
     min_frames, max_frames = _frame_limits(meta, defaults, str(index_path))
+    processor_file, image_processor = _image_processor_config(part)
     release = dataclasses.replace(
         defaults, name=str(root), dit=dit, video_vae=video_vae, audio_vae=audio_vae, text_encoder=text_encoder,
         text_read_layer=_read_layer(meta, text_encoder, str(index_path)), video_shift=video_shift,
-        audio_shift=audio_shift, min_frames=min_frames, max_frames=max_frames,
+        audio_shift=audio_shift, min_frames=min_frames, max_frames=max_frames, image_processor=image_processor,
     )
     return CheckpointInfo(
         path=str(root), layout=layout, release=release, transformer=str(part / "transformer"),
         transformer_names=transformer_names, text_encoder=str(part / "text_encoder"),
         tokenizer=str(part / "tokenizer"), video_vae=str(part / video_dir), audio_vae=str(part / audio_dir),
-        random_model=(meta.get("h3render_random") or {}).get("config"),
+        random_model=(meta.get("h3render_random") or {}).get("config"), processor=processor_file,
     )
 
 

@@ -228,6 +228,61 @@ def load_components(
     return _from_disk(info, device, dtype, parts, tensor_hook)
 
 
+# ---------------------------------------------------------------------------------------------------------------------
+# fl2va: the conditioner's vision tower and image processor, loaded only when a job has keyframes.
+
+# Where Qwen3-VL checkpoints store the vision tower (transformers >= 4.57, and the older `visual.` export).
+_VISION_PREFIXES = ("model.visual.", "visual.")
+
+
+def _vision_entries(entries: Iterable[Entry]) -> Iterator[Entry]:
+    """Vision-tower tensors with the prefix removed (`model.visual.blocks.0...` -> `blocks.0...`); every other
+    tensor of the text encoder's files is renamed to `_skip.*`, so `stream_into` drops it unread."""
+    for entry in entries:
+        prefix = next((p for p in _VISION_PREFIXES if entry.name.startswith(p)), None)
+        name = entry.name[len(prefix):] if prefix else "_skip." + entry.name
+        yield Entry(entry.file, name, entry.load)
+
+
+def load_vision(info: CheckpointInfo, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32, *,
+                seed: int = 0) -> tuple[Any, Any]:
+    """The Qwen3-VL vision tower and keyframe image processor of a checkpoint (fl2va).
+
+    The tower is transformers' `Qwen3VLVisionModel` built from the text encoder config's `vision_config` (released:
+    27 blocks, DeepStack after 8/16/24), its parameters streamed in `dtype` from the text encoder's `model.visual.*`
+    tensors; a built-in model's come from its random weights (same `seed` as `load_components`). The processor is
+    `text_encoder.image_processor_from_dict` of the checkpoint's `processor/` config (`CheckpointInfo.processor`).
+
+    Returns:
+        `(vision tower on device, eval mode; image processor)`.
+
+    Raises:
+        CheckpointError: no `vision_config` or no processor config (a t2va-only checkpoint), or as `stream_into`.
+    """
+    from h3render.models.text_encoder import build_vision_tower, image_processor_from_dict
+
+    release = info.release
+    vision_config = release.text_encoder.get("vision_config")
+    where = weights_where(info.text_encoder) if info.text_encoder else f"<builtin {info.path}>"
+    if vision_config is None:
+        raise CheckpointError(f"{where}: the text encoder config has no vision_config; fl2va needs Qwen3-VL's "
+                              f"vision tower")
+    if release.image_processor is None:
+        raise CheckpointError(f"{info.path}: no processor/preprocessor_config.json (or processor_config.json); fl2va "
+                              f"needs the keyframe image processor's config")
+    with parameters_on_meta():
+        tower = build_vision_tower(vision_config)
+    cast_parameters_(tower, dtype)
+    if info.layout == "builtin":
+        from h3render.make_checkpoint.random_model import random_entries
+
+        entries = random_entries("text_encoder", release, seed)
+    else:
+        entries = safetensors_entries(Path(info.text_encoder), device)
+    tower = stream_into(tower, _vision_entries(entries), device, what="vision tower", where=where, skip=_is_skipped)
+    return tower.eval(), image_processor_from_dict(release.image_processor)
+
+
 def load_tokenizer(folder: str | Path):
     """The prompt tokenizer of a checkpoint (`tokenizer/`); only the tokenizer, never the vision processor.
 

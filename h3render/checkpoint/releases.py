@@ -42,9 +42,25 @@ QWEN3VL_RELEASED: Mapping[str, Any] = {
 }
 
 
+# H3's keyframe image processor (`processor/preprocessor_config.json`; utensils/mold PR #1464 quotes the official
+# size budget; patch, merge, temporal patch and mean/std are the Qwen3-VL defaults, research/conditioning.md §1.4).
+QWEN3VL_PROCESSOR_RELEASED: Mapping[str, Any] = {
+    "image_processor_type": "Qwen2VLImageProcessorFast", "processor_class": "Qwen3VLProcessor",
+    "patch_size": 16, "temporal_patch_size": 2, "merge_size": 2, "image_mean": [0.5, 0.5, 0.5],
+    "image_std": [0.5, 0.5, 0.5], "size": {"shortest_edge": 65536, "longest_edge": 16777216},
+}
+# The built-in models' processor: the released budget with the tiny towers' 8 px patches.
+QWEN3VL_PROCESSOR_TINY: Mapping[str, Any] = {**QWEN3VL_PROCESSOR_RELEASED, "patch_size": 8}
+# The ids of Qwen3-VL's vision special tokens in the built-in tokenizer (`text_encoder.tiny_vl_tokenizer(512)`: BPE
+# ids 0..507, then <|vision_start|>, <|vision_end|>, <|image_pad|>, <|video_pad|>).
+_TINY_VISION_TOKEN_IDS = {"vision_start_token_id": 508, "vision_end_token_id": 509, "image_token_id": 510,
+                          "video_token_id": 511}
+
+
 def _tiny_qwen3vl(hidden: int, layers: int, heads: int, head_dim: int, mrope: list[int]) -> dict[str, Any]:
-    # A vision tower is included so a written checkpoint carries `model.visual.*` tensors for the loader to skip.
+    # The vision tower runs fl2va keyframes on CPU: 1 block, 8 px patches, its DeepStack tap after block 0.
     return {
+        **_TINY_VISION_TOKEN_IDS,
         "text_config": {
             "vocab_size": 512, "hidden_size": hidden, "intermediate_size": 2 * hidden, "num_hidden_layers": layers,
             "num_attention_heads": heads, "num_key_value_heads": heads // 2, "head_dim": head_dim,
@@ -86,6 +102,8 @@ class Release:
         default_duration_s: seconds for jobs naming no duration; `default_frames` snaps it up to 17n + 5.
         sigma_points: sigma-grid points of the base sampler (released: 50 → 49 forwards).
         vae_tiling: spatial tiles of the video-VAE decode (released: 256 px, >= 64 px overlap).
+        image_processor: the keyframe image processor's `preprocessor_config.json` dict (fl2va), or None when the
+            checkpoint has none (t2va only).
     """
 
     name: str
@@ -104,6 +122,7 @@ class Release:
     default_duration_s: float
     sigma_points: int
     vae_tiling: TilingConfig
+    image_processor: Mapping[str, Any] | None = field(default=None, repr=False)
 
     @property
     def default_frames(self) -> int:
@@ -143,7 +162,7 @@ RELEASES: dict[str, Release] = {
         text_encoder=QWEN3VL_RELEASED, text_read_layer=50, video_shift=RELEASED_VIDEO_SHIFT,
         audio_shift=RELEASED_AUDIO_SHIFT, min_frames=107, max_frames=362, canvas_short_edge=RELEASED_SHORT_EDGE,
         canvas_max_pixels=RELEASED_MAX_PIXELS, default_canvas=canvas_for_aspect(16, 9), default_duration_s=5.0,
-        sigma_points=RELEASED_SIGMA_POINTS, vae_tiling=RELEASED_TILING,
+        sigma_points=RELEASED_SIGMA_POINTS, vae_tiling=RELEASED_TILING, image_processor=QWEN3VL_PROCESSOR_RELEASED,
     ),
     # Tiny: a 1 s render on a 224×128 canvas in seconds on CPU; 8 sigma points (7 forwards) keep the README render
     # fast. 128 px tiles with 32 px overlap make the tiled decode run even on this small canvas (2 tiles wide).
@@ -154,6 +173,7 @@ RELEASES: dict[str, Release] = {
         min_frames=22, max_frames=362, canvas_short_edge=128, canvas_max_pixels=128 * 224,
         default_canvas=(224, 128), default_duration_s=1.0, sigma_points=8,
         vae_tiling=TilingConfig(tile_height=128, tile_width=128, overlap_height=32, overlap_width=32),
+        image_processor=QWEN3VL_PROCESSOR_TINY,
     ),
     # Small: more depth and width for GPU smoke runs of the full machinery at the released canvas sizes.
     "small": Release(
@@ -161,7 +181,7 @@ RELEASES: dict[str, Release] = {
         text_encoder=QWEN3VL_SMALL, text_read_layer=3, video_shift=RELEASED_VIDEO_SHIFT,
         audio_shift=RELEASED_AUDIO_SHIFT, min_frames=22, max_frames=362, canvas_short_edge=RELEASED_SHORT_EDGE,
         canvas_max_pixels=RELEASED_MAX_PIXELS, default_canvas=canvas_for_aspect(16, 9), default_duration_s=1.0,
-        sigma_points=8, vae_tiling=RELEASED_TILING,
+        sigma_points=8, vae_tiling=RELEASED_TILING, image_processor=QWEN3VL_PROCESSOR_TINY,
     ),
 }
 BUILTIN = ("tiny", "small")  # registry entries with a built-in random model

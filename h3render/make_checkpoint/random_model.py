@@ -151,11 +151,13 @@ def build_random(
     """
     if name not in BUILTIN:
         raise CheckpointError(f"no built-in model {name!r} (choose from {', '.join(BUILTIN)})")
+    from h3render.models.text_encoder import tiny_vl_tokenizer  # the tokenizer with Qwen3-VL's vision tokens
+
     release = RELEASES[name]
     info = CheckpointInfo(path=name, layout="builtin", release=release, random_model=name)
     return assemble_components(info, source=lambda part: random_entries(part, release, seed),
                                where=lambda part: f"<builtin {name}>",
-                               tokenizer=lambda: tiny_tokenizer(release.text_config.vocab_size),
+                               tokenizer=lambda: tiny_vl_tokenizer(release.text_config.vocab_size),
                                device=device, dtype=dtype, parts=parts, tensor_hook=tensor_hook)
 
 

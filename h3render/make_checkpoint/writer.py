@@ -27,7 +27,7 @@ from torch import Tensor
 
 from h3render.checkpoint.names import QKV_NATIVE, deinterleave_qkv, dit_state_dict_to_diffusers
 from h3render.checkpoint.releases import BUILTIN, RELEASES, Release
-from h3render.make_checkpoint.random_model import random_entries, tiny_tokenizer
+from h3render.make_checkpoint.random_model import random_entries
 from h3render.make_checkpoint.synthetic_adapter import write_synthetic_adapter
 
 LAYOUTS = ("official", "diffusers", "single-file")
@@ -120,6 +120,8 @@ def _save_sharded(folder: Path, tensors: Mapping[str, Tensor], stem: str, shards
 def _write_partition(part: Path, release: Release, seed: int, layout: str, shards: int) -> None:
     from transformers import Qwen3VLConfig
 
+    from h3render.models.text_encoder import tiny_vl_tokenizer
+
     official = layout == "official"
     meta: dict[str, Any] = {
         "text_encoder_layer": release.text_read_layer,
@@ -136,8 +138,8 @@ def _write_partition(part: Path, release: Release, seed: int, layout: str, shard
         "text_encoder": ["transformers", "Qwen3VLForConditionalGeneration"],
         "tokenizer": ["transformers", "Qwen2TokenizerFast"],
     }
+    index["processor"] = ["transformers", "Qwen3VLProcessor"]
     if official:
-        index["processor"] = ["transformers", "Qwen3VLProcessor"]
         meta = {"sigma_shift_scales": {"video": release.video_shift, "audio": release.audio_shift},
                 "tasks": ["t2va", "fl2va"], **meta}
     else:
@@ -166,16 +168,21 @@ def _write_partition(part: Path, release: Release, seed: int, layout: str, shard
     text_config.dtype = "bfloat16"
     text_config.save_pretrained(str(part / "text_encoder"))
     _save_sharded(part / "text_encoder", _materialize("text_encoder", release, seed), TRANSFORMERS_WEIGHTS, 2)
-    tiny_tokenizer(text_config.text_config.vocab_size).save_pretrained(str(part / "tokenizer"))
+    tokenizer = tiny_vl_tokenizer(text_config.text_config.vocab_size)
+    tokenizer.save_pretrained(str(part / "tokenizer"))
 
+    # Vision preprocessing for fl2va keyframes (t2va never reads it), at the vision tower's patch size.
+    image_processor = {**release.image_processor, "patch_size": text_config.vision_config.patch_size}
     if official:
-        # Vision preprocessing for fl2va keyframes; t2va never reads it.
-        _write_json(part / "processor" / "preprocessor_config.json", {
-            "image_processor_type": "Qwen2VLImageProcessorFast", "processor_class": "Qwen3VLProcessor",
-            "patch_size": text_config.vision_config.patch_size, "temporal_patch_size": 2, "merge_size": 2,
-            "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5],
-        })
+        # The official repository's file: `processor/preprocessor_config.json`.
+        _write_json(part / "processor" / "preprocessor_config.json", image_processor)
     else:
+        # diffusers loads `processor/` with `Qwen3VLProcessor.from_pretrained`; transformers 5.x writes the
+        # sub-processors' configs into one `processor_config.json` and the tokenizer files beside it.
+        # (No video processor: fl2va never reads one, and H3's video values are unverified.)
+        _write_json(part / "processor" / "processor_config.json", {
+            "processor_class": "Qwen3VLProcessor", "image_processor": image_processor})
+        tokenizer.save_pretrained(str(part / "processor"))
         for folder, shift in (("scheduler", release.video_shift), ("audio_scheduler", release.audio_shift)):
             _write_json(part / folder / "scheduler_config.json", {
                 "_class_name": "MiniMaxH3Scheduler", "_diffusers_version": DIFFUSERS_VERSION, "shift": shift})

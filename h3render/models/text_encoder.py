@@ -409,9 +409,9 @@ def add_vision_tokens(tokenizer):
 
 
 def tiny_vl_tokenizer(vocab_size: int = 512):
-    """The built-in tiny models' tokenizer with the vision tokens: `h3render.checkpoint.tiny_tokenizer` trained to
+    """The built-in tiny models' tokenizer with the vision tokens: `h3render.make_checkpoint.tiny_tokenizer` trained to
     `vocab_size - 4` ids, plus the four vision special tokens, so every id stays below `vocab_size`."""
-    from h3render.checkpoint import tiny_tokenizer
+    from h3render.make_checkpoint.random_model import tiny_tokenizer
 
     tokenizer = add_vision_tokens(tiny_tokenizer(vocab_size - len(VISION_TOKENS)))
     if len(tokenizer) > vocab_size:

@@ -1,0 +1,110 @@
+"""Manifest fields on their own: each value's type and range (`field_problem`), and the fl2va keyframe fields
+(`first_frame`, `last_frame`) read into `KeyframeRef`s (`resolve_keyframes`). `h3render.manifest` applies them to
+every level of a manifest and adds `file:line: field:` to each problem.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any, Mapping, NamedTuple
+
+from h3render.job_keyframes import ANCHOR_OF_FIELD, KEYFRAME_FIELDS, KeyframeRef, read_keyframe_ref
+from h3render.jobs import (CANVAS_MULTIPLE, MAX_SEED, MODES, Limits, Preset, _is_int, canvas_for_aspect,
+                           output_path_problem, parse_aspect)
+
+STRING_FIELDS = ("id", "prompt", "preset", "aspect", "mode", "output", "adapter", *KEYFRAME_FIELDS)
+# Integers longer than this are never a valid value of any field (the largest, a seed, has 20 digits); they are kept
+# as their digit count, so a 5,001-digit number is a field error rather than Python's int-conversion ValueError.
+MAX_INT_DIGITS = 100
+
+
+class TooLong(NamedTuple):
+    """An integer literal too long to be any field's value."""
+
+    digits: int  # an integer literal of more than MAX_INT_DIGITS digits, kept as its digit count
+
+
+
+def field_problem(name: str, value: Any, presets: Mapping[str, Preset], limits: Limits) -> str | None:
+    """Why one field's value is wrong on its own (type, range, known name), or None. Keyframe files are read later,
+    by `resolve_keyframes`, once the value is known to be a non-empty string."""
+    if isinstance(value, TooLong):
+        return f"an integer of {value.digits:,} digits is out of range"
+    if name in STRING_FIELDS and not isinstance(value, str):
+        return f"must be a string, got {type_name(value)}"
+    if name in ("id", "prompt", "adapter", *KEYFRAME_FIELDS) and not value.strip():
+        return "must not be empty"
+    if name == "prompt" and len(value) > limits.max_prompt_chars:
+        return (f"{len(value):,} characters is longer than this checkpoint's limit of {limits.max_prompt_chars:,} "
+                f"characters")
+    if name == "id" and any(ord(c) < 32 for c in value):
+        return "must not contain control characters"
+    if name == "preset" and value not in presets:
+        known = ", ".join(sorted(presets)) or "(none found)"
+        return f"unknown preset {value!r}; available: {known}"
+    if name == "aspect":
+        try:
+            canvas_for_aspect(*parse_aspect(value))
+        except ValueError as exc:
+            return str(exc)
+    if name in ("width", "height"):
+        if not _is_int(value):
+            return f"must be an integer number of px, got {type_name(value)}"
+        if value <= 0 or value % CANVAS_MULTIPLE:
+            return f"{value} is not a positive multiple of {CANVAS_MULTIPLE}"
+    if name == "duration":
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            return f"must be a number of seconds, got {type_name(value)}"
+        if not math.isfinite(value) or value <= 0:
+            return f"{value} must be a positive number of seconds"
+    if name in ("frames", "seed", "steps") and not _is_int(value):
+        return f"must be an integer{' number of sigma points' * (name == 'steps')}, got {type_name(value)}"
+    if name == "frames" and value <= 0:
+        return f"{value} must be positive"
+    if name == "seed" and not 0 <= value <= MAX_SEED:
+        return f"{value} is outside 0 … 2**64-1"
+    if name == "steps":
+        if value < 2:
+            return f"{value} sigma points is too few (at least 2: N points run N-1 forwards)"
+        if value > limits.max_sigma_points:
+            return f"{value} sigma points is more than this checkpoint's limit of {limits.max_sigma_points:,}"
+    if name == "mode" and value not in MODES:
+        return f"{value!r} is not one of {', '.join(MODES)}"
+    if name == "output":
+        problem = output_path_problem(strip_mp4(value))
+        if problem:
+            return problem
+    return None
+
+
+def type_name(value: Any) -> str:
+    return {bool: "a boolean", type(None): "null", list: "a list", dict: "a mapping", str: "a string",
+            float: "a decimal number", int: "an integer"}.get(type(value), type(value).__name__)
+
+
+def strip_mp4(output: str) -> str:
+    return output[:-4] if output.lower().endswith(".mp4") else output
+
+
+def resolve_keyframes(values: Mapping[str, str], base_dir: str | Path) -> tuple[dict[str, KeyframeRef], list[tuple[str, str]]]:
+    """Read the keyframe fields a job sets (`{"first_frame": "a.png", ...}`, paths relative to `base_dir`).
+
+    Returns:
+        `({field: KeyframeRef}, [(field, problem), ...])`: every file is read, so one pass reports all problems.
+    """
+    refs, problems = {}, []
+    for name in KEYFRAME_FIELDS:
+        if name in values:
+            try:
+                refs[name] = read_keyframe_ref(values[name], ANCHOR_OF_FIELD[name], base_dir)
+            except ValueError as exc:
+                problems.append((name, str(exc)))
+    return refs, problems
+
+
+def keyframe_canvas(leading: KeyframeRef, limits: Limits) -> tuple[int, int]:
+    """The canvas of an fl2va job that names none: the checkpoint's canvas rule at the leading keyframe's aspect
+    ratio (released: a 4:3 picture -> 1024 x 768), as diffusers' `MiniMaxH3ResizeStep` does."""
+    return canvas_for_aspect(leading.width, leading.height, short_edge=limits.canvas_short_edge,
+                             max_pixels=limits.canvas_max_pixels)
