@@ -115,7 +115,8 @@ def test_full_checkpoints_load_their_gates(tmp_path, student, layout, sparsity):
         assert plan.sidecar["attention"]["mode"] == "dense"
         return
     assert plan.sidecar["attention"]["sparsity_source"].endswith("fastvideo_inference.json vsa_sparsity")
-    shard = ckpt / ("FL2VA" if layout == "official" else "") / "transformer" / "diffusion_pytorch_model-gates.safetensors"
+    transformer = ckpt / ("FL2VA" if layout == "official" else "") / "transformer"
+    shard = transformer / "diffusion_pytorch_model-gates.safetensors"
     prefix = "transformer_blocks" if layout == "diffusers" else "blocks"
     written = load_file(shard)
     for i in range(CFG.num_layers):
@@ -258,3 +259,98 @@ def test_position_sets_on_adapters_and_contracts(tmp_path, bundle):
     ckpt = write_synthetic_full_student(tmp_path / "v1", "v1-vsa-datafree", seed=4)
     v1 = plan_student(str(ckpt), read_checkpoint_info(ckpt), positions="fastvideo-example").schedule
     assert v1.positions[0] == 1.0 and v1.video_shift == 12.0  # the v1 contract states no shift: the checkpoint's
+
+
+# ---------------------------------------------------------------------------------------------- end to end
+
+
+def test_vsa_student_renders_through_prompt_and_batch(tmp_path, bundle):
+    """A tiny VSA student (bundle variant with gates) through `h3render prompt` and `h3render batch` (CPU: the VSA
+    torch reference); the sidecar records the attention, its sources, k at the job's shape, and the positions."""
+    from tests.test_cli import run_cli
+
+    out = tmp_path / "p.mp4"
+    r = run_cli("prompt", "Rain on a tin roof", "-o", str(out), "--mode", "fasth3", "--adapter", str(bundle),
+                "--adapter-variant", "vsa-datafree", "--fasth3-positions", "fastvideo-example", "--frames", "22")
+    assert r.returncode == 0, r.stderr
+    side = json.loads(out.with_suffix(".json").read_text())
+    fast = side["extra"]["fasth3"]
+    assert fast["variant"] == "vsa-datafree" and fast["attention"]["mode"] == "vsa"
+    assert fast["attention"]["sparsity"] == 0.9 and fast["attention"]["tile"] == 64
+    w, h = side["job"]["width"], side["job"]["height"]
+    # (5n+2 = 7 latent frames) x (h/32) x (w/32) patched grid in 4x4x4 tiles; k = ceil(0.1 V)
+    v = -(-7 // 4) * -(-(h // 32) // 4) * -(-(w // 32) // 4)
+    assert fast["attention"]["k"][f"{w}x{h}x22"] == {"video_tiles": v, "k": max(1, -(-v // 10))}
+    assert side["sigmas"]["source"] == "named set 'fastvideo-example'" and side["sigmas"]["positions"][0] == 1.0
+
+    manifest = tmp_path / "jobs.jsonl"
+    manifest.write_text(json.dumps({"id": "a", "prompt": "A bell tolls", "mode": "fasth3", "frames": 22}) + "\n")
+    r = run_cli("batch", str(manifest), "--out-dir", str(tmp_path / "out"), "--adapter",
+                str(bundle / "vsa-synthetic-step1900"), "--quiet")
+    assert r.returncode == 0, r.stderr
+    sidecars = list((tmp_path / "out").glob("*.json"))
+    job = next(json.loads(p.read_text()) for p in sidecars if "extra" in json.loads(p.read_text()))
+    assert job["extra"]["fasth3"]["attention"]["mode"] == "vsa"
+    assert job["extra"]["fasth3"]["layout"] == "variant folder" and job["sigmas"]["source"] == "release default"
+
+
+def _student_forward(adapter, ctx=None):
+    from tests.test_vsa_dit import _inputs, _tables
+
+    dit = load_dit("tiny", plan_student("tiny", TINY, adapter))
+    assert dit.vsa_sparsity == 0.9
+    layout, video, audio, text = _inputs()
+    tables, index = _tables(dit, layout)
+    with torch.no_grad():
+        if ctx is None:
+            return dit(video, audio, text, layout, tables, index)
+        from h3render.models.attention import sdpa_attention
+        from h3render.parallel.dit import sharded_forward
+
+        return sharded_forward(dit, ctx, video, audio, text, layout, tables, index, dit.rope_tables(layout.positions),
+                               base_attention=sdpa_attention)
+
+
+def _ulysses_worker(rank, port, adapter, queue):
+    import os
+
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        from h3render.parallel.groups import ParallelContext
+
+        ctx = ParallelContext(rank=rank, world_size=2, local_rank=rank, device=torch.device("cpu"),
+                              group=dist.group.WORLD)
+        v, a = _student_forward(adapter, ctx)
+        if rank == 0:
+            queue.put((v.clone(), a.clone()))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_loaded_vsa_student_on_two_ulysses_ranks_equals_one(tmp_path):
+    """The student's gates loaded through the hook; Ulysses (gloo, 2 ranks: heads split, whole tiles) = 1 rank."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    from tests._diffusers_ref import rel_err
+
+    adapter = str(write_synthetic_adapter(tmp_path / "v.safetensors", CFG, seed=12, with_set_weight=True))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    spawn = mp.get_context("spawn")
+    queue = spawn.Queue()
+    procs = [spawn.Process(target=_ulysses_worker, args=(r, port, adapter, queue)) for r in range(2)]
+    for p in procs:
+        p.start()
+    v, a = queue.get(timeout=180)
+    for p in procs:
+        p.join(timeout=60)
+        assert p.exitcode == 0
+    ref_v, ref_a = _student_forward(adapter)
+    assert rel_err(v, ref_v) <= 1e-5 and rel_err(a, ref_a) <= 1e-5

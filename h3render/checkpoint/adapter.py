@@ -28,7 +28,7 @@ gate-first). The mapping is the one table of ``h3render.checkpoint.names``.
 
 Sampling: the student was distilled at pre-shift positions that the checkpoint's per-modality shifts (video 12,
 audio 3) are applied on top of; ``fasth3_schedule`` turns them (or a full checkpoint's contract,
-``h3render.checkpoint.contract``) into the few-step ``h3render.sampling.Schedule``.
+``h3render.checkpoint.contract``) into the few-step ``h3render.sampling.Schedule`` (both in ``contract``).
 
 Sources: FastVideo 0.2.1 (``fastvideo/models/loader/lora_patch.py``, ``fastvideo/pipelines/lora_pipeline.py``,
 ``examples/inference/basic/basic_fasth3.py``), FastVideo ``scripts/lora_extraction/finalize_adapter.py``,
@@ -43,21 +43,20 @@ import re
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import torch
 from safetensors import safe_open
 
-from h3render.checkpoint.contract import (CONTRACT_FILE, V2_MODEL_ID, V2_SCHEMA, FastH3Contract,  # noqa: F401
-                                          is_fasth3_contract, is_fasth3_v2, parse_steps, positions_from_steps,
-                                          read_contract, read_v2_contract)
+# Re-exported: the schedules and contracts moved to `contract` (callers import them from here too).
+from h3render.checkpoint.contract import (CONTRACT_FILE, POSITION_SETS, RELEASE_DMD_STEPS, V2_MODEL_ID,  # noqa: F401
+                                          V2_SCHEMA, FastH3Contract, fasth3_schedule, is_fasth3_contract,
+                                          is_fasth3_v2, parse_steps, positions_from_steps, read_contract,
+                                          read_v2_contract)
 from h3render.checkpoint.errors import AdapterError
 from h3render.checkpoint.names import (GATE_VALUE, QKV, STACKS, VSA_GATE_NATIVE, Target, dit_shapes,
                                        native_module, qkv_slot, swap_halves)
 from h3render.checkpoint.stream import Entry
 from h3render.models.dit import DiTConfig
-from h3render.sampling import Schedule
-from h3render.spec import RELEASED_AUDIO_SHIFT, RELEASED_VIDEO_SHIFT
 
 # Format tag FastVideo's writer stamps into the header (generic container, not FastH3-specific).
 ADAPTER_FORMAT = "fastvideo-lora-v2"
@@ -72,18 +71,6 @@ COUNT_KEYS = ("low_rank_tensors", "diff_tensors", "set_weight_tensors")
 # a low-rank pair there is an error. Their .diff/.diff_b deltas apply as usual.
 UNWRAPPED_MODULES = ("proj_in", "audio_proj_in", "context_embedder", "time_embedder", "proj_out", "audio_proj_out")
 V2_CONTRACT_FILE = CONTRACT_FILE
-
-# Pre-shift positions (sigma before the shift), terminal 0 included; N positions drive N-1 forwards.
-# release: dmd_denoising_steps [999, 749, 500, 250] / 1000 (FastH3 release; vLLM-Omni FASTH3_BASE_SCHEDULE).
-# fastvideo-example: FastVideo 0.2.1 basic_fasth3.py runs --steps 5 sigma-grid points = linspace(1, 0, 5).
-# v2: dmd_denoising_steps [999, 874, 749, 624, 500, 375, 250, 125] / 1000 (V2 fastvideo_inference.json).
-RELEASE_DMD_STEPS = (999, 749, 500, 250)
-POSITION_SETS: dict[str, tuple[float, ...]] = {
-    "release": tuple(step / 1000 for step in RELEASE_DMD_STEPS) + (0.0,),
-    "fastvideo-example": (1.0, 0.75, 0.5, 0.25, 0.0),
-    "v2": (0.999, 0.874, 0.749, 0.624, 0.5, 0.375, 0.25, 0.125, 0.0),
-}
-
 
 # ---------------------------------------------------------------------------------------------- names
 
@@ -559,55 +546,3 @@ class AdapterFusion:
         if missing:
             raise AdapterError(f"{self.adapter.path}: the checkpoint never provided {missing[0]!r} "
                                f"({len(missing)} adapter targets unconsumed)")
-
-
-# ---------------------------------------------------------------------------------------------- schedules
-
-
-def fasth3_schedule(metadata: Adapter | FastH3Contract | Mapping[str, Any] | None = None,
-                    video_shift: float = RELEASED_VIDEO_SHIFT, audio_shift: float = RELEASED_AUDIO_SHIFT,
-                    *, positions: str | None = None) -> Schedule:
-    """Build the FastH3 schedule: pre-shift positions, then the per-modality shift on top.
-
-    Positions, first that applies:
-      1. ``positions`` names a set in ``POSITION_SETS`` (e.g. ``"fastvideo-example"`` = linspace(1, 0, 5)); with a
-         contract, its forward count must match the contract's;
-      2. ``metadata`` is a full checkpoint's contract (``FastH3Contract`` or its raw json): its positions, and its
-         shifts where stated (V2: video 10, audio 3) in place of the arguments -> source "FastH3 V2 contract" /
-         "FastH3 contract";
-      3. ``metadata`` (adapter header, or an ``adapter_manifest.json`` with ``sampling.base_timesteps``) states
-         ``dmd_denoising_steps`` -> source ``"adapter metadata"``;
-      4. otherwise the release default [999, 749, 500, 250] -> (0.999, 0.749, 0.5, 0.25, 0), ``"release default"``.
-
-    Args:
-        video_shift / audio_shift: the checkpoint's shifts (released 12 / 3).
-
-    Raises:
-        ValueError: unknown named set (or one of another length than the contract's), malformed steps, or an
-            invalid contract.
-    """
-    if isinstance(metadata, Mapping) and is_fasth3_contract(metadata):
-        metadata = FastH3Contract.from_metadata(metadata)
-    contract = metadata if isinstance(metadata, FastH3Contract) else None
-    if contract is not None:
-        video_shift = contract.video_shift or video_shift
-        audio_shift = contract.audio_shift or audio_shift
-    meta: Mapping[str, Any] = (metadata.metadata if isinstance(metadata, Adapter) else
-                               {} if contract is not None else metadata) or {}
-    if positions is not None:
-        if positions not in POSITION_SETS:
-            raise ValueError(f"unknown FastH3 position set {positions!r}; known: {sorted(POSITION_SETS)}")
-        chosen, source = POSITION_SETS[positions], f"named set {positions!r}"
-        if contract is not None and len(chosen) != len(contract.positions):
-            raise ValueError(f"FastH3 position set {positions!r} drives {len(chosen) - 1} forwards but "
-                             f"{contract.where} states {len(contract.positions) - 1} ({contract.model_id})")
-    elif contract is not None:
-        chosen, source = contract.positions, contract.source
-    elif "dmd_denoising_steps" in meta:
-        chosen, source = parse_steps(meta["dmd_denoising_steps"], "dmd_denoising_steps"), "adapter metadata"
-    elif isinstance(meta.get("sampling"), Mapping) and "base_timesteps" in meta["sampling"]:
-        chosen = parse_steps(meta["sampling"]["base_timesteps"], "sampling.base_timesteps")
-        source = "adapter metadata"
-    else:
-        chosen, source = positions_from_steps(RELEASE_DMD_STEPS), "release default"
-    return Schedule.few_step(chosen, video_shift, audio_shift, source)

@@ -26,6 +26,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from h3render.sampling import Schedule
+from h3render.spec import RELEASED_AUDIO_SHIFT, RELEASED_VIDEO_SHIFT
+
 CONTRACT_FILE = "fastvideo_inference.json"
 CONTRACT_SCHEMA = "fasth3-inference-contract-v1"
 V2_MODEL_ID = "FastVideo/FastVideo-FastH3-8-Step-V2"
@@ -40,6 +43,17 @@ V2_REQUIRED: dict[str, Any] = {
     "video_scheduler_shift": 10.0, "audio_scheduler_shift": 3.0, "guidance_scale": 1.0, "task": "t2av",
 }
 V2_VSA: dict[str, Any] = {"attention_backend": VSA_BACKEND, "vsa_sparsity": 0.8, "vsa_tile_size": 64}
+
+# Pre-shift positions (sigma before the shift), terminal 0 included; N positions drive N-1 forwards.
+# release: dmd_denoising_steps [999, 749, 500, 250] / 1000 (FastH3 release; vLLM-Omni FASTH3_BASE_SCHEDULE).
+# fastvideo-example: FastVideo 0.2.1 basic_fasth3.py runs --steps 5 sigma-grid points = linspace(1, 0, 5).
+# v2: dmd_denoising_steps [999, 874, 749, 624, 500, 375, 250, 125] / 1000 (V2 fastvideo_inference.json).
+RELEASE_DMD_STEPS = (999, 749, 500, 250)
+POSITION_SETS: dict[str, tuple[float, ...]] = {
+    "release": tuple(step / 1000 for step in RELEASE_DMD_STEPS) + (0.0,),
+    "fastvideo-example": (1.0, 0.75, 0.5, 0.25, 0.0),
+    "v2": (0.999, 0.874, 0.749, 0.624, 0.5, 0.375, 0.25, 0.125, 0.0),
+}
 
 
 def positions_from_steps(steps: Sequence[int], where: str = "dmd_denoising_steps") -> tuple[float, ...]:
@@ -215,3 +229,58 @@ def read_v2_contract(checkpoint: str | Path) -> dict[str, Any] | None:
     """
     contract = read_contract(checkpoint)
     return None if contract is None else json.loads(Path(contract.where).read_text())
+
+
+# ---------------------------------------------------------------------------------------------- schedules
+
+
+def fasth3_schedule(metadata: Any = None,
+                    video_shift: float = RELEASED_VIDEO_SHIFT, audio_shift: float = RELEASED_AUDIO_SHIFT,
+                    *, positions: str | None = None) -> Schedule:
+    """Build the FastH3 schedule: pre-shift positions, then the per-modality shift on top.
+
+    ``metadata``: an ``adapter.Adapter`` (its header), a ``FastH3Contract`` or its raw json, a mapping, or None.
+
+    Positions, first that applies:
+      1. ``positions`` names a set in ``POSITION_SETS`` (e.g. ``"fastvideo-example"`` = linspace(1, 0, 5)); with a
+         contract, its forward count must match the contract's;
+      2. ``metadata`` is a full checkpoint's contract (``FastH3Contract`` or its raw json): its positions, and its
+         shifts where stated (V2: video 10, audio 3) in place of the arguments -> source "FastH3 V2 contract" /
+         "FastH3 contract";
+      3. ``metadata`` (adapter header, or an ``adapter_manifest.json`` with ``sampling.base_timesteps``) states
+         ``dmd_denoising_steps`` -> source ``"adapter metadata"``;
+      4. otherwise the release default [999, 749, 500, 250] -> (0.999, 0.749, 0.5, 0.25, 0), ``"release default"``.
+
+    Args:
+        video_shift / audio_shift: the checkpoint's shifts (released 12 / 3).
+
+    Raises:
+        ValueError: unknown named set (or one of another length than the contract's), malformed steps, or an
+            invalid contract.
+    """
+    if isinstance(metadata, Mapping) and is_fasth3_contract(metadata):
+        metadata = FastH3Contract.from_metadata(metadata)
+    contract = metadata if isinstance(metadata, FastH3Contract) else None
+    if contract is not None:
+        video_shift = contract.video_shift or video_shift
+        audio_shift = contract.audio_shift or audio_shift
+    header = getattr(metadata, "metadata", None)  # an adapter.Adapter (not imported: it imports this module)
+    meta: Mapping[str, Any] = (header if isinstance(header, Mapping) else
+                               {} if contract is not None else metadata) or {}
+    if positions is not None:
+        if positions not in POSITION_SETS:
+            raise ValueError(f"unknown FastH3 position set {positions!r}; known: {sorted(POSITION_SETS)}")
+        chosen, source = POSITION_SETS[positions], f"named set {positions!r}"
+        if contract is not None and len(chosen) != len(contract.positions):
+            raise ValueError(f"FastH3 position set {positions!r} drives {len(chosen) - 1} forwards but "
+                             f"{contract.where} states {len(contract.positions) - 1} ({contract.model_id})")
+    elif contract is not None:
+        chosen, source = contract.positions, contract.source
+    elif "dmd_denoising_steps" in meta:
+        chosen, source = parse_steps(meta["dmd_denoising_steps"], "dmd_denoising_steps"), "adapter metadata"
+    elif isinstance(meta.get("sampling"), Mapping) and "base_timesteps" in meta["sampling"]:
+        chosen = parse_steps(meta["sampling"]["base_timesteps"], "sampling.base_timesteps")
+        source = "adapter metadata"
+    else:
+        chosen, source = positions_from_steps(RELEASE_DMD_STEPS), "release default"
+    return Schedule.few_step(chosen, video_shift, audio_shift, source)
