@@ -58,7 +58,13 @@ def _engine_options(f):
                      help="Single-file DiT (.safetensors, ComfyUI style: q/k/v stacked) replacing the checkpoint's."),
         click.option("--mode", type=click.Choice(jobs_mod.MODES), default=None, help="t2va (base) or fasth3."),
         click.option("--adapter", type=str, default=None,
-                     help="FastH3 adapter (.safetensors) fused at load time; on `prompt` it implies --mode fasth3."),
+                     help="FastH3 adapter fused at load time: a .safetensors file, a variant folder, or the LoRA "
+                          "bundle root (with --adapter-variant); on `prompt` it implies --mode fasth3."),
+        click.option("--adapter-variant", type=str, default=None,
+                     help="Variant of a FastH3 LoRA bundle root (e.g. vsa-datafree, dense-datafree)."),
+        click.option("--fasth3-positions", type=click.Choice(["release", "fastvideo-example"]), default=None,
+                     help="FastH3 pre-shift positions: the release's [0.999, 0.749, 0.5, 0.25, 0] or FastVideo "
+                          "0.2.1's example linspace(1, 0, 5); default: the student's own."),
         click.option("--device", type=click.Choice(["cuda", "cpu"]), default=None,
                      help="Default: cuda when available."),
         click.option("--dtype", type=click.Choice(["bf16", "fp32"]), default=None,
@@ -150,8 +156,8 @@ def _check_mode(mode: str | None, adapter: str | None, checkpoint: str) -> None:
             _fail(str(exc))
         if not v2:
             _fail("--mode fasth3 needs --adapter PATH (the FastH3 student adapter) or a FastH3 V2 checkpoint")
-    if adapter is not None and not Path(adapter).is_file():
-        _fail(f"--adapter {adapter}: no such file")
+    if adapter is not None and not Path(adapter).exists():
+        _fail(f"--adapter {adapter}: no such file or folder")
 
 
 def _adapter_mode(mode: str | None, adapter: str | None) -> str | None:
@@ -389,7 +395,8 @@ def _rank_main(checkpoint, jobs, opts, device, kw) -> int:
 
     def load():
         engine = Engine.load(checkpoint, ctx, dtype, settings, adapter=opts["adapter"],
-                             transformer_file=opts["transformer"])
+                             transformer_file=opts["transformer"], adapter_variant=opts["adapter_variant"],
+                             fasth3_positions=opts["fasth3_positions"])
         engine.prepare(_distinct_setups(jobs))
         return engine
 

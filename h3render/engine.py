@@ -8,6 +8,7 @@ the audio decode's CUDA graphs per length, the pinned frame buffers, and the war
 
 from __future__ import annotations
 
+import sys
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
@@ -85,6 +86,7 @@ class Engine:
         # A mixed queue (t2va and fasth3 jobs): the base weights render the t2va jobs first, then the student is
         # fused in place once (`fuse_student`, on the first fasth3 job); None when fused at load or no student.
         self._deferred_fusion = deferred_fusion
+        self.student_attention = None  # `checkpoint.students.StudentAttention` of the student, set by `load`
         self.transformer: dict[str, Any] | None = None  # the --transformer file, when the DiT came from one
         self.load_seconds = load_seconds
         self.warmup: dict[str, Any] = {}
@@ -109,49 +111,43 @@ class Engine:
 
     @classmethod
     def load(cls, checkpoint: str, ctx: ParallelContext, dtype: torch.dtype, settings: EngineSettings = EngineSettings(),
-             adapter: str | None = None, transformer_file: str | None = None, *, base_jobs_first: bool = False
-             ) -> "Engine":
+             adapter: str | None = None, transformer_file: str | None = None, *, base_jobs_first: bool = False,
+             adapter_variant: str | None = None, fasth3_positions: str | None = None) -> "Engine":
         """Load a checkpoint (a path, or "tiny"/"small" for a built-in random model) onto this rank's device.
 
-        With `adapter`, the FastH3 student adapter is fused into the DiT weights while they stream to the device
-        (before any sharding), and the engine runs the student's fixed few-step schedule (`mode: fasth3` jobs).
-        With `base_jobs_first` too (a queue holding t2va jobs as well), the base weights load unfused, the t2va jobs
-        run first, and the student is fused in place once, on the first fasth3 job (`fuse_student`).
-        `transformer_file` is a single-file DiT (ComfyUI layout) used in place of the checkpoint's own transformer.
+        With `adapter` (a file, a variant folder, or a LoRA bundle root with `adapter_variant` naming the variant),
+        the FastH3 student adapter is fused into the DiT weights while they stream to the device (before any
+        sharding), and the engine runs the student's fixed few-step schedule (`mode: fasth3` jobs). A full FastH3
+        checkpoint (`fastvideo_inference.json`) is its own student. A VSA student (adapter gates, or a contract
+        naming VIDEO_SPARSE_ATTN_H3) gets `DiT.enable_vsa` before its weights stream; its gates must reach every
+        block, non-zero (`checkpoint.students`). `fasth3_positions` ("release" / "fastvideo-example") replaces the
+        student's own positions. With `base_jobs_first` too (a queue holding t2va jobs as well), the base weights
+        load unfused (dense), the t2va jobs run first, and the student is fused in place once, on the first fasth3
+        job (`fuse_student`). `transformer_file` is a single-file DiT (ComfyUI layout) used in place of the
+        checkpoint's own transformer.
 
         Raises:
-            CheckpointError, AdapterError: unreadable or mismatched checkpoint / adapter, naming file and tensor.
+            CheckpointError, AdapterError, ValueError: unreadable or mismatched checkpoint / adapter / contract,
+                missing or zero VSA gates, a bundle root without a variant (naming file, field and blocks).
         """
         from h3render import checkpoint as ckpt
-        from h3render.checkpoint import adapter as fasth3
+        from h3render.checkpoint import students
 
         t0 = time.perf_counter()
         info = ckpt.read_checkpoint_info(checkpoint)
-        hook = schedule = adapter_info = None
-        if adapter is not None:
-            random_model = info.layout == "builtin" or getattr(info, "random_model", None) is not None
-            base = fasth3.TINY_BASE_MODEL if random_model else fasth3.RELEASED_BASE_MODEL
-            ad = fasth3.read_adapter(adapter, base_model=base)
-            if ad.requires_vsa:
-                raise fasth3.AdapterError(f"{adapter}: a sparse-attention (VSA) student; h3render runs dense "
-                                          "attention only")
-            hook = fasth3.AdapterFusion(ad, info.release.dit, ctx.device)
-            schedule = fasth3.fasth3_schedule(ad, info.video_shift, info.audio_shift)
-            adapter_info = {"path": str(adapter), "sha256": ad.sha256, "base_model": ad.base_model,
-                            "rank": ad.rank, "positions": list(schedule.positions), "source": schedule.source}
-        elif info.layout != "builtin" and (contract := fasth3.read_v2_contract(checkpoint)) is not None:
-            # FastH3 V2: a full distilled checkpoint carrying its own few-step contract (8 forwards, video shift 10)
-            schedule = fasth3.fasth3_schedule(contract)
-            adapter_info = {"v2_contract": str(Path(checkpoint) / fasth3.V2_CONTRACT_FILE),
-                            "positions": list(schedule.positions), "source": schedule.source,
-                            "attention": "dense (V2 was trained with sparse attention)"}
-        deferred = hook if base_jobs_first else None
-        components = ckpt.load_components(checkpoint, ctx.device, dtype, tensor_hook=None if deferred else hook,
+        plan = students.plan_student(checkpoint, info, adapter, variant=adapter_variant, positions=fasth3_positions,
+                                     device=ctx.device)
+        if ctx.is_main:
+            for warning in plan.warnings:
+                print(f"h3render: warning: {warning}", file=sys.stderr)
+        deferred = plan.hook if base_jobs_first and adapter is not None else None
+        components = ckpt.load_components(checkpoint, ctx.device, dtype, tensor_hook=None if deferred else plan.hook,
                                           transformer_file=transformer_file)
         if ctx.device.type == "cuda":
             torch.cuda.synchronize(ctx.device)
-        engine = cls(components, ctx, settings, fasth3=schedule, load_seconds=time.perf_counter() - t0,
-                     adapter=adapter_info, deferred_fusion=deferred)
+        engine = cls(components, ctx, settings, fasth3=plan.schedule, load_seconds=time.perf_counter() - t0,
+                     adapter=plan.sidecar, deferred_fusion=deferred)
+        engine.student_attention = plan.attention
         if transformer_file is not None:
             # The DiT came from this file, not from the checkpoint folder: the sidecar says so.
             stat = Path(transformer_file).stat()
@@ -208,9 +204,17 @@ class Engine:
     @torch.no_grad()
     def fuse_student(self) -> None:
         """Fuse the deferred FastH3 adapter into the resident DiT weights in place (AdaLN projections held in host
-        memory included), once; the cached AdaLN tables are of the base weights and go."""
+        memory included), once; the cached AdaLN tables are of the base weights and go. A VSA student first gets
+        `DiT.enable_vsa` (zero gates on the device, which the adapter's `.set_weight` then fills; the same gate
+        checks as at load).
+
+        Raises:
+            AdapterError: a gate missing or zero in some blocks (named)."""
         fusion, self._deferred_fusion = self._deferred_fusion, None
         t0 = time.perf_counter()
+        prepare = getattr(fusion, "prepare", None)
+        if prepare is not None:
+            prepare(self.c.dit)
         for name, param in self.c.dit.named_parameters():
             fused = fusion(name, param.data)
             if fused is not param.data:
@@ -292,6 +296,12 @@ class Engine:
         compiled for the jobs' tile shapes (`compile_vae`), the audio decoder's activations checked, and the audio
         decode's CUDA graph captured for the jobs' audio lengths (`graph_audio`)."""
         t0 = time.perf_counter()
+        if self.adapter is not None and self.student_attention is not None:
+            from h3render.checkpoint.students import budgets  # VSA's top-k at each job shape, for the sidecar
+
+            fast = [(j.width, j.height, j.frames) for j in jobs if j.mode == "fasth3"]
+            if self.student_attention.vsa and fast:
+                self.adapter["attention"].setdefault("k", {}).update(budgets(self.student_attention, fast))
         for job in jobs:
             if job.mode == "fasth3" and self._deferred_fusion is not None:
                 continue  # built once the student is fused, on its first job

@@ -9,8 +9,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from h3render.checkpoint import adapter as fasth3
-from h3render.checkpoint import (RELEASES, AdapterError, AdapterFusion, CheckpointInfo, Entry, fasth3_schedule,
-                                 read_adapter)
+from h3render.checkpoint import (RELEASES, AdapterError, AdapterFusion, CheckpointError, CheckpointInfo, Entry,
+                                 fasth3_schedule, read_adapter)
 from h3render.checkpoint.load import assemble_components
 from h3render.make_checkpoint import write_synthetic_adapter
 from h3render.models.dit import DIT_TINY, DiT
@@ -30,7 +30,7 @@ MODEL_NAMES = {
 BLOCK_NAMES = {
     "norm1": "norm1", "norm2": "norm2", "attn.norm_q": "attn.q_norm", "attn.norm_k": "attn.k_norm",
     "attn.to_out.0": "attn.out_proj", "ff.net.0.proj": "mlp.fc1", "ff.net.2": "mlp.fc2",
-    "adaln_proj.linear": "adaln_proj.linear", "attn.to_gate_compress": "attn.to_gate_compress",
+    "adaln_proj.linear": "adaln_proj.linear", "attn.to_gate_compress": "attn.gate_proj",
     "attn.to_q": "attn.qkv_proj", "attn.to_k": "attn.qkv_proj", "attn.to_v": "attn.qkv_proj",
 }
 
@@ -185,24 +185,25 @@ def test_set_weight_gates_are_assigned(tmp_path, base_state):
     path = write_synthetic_adapter(tmp_path / "vsa.safetensors", CFG, seed=5, with_set_weight=True)
     adapter = read_adapter(path, base_model=fasth3.TINY_BASE_MODEL)
     assert adapter.requires_vsa and adapter.counts["set_weight_tensors"] == CFG.num_layers
+    assert adapter.gate_blocks == tuple(range(CFG.num_layers))
     raw = load_file(path)
-    # A sparse-attention student's checkpoint streams the gates: the hook assigns the adapter's value.
+    # A checkpoint that streams the gates (in-place fusion of a DiT with VSA on): the hook assigns the adapter's.
     fusion = AdapterFusion(adapter, CFG)
     for name, tensor in base_state.items():
         fusion(name, tensor)
     for i in range(CFG.num_layers):
-        gate = fusion(f"blocks.{i}.attn.to_gate_compress.weight", torch.zeros(H * D, CFG.hidden_size))
+        gate = fusion(f"blocks.{i}.attn.gate_proj.weight", torch.zeros(H * D, CFG.hidden_size))
         torch.testing.assert_close(gate, raw[f"transformer_blocks.{i}.attn.to_gate_compress.set_weight"],
                                    rtol=0, atol=0)
     fusion.finish()
-    # Our DiT has no gate: loading through the hook ends naming the gate the stream never carried.
-    with pytest.raises(AdapterError, match="never provided 'blocks.0.attn.to_gate_compress.weight'"):
+    # A dense DiT has no gate to receive them: the gate entries the fusion adds are unexpected tensors.
+    with pytest.raises(CheckpointError, match="unexpected tensor 'blocks.0.attn.gate_proj.weight'"):
         fuse_by_loading(base_state, adapter)
 
 
 @pytest.mark.parametrize("case, match", [
     ("unknown_module", "unknown target"),
-    ("alpha_key", "unknown suffix"),
+    ("unknown_suffix", "unknown suffix"),
     ("missing_count", "diff_tensors is missing"),
     ("count_mismatch", "low_rank_tensors=.* but the file holds"),
     ("format", "format='peft'"),
@@ -215,9 +216,9 @@ def test_read_adapter_rejects(adapter_path, case, match):
 
     edits = {
         "unknown_module": dict(tensors_fn=add("transformer_blocks.0.attn.to_x.diff", torch.zeros(3))),
-        "alpha_key": dict(tensors_fn=add("transformer_blocks.0.attn.to_q.alpha", torch.ones(()))),
+        "unknown_suffix": dict(tensors_fn=add("transformer_blocks.0.attn.to_q.magnitude", torch.ones(()))),
         "missing_count": dict(meta_fn=lambda m: m.pop("diff_tensors")),
-        "count_mismatch": dict(tensors_fn=lambda t: [t.pop(k) for k in [k for k in t if "proj_in.lora" in k]],
+        "count_mismatch": dict(tensors_fn=lambda t: [t.pop(k) for k in [k for k in t if "norm_out.linear.lora" in k]],
                                recount=False),
         "format": dict(meta_fn=lambda m: m.__setitem__("format", "peft")),
         "rank": dict(meta_fn=lambda m: m.__setitem__("rank", "8")),

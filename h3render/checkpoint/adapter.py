@@ -5,50 +5,58 @@ It is not a switchable LoRA. The file's own ``application`` metadata states the 
 
     W = W_base + lora_B @ lora_A; then .diff/.diff_b added and .set_weight assigned
 
-- ``<module>.lora_A.weight`` [r, in] and ``<module>.lora_B.weight`` [out, r]: rank-r factors, scale exactly 1 (the
-  format carries no alpha; released rank 64).
+- ``<module>.lora_A.weight`` [r, in] and ``<module>.lora_B.weight`` [out, r]: rank-r factors (released rank 64).
+  The released files carry no alpha (scale 1); a ``<module>.alpha`` / ``.lora_alpha`` scalar scales that module's
+  product by alpha / r, as FastVideo 0.2.1 does (``layers/lora/linear.py``: ``lora_alpha / lora_rank``).
 - ``<module>.diff`` / ``<module>.diff_b``: full-rank deltas for a weight / bias (norms, biases, patch projections).
-- ``<module>.set_weight``: a whole parameter assigned, used by the VSA variants for ``attn.to_gate_compress``, a
-  module the base DiT (and ours) does not have.
+- ``<module>.set_weight``: a whole parameter assigned, used by the VSA variants for ``attn.to_gate_compress``
+  (our ``attn.gate_proj``, built by ``DiT.enable_vsa``).
+
+Key spellings folded as FastVideo 0.2.1 ``models/loader/lora_patch.normalize_lora_key`` does: a ``diffusion_model.``
+prefix, PEFT's adapter-name infix ``.lora_A.<name>.weight``, kohya's ``lora_down`` / ``lora_up`` and bare
+``.alpha``; also PEFT's ``base_model.model.`` prefix (FastVideo leaves it on and then matches no layer).
 
 Header metadata (all values strings), as written by FastVideo's ``finalize_adapter.py``: ``format``
 (``"fastvideo-lora-v2"``), ``base_model`` (``"MiniMaxAI/MiniMax-H3"``), ``finetuned_model``, ``rank``,
 ``application``, ``low_rank_tensors`` (lora_A plus lora_B tensors), ``diff_tensors`` (.diff plus .diff_b),
-``set_weight_tensors``, and provenance keys we do not use.
+``set_weight_tensors``. A file without the ``fastvideo-lora-v2`` tag (a plain PEFT/kohya LoRA) is read with the
+same tensor rules; its counts and rank are checked only where it states them.
 
 Tensor names are in the diffusers namespace (``transformer_blocks.{i}.attn.to_q``); our DiT uses the native
 official names (``blocks.{i}.attn.qkv_proj`` with q/k/v rows interleaved per head, ``blocks.{i}.mlp.fc1``
 gate-first). The mapping is the one table of ``h3render.checkpoint.names``.
 
 Sampling: the student was distilled at pre-shift positions that the checkpoint's per-modality shifts (video 12,
-audio 3) are applied on top of. V2 (``FastVideo/FastVideo-FastH3-8-Step-V2``) is a full checkpoint, 8 forwards,
-video shift 10, described by its ``fastvideo_inference.json`` contract. ``fasth3_schedule`` turns either into the
-few-step ``h3render.sampling.Schedule``. The synthetic adapter writer for the random models is
-``h3render.make_checkpoint.write_synthetic_adapter``.
+audio 3) are applied on top of; ``fasth3_schedule`` turns them (or a full checkpoint's contract,
+``h3render.checkpoint.contract``) into the few-step ``h3render.sampling.Schedule`` (both in ``contract``).
 
-Sources: FastVideo 0.2.1 (``fastvideo/models/loader/lora_patch.py``, ``examples/inference/basic/basic_fasth3.py``),
-FastVideo ``scripts/lora_extraction/finalize_adapter.py``, vLLM-Omni ``minimax_h3/fasth3.py`` and
-``fasth3_checkpoint.py``.
+Sources: FastVideo 0.2.1 (``fastvideo/models/loader/lora_patch.py``, ``fastvideo/pipelines/lora_pipeline.py``,
+``examples/inference/basic/basic_fasth3.py``), FastVideo ``scripts/lora_extraction/finalize_adapter.py``,
+vLLM-Omni ``minimax_h3/fasth3.py`` and ``fasth3_checkpoint.py``.
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
-from collections.abc import Mapping, Sequence
+import math
+import re
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import torch
 from safetensors import safe_open
 
+# Re-exported: the schedules and contracts moved to `contract` (callers import them from here too).
+from h3render.checkpoint.contract import (CONTRACT_FILE, POSITION_SETS, RELEASE_DMD_STEPS, V2_MODEL_ID,  # noqa: F401
+                                          V2_SCHEMA, FastH3Contract, fasth3_schedule, is_fasth3_contract,
+                                          is_fasth3_v2, parse_steps, positions_from_steps, read_contract,
+                                          read_v2_contract)
 from h3render.checkpoint.errors import AdapterError
-from h3render.checkpoint.names import (GATE_VALUE, QKV, STACKS, VSA_GATE, Target, dit_shapes, native_module, qkv_slot,
-                                       swap_halves)
+from h3render.checkpoint.names import (GATE_VALUE, QKV, STACKS, VSA_GATE_NATIVE, Target, dit_shapes,
+                                       native_module, qkv_slot, swap_halves)
+from h3render.checkpoint.stream import Entry
 from h3render.models.dit import DiTConfig
-from h3render.sampling import Schedule
-from h3render.spec import RELEASED_AUDIO_SHIFT, RELEASED_VIDEO_SHIFT
 
 # Format tag FastVideo's writer stamps into the header (generic container, not FastH3-specific).
 ADAPTER_FORMAT = "fastvideo-lora-v2"
@@ -56,71 +64,85 @@ ADAPTER_FORMAT = "fastvideo-lora-v2"
 RELEASED_BASE_MODEL = "MiniMaxAI/MiniMax-H3"
 # Base model id the synthetic adapter for h3render's tiny/small random checkpoints states.
 TINY_BASE_MODEL = "h3render/tiny-random-h3"
-# The reconstruction the format states; an adapter stating another (e.g. an alpha scale) is refused.
+# The reconstruction the format states; an adapter stating another is refused.
 APPLICATION = "W = W_base + lora_B @ lora_A; then .diff/.diff_b added and .set_weight assigned"
 COUNT_KEYS = ("low_rank_tensors", "diff_tensors", "set_weight_tensors")
-
-# Pre-shift positions (sigma before the shift), terminal 0 included; N positions drive N-1 forwards.
-# release: dmd_denoising_steps [999, 749, 500, 250] / 1000 (FastH3 release; vLLM-Omni FASTH3_BASE_SCHEDULE).
-# fastvideo-example: FastVideo 0.2.1 basic_fasth3.py runs --steps 5 sigma-grid points = linspace(1, 0, 5).
-# v2: dmd_denoising_steps [999, 874, 749, 624, 500, 375, 250, 125] / 1000 (V2 fastvideo_inference.json).
-RELEASE_DMD_STEPS = (999, 749, 500, 250)
-POSITION_SETS: dict[str, tuple[float, ...]] = {
-    "release": tuple(step / 1000 for step in RELEASE_DMD_STEPS) + (0.0,),
-    "fastvideo-example": (1.0, 0.75, 0.5, 0.25, 0.0),
-    "v2": (0.999, 0.874, 0.749, 0.624, 0.5, 0.375, 0.25, 0.125, 0.0),
-}
-
-# V2 contract (fastvideo_inference.json of FastVideo/FastVideo-FastH3-8-Step-V2, as checked by vLLM-Omni).
-V2_MODEL_ID = "FastVideo/FastVideo-FastH3-8-Step-V2"
-V2_SCHEMA = "fasth3-inference-contract-v1"
-
+# Diffusers modules FastVideo 0.2.1 never wraps with a LoRA layer (its H3 pipeline silently drops factors on them):
+# a low-rank pair there is an error. Their .diff/.diff_b deltas apply as usual.
+UNWRAPPED_MODULES = ("proj_in", "audio_proj_in", "context_embedder", "time_embedder", "proj_out", "audio_proj_out")
+V2_CONTRACT_FILE = CONTRACT_FILE
 
 # ---------------------------------------------------------------------------------------------- names
 
-# Adapter key suffix -> role. ``.diff_b`` is tested before ``.diff``.
+# Adapter key suffix (after `normalize_key`) -> role. ``.diff_b`` is tested before ``.diff``.
 _ROLES = (
     (".lora_A.weight", "lora_A"),
     (".lora_B.weight", "lora_B"),
+    (".lora_alpha", "lora_alpha"),
     (".diff_b", "diff_b"),
     (".diff", "diff"),
     (".set_weight", "set_weight"),
 )
+_LOW_RANK_ROLES = ("lora_A", "lora_B", "lora_alpha")
+_PREFIXES = ("base_model.model.", "diffusion_model.")
+_ADAPTER_NAME_INFIX = re.compile(r"\.(lora_[AB])\.[^.]+\.weight$")  # PEFT `.lora_A.<adapter name>.weight`
+_ALIASES = ((".lora_down.weight", ".lora_A.weight"), (".lora_up.weight", ".lora_B.weight"))
+
+
+def normalize_key(key: str) -> str:
+    """An adapter tensor name in this module's spelling: ``base_model.model.`` / ``diffusion_model.`` prefixes
+    dropped, ``.lora_A.<name>.weight`` -> ``.lora_A.weight``, ``lora_down``/``lora_up`` -> ``lora_A``/``lora_B``,
+    ``.alpha`` -> ``.lora_alpha`` (the spellings FastVideo 0.2.1 folds, plus PEFT's prefix)."""
+    name = key
+    for prefix in _PREFIXES:
+        name = name.removeprefix(prefix)
+    name = _ADAPTER_NAME_INFIX.sub(r".\1.weight", name)
+    for alias, canonical in _ALIASES:
+        if name.endswith(alias):
+            name = name[: -len(alias)] + canonical
+    if name.endswith(".alpha") and not name.endswith(".lora_alpha"):
+        name = name[: -len(".alpha")] + ".lora_alpha"
+    return name
 
 
 def native_target(module: str) -> Target:
     """Map a diffusers-namespace module path (``transformer_blocks.3.attn.to_q``) to its native target
-    (``h3render.checkpoint.names``, the VSA gate ``attn.to_gate_compress`` included).
+    (``h3render.checkpoint.names``, the VSA gate ``attn.to_gate_compress`` -> ``attn.gate_proj`` included).
 
     Raises:
         AdapterError: the module names no known MiniMax-H3 DiT module.
     """
-    target = native_module(module, vsa_gate=True)
+    target = native_module(module)
     if target is None:
         raise AdapterError(f"adapter module {module!r} names no MiniMax-H3 DiT module (unknown target)")
     return target
 
 
 def split_adapter_key(key: str) -> tuple[str, str]:
-    """Split an adapter tensor name into (module path, role); role in lora_A/lora_B/diff/diff_b/set_weight.
+    """Split a normalized adapter tensor name into (module path, role); role in lora_A/lora_B/lora_alpha/diff/
+    diff_b/set_weight.
 
     Raises:
-        AdapterError: the key has none of the format's suffixes (e.g. a PEFT ``.alpha``: this format has none).
+        AdapterError: the key has none of the format's suffixes.
     """
     for suffix, role in _ROLES:
         if key.endswith(suffix):
             return key[: -len(suffix)], role
-    raise AdapterError(f"adapter tensor {key!r} is not a {ADAPTER_FORMAT} payload (unknown suffix)")
+    raise AdapterError(f"adapter tensor {key!r} is not a LoRA / {ADAPTER_FORMAT} payload (unknown suffix)")
 
 
 def native_shapes(config: DiTConfig) -> dict[str, tuple[int, ...]]:
-    """Native parameter name -> shape of every parameter an adapter may target: the DiT's own (``dit_shapes``) plus
-    ``blocks.{i}.attn.to_gate_compress.weight`` [H·D, hidden], the VSA gate our DiT does not have."""
+    """Native parameter name -> shape of every parameter an adapter may target: the dense DiT's own
+    (``dit_shapes``) plus the VSA gates ``blocks.{i}.attn.gate_proj.weight`` [H·D, hidden] (``DiT.enable_vsa``)."""
     shapes = dit_shapes(config)
     inner = config.num_attention_heads * config.attention_head_dim
     for i in range(config.num_layers):
-        shapes[f"blocks.{i}.{VSA_GATE}.weight"] = (inner, config.hidden_size)
+        shapes[f"blocks.{i}.{VSA_GATE_NATIVE}.weight"] = (inner, config.hidden_size)
     return shapes
+
+
+def _unwrapped(module: str) -> bool:
+    return any(module == name or module.startswith(name + ".") for name in UNWRAPPED_MODULES)
 
 
 # ---------------------------------------------------------------------------------------------- reading
@@ -128,18 +150,20 @@ def native_shapes(config: DiTConfig) -> dict[str, tuple[int, ...]]:
 
 @dataclass(frozen=True)
 class TensorEntry:
-    """One adapter tensor as its header describes it (no data read)."""
+    """One adapter tensor as its header describes it (no data read); ``key`` is its name in the file."""
 
     shape: tuple[int, ...]
     dtype: str
+    key: str = ""
 
 
 @dataclass(frozen=True)
 class Adapter:
-    """A validated ``fastvideo-lora-v2`` adapter: header metadata and tensor index; data is read on demand.
+    """A validated adapter: header metadata and tensor index (normalized names); data is read on demand.
 
-    ``counts`` holds the metadata's declared (and verified) ``low_rank_tensors``, ``diff_tensors``,
-    ``set_weight_tensors``. ``sha256`` is the hex digest of the whole file.
+    ``counts`` holds the tensor counts (stated ones verified). ``alphas`` maps a module to its alpha (its
+    product is scaled by alpha / rank). ``warnings`` are non-fatal findings (an unstated or local-path
+    ``base_model``). ``sha256`` is the hex digest of the whole file.
     """
 
     path: Path
@@ -150,14 +174,33 @@ class Adapter:
     rank: int
     counts: dict[str, int]
     entries: dict[str, TensorEntry] = field(repr=False)
+    alphas: dict[str, float] = field(default_factory=dict, repr=False)
+    warnings: tuple[str, ...] = ()
+
+    @property
+    def gate_blocks(self) -> tuple[int, ...]:
+        """Block indices whose ``attn.to_gate_compress`` gate the adapter assigns (``.set_weight``)."""
+        found = []
+        for key in self.entries:
+            module, role = split_adapter_key(key)
+            target = native_target(module)
+            if role == "set_weight" and target.native.endswith(VSA_GATE_NATIVE):
+                found.append(target.block[1])
+        return tuple(sorted(found))
 
     @property
     def requires_vsa(self) -> bool:
-        """True for sparse-attention variants: they assign ``attn.to_gate_compress`` gates our DiT lacks."""
-        return any(key.endswith(".attn.to_gate_compress.set_weight") for key in self.entries)
+        """True for sparse-attention variants: they assign ``attn.to_gate_compress`` gates."""
+        return bool(self.gate_blocks)
+
+    def scale(self, module: str) -> float:
+        """The factor of ``module``'s ``lora_B @ lora_A``: alpha / rank, 1 without an alpha."""
+        if module not in self.alphas:
+            return 1.0
+        return self.alphas[module] / self.entries[f"{module}.lora_A.weight"].shape[0]
 
     def tensor(self, key: str) -> torch.Tensor:
-        """Read one tensor from the file (CPU, stored dtype).
+        """Read one tensor (normalized name) from the file (CPU, stored dtype).
 
         Raises:
             AdapterError: the adapter has no tensor ``key``.
@@ -165,7 +208,7 @@ class Adapter:
         if key not in self.entries:
             raise AdapterError(f"{self.path}: no tensor {key!r}")
         with safe_open(self.path, framework="pt", device="cpu") as handle:
-            return handle.get_tensor(key)
+            return handle.get_tensor(self.entries[key].key or key)
 
 
 def _file_sha256(path: Path) -> str:
@@ -176,21 +219,54 @@ def _file_sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def read_adapter(path: str | Path, base_model: str = RELEASED_BASE_MODEL) -> Adapter:
-    """Open and validate a FastH3 adapter (header only; tensor data stays on disk).
+def _looks_local(model: str) -> bool:
+    # A hub id is "org/name"; anything path-like is a local folder whose identity cannot be checked.
+    return model.startswith(("/", ".", "~")) or "\\" in model or model.count("/") != 1 or Path(model).exists()
 
-    Args:
-        path: the adapter ``.safetensors`` file, or a directory holding ``adapter_model.safetensors``.
-        base_model: the id of the checkpoint it will be fused into (released: ``"MiniMaxAI/MiniMax-H3"``;
-            h3render's random checkpoints: ``TINY_BASE_MODEL``). Compared case-insensitively.
 
-    Checks: format tag ``fastvideo-lora-v2``; ``base_model`` equals the checkpoint's; ``application`` (when stated)
-    is the scale-1 reconstruction; every tensor name has a known suffix and maps to a DiT module; lora_A/lora_B
-    come in pairs whose rank is at most ``rank`` and the largest equals it; the three tensor counts are stated
-    and match the file.
+def check_base_model(stated: str, expected: str, where: str) -> str | None:
+    """FastVideo-compatible ``base_model`` policy: the checkpoint's id (case-insensitive) passes; empty or a local
+    path is a warning (returned); another model id is an error.
 
     Raises:
-        AdapterError: any check fails; the message names the file and the field or tensor.
+        AdapterError: ``stated`` names another model.
+    """
+    if not stated.strip():
+        return f"{where}: adapter states no base_model; assuming it fits {expected!r}"
+    if stated.casefold() == expected.casefold():
+        return None
+    if _looks_local(stated):
+        return f"{where}: adapter base_model={stated!r} is a local path; assuming it is {expected!r}"
+    raise AdapterError(f"{where}: adapter base_model={stated!r} but the checkpoint is {expected!r}")
+
+
+def _count(metadata: Mapping[str, str], key: str, path: Path) -> int | None:
+    declared = metadata.get(key)
+    if declared is None:
+        return None
+    try:
+        return int(declared)
+    except ValueError:
+        raise AdapterError(f"{path}: metadata {key}={declared!r} is not an integer") from None
+
+
+def read_adapter(path: str | Path, base_model: str = RELEASED_BASE_MODEL) -> Adapter:
+    """Open and validate a FastH3 adapter file (header and alpha scalars only; tensor data stays on disk).
+
+    Args:
+        path: the adapter ``.safetensors`` file, or a folder holding ``adapter_model.safetensors`` (bundles and
+            variants: ``h3render.checkpoint.students.resolve_adapter``).
+        base_model: the id of the checkpoint it will be fused into (released: ``"MiniMaxAI/MiniMax-H3"``;
+            h3render's random checkpoints: ``TINY_BASE_MODEL``).
+
+    Checks: ``format`` is ``fastvideo-lora-v2`` (then ``rank`` and the three counts are required) or absent/"pt"
+    (a plain LoRA); ``base_model`` as ``check_base_model``; ``application`` (when stated) is the B·A
+    reconstruction; every name has a known suffix, maps to a DiT module, and is unique after normalizing; no
+    low-rank pair on ``UNWRAPPED_MODULES``; pairs complete, ranks ≤ ``rank`` with the largest equal to it; an alpha
+    is a positive finite scalar of a pair; stated counts match the file.
+
+    Raises:
+        AdapterError: any check fails; the message names the file and the field or tensor(s).
     """
     path = Path(path)
     if path.is_dir():
@@ -200,70 +276,99 @@ def read_adapter(path: str | Path, base_model: str = RELEASED_BASE_MODEL) -> Ada
     try:
         with safe_open(path, framework="pt", device="cpu") as handle:
             metadata = dict(handle.metadata() or {})
-            entries = {}
-            for key in handle.keys():
-                sliced = handle.get_slice(key)
-                entries[key] = TensorEntry(tuple(sliced.get_shape()), str(sliced.get_dtype()))
+            raw = {key: handle.get_slice(key) for key in handle.keys()}
+            entries = {key: TensorEntry(tuple(s.get_shape()), str(s.get_dtype()), key) for key, s in raw.items()}
+            alpha_values = {key: handle.get_tensor(key) for key in raw
+                            if split_role(normalize_key(key)) == "lora_alpha"}
     except AdapterError:
         raise
     except Exception as exc:  # safetensors raises its own error types for a corrupt header
         raise AdapterError(f"{path}: not a readable safetensors file ({exc})") from exc
 
     fmt = metadata.get("format")
-    if fmt != ADAPTER_FORMAT:
-        raise AdapterError(f"{path}: metadata format={fmt!r}, expected {ADAPTER_FORMAT!r}")
-    stated_base = metadata.get("base_model", "")
-    if stated_base.casefold() != base_model.casefold():
-        raise AdapterError(f"{path}: adapter base_model={stated_base!r} but the checkpoint is {base_model!r}")
+    fastvideo = fmt == ADAPTER_FORMAT
+    if not fastvideo and fmt not in (None, "pt"):
+        raise AdapterError(f"{path}: metadata format={fmt!r}, expected {ADAPTER_FORMAT!r} (or a plain LoRA)")
+    warnings = [w for w in [check_base_model(metadata.get("base_model", ""), base_model, str(path))] if w]
+    if not fastvideo:
+        warnings.append(f"{path}: no {ADAPTER_FORMAT!r} header; read as a plain LoRA (counts unchecked)")
     application = metadata.get("application")
     if application is not None and "W_base + lora_B @ lora_A" not in application:
-        raise AdapterError(f"{path}: metadata application={application!r} is not the scale-1 '{APPLICATION}'")
-    try:
-        rank = int(metadata["rank"])
-    except (KeyError, ValueError):
-        raise AdapterError(f"{path}: metadata rank={metadata.get('rank')!r} is not an integer") from None
+        raise AdapterError(f"{path}: metadata application={application!r} is not '{APPLICATION}'")
 
+    normalized: dict[str, TensorEntry] = {}
+    for key, entry in entries.items():
+        name = normalize_key(key)
+        if name in normalized:
+            raise AdapterError(f"{path}: tensors {normalized[name].key!r} and {key!r} are the same {name!r}")
+        normalized[name] = entry
     seen = dict.fromkeys(COUNT_KEYS, 0)
     pair_ranks: dict[str, dict[str, int]] = {}
-    for key, entry in entries.items():
-        module, role = split_adapter_key(key)
+    alphas: dict[str, float] = {}
+    unwrapped: set[str] = set()
+    for name, entry in normalized.items():
+        module, role = split_adapter_key(name)
         try:
             native_target(module)
         except AdapterError as exc:
-            raise AdapterError(f"{path}: tensor {key!r}: {exc}") from None
+            raise AdapterError(f"{path}: tensor {entry.key!r}: {exc}") from None
+        if role in _LOW_RANK_ROLES and _unwrapped(module):
+            unwrapped.add(module)
         if role in ("lora_A", "lora_B"):
             seen["low_rank_tensors"] += 1
             if len(entry.shape) != 2:
-                raise AdapterError(f"{path}: tensor {key!r} has shape {entry.shape}, expected a 2-D factor")
+                raise AdapterError(f"{path}: tensor {entry.key!r} has shape {entry.shape}, expected a 2-D factor")
             pair_ranks.setdefault(module, {})[role] = entry.shape[0 if role == "lora_A" else 1]
+        elif role == "lora_alpha":
+            value = alpha_values[entry.key]
+            alpha = float(value.reshape(-1)[0]) if value.numel() == 1 else math.nan
+            if not (math.isfinite(alpha) and alpha > 0):
+                raise AdapterError(f"{path}: tensor {entry.key!r} (alpha) must be one positive finite number, got "
+                                   f"shape {tuple(value.shape)} value {value.flatten()[:3].tolist()}")
+            alphas[module] = alpha
         elif role in ("diff", "diff_b"):
             seen["diff_tensors"] += 1
         else:
             seen["set_weight_tensors"] += 1
+    if unwrapped:
+        raise AdapterError(f"{path}: LoRA factors on modules FastVideo never wraps (it would drop them): "
+                           f"{', '.join(sorted(unwrapped))}; state their change as .diff/.diff_b")
+    for module in sorted(alphas):
+        if module not in pair_ranks:
+            raise AdapterError(f"{path}: {module}.lora_alpha has no lora_A/lora_B pair")
     for module, ranks in sorted(pair_ranks.items()):
         if set(ranks) != {"lora_A", "lora_B"}:
             missing = ({"lora_A", "lora_B"} - set(ranks)).pop()
             raise AdapterError(f"{path}: {module}.{missing}.weight is missing (unpaired LoRA factor)")
-        if ranks["lora_A"] != ranks["lora_B"] or ranks["lora_A"] > rank:
-            raise AdapterError(f"{path}: {module} factors have ranks A={ranks['lora_A']} B={ranks['lora_B']}, "
-                               f"metadata rank={rank}")
-    if pair_ranks and max(r["lora_A"] for r in pair_ranks.values()) != rank:
-        raise AdapterError(f"{path}: metadata rank={rank} but the largest factor rank is "
-                           f"{max(r['lora_A'] for r in pair_ranks.values())}")
+        if ranks["lora_A"] != ranks["lora_B"]:
+            raise AdapterError(f"{path}: {module} factors have ranks A={ranks['lora_A']} B={ranks['lora_B']}")
+    largest = max((r["lora_A"] for r in pair_ranks.values()), default=0)
+    if "rank" in metadata or fastvideo:
+        try:
+            rank = int(metadata["rank"])
+        except (KeyError, ValueError):
+            raise AdapterError(f"{path}: metadata rank={metadata.get('rank')!r} is not an integer") from None
+        if pair_ranks and largest != rank:
+            raise AdapterError(f"{path}: metadata rank={rank} but the largest factor rank is {largest}")
+    else:
+        rank = largest
     counts = {}
     for key in COUNT_KEYS:
-        declared = metadata.get(key)
-        if declared is None:
+        declared = _count(metadata, key, path)
+        if declared is None and fastvideo:
             raise AdapterError(f"{path}: metadata {key} is missing (the writer states every tensor count)")
-        try:
-            counts[key] = int(declared)
-        except ValueError:
-            raise AdapterError(f"{path}: metadata {key}={declared!r} is not an integer") from None
-        if counts[key] != seen[key]:
-            raise AdapterError(f"{path}: metadata {key}={counts[key]} but the file holds {seen[key]}")
+        if declared is not None and declared != seen[key]:
+            raise AdapterError(f"{path}: metadata {key}={declared} but the file holds {seen[key]}")
+        counts[key] = seen[key]
 
-    return Adapter(path=path, metadata=metadata, sha256=_file_sha256(path), base_model=stated_base,
-                   finetuned_model=metadata.get("finetuned_model", ""), rank=rank, counts=counts, entries=entries)
+    return Adapter(path=path, metadata=metadata, sha256=_file_sha256(path), base_model=metadata.get("base_model", ""),
+                   finetuned_model=metadata.get("finetuned_model", ""), rank=rank, counts=counts,
+                   entries=normalized, alphas=alphas, warnings=tuple(warnings))
+
+
+def split_role(name: str) -> str | None:
+    """The role of a normalized name, or None for an unknown suffix (no error)."""
+    return next((role for suffix, role in _ROLES if name.endswith(suffix)), None)
 
 
 # ---------------------------------------------------------------------------------------------- fusion
@@ -274,21 +379,22 @@ class _Patch:
     """Everything the adapter contributes to one native parameter."""
 
     layout: str
-    # slot (None for plain/gate_value, 0/1/2 for q/k/v) -> adapter keys of (lora_A, lora_B) and of the diff
-    lora: dict[int | None, tuple[str, str]] = field(default_factory=dict)
+    # slot (None for plain/gate_value, 0/1/2 for q/k/v) -> (module, key of lora_A, key of lora_B) and the diff key
+    lora: dict[int | None, tuple[str, str, str]] = field(default_factory=dict)
     diff: dict[int | None, str] = field(default_factory=dict)
-    keys: list[str] = field(default_factory=list)
 
 
 class AdapterFusion:
     """Per-tensor hook that fuses a FastH3 adapter into DiT weights while the checkpoint streams.
 
     Call it with every native DiT tensor; it returns the tensor to load. A targeted tensor is rebuilt in fp32 on
-    ``device`` (``W + B·A + diff``, or the ``.set_weight`` value) and cast back to the input's dtype; the result
-    lives on ``device``. Untargeted tensors come back unchanged. Then call ``finish()``.
+    ``device`` (``W + scale·B·A + diff``, or the ``.set_weight`` value) and cast back to the input's dtype; the
+    result lives on ``device``. Untargeted tensors come back unchanged. Then call ``finish()``.
 
-    A ``.set_weight`` parameter (a VSA gate) is assigned when the stream carries it; our DiT has no such module, so
-    a loader refuses ``adapter.requires_vsa`` before fusing (else ``finish()`` names the gate never streamed).
+    The VSA gates a ``.set_weight`` assigns are absent from base checkpoints: ``entries(stream)`` passes a
+    checkpoint's entries through and then adds one entry per gate the stream lacked, read from the adapter (the
+    DiT must have the gates: ``DiT.enable_vsa`` before streaming). In-place fusion (``named_parameters`` of a DiT
+    with VSA enabled) streams the zero gates itself.
 
     Args:
         adapter: from ``read_adapter``.
@@ -296,8 +402,9 @@ class AdapterFusion:
         device: where deltas are computed (the GPU the shards stream to).
 
     Raises:
-        AdapterError: at construction, when a tensor's shape does not fit the config or a block / refiner block
-            is left untouched or does not exist; at call, on a repeated name or a shape mismatch.
+        AdapterError: at construction, when a tensor's shape does not fit the config, a block / refiner block is
+            left untouched or does not exist, or a VSA adapter lacks some blocks' gates (named); at call, on a
+            repeated name or a shape mismatch.
     """
 
     def __init__(self, adapter: Adapter, dit_config: DiTConfig, device: torch.device | str = "cpu"):
@@ -311,24 +418,24 @@ class AdapterFusion:
         touched: dict[str, set[int]] = {}
         for key, entry in adapter.entries.items():
             module, role = split_adapter_key(key)
+            if role == "lora_alpha":
+                continue
             target = native_target(module)
             param = f"{target.native}.{'bias' if role == 'diff_b' else 'weight'}"
             if param not in self._shapes:
-                raise AdapterError(f"{adapter.path}: tensor {key!r} targets {param!r}, which this DiT config "
+                raise AdapterError(f"{adapter.path}: tensor {entry.key!r} targets {param!r}, which this DiT config "
                                    f"does not have (unknown target)")
-            self._check_shape(key, entry.shape, role, target, self._shapes[param])
+            self._check_shape(entry.key, entry.shape, role, target, self._shapes[param])
             if target.block is not None:
                 touched.setdefault(target.block[0], set()).add(target.block[1])
             if role == "set_weight":
                 self._assign[param] = key
                 continue
             patch = self._patches.setdefault(param, _Patch(target.layout))
-            patch.keys.append(key)
             if role in ("diff", "diff_b"):
                 patch.diff[target.slot] = key
             else:
-                lora_a, lora_b = (f"{module}.lora_A.weight", f"{module}.lora_B.weight")
-                patch.lora[target.slot] = (lora_a, lora_b)
+                patch.lora[target.slot] = (module, f"{module}.lora_A.weight", f"{module}.lora_B.weight")
         for param in self._assign:
             if param in self._patches:
                 raise AdapterError(f"{adapter.path}: {param!r} is both assigned (.set_weight) and patched")
@@ -338,7 +445,14 @@ class AdapterFusion:
             if untouched:
                 raise AdapterError(f"{adapter.path}: adapter leaves {native_prefix}{untouched[0]} untouched "
                                    f"({len(untouched)} of {count} {native_prefix}* blocks; {count_field}={count})")
+        gates = adapter.gate_blocks
+        if gates:
+            lacking = sorted(set(range(dit_config.num_layers)) - set(gates))
+            if lacking:
+                raise AdapterError(f"{adapter.path}: a VSA adapter without the attn.to_gate_compress.set_weight gate "
+                                   f"of blocks {lacking} ({len(gates)} of {dit_config.num_layers} present)")
         self._applied: set[str] = set()
+        self._injected: set[str] = set()
         self._handle = None
 
     def _check_shape(self, key: str, shape: tuple[int, ...], role: str, target: Target,
@@ -360,18 +474,36 @@ class AdapterFusion:
     def _read(self, key: str) -> torch.Tensor:
         if self._handle is None:
             self._handle = safe_open(self.adapter.path, framework="pt", device="cpu")
-        return self._handle.get_tensor(key).to(self.device).to(torch.float32)
+        return self._handle.get_tensor(self.adapter.entries[key].key).to(self.device).to(torch.float32)
 
     def _slot_delta(self, patch: _Patch, slot: int | None) -> torch.Tensor | None:
-        """fp32 delta in the diffusers row order of one slot: B·A (+ diff). [out, in] or [out]."""
+        """fp32 delta in the diffusers row order of one slot: scale·B·A (+ diff). [out, in] or [out]."""
         delta = None
         if slot in patch.lora:
-            key_a, key_b = patch.lora[slot]
+            module, key_a, key_b = patch.lora[slot]
             delta = self._read(key_b) @ self._read(key_a)  # [out, r] @ [r, in] -> [out, in]
+            scale = self.adapter.scale(module)
+            if scale != 1.0:
+                delta.mul_(scale)
         if slot in patch.diff:
             diff = self._read(patch.diff[slot])
             delta = diff if delta is None else delta.add_(diff)
         return delta
+
+    @property
+    def assigned(self) -> frozenset[str]:
+        """Native names the adapter assigns whole (the VSA gates)."""
+        return frozenset(self._assign)
+
+    def entries(self, stream: Iterable[Entry]) -> Iterator[Entry]:
+        """``stream`` unchanged, then an entry (read from the adapter) per assigned parameter it lacked."""
+        seen = set()
+        for entry in stream:
+            seen.add(entry.name)
+            yield entry
+        for name in sorted(set(self._assign) - seen):
+            self._injected.add(name)
+            yield Entry(str(self.adapter.path), name, lambda key=self._assign[name]: self.adapter.tensor(key))
 
     def __call__(self, native_name: str, tensor: torch.Tensor) -> torch.Tensor:
         """Return ``tensor`` with the adapter's contribution; unchanged when the adapter does not target it."""
@@ -383,6 +515,8 @@ class AdapterFusion:
             raise AdapterError(f"{self.adapter.path}: checkpoint tensor {native_name!r} has shape "
                                f"{tuple(tensor.shape)}, the DiT config says {self._shapes[native_name]}")
         self._applied.add(native_name)
+        if native_name in self._injected:
+            return tensor  # already the adapter's own value (`entries`)
         if native_name in self._assign:
             return self._read(self._assign[native_name]).to(tensor.dtype)
         patch = self._patches[native_name]
@@ -412,139 +546,3 @@ class AdapterFusion:
         if missing:
             raise AdapterError(f"{self.adapter.path}: the checkpoint never provided {missing[0]!r} "
                                f"({len(missing)} adapter targets unconsumed)")
-
-
-# ---------------------------------------------------------------------------------------------- schedules
-
-
-def positions_from_steps(steps: Sequence[int], where: str = "dmd_denoising_steps") -> tuple[float, ...]:
-    """DMD timestep indices out of 1000 (e.g. [999, 749, 500, 250]) -> positions with the terminal 0 appended.
-
-    Raises:
-        ValueError: not integers in 1..1000 strictly decreasing (names ``where``).
-    """
-    values = list(steps)
-    if (not values or any(not isinstance(v, int) or isinstance(v, bool) or not 1 <= v <= 1000 for v in values)
-            or any(b >= a for a, b in zip(values, values[1:]))):
-        raise ValueError(f"{where}={values!r}: expected strictly decreasing integers in 1..1000")
-    return tuple(v / 1000 for v in values) + (0.0,)
-
-
-def _parse_steps(raw: Any, where: str) -> tuple[float, ...]:
-    # Header metadata values are strings: "[999, 749, 500, 250]" or "999,749,500,250".
-    if isinstance(raw, str):
-        text = raw.strip()
-        try:
-            raw = json.loads(text) if text.startswith("[") else [int(p) for p in text.split(",") if p.strip()]
-        except ValueError:
-            raise ValueError(f"{where}={text!r}: not a list of integers") from None
-    if not isinstance(raw, (list, tuple)):
-        raise ValueError(f"{where}={raw!r}: not a list of integers")
-    return positions_from_steps(raw, where)
-
-
-@dataclass(frozen=True)
-class FastH3V2Contract:
-    """V2's ``fastvideo_inference.json``: the full 8-forward checkpoint's own sampling contract.
-
-    Identified by ``schema_version == "fasth3-inference-contract-v1"`` and ``model_id ==
-    "FastVideo/FastVideo-FastH3-8-Step-V2"``. It was trained with video sparse attention (``attention_backend``,
-    ``vsa_sparsity``); h3render runs dense attention.
-    """
-
-    positions: tuple[float, ...]
-    video_shift: float
-    audio_shift: float
-    attention_backend: str
-    vsa_sparsity: float | None
-
-    @classmethod
-    def from_metadata(cls, metadata: Mapping[str, Any]) -> FastH3V2Contract:
-        """Validate the contract.
-
-        Raises:
-            ValueError: a field disagrees with the V2 release (names the field).
-        """
-        required = {"model_id": V2_MODEL_ID, "schema_version": V2_SCHEMA, "transformer_forwards": 8,
-                    "guidance_scale": 1.0, "task": "t2av"}
-        for key, expected in required.items():
-            if metadata.get(key) != expected:
-                raise ValueError(f"FastH3 V2 contract: {key}={metadata.get(key)!r}, expected {expected!r}")
-        positions = _parse_steps(metadata.get("dmd_denoising_steps"), "FastH3 V2 contract dmd_denoising_steps")
-        if len(positions) - 1 != metadata["transformer_forwards"]:
-            raise ValueError(f"FastH3 V2 contract: {len(positions) - 1} dmd_denoising_steps for "
-                             f"transformer_forwards={metadata['transformer_forwards']}")
-        shifts = []
-        for key in ("video_scheduler_shift", "audio_scheduler_shift"):
-            value = metadata.get(key)
-            if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
-                raise ValueError(f"FastH3 V2 contract: {key}={value!r} is not a positive number")
-            shifts.append(float(value))
-        return cls(positions, shifts[0], shifts[1], str(metadata.get("attention_backend", "")),
-                   metadata.get("vsa_sparsity"))
-
-
-V2_CONTRACT_FILE = "fastvideo_inference.json"
-
-
-def read_v2_contract(checkpoint: str | Path) -> dict[str, Any] | None:
-    """V2's inference contract if `checkpoint` (a folder, or a partition inside one) carries a valid one, else None.
-
-    Raises:
-        ValueError: the file exists and claims to be V2 but a field disagrees with the release (names the field).
-    """
-    path = Path(checkpoint)
-    for folder in (path, path.parent):
-        candidate = folder / V2_CONTRACT_FILE
-        if folder.is_dir() and candidate.is_file():
-            try:
-                meta = json.loads(candidate.read_text())
-            except (OSError, json.JSONDecodeError) as exc:
-                raise ValueError(f"{candidate}: unreadable FastH3 contract: {exc}") from None
-            if is_fasth3_v2(meta):
-                FastH3V2Contract.from_metadata(meta)
-                return meta
-    return None
-
-
-def is_fasth3_v2(metadata: Mapping[str, Any] | None) -> bool:
-    """Whether ``metadata`` is V2's inference contract (by its schema_version and model_id)."""
-    return bool(metadata) and metadata.get("schema_version") == V2_SCHEMA and metadata.get("model_id") == V2_MODEL_ID
-
-
-def fasth3_schedule(metadata: Adapter | Mapping[str, Any] | None = None,
-                    video_shift: float = RELEASED_VIDEO_SHIFT, audio_shift: float = RELEASED_AUDIO_SHIFT,
-                    *, positions: str | None = None) -> Schedule:
-    """Build the FastH3 schedule: pre-shift positions, then the per-modality shift on top.
-
-    Positions, first that applies:
-      1. ``positions`` names a set in ``POSITION_SETS`` (e.g. ``"fastvideo-example"`` = linspace(1, 0, 5));
-      2. ``metadata`` is V2's contract: its 9 positions and ITS shifts (video 10, audio 3) — the arguments are not
-         used, since V2 was distilled at those;
-      3. ``metadata`` (adapter header, checkpoint json, or an ``adapter_manifest.json`` with
-         ``sampling.base_timesteps``) states ``dmd_denoising_steps`` -> source ``"adapter metadata"``;
-      4. otherwise the release default [999, 749, 500, 250] -> (0.999, 0.749, 0.5, 0.25, 0), ``"release default"``.
-
-    Args:
-        video_shift / audio_shift: the checkpoint's shifts (released 12 / 3).
-
-    Raises:
-        ValueError: unknown named set, malformed steps, or an invalid V2 contract.
-    """
-    meta: Mapping[str, Any] = (metadata.metadata if isinstance(metadata, Adapter) else metadata) or {}
-    if positions is not None:
-        if positions not in POSITION_SETS:
-            raise ValueError(f"unknown FastH3 position set {positions!r}; known: {sorted(POSITION_SETS)}")
-        chosen, source = POSITION_SETS[positions], f"named set {positions!r}"
-    elif is_fasth3_v2(meta):
-        contract = FastH3V2Contract.from_metadata(meta)
-        chosen, source = contract.positions, "FastH3 V2 contract"
-        video_shift, audio_shift = contract.video_shift, contract.audio_shift
-    elif "dmd_denoising_steps" in meta:
-        chosen, source = _parse_steps(meta["dmd_denoising_steps"], "dmd_denoising_steps"), "adapter metadata"
-    elif isinstance(meta.get("sampling"), Mapping) and "base_timesteps" in meta["sampling"]:
-        chosen = _parse_steps(meta["sampling"]["base_timesteps"], "sampling.base_timesteps")
-        source = "adapter metadata"
-    else:
-        chosen, source = positions_from_steps(RELEASE_DMD_STEPS), "release default"
-    return Schedule.few_step(chosen, video_shift, audio_shift, source)

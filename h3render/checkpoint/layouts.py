@@ -27,7 +27,8 @@ from torch import Tensor
 
 from h3render.checkpoint.errors import CheckpointError
 from h3render.checkpoint.names import (FC1_NATIVE, IGNORED_DIT_TENSORS, QKV_DIFFUSERS, QKV_NATIVE,
-                                       dit_name_from_diffusers, dit_shapes, interleave_qkv, swap_halves)
+                                       dit_name_from_diffusers, dit_shapes, interleave_qkv, native_gate_name,
+                                       swap_halves)
 from h3render.checkpoint.releases import BUILTIN, RELEASES, Release
 from h3render.checkpoint.stream import Entry, file_entries, open_safetensors, read_json, safetensors_entries
 from h3render.models.audio_vae import AudioVAEConfig
@@ -277,9 +278,10 @@ def _single_file_release(path: Path) -> Release:
 
 
 def _native_dit_entries(entries: Iterable[Entry]) -> Iterator[Entry]:
+    """Native names as they are; a full FastH3 export's VSA gates (`attn.to_gate_compress`) as `attn.gate_proj`."""
     for entry in entries:
         if entry.name not in IGNORED_DIT_TENSORS:
-            yield entry
+            yield Entry(entry.file, native_gate_name(entry.name), entry.load)
 
 
 def _stacked_dit_entries(entries: Iterable[Entry], config: DiTConfig) -> Iterator[Entry]:
@@ -297,7 +299,7 @@ def _stacked_dit_entries(entries: Iterable[Entry], config: DiTConfig) -> Iterato
                 return interleave_qkv(*stacked.chunk(3, dim=0), heads, head_dim)
             yield Entry(entry.file, name, load)
         else:
-            yield Entry(entry.file, name, entry.load)
+            yield Entry(entry.file, native_gate_name(name), entry.load)
 
 
 def _diffusers_dit_entries(entries: Iterable[Entry], config: DiTConfig) -> Iterator[Entry]:

@@ -125,7 +125,8 @@ def assemble_components(
         tokenizer: called once when the text encoder is asked for.
         dtype: compute dtype of the DiT block stack, the video-VAE decoder linears and the text encoder; the
             release's fp32 islands stay fp32 and the audio VAE is always fp32.
-        tensor_hook: applied to every DiT tensor while streaming, then `finish()` when it has one.
+        tensor_hook: applied to every DiT tensor while streaming, then `finish()` when it has one; its optional
+            `prepare(dit)` runs on the empty DiT first and `entries(stream)` wraps the DiT's entries.
 
     Raises:
         CheckpointError: as `stream_into`.
@@ -133,8 +134,15 @@ def assemble_components(
     release = info.release
     built: dict[str, Any] = dict.fromkeys(PARTS)
     if "dit" in parts:
-        built["dit"] = stream_into(_empty_dit(release.dit, dtype), source("dit"), device, what=_WHAT["dit"],
-                                   where=where("dit"), tensor_hook=tensor_hook)
+        dit, entries = _empty_dit(release.dit, dtype), source("dit")
+        # A FastH3 student's hook (`checkpoint.students.StudentHook`) turns VSA on in the empty DiT, so its gates
+        # exist before the weights stream, and adds or checks gate entries.
+        if hasattr(tensor_hook, "prepare"):
+            tensor_hook.prepare(dit)
+        if hasattr(tensor_hook, "entries"):
+            entries = tensor_hook.entries(entries)
+        built["dit"] = stream_into(dit, entries, device, what=_WHAT["dit"], where=where("dit"),
+                                   tensor_hook=tensor_hook)
         finish_hook(tensor_hook)
     if "video_vae" in parts:
         built["video_vae"] = stream_into(_empty_video_vae(release, dtype), source("video_vae"), device,

@@ -56,13 +56,27 @@ BLOCK_MODULES = (
     ("mlp.fc1", "ff.net.0.proj", GATE_VALUE, None),
     ("mlp.fc2", "ff.net.2", PLAIN, None),
 )
-# The video-sparse-attention compression gate of sparse-attention students (same name on both sides, weight
-# [H·D, hidden]): absent from the base DiT and from ours; only a FastH3 adapter may name it.
+# The video-sparse-attention compression gate of FastH3's sparse-attention students, weight [H·D, hidden], no
+# bias: FastVideo's (and the adapters' / full checkpoints') `attn.to_gate_compress`, our `attn.gate_proj`. Absent
+# from the base checkpoint and from a dense DiT (`DiT.enable_vsa` adds it), so a dense load meets it as an
+# unexpected tensor.
 VSA_GATE = "attn.to_gate_compress"
+VSA_GATE_NATIVE = "attn.gate_proj"
+GATE_ROWS = ((VSA_GATE_NATIVE, VSA_GATE, PLAIN, None),)
 
 QKV_NATIVE = "attn.qkv_proj.weight"
 QKV_DIFFUSERS = tuple(f"{diffusers}.weight" for _, diffusers, layout, _ in BLOCK_MODULES if layout == QKV)
 FC1_NATIVE = "mlp.fc1.weight"
+
+
+def native_gate_name(name: str) -> str:
+    """A native-named DiT tensor with FastVideo's gate module name (`blocks.3.attn.to_gate_compress.weight`, as a
+    full FastH3 export in native naming may carry) under ours (`blocks.3.attn.gate_proj.weight`); others unchanged."""
+    if name.startswith("blocks.") and f".{VSA_GATE}." in name:
+        return name.replace(f".{VSA_GATE}.", f".{VSA_GATE_NATIVE}.", 1)
+    return name
+
+
 # The RoPE buffer some exports carry; both DiTs recompute it from the config.
 IGNORED_DIT_TENSORS = ("rope.inv_freq",)
 
@@ -84,14 +98,14 @@ class Target:
     block: tuple[str, int] | None
 
 
-def _rows(module: str, side: int, vsa_gate: bool = False) -> list[tuple[str, str, Target]]:
+def _rows(module: str, side: int) -> list[tuple[str, str, Target]]:
     """Every table row whose native (`side` 0) or diffusers (`side` 1) module path is `module`, as
-    (native path, diffusers path, target); the VSA gate is a row only with `vsa_gate`."""
+    (native path, diffusers path, target); the VSA gate of a block (not of a refiner block) included."""
     for pair in TOP_MODULES:
         if module == pair[side]:
             return [(*pair, Target(pair[0], PLAIN, None, None))]
-    in_block = BLOCK_MODULES + (((VSA_GATE, VSA_GATE, PLAIN, None),) if vsa_gate else ())
     for stack in STACKS:
+        in_block = BLOCK_MODULES + (GATE_ROWS if stack[0] == "blocks." else ())
         if module.startswith(stack[side]):
             index, _, suffix = module[len(stack[side]):].partition(".")
             if not index.isdigit():
@@ -103,10 +117,11 @@ def _rows(module: str, side: int, vsa_gate: bool = False) -> list[tuple[str, str
     return []
 
 
-def native_module(module: str, *, vsa_gate: bool = False) -> Target | None:
-    """The native target of a diffusers module path (`transformer_blocks.3.attn.to_q`), or None for a name outside
-    the table. `vsa_gate` also accepts the sparse-attention gate `attn.to_gate_compress` of a block."""
-    rows = _rows(module, 1, vsa_gate)
+def native_module(module: str) -> Target | None:
+    """The native target of a diffusers module path (`transformer_blocks.3.attn.to_q`; the VSA gate
+    `transformer_blocks.3.attn.to_gate_compress` -> `blocks.3.attn.gate_proj`), or None for a name outside the
+    table."""
+    rows = _rows(module, 1)
     return rows[0][2] if rows else None
 
 

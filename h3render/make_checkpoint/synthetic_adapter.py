@@ -1,5 +1,10 @@
-"""A synthetic FastH3 adapter: random tensors in the real `fastvideo-lora-v2` layout and header for a (tiny) DiT
-config, so the adapter reader and the fusion hook (`h3render.checkpoint.adapter`) run without the released file.
+"""Synthetic FastH3 students in the published formats, for a (tiny) DiT config, so every loading path
+(`h3render.checkpoint.adapter`, `.students`, `.contract`) runs without the released files:
+
+* `write_synthetic_adapter`: one `fastvideo-lora-v2` adapter file (VSA gates optional);
+* `write_synthetic_bundle`: the v1 LoRA bundle root (four variant folders + `adapter_manifest.json`);
+* `write_synthetic_full_student`: a full student checkpoint (`make_checkpoint` + VSA gates in the transformer +
+  `fastvideo_inference.json`), v1 or V2.
 """
 
 from __future__ import annotations
@@ -13,7 +18,9 @@ from safetensors.torch import save_file
 
 from h3render.checkpoint.adapter import (ADAPTER_FORMAT, APPLICATION, TINY_BASE_MODEL, native_shapes,
                                          split_adapter_key)
-from h3render.checkpoint.names import STACKS, diffusers_modules
+from h3render.checkpoint.contract import (CONTRACT_FILE, CONTRACT_SCHEMA, V2_MODEL_ID, V2_REQUIRED, V2_VSA,
+                                          VSA_BACKEND)
+from h3render.checkpoint.names import STACKS, VSA_GATE, diffusers_modules
 from h3render.models.dit import DiTConfig
 
 
@@ -26,7 +33,9 @@ def write_synthetic_adapter(path: str | Path, dit_config: DiTConfig, seed: int, 
     Contents, mirroring the released FastH3 adapter: rank-``rank`` factors for q/k/v/out/ff.net.0.proj/ff.net.2
     of every block and refiner block plus ``adaln_proj.linear`` of every block; ``.diff`` for every norm1/norm2,
     block 0's norm_q/norm_k, the refiner final norm and final norm; ``.diff_b`` for every block's adaLN bias;
-    proj_in with factors + ``.diff`` + ``.diff_b``; a few other model-level ``.diff``/``.diff_b``; with
+    proj_in ``.diff`` + ``.diff_b`` (no factors: FastVideo never wraps proj_in, audio_proj_in, context_embedder,
+    time_embedder, proj_out, audio_proj_out with a LoRA layer, so factors there are refused); a few other
+    model-level ``.diff``/``.diff_b``; rank-``rank`` factors on ``norm_out.linear``; with
     ``with_set_weight``, a ``attn.to_gate_compress.set_weight`` [H·D, hidden] per block. Factors are scaled so
     deltas are ~2% of a unit weight. Metadata as FastVideo's finalize_adapter.py writes it, ``dmd_denoising_steps``
     added when given.
@@ -69,7 +78,6 @@ def write_synthetic_adapter(path: str | Path, dit_config: DiTConfig, seed: int, 
                     tensors[f"{block}.attn.to_gate_compress.set_weight"] = rand(inner, hidden, std=hidden ** -0.5)
     diff("blocks.0.attn.q_norm.weight")
     diff("blocks.0.attn.k_norm.weight")
-    lora("proj_in", *shapes["video_patch_proj.weight"])
     for param in ("video_patch_proj.weight", "video_patch_proj.bias", "audio_patch_proj.bias",
                   "condition_proj.bias", "time_embedder.proj_in.bias", "time_embedder.proj_out.weight",
                   "token_refiner.final_norm.weight", "final_layer.norm.weight", "final_layer.adaln_proj.linear.bias",
@@ -97,3 +105,97 @@ def write_synthetic_adapter(path: str | Path, dit_config: DiTConfig, seed: int, 
     path.parent.mkdir(parents=True, exist_ok=True)
     save_file({key: value.contiguous() for key, value in tensors.items()}, str(path), metadata=metadata)
     return path
+
+
+# v1 LoRA bundle (FastVideo/FastVideo-FastH3-4-step-Preview-v1-LoRA): variant -> VSA gates or not.
+BUNDLE_VARIANTS = {"vsa-datafree": True, "vsa-synthetic-step1300": True, "vsa-synthetic-step1900": True,
+                   "dense-datafree": False}
+
+
+def write_synthetic_bundle(root: str | Path, dit_config: DiTConfig, seed: int, *, manifest: dict | None = None,
+                           base_model: str = TINY_BASE_MODEL) -> Path:
+    """The v1 LoRA bundle root: `<variant>/adapter_model.safetensors` for the four published variants (the three
+    VSA ones with gates, seeds `seed`, `seed + 1`, ...) and `adapter_manifest.json`.
+
+    Args:
+        manifest: the manifest to write; default `{"schema_version": "fasth3-lora-bundle-v1", "variants":
+            {name: {"path": ..., "attention_backend": ..., ["vsa_sparsity": 0.9, "vsa_tile_size": 64]}}}` (the
+            published file's fields beyond `schema_version` are unverified).
+
+    Returns: the root.
+    """
+    root = Path(root)
+    variants = {}
+    for i, (name, vsa) in enumerate(BUNDLE_VARIANTS.items()):
+        write_synthetic_adapter(root / name / "adapter_model.safetensors", dit_config, seed + i,
+                                with_set_weight=vsa, base_model=base_model)
+        variants[name] = {"path": f"{name}/adapter_model.safetensors",
+                          "attention_backend": VSA_BACKEND if vsa else "FLASH_ATTN",
+                          **({"vsa_sparsity": 0.9, "vsa_tile_size": 64} if vsa else {})}
+    if manifest is None:
+        manifest = {"schema_version": "fasth3-lora-bundle-v1", "base_model": base_model, "variants": variants}
+    (root / "adapter_manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
+    return root
+
+
+def _v1_contract(name: str, vsa: bool) -> dict:
+    # Fields third-party validators expect of the v1 full checkpoints (vsa.md §2; the published file is unverified).
+    contract = {"schema_version": CONTRACT_SCHEMA, "model_id": f"FastVideo/FastVideo-FastH3-4-step-Preview-v1-{name}",
+                "transformer_forwards": 4, "num_inference_steps": 5, "dmd_denoising_steps": [999, 749, 500, 250],
+                "guidance_scale": 1.0, "task": "t2av", "attention_backend": VSA_BACKEND if vsa else "FLASH_ATTN"}
+    if vsa:
+        contract.update(vsa_sparsity=0.9, vsa_tile_size=64, vsa_kernel="sm100a")
+    return contract
+
+
+# Full students: name -> contract (`fastvideo_inference.json`).
+FULL_STUDENTS = {
+    "v2": {"schema_version": CONTRACT_SCHEMA, "model_id": V2_MODEL_ID, "num_inference_steps": 9, **V2_REQUIRED,
+           **V2_VSA},
+    "v1-vsa-datafree": _v1_contract("VSA-DataFree", True),
+    "v1-vsa-synthetic-step1300": _v1_contract("VSA-Synthetic-Step1300", True),
+    "v1-vsa-synthetic-step1900": _v1_contract("VSA-Synthetic-Step1900", True),
+    "v1-dense-datafree": _v1_contract("Dense-DataFree", False),
+}
+
+
+def write_synthetic_full_student(out: str | Path, student: str = "v2", config: str = "tiny",
+                                 layout: str = "diffusers", seed: int = 0, *, contract: dict | None = None,
+                                 gate_blocks: Sequence[int] | None = None, zero_gates: Sequence[int] = ()) -> Path:
+    """A full FastH3 student checkpoint: `make_checkpoint(out, config, layout, seed)` (2 transformer shards), a
+    third shard with the VSA gates (bf16 [H·D, hidden] per block, named as FastVideo's export:
+    `transformer_blocks.{i}.attn.to_gate_compress.weight` in the diffusers layout, `blocks.{i}.attn.
+    to_gate_compress.weight` in the official one) added to the index, and `fastvideo_inference.json` at the root.
+
+    Args:
+        student: a `FULL_STUDENTS` name (the dense one gets no gates).
+        contract: written in place of the student's own.
+        gate_blocks: blocks that get a gate (default all, for a VSA student); zero_gates: blocks whose gate is 0.
+
+    Returns: the checkpoint root.
+    """
+    from h3render.checkpoint.releases import RELEASES
+    from h3render.make_checkpoint.writer import make_checkpoint
+
+    out = make_checkpoint(out, config, layout, seed)
+    contract = dict(FULL_STUDENTS[student] if contract is None else contract)
+    dit = RELEASES[config].dit
+    vsa = contract.get("attention_backend") == VSA_BACKEND
+    blocks = range(dit.num_layers) if gate_blocks is None and vsa else (gate_blocks or ())
+    prefix = "transformer_blocks" if layout == "diffusers" else "blocks"
+    inner, hidden = dit.num_attention_heads * dit.attention_head_dim, dit.hidden_size
+    generator = torch.Generator().manual_seed(seed + 7)
+    gates = {}
+    for i in blocks:
+        gate = torch.randn(inner, hidden, generator=generator) * hidden ** -0.5
+        gates[f"{prefix}.{i}.{VSA_GATE}.weight"] = (gate * (i not in zero_gates)).to(torch.bfloat16)
+    transformer = out / ("FL2VA" if layout == "official" else "") / "transformer"
+    if gates:
+        shard = "diffusion_pytorch_model-gates.safetensors"
+        save_file(gates, str(transformer / shard), metadata={"format": "pt"})
+        index_path = transformer / "diffusion_pytorch_model.safetensors.index.json"
+        index = json.loads(index_path.read_text())
+        index["weight_map"].update(dict.fromkeys(gates, shard))
+        index_path.write_text(json.dumps(index, indent=2) + "\n")
+    (out / CONTRACT_FILE).write_text(json.dumps(contract, indent=2) + "\n")
+    return out

@@ -1,0 +1,356 @@
+"""FastH3 students in every published layout (synthetic files written by our writers): adapter file, variant folder,
+LoRA bundle root + variant, v1 / V2 full checkpoints; VSA on with the gates loaded (or an error naming the blocks);
+FastVideo's key spellings and alpha; the unwrapped-module, base-model and positions rules; the sidecar's attention."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from h3render.checkpoint import RELEASES, AdapterError, CheckpointError, load_components, read_adapter
+from h3render.checkpoint import adapter as fasth3
+from h3render.checkpoint import read_checkpoint_info
+from h3render.checkpoint.students import plan_student, resolve_adapter
+from h3render.make_checkpoint.synthetic_adapter import (write_synthetic_adapter, write_synthetic_bundle,
+                                                        write_synthetic_full_student)
+
+CFG = RELEASES["tiny"].dit
+TINY = read_checkpoint_info("tiny")
+
+
+@pytest.fixture(scope="module")
+def bundle(tmp_path_factory):
+    return write_synthetic_bundle(tmp_path_factory.mktemp("b") / "FastH3-v1-LoRA", CFG, seed=11)
+
+
+def load_dit(checkpoint, plan):
+    return load_components(checkpoint, "cpu", torch.float32, parts=("dit",), tensor_hook=plan.hook).dit
+
+
+def gate_of(path, i):
+    return load_file(path)[f"transformer_blocks.{i}.attn.to_gate_compress.set_weight"]
+
+
+def rewrite(path, edit):
+    with safe_open(path, framework="pt") as f:
+        meta = dict(f.metadata())
+    tensors = load_file(path)
+    edit(tensors, meta)
+    save_file(tensors, str(path), metadata=meta)
+
+
+# ---------------------------------------------------------------------------------------------- layouts
+
+
+def test_every_adapter_layout_resolves(bundle, tmp_path):
+    src = resolve_adapter(bundle, "vsa-datafree")
+    assert (src.layout, src.variant, src.file) == ("bundle", "vsa-datafree",
+                                                   bundle / "vsa-datafree" / "adapter_model.safetensors")
+    folder = resolve_adapter(bundle / "dense-datafree")
+    assert (folder.layout, folder.variant, folder.manifest_path) == ("variant folder", "dense-datafree",
+                                                                     bundle / "adapter_manifest.json")
+    inner = resolve_adapter(bundle / "vsa-synthetic-step1900" / "adapter_model.safetensors")
+    assert (inner.layout, inner.variant) == ("file", "vsa-synthetic-step1900")  # the root's manifest applies
+    lone = write_synthetic_adapter(tmp_path / "x.safetensors", CFG, seed=1)
+    assert resolve_adapter(lone).manifest is None
+    with pytest.raises(AdapterError, match="dense-datafree, vsa-datafree, vsa-synthetic-step1300, "
+                                           "vsa-synthetic-step1900"):
+        resolve_adapter(bundle)
+    with pytest.raises(AdapterError, match="no variant 'vsa'"):
+        resolve_adapter(bundle, "vsa")
+    with pytest.raises(AdapterError, match="needs a bundle folder"):
+        resolve_adapter(lone, "vsa-datafree")
+
+
+def test_bundle_variants_load_vsa_with_their_gates_and_dense_stays_dense(bundle):
+    plan = plan_student("tiny", TINY, bundle, variant="vsa-synthetic-step1300")
+    att = plan.sidecar["attention"]
+    assert att["mode"] == "vsa" and att["sparsity"] == 0.9 and att["tile"] == 64
+    assert att["sparsity_source"].endswith("variants.vsa-synthetic-step1300.vsa_sparsity")
+    dit = load_dit("tiny", plan)
+    assert dit.vsa_sparsity == 0.9
+    path = bundle / "vsa-synthetic-step1300" / "adapter_model.safetensors"
+    for i in range(CFG.num_layers):
+        torch.testing.assert_close(dit.blocks[i].attn.gate_proj.weight, gate_of(path, i).float(), rtol=0, atol=0)
+    assert all(b.attn.gate_proj is None for b in dit.token_refiner.blocks)
+
+    dense = plan_student("tiny", TINY, bundle, variant="dense-datafree")
+    assert dense.sidecar["attention"]["mode"] == "dense" and dense.sidecar["variant"] == "dense-datafree"
+    dit = load_dit("tiny", dense)
+    assert dit.vsa_sparsity is None and not any("gate_proj" in k for k in dit.state_dict())
+
+
+def test_sparsity_source_manifest_top_level_release_default_and_bad_tile(tmp_path):
+    root = write_synthetic_bundle(tmp_path / "a", CFG, seed=2,
+                                  manifest={"schema_version": "fasth3-lora-bundle-v1", "vsa_sparsity": 0.75})
+    att = plan_student("tiny", TINY, root, variant="vsa-datafree").attention
+    assert att.sparsity == 0.75 and att.sparsity_source.endswith("adapter_manifest.json vsa_sparsity")
+    lone = write_synthetic_adapter(tmp_path / "v.safetensors", CFG, seed=3, with_set_weight=True)
+    att = plan_student("tiny", TINY, lone).attention
+    assert (att.sparsity, att.tile) == (0.9, 64) and "release notes" in att.sparsity_source
+    root = write_synthetic_bundle(tmp_path / "b", CFG, seed=2, manifest={
+        "schema_version": "fasth3-lora-bundle-v1", "variants": {"vsa-datafree": {"vsa_tile_size": 128}}})
+    with pytest.raises(AdapterError, match="variants.vsa-datafree.vsa_tile_size=128.*must be 64"):
+        plan_student("tiny", TINY, root, variant="vsa-datafree")
+    (tmp_path / "b" / "adapter_manifest.json").write_text(json.dumps({"schema_version": "other"}))
+    with pytest.raises(AdapterError, match="schema_version='other'"):
+        plan_student("tiny", TINY, root, variant="vsa-datafree")
+
+
+@pytest.mark.parametrize("student, layout, sparsity", [("v2", "diffusers", 0.8), ("v1-vsa-datafree", "official", 0.9),
+                                                       ("v1-dense-datafree", "diffusers", None)])
+def test_full_checkpoints_load_their_gates(tmp_path, student, layout, sparsity):
+    ckpt = write_synthetic_full_student(tmp_path / student, student, layout=layout, seed=4)
+    info = read_checkpoint_info(ckpt)
+    plan = plan_student(str(ckpt), info)
+    forwards = 8 if student == "v2" else 4
+    assert plan.schedule.forwards == forwards and plan.sidecar["model_id"].startswith("FastVideo/")
+    dit = load_dit(ckpt, plan)
+    assert dit.vsa_sparsity == sparsity
+    if sparsity is None:
+        assert plan.sidecar["attention"]["mode"] == "dense"
+        return
+    assert plan.sidecar["attention"]["sparsity_source"].endswith("fastvideo_inference.json vsa_sparsity")
+    transformer = ckpt / ("FL2VA" if layout == "official" else "") / "transformer"
+    shard = transformer / "diffusion_pytorch_model-gates.safetensors"
+    prefix = "transformer_blocks" if layout == "diffusers" else "blocks"
+    written = load_file(shard)
+    for i in range(CFG.num_layers):
+        torch.testing.assert_close(dit.blocks[i].attn.gate_proj.weight,
+                                   written[f"{prefix}.{i}.attn.to_gate_compress.weight"].float(), rtol=0, atol=0)
+
+
+def test_full_checkpoint_missing_zero_gates_bad_tile_and_adapter_refused(tmp_path):
+    ckpt = write_synthetic_full_student(tmp_path / "m", "v2", seed=4, gate_blocks=[0])
+    with pytest.raises(CheckpointError, match=r"no VSA gate .* for blocks \[1\]"):
+        load_dit(ckpt, plan_student(str(ckpt), read_checkpoint_info(ckpt)))
+    ckpt = write_synthetic_full_student(tmp_path / "z", "v1-vsa-datafree", seed=4, zero_gates=[1])
+    with pytest.raises(CheckpointError, match=r"gate .* of blocks \[1\] is all zero"):
+        load_dit(ckpt, plan_student(str(ckpt), read_checkpoint_info(ckpt)))
+    from h3render.make_checkpoint.synthetic_adapter import FULL_STUDENTS
+
+    contract = {**FULL_STUDENTS["v1-vsa-datafree"], "vsa_tile_size": 256}
+    ckpt = write_synthetic_full_student(tmp_path / "t", contract=contract, seed=4)
+    with pytest.raises(AdapterError, match="vsa_tile_size=256.*must be 64"):
+        plan_student(str(ckpt), read_checkpoint_info(ckpt))
+    lone = write_synthetic_adapter(tmp_path / "a.safetensors", CFG, seed=1)
+    ckpt = write_synthetic_full_student(tmp_path / "v", "v2", seed=4)
+    with pytest.raises(AdapterError, match="takes no --adapter"):
+        plan_student(str(ckpt), read_checkpoint_info(ckpt), lone)
+
+
+def test_adapter_gate_missing_or_zero_names_the_blocks(tmp_path):
+    path = write_synthetic_adapter(tmp_path / "g.safetensors", CFG, seed=6, with_set_weight=True)
+
+    def drop_gate_1(tensors, meta):
+        del tensors["transformer_blocks.1.attn.to_gate_compress.set_weight"]
+        meta["set_weight_tensors"] = "1"
+    rewrite(path, drop_gate_1)
+    with pytest.raises(AdapterError, match=r"set_weight gate of blocks \[1\]"):
+        plan_student("tiny", TINY, path)
+
+    path = write_synthetic_adapter(tmp_path / "z.safetensors", CFG, seed=6, with_set_weight=True)
+    rewrite(path, lambda t, m: t["transformer_blocks.0.attn.to_gate_compress.set_weight"].zero_())
+    with pytest.raises(AdapterError, match=r"of blocks \[0\] is all zero"):
+        load_dit("tiny", plan_student("tiny", TINY, path))
+
+
+def test_deferred_in_place_fusion_turns_vsa_on_with_the_gates(bundle):
+    from h3render.engine import Engine, EngineSettings
+    from h3render.parallel.groups import ParallelContext
+
+    ctx = ParallelContext(0, 1, 0, torch.device("cpu"))
+    engine = Engine.load("tiny", ctx, torch.float32, EngineSettings(progress=False), adapter=str(bundle),
+                         adapter_variant="vsa-datafree", base_jobs_first=True)
+    assert engine.c.dit.vsa_sparsity is None  # base weights, dense, for the t2va jobs
+    engine.fuse_student()
+    dit = engine.c.dit
+    assert dit.vsa_sparsity == 0.9
+    path = bundle / "vsa-datafree" / "adapter_model.safetensors"
+    torch.testing.assert_close(dit.blocks[1].attn.gate_proj.weight, gate_of(path, 1).float(), rtol=0, atol=0)
+
+
+# ---------------------------------------------------------------------------------------------- FastVideo's semantics
+
+
+def _fused(path, name):
+    plan = plan_student("tiny", TINY, path)
+    return load_dit("tiny", plan).state_dict()[name]
+
+
+def test_alpha_scales_the_product_by_alpha_over_rank(tmp_path):
+    path = write_synthetic_adapter(tmp_path / "a.safetensors", CFG, seed=7, rank=4)
+    raw = load_file(path)
+    product = (raw["transformer_blocks.0.attn.to_out.0.lora_B.weight"].double()
+               @ raw["transformer_blocks.0.attn.to_out.0.lora_A.weight"].double())
+    weight = torch.randn(CFG.hidden_size, CFG.num_attention_heads * CFG.attention_head_dim)  # fp32 base
+
+    def delta():
+        fusion = fasth3.AdapterFusion(read_adapter(path, base_model=fasth3.TINY_BASE_MODEL), CFG)
+        return fusion("blocks.0.attn.out_proj.weight", weight).double() - weight.double()
+    torch.testing.assert_close(delta(), product, rtol=0, atol=1e-6)  # no alpha: scale 1
+    rewrite(path, lambda t, m: t.__setitem__("transformer_blocks.0.attn.to_out.0.alpha", torch.tensor(2.0)))
+    torch.testing.assert_close(delta(), 0.5 * product, rtol=0, atol=1e-6)  # alpha 2 / rank 4
+    rewrite(path, lambda t, m: t.__setitem__("transformer_blocks.0.attn.to_out.0.alpha", torch.tensor(-1.0)))
+    with pytest.raises(AdapterError, match="alpha.*positive"):
+        read_adapter(path, base_model=fasth3.TINY_BASE_MODEL)
+
+
+@pytest.mark.parametrize("spelling", ["peft", "kohya"])
+def test_peft_and_kohya_spellings_fuse_the_same(tmp_path, spelling):
+    path = write_synthetic_adapter(tmp_path / "a.safetensors", CFG, seed=8)
+    want = load_dit("tiny", plan_student("tiny", TINY, path)).state_dict()
+
+    def respell(tensors, meta):
+        for key in list(tensors):
+            new = key
+            if spelling == "peft":
+                new = "base_model.model." + key.replace(".lora_A.weight", ".lora_A.default.weight") \
+                    .replace(".lora_B.weight", ".lora_B.default.weight")
+            else:
+                new = "diffusion_model." + key.replace(".lora_A.", ".lora_down.").replace(".lora_B.", ".lora_up.")
+            tensors[new] = tensors.pop(key)
+        if spelling == "kohya":  # alpha = rank: scale 1
+            tensors["diffusion_model.transformer_blocks.0.attn.to_q.alpha"] = torch.tensor(4.0)
+    rewrite(path, respell)
+    got = load_dit("tiny", plan_student("tiny", TINY, path)).state_dict()
+    assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_low_rank_pairs_on_unwrapped_modules_are_named(tmp_path):
+    path = write_synthetic_adapter(tmp_path / "a.safetensors", CFG, seed=9, rank=4)
+    raw = load_file(path)
+    assert not any(k.startswith(("proj_in.lora", "time_embedder.")) and ".lora_" in k for k in raw)  # writer
+
+    def add_pairs(tensors, meta):
+        tensors["proj_in.lora_A.weight"] = torch.zeros(4, CFG.video_patch_dim)
+        tensors["proj_in.lora_B.weight"] = torch.zeros(CFG.hidden_size, 4)
+        tensors["time_embedder.linear_1.lora_A.weight"] = torch.zeros(4, CFG.freq_dim)
+        tensors["time_embedder.linear_1.lora_B.weight"] = torch.zeros(CFG.time_embed_hidden_dim, 4)
+        meta["low_rank_tensors"] = str(int(meta["low_rank_tensors"]) + 4)
+    rewrite(path, add_pairs)
+    with pytest.raises(AdapterError, match="never wraps.*proj_in, time_embedder.linear_1"):
+        read_adapter(path, base_model=fasth3.TINY_BASE_MODEL)
+
+
+@pytest.mark.parametrize("stated, outcome", [("", "warning"), ("/models/MiniMax-H3", "warning"),
+                                             ("./h3", "warning"), ("Other/Model", "error")])
+def test_base_model_policy(tmp_path, stated, outcome):
+    path = write_synthetic_adapter(tmp_path / "a.safetensors", CFG, seed=1, base_model=stated)
+    if outcome == "error":
+        with pytest.raises(AdapterError, match="base_model='Other/Model'"):
+            read_adapter(path, base_model=fasth3.TINY_BASE_MODEL)
+    else:
+        assert any("base_model" in w for w in read_adapter(path, base_model=fasth3.TINY_BASE_MODEL).warnings)
+
+
+def test_position_sets_on_adapters_and_contracts(tmp_path, bundle):
+    plan = plan_student("tiny", TINY, bundle, variant="vsa-datafree", positions="fastvideo-example")
+    assert plan.schedule.positions == (1.0, 0.75, 0.5, 0.25, 0.0)
+    assert plan.sidecar["source"] == "named set 'fastvideo-example'"
+    assert plan.sidecar["positions_set"] == "fastvideo-example"
+    ckpt = write_synthetic_full_student(tmp_path / "v2", "v2", seed=4)
+    with pytest.raises(ValueError, match="drives 4 forwards but .* states 8"):
+        plan_student(str(ckpt), read_checkpoint_info(ckpt), positions="fastvideo-example")
+    ckpt = write_synthetic_full_student(tmp_path / "v1", "v1-vsa-datafree", seed=4)
+    v1 = plan_student(str(ckpt), read_checkpoint_info(ckpt), positions="fastvideo-example").schedule
+    assert v1.positions[0] == 1.0 and v1.video_shift == 12.0  # the v1 contract states no shift: the checkpoint's
+
+
+# ---------------------------------------------------------------------------------------------- end to end
+
+
+def test_vsa_student_renders_through_prompt_and_batch(tmp_path, bundle):
+    """A tiny VSA student (bundle variant with gates) through `h3render prompt` and `h3render batch` (CPU: the VSA
+    torch reference); the sidecar records the attention, its sources, k at the job's shape, and the positions."""
+    from tests.test_cli import run_cli
+
+    out = tmp_path / "p.mp4"
+    r = run_cli("prompt", "Rain on a tin roof", "-o", str(out), "--mode", "fasth3", "--adapter", str(bundle),
+                "--adapter-variant", "vsa-datafree", "--fasth3-positions", "fastvideo-example", "--frames", "22")
+    assert r.returncode == 0, r.stderr
+    side = json.loads(out.with_suffix(".json").read_text())
+    fast = side["extra"]["fasth3"]
+    assert fast["variant"] == "vsa-datafree" and fast["attention"]["mode"] == "vsa"
+    assert fast["attention"]["sparsity"] == 0.9 and fast["attention"]["tile"] == 64
+    w, h = side["job"]["width"], side["job"]["height"]
+    # (5n+2 = 7 latent frames) x (h/32) x (w/32) patched grid in 4x4x4 tiles; k = ceil(0.1 V)
+    v = -(-7 // 4) * -(-(h // 32) // 4) * -(-(w // 32) // 4)
+    assert fast["attention"]["k"][f"{w}x{h}x22"] == {"video_tiles": v, "k": max(1, -(-v // 10))}
+    assert side["sigmas"]["source"] == "named set 'fastvideo-example'" and side["sigmas"]["positions"][0] == 1.0
+
+    manifest = tmp_path / "jobs.jsonl"
+    manifest.write_text(json.dumps({"id": "a", "prompt": "A bell tolls", "mode": "fasth3", "frames": 22}) + "\n")
+    r = run_cli("batch", str(manifest), "--out-dir", str(tmp_path / "out"), "--adapter",
+                str(bundle / "vsa-synthetic-step1900"), "--quiet")
+    assert r.returncode == 0, r.stderr
+    sidecars = list((tmp_path / "out").glob("*.json"))
+    job = next(json.loads(p.read_text()) for p in sidecars if "extra" in json.loads(p.read_text()))
+    assert job["extra"]["fasth3"]["attention"]["mode"] == "vsa"
+    assert job["extra"]["fasth3"]["layout"] == "variant folder" and job["sigmas"]["source"] == "release default"
+
+
+def _student_forward(adapter, ctx=None):
+    from tests.test_vsa_dit import _inputs, _tables
+
+    dit = load_dit("tiny", plan_student("tiny", TINY, adapter))
+    assert dit.vsa_sparsity == 0.9
+    layout, video, audio, text = _inputs()
+    tables, index = _tables(dit, layout)
+    with torch.no_grad():
+        if ctx is None:
+            return dit(video, audio, text, layout, tables, index)
+        from h3render.models.attention import sdpa_attention
+        from h3render.parallel.dit import sharded_forward
+
+        return sharded_forward(dit, ctx, video, audio, text, layout, tables, index, dit.rope_tables(layout.positions),
+                               base_attention=sdpa_attention)
+
+
+def _ulysses_worker(rank, port, adapter, queue):
+    import os
+
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        from h3render.parallel.groups import ParallelContext
+
+        ctx = ParallelContext(rank=rank, world_size=2, local_rank=rank, device=torch.device("cpu"),
+                              group=dist.group.WORLD)
+        v, a = _student_forward(adapter, ctx)
+        if rank == 0:
+            queue.put((v.clone(), a.clone()))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_loaded_vsa_student_on_two_ulysses_ranks_equals_one(tmp_path):
+    """The student's gates loaded through the hook; Ulysses (gloo, 2 ranks: heads split, whole tiles) = 1 rank."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    from tests._diffusers_ref import rel_err
+
+    adapter = str(write_synthetic_adapter(tmp_path / "v.safetensors", CFG, seed=12, with_set_weight=True))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    spawn = mp.get_context("spawn")
+    queue = spawn.Queue()
+    procs = [spawn.Process(target=_ulysses_worker, args=(r, port, adapter, queue)) for r in range(2)]
+    for p in procs:
+        p.start()
+    v, a = queue.get(timeout=180)
+    for p in procs:
+        p.join(timeout=60)
+        assert p.exitcode == 0
+    ref_v, ref_a = _student_forward(adapter)
+    assert rel_err(v, ref_v) <= 1e-5 and rel_err(a, ref_a) <= 1e-5
