@@ -166,6 +166,8 @@ def run_batch(
     quiet: bool = False,
     progress: bool | None = None,
     shard: tuple[int, int] | None = None,
+    render_order: Sequence[int] | None = None,
+    current: dict[str, Any] | None = None,
 ) -> BatchReport:
     """Render ``jobs`` in order into ``out_dir`` and return the report (its ``exit_code`` is the process's).
 
@@ -182,6 +184,10 @@ def run_batch(
         progress: draw the tqdm queue bar at position 0 (the renderer's step bar takes position 1). None (the
             default): only when stderr is a terminal.
         shard: ``(index, count)`` of this array task, 0-based; only names the report file and is recorded in it.
+        render_order: the order to render in (indices into ``jobs``; a mixed queue renders its t2va jobs before
+            the FastH3 student is fused); the report keeps ``jobs``' order. Default: ``jobs``' order.
+        current: this run's ``{"checkpoint": ..., "encoder": ...}`` (`timing.rendered_with`): a skipped job
+            rendered with another checkpoint or encoder setting says so in its log line.
     Returns:
         The final ``BatchReport``; ``report.path`` holds the same.
 
@@ -211,7 +217,7 @@ def run_batch(
         progress = sys.stderr.isatty()
     queue = _Queue(jobs, targets, report, renderer_factory, out_dir, QueueLog(bar=progress and not quiet),
                    fail_fast=fail_fast)
-    queue.locking = locking
+    queue.locking, queue.render_order, queue.settings = locking, render_order, current
     crash: BaseException | None = None
     try:
         with InterruptGuard() as guard:
@@ -258,6 +264,8 @@ class _Queue:
         self.t_queue: float | None = None
         self.said_write_error: str | None = None
         self.locking = True  # False once the filesystem refused flock (said once)
+        self.render_order: Sequence[int] | None = None
+        self.settings: dict[str, Any] | None = None  # this run's checkpoint and encoder (`current`)
 
     def start(self, overwrite: bool, shard, note: str | None) -> None:
         """Decide what to render, sweep what dead queues left beside skipped jobs, write the first report."""
@@ -266,7 +274,8 @@ class _Queue:
         for outcome, reason in zip(self.report.jobs, self.reasons):
             if reason is None:
                 outcome.status = SKIPPED
-        self.order = [i for i, r in enumerate(self.reasons) if r is not None]
+        order = range(len(self.jobs)) if self.render_order is None else self.render_order
+        self.order = [i for i in order if self.reasons[i] is not None]
         n = len(self.jobs)
         self.log.start(len(self.order))
         if note:
@@ -276,7 +285,22 @@ class _Queue:
         for i, reason in enumerate(self.reasons):
             if reason is None:
                 self._sweep_skipped(*self.targets[i])
+                self._say_rendered_with(i)
         self.write()
+
+    def _say_rendered_with(self, i: int) -> None:
+        """A skipped job rendered with another checkpoint or encoder setting than this run's says so."""
+        if self.settings is None:
+            return
+        from h3render.timing import rendered_with
+
+        try:
+            note = rendered_with(json.loads(self.targets[i][1].read_text(encoding="utf-8")),
+                                 self.settings["checkpoint"], self.settings["encoder"])
+        except (OSError, ValueError):
+            return
+        if note:
+            self.log.line(f"job {i + 1}/{len(self.jobs)} {self.report.jobs[i].output} skipped: {note}")
 
     def try_lock(self, path: Path):
         """The job's lock, None when a live process holds it, or `_UNLOCKED` where flock is unsupported."""

@@ -160,6 +160,16 @@ def _check_mode(mode: str | None, adapter: str | None, checkpoint: str) -> None:
         _fail(f"--adapter {adapter}: no such file or folder")
 
 
+def _has_contract(checkpoint: str) -> bool:
+    """Whether the checkpoint is a full FastH3 student (it carries its own `fastvideo_inference.json`)."""
+    from h3render.checkpoint import read_v2_contract
+
+    try:
+        return checkpoint not in ("tiny", "small") and read_v2_contract(checkpoint) is not None
+    except ValueError as exc:
+        _fail(str(exc))
+
+
 def _adapter_mode(mode: str | None, adapter: str | None) -> str | None:
     """`h3render prompt`'s mode: --adapter fuses the FastH3 student, whose jobs are fasth3 jobs, so it implies
     --mode fasth3 (announced); --mode t2va with --adapter asks for both models at once and is refused."""
@@ -315,12 +325,16 @@ def batch_command(manifest, out_dir, shard, skip_existing, fail_fast, dry_run, q
 
 def _batch(manifest, out_dir, shard, skip_existing, fail_fast, dry_run, quiet, opts) -> int:
     checkpoint = _resolve_checkpoint(opts["checkpoint"])
-    _check_mode(opts["mode"], opts["adapter"], checkpoint)
+    _check_mode(None, opts["adapter"], checkpoint)  # fasth3 jobs without a student: the manifest check below
     _check_transformer(opts["transformer"])
     info = _checkpoint_info(checkpoint)
-    # Command-line defaults, passed like --mode: load_manifest applies them below each job's own fields.
+    # Command-line defaults, passed like --mode: read_manifest applies them below each job's own fields.
     overrides = {k: opts[k] for k in ("mode", "seed", "steps", "preset")}
-    jobs = jobs_mod.load_manifest(manifest, info.limits(), overrides)
+    student = opts["adapter"] is not None or _has_contract(checkpoint)
+    m = jobs_mod.read_manifest(manifest, info.limits(), overrides, adapter_available=student)
+    jobs = m.jobs
+    if opts["adapter"] is None and m.adapter is not None:
+        opts["adapter"] = str(m.adapter)  # named in the manifest's defaults; --adapter wins
     try:
         shard_spec = jobs_mod.parse_shard(shard) if shard else jobs_mod.shard_from_slurm(os.environ)
     except ValueError as exc:
@@ -394,9 +408,12 @@ def _rank_main(checkpoint, jobs, opts, device, kw) -> int:
     dtype = _dtype(opts["dtype"], device)
 
     def load():
+        # A queue with t2va jobs beside a student adapter renders them on the base weights first, then fuses the
+        # student once (Engine.fuse_student) for the fasth3 jobs.
+        base_first = opts["adapter"] is not None and any(j.mode == "t2va" for j in jobs)
         engine = Engine.load(checkpoint, ctx, dtype, settings, adapter=opts["adapter"],
                              transformer_file=opts["transformer"], adapter_variant=opts["adapter_variant"],
-                             fasth3_positions=opts["fasth3_positions"])
+                             fasth3_positions=opts["fasth3_positions"], base_jobs_first=base_first)
         engine.prepare(_distinct_setups(jobs))
         return engine
 
@@ -414,8 +431,13 @@ def _rank_main(checkpoint, jobs, opts, device, kw) -> int:
         try:
             if "single" in kw:
                 return _render_single(factory, jobs[0], *kw["single"])
+            order = sorted(range(len(jobs)), key=lambda i: jobs[i].mode == "fasth3")  # t2va first, stable
+            info = _checkpoint_info(checkpoint)
+            current = {"checkpoint": {"path": info.path, "config_hash": info.config_hash,
+                                      "transformer": opts["transformer"] and str(Path(opts["transformer"]).resolve())},
+                       "encoder": {"crf": opts["crf"], "x264_preset": opts["x264_preset"]}}
             report = run_batch(jobs, factory, kw["out_dir"], overwrite=kw["overwrite"], fail_fast=kw["fail_fast"],
-                               quiet=kw["quiet"], shard=kw["shard"])
+                               quiet=kw["quiet"], shard=kw["shard"], render_order=order, current=current)
             return report.exit_code
         finally:
             if ctx.distributed:
@@ -467,7 +489,7 @@ def _distinct_setups(jobs):
     the audio decode's CUDA graph captured for each before the first job, outside job timings."""
     seen, out = set(), []
     for job in jobs:
-        key = (job.mode, job.steps, job.width, job.height, job.frames)
+        key = (job.mode, job.task, job.steps, job.width, job.height, job.frames)
         if key not in seen:
             seen.add(key)
             out.append(job)

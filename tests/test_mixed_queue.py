@@ -61,3 +61,35 @@ def test_mixed_engine_matches_base_then_fused_engines(adapter, tmp_path):
     for part in ("video", "audio"):
         err, gap = rel(got_fast[part], want_fast[part]), rel(unfused[part], want_fast[part])
         assert err < 1e-2 and gap > 10 * err, (part, err, gap)
+
+
+def test_cli_mixed_queue_renders_base_jobs_then_the_student(adapter, tmp_path):
+    import json
+
+    from tests.test_cli import run_cli
+
+    manifest = tmp_path / "m.jsonl"
+    lines = [{"id": "a", "prompt": "base", "frames": 22, "steps": 2, "width": 128, "height": 64},
+             {"id": "b", "prompt": "fast", "mode": "fasth3", "frames": 22, "width": 128, "height": 64},
+             {"id": "c", "prompt": "base two", "frames": 22, "steps": 2, "width": 128, "height": 64}]
+    manifest.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    out = tmp_path / "out"
+    # no student anywhere: refused before loading, naming the fasth3 job's line, for --dry-run too
+    for extra in ((), ("--dry-run",)):
+        r = run_cli("batch", str(manifest), "--out-dir", str(out), *extra)
+        assert r.returncode == 2 and f"{manifest}:2: mode: fasth3 needs a FastH3 adapter" in r.stderr, r.stderr
+    assert not out.exists()
+    # the adapter named in the manifest's defaults: t2va jobs on the base weights, then the fused student
+    manifest.write_text(json.dumps({"defaults": {"adapter": adapter}}) + "\n" + manifest.read_text())
+    r = run_cli("batch", str(manifest), "--out-dir", str(out), "--quiet")
+    assert r.returncode == 0, r.stderr
+    done = [line.split()[4] for line in r.stderr.splitlines() if " succeeded in " in line]
+    assert done == ["a", "c", "b"]  # render order: t2va first
+    report = json.loads((out / "batch-report.json").read_text())
+    assert [j["id"] for j in report["jobs"]] == ["a", "b", "c"]  # the report keeps manifest order
+    sides = {n: json.loads((out / f"{n}.json").read_text()) for n in "abc"}
+    assert [sides[n]["sigmas"]["forwards"] for n in "abc"] == [1, 4, 1]
+    assert ["fasth3" in sides[n]["extra"] for n in "abc"] == [False, True, False]
+    # resume with another CRF: skipped, and the log says what differs
+    r = run_cli("batch", str(manifest), "--out-dir", str(out), "--quiet", "--crf", "23")
+    assert r.returncode == 0 and "a.mp4 skipped: rendered earlier with crf 18 (now 23)" in r.stderr, r.stderr
