@@ -65,95 +65,8 @@ from h3render.signals import (EXIT_INTERRUPTED, EXIT_REQUEUE, REQUEUE_SIGNALS, I
 EXIT_USAGE = 2
 
 
-class BatchUsageError(ValueError):
-    """A usage error found before anything renders (exit 2, one line): two jobs share an output, a bad out dir."""
-
-
-class JobPathError(OSError):
-    """A job's folder cannot be used: a file in its way, or a symlinked folder leading out of the out dir."""
-
-
-def output_paths(out_dir: Path, job) -> tuple[Path, Path]:
-    """Final ``(mp4, sidecar)`` paths of a job: ``<out_dir>/<job.output>.mp4`` and ``.json``."""
-    base = Path(out_dir) / job.output
-    return base.with_name(base.name + ".mp4"), base.with_name(base.name + ".json")
-
-
-def temp_paths(mp4: Path, sidecar: Path) -> tuple[Path, ...]:
-    """The temp names a job's final files pass through: ``<name>.tmp.mp4`` (media.Mp4Writer), and for the
-    sidecar both ``<name>.json.tmp`` (timing.write_sidecar) and ``<name>.tmp.json``. Written only by the holder
-    of the job's lock."""
-    return (mp4.with_name(mp4.stem + ".tmp.mp4"), sidecar.with_name(sidecar.name + ".tmp"),
-            sidecar.with_name(sidecar.stem + ".tmp.json"))
-
-
-def lock_path(mp4: Path) -> Path:
-    """``<name>.lock`` beside the job's MP4: held while the job renders (`h3render.locks`)."""
-    return mp4.with_name(mp4.stem + ".lock")
-
-
-def render_reason(job, mp4: Path, sidecar: Path, *, overwrite: bool = False) -> str | None:
-    """Why the job must be rendered ("overwrite", "no MP4", "no sidecar", "sidecar unreadable", "parameters
-    changed", "MP4 empty", or an MP4 that is not the one its sidecar records: `h3render.timing.media_mismatch`),
-    or None when its outputs are complete and were rendered with ``job.params()`` (skip it)."""
-    if overwrite:
-        return "overwrite"
-    if not mp4.is_file():
-        return "no MP4"
-    if not sidecar.is_file():
-        return "no sidecar"
-    try:
-        doc = json.loads(sidecar.read_text(encoding="utf-8"))
-        recorded = doc["job"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return "sidecar unreadable"
-    # Round-trip through JSON so tuples compare equal to the lists the sidecar holds.
-    if recorded != json.loads(json.dumps(job.params())):
-        return "parameters changed"
-    record = doc.get("mp4")
-    if record is None:  # a sidecar written before the MP4 record existed: only an empty MP4 can be told
-        try:
-            return "MP4 empty" if mp4.stat().st_size == 0 else None
-        except OSError:
-            return "no MP4"
-    from h3render.timing import media_mismatch  # imports torch: only when a record is there to check
-
-    return media_mismatch(mp4, record)
-
-
-def prepare_out_dir(out_dir: str | os.PathLike) -> Path:
-    """Create the out dir (and its parents).
-
-    Raises:
-        BatchUsageError: naming the component in the way: a file, a broken or a looping symlink.
-    """
-    out_dir = Path(out_dir)
-    problem = _blocker(out_dir)
-    if problem is not None:
-        raise BatchUsageError(f"--out-dir {out_dir}: {problem}")
-    try:
-        out_dir.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise BatchUsageError(f"--out-dir {out_dir}: cannot create it: {exc.strerror or exc}") from None
-    return out_dir
-
-
-def _blocker(folder: Path) -> str | None:
-    """What stops `folder` from being (or becoming, by mkdir) a folder: its nearest existing ancestor-or-self is a
-    file or a dangling/looping symlink; None when nothing does."""
-    for p in (folder, *folder.parents):
-        if not os.path.lexists(p):
-            continue
-        if p.is_dir():
-            return None
-        if p.is_symlink():
-            try:
-                os.stat(p)
-            except OSError as exc:
-                what = "a symlink loop" if exc.errno == errno.ELOOP else f"a broken symlink (to {os.readlink(p)})"
-                return f"{p} is {what}"
-        return f"{p} is a file, not a folder"
-    return None
+from h3render.outputs import (BatchUsageError, JobPathError, blocker, lock_path, output_paths, prepare_out_dir,  # noqa: F401
+                              render_reason, temp_paths)
 
 
 def run_batch(
@@ -556,7 +469,7 @@ class _Attempt:
         if real != queue.out_real and queue.out_real not in real.parents:
             raise JobPathError(f"{folder}: the job's folder leads out of the out dir {queue.out_dir} (it resolves "
                                f"to {real}: a symlinked folder); nothing is written outside the out dir")
-        problem = _blocker(folder)
+        problem = blocker(folder)
         if problem is not None:
             raise JobPathError(f"cannot create the job's folder {folder}: {problem}")
         try:
