@@ -8,7 +8,7 @@ are reported as they happened and the job total is the union of intervals, never
 
 Stage names used by the pipeline: load, text_encode, denoise (with per-step entries), vae_video, vae_audio,
 to_uint8_d2h, encode_mux, total. Every field of the sidecar is described in docs/sidecar.md, and
-docs/schema/sidecar.schema.json checks it (tests/test_sidecar_schema.py).
+docs/schema/sidecar.schema.json checks it (tests/e2e/test_sidecar_schema.py).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# A throw-away one-node SLURM cluster for trying scripts/h3render.sbatch and for tests/test_slurm.py.
+# A throw-away one-node SLURM cluster for trying scripts/h3render.sbatch and for tests/cluster/test_slurm.py.
 #
 #   scripts/slurm_local.sh install          # apt-get the Debian pieces if a command is missing (root)
 #   scripts/slurm_local.sh start DIR        # write DIR/slurm.conf, start munged, slurmctld, slurmd; wait for the node

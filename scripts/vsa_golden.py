@@ -1,4 +1,4 @@
-"""Golden tensors of FastVideo 0.2.1's own VSA-H3 code, for tests/test_vsa_parity.py (CPU, fp32).
+"""Golden tensors of FastVideo 0.2.1's own VSA-H3 code, for tests/parity/test_vsa_parity.py (CPU, fp32).
 
 Downloads the fastvideo 0.2.1 wheel (`pip download fastvideo==0.2.1 --no-deps`) unless `--wheel` names one, loads
 `fastvideo/attention/backends/video_sparse_attn_h3.py` and what it needs from it with the heavy package imports

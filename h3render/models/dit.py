@@ -50,7 +50,7 @@ QKVAttentionFn = Callable[..., torch.Tensor]
 
 # The element-wise work of a block lives in `kernels/`: each function there runs its Triton kernel on CUDA tensors
 # and its plain-torch reference (fp32 math, one rounding) elsewhere, so CPU parity tests exercise the reference and
-# the GPU the fused kernel (kernel-vs-reference tests: tests/test_kernels.py).
+# the GPU the fused kernel (kernel-vs-reference tests: tests/unit/test_kernels.py).
 qk_norm_rope = kernels.qk_norm_rope  # (q, k, v [S, H, D], q_weight, k_weight [D], cos, sin [S, R] | None, eps)
 modulate = kernels.modulate  # (x [S, C], norm_weight [C], shift, scale [R, C], row_index [S], eps) -> [S, C]
 gated_residual = kernels.gated_residual  # (x, y [S, C], gate [R, C], row_index [S]) -> x + gate[row] * y

@@ -15,7 +15,7 @@ import pytest
 
 jsonschema = pytest.importorskip("jsonschema")
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 SMALL = ("--width", "128", "--height", "64", "--frames", "22")
 
 

@@ -16,9 +16,9 @@ import pytest
 
 from h3render import locks
 from h3render.batch import lock_path, run_batch
-from tests.test_batch import FakeRenderer, Factory, files_under, make_jobs, read_report
+from tests.unit.test_batch import FakeRenderer, Factory, files_under, make_jobs, read_report
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def start_queue(out: Path, ctl: Path, n: int, *args: str) -> subprocess.Popen:

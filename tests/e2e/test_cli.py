@@ -20,7 +20,7 @@ from h3render.cli import cli
 from h3render.media import audio_samples_for
 from tests._mp4 import decode
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def invoke(*args: str, env: dict | None = None):

@@ -17,8 +17,8 @@ import pytest
 from h3render import signals
 from h3render.batch import run_batch
 from h3render.report import BatchReport
-from tests.test_batch import FakeRenderer, Factory, files_under, make_jobs, read_report
-from tests.test_batch_concurrency import REPO, start_queue, wait_for
+from tests.unit.test_batch import FakeRenderer, Factory, files_under, make_jobs, read_report
+from tests.e2e.test_batch_concurrency import REPO, start_queue, wait_for
 
 
 def test_sigusr1_mid_job_stops_cleanly_with_the_requeue_code(tmp_path):

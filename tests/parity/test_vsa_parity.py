@@ -11,7 +11,7 @@ import torch
 
 from h3render.kernels.vsa import tile_plan, vsa_attention, vsa_attention_naive
 
-GOLDEN = torch.load(Path(__file__).parent / "data" / "vsa_golden.pt")
+GOLDEN = torch.load(Path(__file__).parents[1] / "data" / "vsa_golden.pt")
 
 
 @pytest.mark.parametrize("name", sorted(GOLDEN))
@@ -35,7 +35,7 @@ def test_reference_equals_fastvideo(name, with_gate):
 
 
 def test_triton_equals_fastvideo():
-    from tests.test_vsa import FAST_DEVICE  # the GPU under TRITON_INTERPRET=0, else the interpreter on CPU
+    from tests.unit.test_vsa import FAST_DEVICE  # the GPU under TRITON_INTERPRET=0, else the interpreter on CPU
 
     case = GOLDEN["empty_cond"]  # head dim 16: the smallest the Triton dot takes
     plan = tile_plan(case["prefix"], case["grid"], FAST_DEVICE)

@@ -16,7 +16,7 @@ from h3render.parallel.ulysses import shard_rows
 from h3render.parallel.vae import assign_items
 from tests._mp4 import frames_of
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def render(out: Path, nproc: int, *extra: str, launcher: str = "torchrun") -> subprocess.CompletedProcess:

@@ -18,7 +18,7 @@ from h3render.checkpoint import CheckpointError, load_vision, read_checkpoint_in
 from h3render.make_checkpoint import make_checkpoint
 from tests._mp4 import frames_of
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 ARGS = ("--steps", "3", "--seed", "5", "--device", "cpu", "--save-latents", "--vae-batch", "1")
 
 

@@ -17,7 +17,7 @@ import pytest
 
 from tests._mp4 import decode
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 # Source folder on disk -> import name in the wheel (pyproject [tool.setuptools.package-dir]).
 ROOTS = {"h3render": "h3render", "kernels": "h3render.kernels"}
 

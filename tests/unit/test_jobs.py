@@ -10,7 +10,7 @@ from h3render import jobs as J
 from h3render.jobs import Job, Limits, ManifestError, load_manifest
 from h3render.manifest import MAX_NESTING
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 RELEASED = Limits(min_frames=107, max_frames=362, default_canvas=(1344, 768), default_frames=243, default_steps=50)
 TINY = Limits(min_frames=22, max_frames=362, default_canvas=(128, 96), default_frames=39, default_steps=8)
 

@@ -66,7 +66,7 @@ def test_mixed_engine_matches_base_then_fused_engines(adapter, tmp_path):
 def test_cli_mixed_queue_renders_base_jobs_then_the_student(adapter, tmp_path):
     import json
 
-    from tests.test_cli import run_cli
+    from tests.e2e.test_cli import run_cli
 
     manifest = tmp_path / "m.jsonl"
     lines = [{"id": "a", "prompt": "base", "frames": 22, "steps": 2, "width": 128, "height": 64},

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 SLURM_LOCAL = REPO / "scripts" / "slurm_local.sh"
 SBATCH_SCRIPT = REPO / "scripts" / "h3render.sbatch"
 # Options after MANIFEST OUT_DIR: the built-in tiny model, on CPU (CI has no GPU).
