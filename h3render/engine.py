@@ -366,14 +366,13 @@ class Engine:
         self.warmup["vae_compile_s" if self.settings.compile_vae else "vae_warmup_s"] = time.perf_counter() - t0
 
     @torch.no_grad()
-    def _choose_audio_activations(self) -> None:
+    def _choose_audio_activations(self, probe_latents: int = spec.AUDIO_LATENTS_PER_SECOND) -> None:
         """Keep the audio decoder's Triton activations (`kernels.alias_free`, the default on CUDA) only if they run
         and agree with the torch ones on a 1 s probe: relative error <= 1e-3 (float rounding gives ~1e-6 before cuDNN's
         TF32 convolutions amplify it; a wrong kernel is off by O(1)). Otherwise the decoder uses the torch path."""
         vae = self.c.audio_vae
         g = torch.Generator().manual_seed(0)
-        probe = torch.randn(spec.AUDIO_CHANNELS, vae.config.latent_channels, spec.AUDIO_LATENTS_PER_SECOND,
-                            generator=g).to(self.device)
+        probe = torch.randn(spec.AUDIO_CHANNELS, vae.config.latent_channels, probe_latents, generator=g).to(self.device)
         try:
             fused = vae.set_fused_activations(None).decode(probe).double()
             reference = vae.set_fused_activations(False).decode(probe).double()
