@@ -15,12 +15,13 @@ from h3render.parallel.groups import largest_dividing_world, launcher_env
 from h3render.parallel.ulysses import shard_rows
 from h3render.parallel.vae import assign_items
 from tests._mp4 import frames_of
+from tests._env import repo_pythonpath
 
 REPO = Path(__file__).resolve().parents[2]
 
 
 def render(out: Path, nproc: int, *extra: str, launcher: str = "torchrun") -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONPATH": repo_pythonpath(), "OMP_NUM_THREADS": "1"}
     env.pop("H3RENDER_CHECKPOINT", None)
     args = ["prompt", "A fox crosses a frozen river, ice creaking", "-o", str(out), "--steps", "3", "--seed", "7",
             "--save-latents", "--vae-batch", "1", "--device", "cpu", *extra]
@@ -108,7 +109,7 @@ def test_failure_on_rank0_mid_stream_fails_job_on_all_ranks_without_hang(tmp_pat
     from safetensors.torch import load_file, save_file
 
     ckpt = tmp_path / "ckpt"
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "PYTHONPATH": repo_pythonpath()}
     r = subprocess.run([sys.executable, "-m", "h3render.cli", "make-checkpoint", str(ckpt), "--config", "tiny"],
                        capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 0, r.stderr
@@ -140,7 +141,7 @@ def test_batch_on_two_cpu_ranks_renders_then_resumes(tmp_path):
         '{"id": "b", "prompt": "A train in the night", "frames": 22, "steps": 2, "seed": 3}',
         '{"id": "c", "prompt": "Birdsong in a forest", "frames": 22, "steps": 3}',
     ]) + "\n")
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONPATH": repo_pythonpath(), "OMP_NUM_THREADS": "1"}
     env.pop("H3RENDER_CHECKPOINT", None)
     cmd = [sys.executable, "-m", "h3render.cli", "batch", str(manifest), "--out-dir", str(tmp_path / "out"),
            "--device", "cpu", "--gpus", "2", "--quiet"]

@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
+from tests._env import repo_pythonpath
 
 REPO = Path(__file__).resolve().parents[2]
 SLURM_LOCAL = REPO / "scripts" / "slurm_local.sh"
@@ -43,7 +44,7 @@ def _submit_env(slurm_conf: Path) -> dict[str, str]:
         "SLURM_CONF": str(slurm_conf),
         # The tasks inherit this (--export=ALL): the venv's python and h3render first, this checkout importable.
         "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
-        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+        "PYTHONPATH": repo_pythonpath(),
         "OMP_NUM_THREADS": "1",  # two tasks share CI's two cores
     }
 

@@ -17,12 +17,13 @@ import pytest
 from h3render import locks
 from h3render.batch import lock_path, run_batch
 from tests.unit.test_batch import FakeRenderer, Factory, files_under, make_jobs, read_report
+from tests._env import repo_pythonpath
 
 REPO = Path(__file__).resolve().parents[2]
 
 
 def start_queue(out: Path, ctl: Path, n: int, *args: str) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "PYTHONPATH": repo_pythonpath()}
     return subprocess.Popen([sys.executable, "-m", "tests._queue_proc", str(out), str(ctl), str(n), *args],
                             cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 

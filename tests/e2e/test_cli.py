@@ -19,6 +19,7 @@ from click.testing import CliRunner
 from h3render.cli import cli
 from h3render.media import audio_samples_for
 from tests._mp4 import decode
+from tests._env import repo_pythonpath
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -49,7 +50,7 @@ def click_error(result) -> str:
 def run_cli(*args: str, env: dict | None = None, cwd: Path | None = None) -> subprocess.CompletedProcess:
     import os
 
-    full_env = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
+    full_env = {**os.environ, "PYTHONPATH": repo_pythonpath(), **(env or {})}
     full_env.pop("H3RENDER_CHECKPOINT", None) if env is None or "H3RENDER_CHECKPOINT" not in env else None
     return subprocess.run([sys.executable, "-m", "h3render.cli", *args], capture_output=True, text=True,
                           env=full_env, cwd=cwd or REPO, timeout=600)

@@ -17,13 +17,14 @@ from PIL import Image
 from h3render.checkpoint import CheckpointError, load_vision, read_checkpoint_info
 from h3render.make_checkpoint import make_checkpoint
 from tests._mp4 import frames_of
+from tests._env import repo_pythonpath
 
 REPO = Path(__file__).resolve().parents[2]
 ARGS = ("--steps", "3", "--seed", "5", "--device", "cpu", "--save-latents", "--vae-batch", "1")
 
 
 def cli(*args: str, cwd: Path = REPO, launcher: list[str] | None = None) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONPATH": repo_pythonpath(), "OMP_NUM_THREADS": "1"}
     env.pop("H3RENDER_CHECKPOINT", None)
     cmd = [sys.executable, *(launcher or []), "-m", "h3render.cli", *args]
     return subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=cwd, timeout=600)

@@ -12,6 +12,7 @@ from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 import pytest
+from tests._env import repo_pythonpath
 
 jsonschema = pytest.importorskip("jsonschema")
 
@@ -30,7 +31,7 @@ def validate(doc: dict, name: str) -> None:
 
 
 def h3render(*args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "PYTHONPATH": repo_pythonpath()}
     env.pop("H3RENDER_CHECKPOINT", None)
     return subprocess.run([sys.executable, "-m", "h3render.cli", *args], capture_output=True, text=True, env=env,
                           cwd=REPO, timeout=600)

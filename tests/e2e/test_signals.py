@@ -19,6 +19,7 @@ from h3render.batch import run_batch
 from h3render.report import BatchReport
 from tests.unit.test_batch import FakeRenderer, Factory, files_under, make_jobs, read_report
 from tests.e2e.test_batch_concurrency import REPO, start_queue, wait_for
+from tests._env import repo_pythonpath
 
 
 def test_sigusr1_mid_job_stops_cleanly_with_the_requeue_code(tmp_path):
@@ -115,7 +116,7 @@ def test_once_settled_the_process_guard_ignores_signals(tmp_path):
 def test_sigint_during_start_up_exits_130_with_one_line(tmp_path):
     fifo = tmp_path / "jobs.jsonl"
     os.mkfifo(fifo)  # reading the manifest blocks: the CLI is still starting up when the signal comes
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "PYTHONPATH": repo_pythonpath()}
     env.pop("H3RENDER_CHECKPOINT", None)
     p = subprocess.Popen([sys.executable, "-m", "h3render.cli", "batch", str(fifo), "--out-dir", str(tmp_path / "o")],
                          cwd=REPO, env=env, stderr=subprocess.PIPE, text=True)

@@ -20,6 +20,7 @@ from h3render.batch import BatchUsageError, run_batch
 from h3render.timing import media_record
 from tests.unit.test_batch import FakeJob, FakeRenderer, Factory, files_under, make_jobs, read_report
 from tests.e2e.test_batch_concurrency import renders, start_queue
+from tests._env import repo_pythonpath
 
 
 def statuses(report) -> list[str]:
@@ -264,7 +265,7 @@ def test_the_cli_gives_exit_2_and_one_line_for_a_bad_out_dir(tmp_path):
     (tmp_path / "file").write_text("")
     (tmp_path / "broken").symlink_to(tmp_path / "gone")
     (tmp_path / "loop").symlink_to(tmp_path / "loop")
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    env = {**os.environ, "PYTHONPATH": repo_pythonpath()}
     env.pop("H3RENDER_CHECKPOINT", None)
     for out, needle in ((tmp_path / "file/sub", "is a file, not a folder"), (tmp_path / "broken", "broken symlink"),
                         (tmp_path / "loop", "symlink loop")):
