@@ -267,7 +267,8 @@ def test_signal_swallowed_in_del_is_sent_again(tmp_path):
     report, factory = run(make_jobs(3), SwallowingRenderer(), tmp_path)
     assert factory.renderer.rendered == ["j0", "j1"]
     assert [j.status for j in report.jobs] == ["succeeded", "interrupted", "pending"]
-    assert report.exit_code == 130 and report.jobs[1].seconds < 1.5
+    # "interrupted", not "failed": a lost signal would have let the job end in its AssertionError (no clock needed)
+    assert report.exit_code == 130 and report.jobs[1].error == "Interrupted: SIGTERM received"
 
 
 def test_interrupt_while_loading_the_model(tmp_path):
