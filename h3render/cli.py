@@ -198,8 +198,13 @@ def _check_attention(attention: str | None, device: str) -> None:
               f"{', '.join(available_backends())})")
 
 
-def _check_transformer(transformer: str | None) -> None:
-    if transformer is not None and not Path(transformer).is_file():
+def _check_transformer(transformer: str | None, checkpoint: str) -> None:
+    if transformer is None:
+        return
+    if checkpoint in ("tiny", "small"):
+        _fail(f"--transformer {transformer} replaces a checkpoint folder's DiT: it needs --checkpoint DIR (the text "
+              f"encoder and VAEs come from there); the built-in {checkpoint} model takes none")
+    if not Path(transformer).is_file():
         _fail(f"--transformer {transformer}: no such file")
 
 
@@ -276,7 +281,7 @@ def _prompt(text: str, output: str, opts: dict) -> int:
     checkpoint = _resolve_checkpoint(opts["checkpoint"])
     opts["mode"] = _adapter_mode(opts["mode"], opts["adapter"])
     _check_mode(opts["mode"], opts["adapter"], checkpoint)
-    _check_transformer(opts["transformer"])
+    _check_transformer(opts["transformer"], checkpoint)
     info = _checkpoint_info(checkpoint)
     fields = {k: opts[k] for k in ("preset", "aspect", "width", "height", "duration", "frames", "steps", "seed",
                                    "mode", "first_frame", "last_frame")}
@@ -326,7 +331,7 @@ def batch_command(manifest, out_dir, shard, skip_existing, fail_fast, dry_run, q
 def _batch(manifest, out_dir, shard, skip_existing, fail_fast, dry_run, quiet, opts) -> int:
     checkpoint = _resolve_checkpoint(opts["checkpoint"])
     _check_mode(None, opts["adapter"], checkpoint)  # fasth3 jobs without a student: the manifest check below
-    _check_transformer(opts["transformer"])
+    _check_transformer(opts["transformer"], checkpoint)
     info = _checkpoint_info(checkpoint)
     # Command-line defaults, passed like --mode: read_manifest applies them below each job's own fields.
     overrides = {k: opts[k] for k in ("mode", "seed", "steps", "preset")}

@@ -10,6 +10,7 @@ traffic is the prompt, the noise, and the finished frames and samples.
 from __future__ import annotations
 
 from concurrent.futures import Future
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -45,7 +46,8 @@ def render_job(engine, job, mp4_path: Path, sidecar_path: Path) -> Future:
 
     schedule = engine.schedule(job)
     # fl2va (keyframes): text with vision blocks, condition rows, a layout with them (h3render.conditioning).
-    condition = _condition(engine, job, timer)
+    with progress.stage(label, "text + keyframes encode") if job.task == "fl2va" else nullcontext():
+        condition = _condition(engine, job, timer)
     if condition is None:
         with progress.stage(label, "text encode"), timer.stage("text_encode"):
             text = c.text_encoder.encode(job.prompt).to(dev)  # [Nt, text_dim]

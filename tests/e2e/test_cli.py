@@ -308,3 +308,12 @@ def test_batch_renders_jobs_in_turn_and_the_overlap_flags_are_gone(tmp_path):
     assert "overlap" not in report and "overlap" not in json.loads((out / "a.json").read_text())["timings"]
     line = click_error(invoke("batch", str(manifest), "--out-dir", str(out), "--no-overlap"))
     assert "No such option" in line and "--no-overlap" in line
+
+
+def test_transformer_without_a_checkpoint_folder_is_a_usage_error(tmp_path):
+    """--transformer replaces a checkpoint folder's DiT; on the built-in model it was accepted and failed after
+    loading had begun (exit 1): now exit 2 before anything loads, saying what to do."""
+    single = tmp_path / "dit.safetensors"
+    single.write_bytes(b"\0" * 16)
+    r = invoke("prompt", "x", "-o", str(tmp_path / "a.mp4"), "--transformer", str(single))
+    assert r.exit_code == 2 and "needs --checkpoint DIR" in r.output and not (tmp_path / "a.mp4").exists()

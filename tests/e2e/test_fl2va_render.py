@@ -52,6 +52,7 @@ def test_prompt_first_frame_renders_mp4_and_sidecar(tmp_path):
     r = cli("prompt", "A red fox in the snow", "--first-frame", "a.png", "-o", str(out), *ARGS, cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     assert "first frame's aspect (128x96) → 160x128" in r.stderr
+    assert "fox: text + keyframes encode done in" in r.stderr  # the stage line a t2va job's text encode has
     frames = frames_of(out)
     assert frames.shape[1:3] == (128, 160)  # the canvas from the 4:3 keyframe by the tiny rule
     side = json.loads(out.with_suffix(".json").read_text())
