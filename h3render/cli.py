@@ -553,7 +553,17 @@ def main() -> None:
     from h3render.signals import ProcessGuard
 
     ProcessGuard().install()  # from here on a signal gives 130 (75: SIGUSR1/2) and one line, not click's "Aborted!"
-    cli()
+    try:
+        code = cli.main(standalone_mode=False)
+    except click.UsageError as exc:
+        # One line, like every other usage error of ours (click's own format is its usage block, then the error).
+        where = exc.ctx.command_path if exc.ctx is not None else "h3render"
+        print(f"h3render: error: {exc.format_message()} (see '{where} --help')", file=sys.stderr)
+        sys.exit(EXIT_USAGE)
+    except click.ClickException as exc:
+        print(f"h3render: error: {exc.format_message()}", file=sys.stderr)
+        sys.exit(exc.exit_code)
+    sys.exit(code if isinstance(code, int) else 0)
 
 
 if __name__ == "__main__":

@@ -317,3 +317,10 @@ def test_transformer_without_a_checkpoint_folder_is_a_usage_error(tmp_path):
     single.write_bytes(b"\0" * 16)
     r = invoke("prompt", "x", "-o", str(tmp_path / "a.mp4"), "--transformer", str(single))
     assert r.exit_code == 2 and "needs --checkpoint DIR" in r.output and not (tmp_path / "a.mp4").exists()
+
+
+def test_a_bad_option_value_is_one_line_and_exit_2(tmp_path):
+    """click's own report of a bad value is its usage block plus the error (4 lines); the command prints one."""
+    r = run_cli("prompt", "x", "-o", str(tmp_path / "a.mp4"), "--crf", "99")
+    assert r.returncode == 2 and r.stderr.strip().splitlines() == [
+        "h3render: error: Invalid value for '--crf': 99 is not in the range 0<=x<=51. (see 'h3render prompt --help')"]
