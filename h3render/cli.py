@@ -554,7 +554,7 @@ def main() -> None:
 
     ProcessGuard().install()  # from here on a signal gives 130 (75: SIGUSR1/2) and one line, not click's "Aborted!"
     try:
-        code = cli.main(standalone_mode=False)
+        code = cli.main(prog_name="h3render", standalone_mode=False)
     except click.UsageError as exc:
         # One line, like every other usage error of ours (click's own format is its usage block, then the error).
         where = exc.ctx.command_path if exc.ctx is not None else "h3render"
