@@ -213,7 +213,7 @@ class _Queue:
         except (OSError, ValueError):
             return
         if note:
-            self.log.line(f"job {i + 1}/{len(self.jobs)} {self.report.jobs[i].output} skipped: {note}")
+            self.log.line(f"job {i + 1}/{len(self.jobs)} {_name(self.report.jobs[i])} skipped: {note}")
 
     def try_lock(self, path: Path):
         """The job's lock, None when a live process holds it, or `_UNLOCKED` where flock is unsupported."""

@@ -92,4 +92,4 @@ def test_cli_mixed_queue_renders_base_jobs_then_the_student(adapter, tmp_path):
     assert ["fasth3" in sides[n]["extra"] for n in "abc"] == [False, True, False]
     # resume with another CRF: skipped, and the log says what differs
     r = run_cli("batch", str(manifest), "--out-dir", str(out), "--quiet", "--crf", "23")
-    assert r.returncode == 0 and "a.mp4 skipped: rendered earlier with crf 18 (now 23)" in r.stderr, r.stderr
+    assert r.returncode == 0 and "job 1/3 a (a.mp4) skipped: rendered earlier with crf 18 (now 23)" in r.stderr, r.stderr
