@@ -354,8 +354,12 @@ def _batch(manifest, out_dir, shard, skip_existing, fail_fast, dry_run, quiet, o
     from h3render.batch import prepare_out_dir
 
     prepare_out_dir(out_dir)  # a file or a broken/looping symlink in the way: exit 2 before any rank starts
+    # This run's checkpoint and encoder, for resume's "skipped: rendered earlier with ..." lines.
+    current = {"checkpoint": {"path": info.path, "config_hash": info.config_hash,
+                              "transformer": opts["transformer"] and str(Path(opts["transformer"]).resolve())},
+               "encoder": {"crf": opts["crf"], "x264_preset": opts["x264_preset"]}}
     return _run(checkpoint, info, jobs, opts, out_dir=out_dir, shard=shard_spec, overwrite=not skip_existing,
-                fail_fast=fail_fast, quiet=quiet)
+                fail_fast=fail_fast, quiet=quiet, current=current)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -437,12 +441,8 @@ def _rank_main(checkpoint, jobs, opts, device, kw) -> int:
             if "single" in kw:
                 return _render_single(factory, jobs[0], *kw["single"])
             order = sorted(range(len(jobs)), key=lambda i: jobs[i].mode == "fasth3")  # t2va first, stable
-            info = _checkpoint_info(checkpoint)
-            current = {"checkpoint": {"path": info.path, "config_hash": info.config_hash,
-                                      "transformer": opts["transformer"] and str(Path(opts["transformer"]).resolve())},
-                       "encoder": {"crf": opts["crf"], "x264_preset": opts["x264_preset"]}}
             report = run_batch(jobs, factory, kw["out_dir"], overwrite=kw["overwrite"], fail_fast=kw["fail_fast"],
-                               quiet=kw["quiet"], shard=kw["shard"], render_order=order, current=current)
+                               quiet=kw["quiet"], shard=kw["shard"], render_order=order, current=kw["current"])
             return report.exit_code
         finally:
             if ctx.distributed:

@@ -28,7 +28,7 @@ import torch
 
 from h3render.colour import MediaError
 from h3render.staging import PinnedFrameStager, StagedChunk  # noqa: F401 (re-exported: the writer takes StagedChunks)
-from h3render.spec import FPS, SAMPLE_RATE
+from h3render.spec import FPS, SAMPLE_RATE, audio_samples
 
 __all__ = [
     "AUDIO_FRAME_SAMPLES",
@@ -63,10 +63,7 @@ _X264_THREAD_TYPE = "FRAME"
 Frames = Union[np.ndarray, torch.Tensor, Sequence[np.ndarray], Sequence[torch.Tensor], "StagedChunk"]
 
 
-def audio_samples_for(frames: int, sample_rate: int = SAMPLE_RATE, fps: int = FPS) -> int:
-    """Samples per channel that belong to ``frames`` video frames: ``round(frames * sample_rate / fps)``, half up
-    (``h3render.spec.audio_samples`` at the released rates)."""
-    return (2 * frames * sample_rate + fps) // (2 * fps)
+audio_samples_for = audio_samples  # samples per channel for `frames` video frames (one home: h3render.spec)
 
 
 def temp_path_for(path: Union[str, os.PathLike]) -> Path:

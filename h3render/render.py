@@ -1,5 +1,5 @@
-"""One job, top to bottom: encode -> layout -> schedule -> noise -> denoise -> unpack -> decode audio -> stream video
-into the writer -> sidecar.
+"""One job, top to bottom: schedule -> encode (text; fl2va: keyframes too) -> layout -> noise -> denoise -> unpack ->
+decode audio -> stream video into the writer -> sidecar.
 
 Every rank runs this for the same job in lock-step; what differs between ranks is the engine's parallel plan
 (`h3render.parallel.plan.ParallelPlan`): the DiT forward it hands over, which rank decodes the audio, where decoded

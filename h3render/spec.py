@@ -66,10 +66,10 @@ def audio_latents(frames: int) -> int:
     return int(round(frames / FPS * AUDIO_LATENTS_PER_SECOND))
 
 
-def audio_samples(frames: int) -> int:
-    """Waveform samples per channel that belong to `frames` video frames: round(frames * 32000 / 24), half up, in
-    exact integer arithmetic (243 -> 324,000)."""
-    return (2 * frames * SAMPLE_RATE + FPS) // (2 * FPS)
+def audio_samples(frames: int, sample_rate: int = SAMPLE_RATE, fps: int = FPS) -> int:
+    """Waveform samples per channel that belong to `frames` video frames: round(frames * sample_rate / fps), half
+    up, in exact integer arithmetic (243 at 32 kHz / 24 fps -> 324,000)."""
+    return (2 * frames * sample_rate + fps) // (2 * fps)
 
 
 def video_rows(width: int, height: int, frames: int) -> int:
