@@ -3,15 +3,14 @@
 from __future__ import annotations
 
 import os
-import socket
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from h3render.models.dit import qk_norm_rope, sdpa_attention
 from h3render.parallel.ulysses import chunks_for, shard_rows, ulysses_qkv_attention
+from tests._spawn import put_result, run_ranks
 
 WORLD = 2
 
@@ -45,30 +44,15 @@ def _worker(rank: int, port: int, seq_len: int, heads: int, chunks: int, queue) 
         rope = tuple(torch.cat([t[shard.start:shard.valid_end], torch.ones(pad, rot)]) for t in (cos, sin))
         fn = ulysses_qkv_attention(sdpa_attention, seq_len, dist.group.WORLD, chunks)
         out = fn(mine, qw, kw, rope, 1e-5)
-        queue.put((rank, shard.start, shard.valid_end, out[: shard.valid_end - shard.start].clone()))
+        put_result(queue, (rank, shard.start, shard.valid_end, out[: shard.valid_end - shard.start].clone()))
     finally:
         dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.parametrize("seq_len, heads, chunks", [(10, 4, 1), (9, 4, 2), (9, 8, 4)])
 def test_ulysses_qkv_attention_matches_one_device(seq_len, heads, chunks):
     """Odd lengths put a pad row on the last rank: it must never act as a key (the result would change)."""
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, port, seq_len, heads, chunks, queue)) for r in range(WORLD)]
-    for p in procs:
-        p.start()
-    parts = sorted(queue.get(timeout=120) for _ in range(WORLD))
-    for p in procs:
-        p.join(timeout=60)
-        assert p.exitcode == 0
+    parts = sorted(run_ranks(_worker, WORLD, (seq_len, heads, chunks)), key=lambda part: part[0])
     ref = _reference(seq_len, heads, 16, 12)
     got = torch.cat([out for _, _, _, out in parts])
     assert got.shape == ref.shape

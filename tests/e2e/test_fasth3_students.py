@@ -17,6 +17,7 @@ from h3render.checkpoint import read_checkpoint_info
 from h3render.checkpoint.students import plan_student, resolve_adapter
 from h3render.make_checkpoint.synthetic_adapter import (write_synthetic_adapter, write_synthetic_bundle,
                                                         write_synthetic_full_student)
+from tests._spawn import put_result, run_ranks
 
 CFG = RELEASES["tiny"].dit
 TINY = read_checkpoint_info("tiny")
@@ -326,31 +327,16 @@ def _ulysses_worker(rank, port, adapter, queue):
                               group=dist.group.WORLD)
         v, a = _student_forward(adapter, ctx)
         if rank == 0:
-            queue.put((v.clone(), a.clone()))
+            put_result(queue, (v.clone(), a.clone()))
     finally:
         dist.destroy_process_group()
 
 
 def test_loaded_vsa_student_on_two_ulysses_ranks_equals_one(tmp_path):
     """The student's gates loaded through the hook; Ulysses (gloo, 2 ranks: heads split, whole tiles) = 1 rank."""
-    import socket
-
-    import torch.multiprocessing as mp
-
     from tests._diffusers_ref import rel_err
 
     adapter = str(write_synthetic_adapter(tmp_path / "v.safetensors", CFG, seed=12, with_set_weight=True))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    spawn = mp.get_context("spawn")
-    queue = spawn.Queue()
-    procs = [spawn.Process(target=_ulysses_worker, args=(r, port, adapter, queue)) for r in range(2)]
-    for p in procs:
-        p.start()
-    v, a = queue.get(timeout=180)
-    for p in procs:
-        p.join(timeout=60)
-        assert p.exitcode == 0
+    [(v, a)] = run_ranks(_ulysses_worker, 2, (adapter,), results=1)
     ref_v, ref_a = _student_forward(adapter)
     assert rel_err(v, ref_v) <= 1e-5 and rel_err(a, ref_a) <= 1e-5

@@ -4,18 +4,17 @@ gates equals the dense model, the gate reads the attention's input, and Ulysses 
 from __future__ import annotations
 
 import os
-import socket
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from h3render.models.attention import SparseAttention
 from h3render.models.dit import DIT_TINY, DiT
 from h3render.packing import t2va_layout
 from h3render.sampling import schedule_timesteps, sigma_schedule
 from tests._diffusers_ref import random_dit, rel_err
+from tests._spawn import put_result, run_ranks
 
 WORLD = 2
 
@@ -121,24 +120,13 @@ def _worker(rank: int, port: int, queue) -> None:
                               group=dist.group.WORLD)
         v, a = _forward(_vsa_dit(0.75, gate_seed=2), window_ctx=ctx)
         if rank == 0:
-            queue.put((v.clone(), a.clone()))
+            put_result(queue, (v.clone(), a.clone()))
     finally:
         dist.destroy_process_group()
 
 
 def test_ulysses_two_ranks_equal_one():
     """Heads split over 2 ranks; each sees the whole sequence, so tiles, top-k and the gate's rows are whole."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(r, port, queue)) for r in range(WORLD)]
-    for p in procs:
-        p.start()
-    v, a = queue.get(timeout=180)
-    for p in procs:
-        p.join(timeout=60)
-        assert p.exitcode == 0
+    [(v, a)] = run_ranks(_worker, WORLD, results=1)
     ref_v, ref_a = _forward(_vsa_dit(0.75, gate_seed=2))
     assert rel_err(v, ref_v) <= 1e-5 and rel_err(a, ref_a) <= 1e-5
