@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from h3render.kernels.fp8 import Fp8Rows
 from h3render.kernels.modulate.naive import modulate_naive
 from h3render.kernels.utils import check_last_dim_contiguous, use_triton_for
 
@@ -47,8 +48,9 @@ def modulate(
     eps: float = 1e-5,
     *,
     out: torch.Tensor | None = None,
+    fp8: bool = False,
     use_triton: bool | None = None,
-) -> torch.Tensor:
+) -> "torch.Tensor | Fp8Rows":
     """RMSNorm each row, then scale and shift it by its own table row, in one pass over x.
 
     Args:
@@ -58,11 +60,13 @@ def modulate(
         scale: [R, C] scale table, e.g. `table[:, 1]`; applied as (1 + scale).
         row_index: [S] int32/int64 table row of every packed row (values in [0, R); not checked on the GPU).
         eps: RMSNorm epsilon (released checkpoint: 1e-5).
-        out: optional [S, C] output buffer.
+        out: optional [S, C] output buffer (not with fp8).
+        fp8: return `Fp8Rows` (e4m3 data [S, C] + per-row fp32 scale [S, 1]) quantized from the fp32 result in the
+            same pass, for an FP8 linear (`--precision fp8`).
         use_triton: None = Triton on CUDA tensors, torch reference otherwise; True/False force one.
 
     Returns:
-        [S, C] in x's dtype; math in fp32, rounded once.
+        [S, C] in x's dtype (or `Fp8Rows` when fp8); math in fp32, rounded once.
 
     Raises:
         ValueError: shapes, dtypes, devices or strides do not fit the above.
@@ -70,9 +74,17 @@ def modulate(
     check_rows(x, row_index, {"shift": shift, "scale": scale})
     if norm_weight is not None and norm_weight.shape != (x.shape[1],):
         raise ValueError(f"norm_weight must be [C={x.shape[1]}], got shape {tuple(norm_weight.shape)}")
+    if fp8 and out is not None:
+        raise ValueError("out= is for the bf16 result; fp8=True allocates its Fp8Rows")
     if use_triton_for(x, use_triton):
+        if fp8:
+            from h3render.kernels.modulate.triton_impl import modulate_fp8_triton
+
+            return Fp8Rows(*modulate_fp8_triton(x, norm_weight, shift, scale, row_index, eps))
         from h3render.kernels.modulate.triton_impl import modulate_triton
 
         return modulate_triton(x, norm_weight, shift, scale, row_index, eps, out=out)
+    if fp8:
+        return Fp8Rows(*modulate_naive(x, norm_weight, shift, scale, row_index, eps, fp8=True))
     result = modulate_naive(x, norm_weight, shift, scale, row_index, eps)
     return result if out is None else out.copy_(result)
