@@ -1,4 +1,8 @@
-"""Triton launcher + kernel for AdaLN modulation: one program normalizes one packed row."""
+"""Triton launchers + kernel for AdaLN modulation: one program normalizes one packed row.
+
+The same kernel writes either the row in the output dtype (bf16) or, with FP8, its e4m3 codes and per-row scale
+straight from the fp32 result (`kernels.fp8.triton_impl`): no bf16 intermediate, one read of x.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
+from h3render.kernels.fp8.triton_impl import check_fp8_out, e4m3_codes, empty_fp8_rows, row_scale
 from h3render.kernels.utils import calculate_settings
 
 
@@ -16,7 +21,8 @@ def _modulate_kernel(
     shift_ptr,  # [R, C] strides (stride_shift_r, 1)
     scale_ptr,  # [R, C] strides (stride_scale_r, 1)
     row_index_ptr,  # [S] int32/int64
-    out_ptr,  # [S, C] strides (stride_out_s, 1)
+    out_ptr,  # [S, C] strides (stride_out_s, 1): x's dtype, or the uint8 view of float8_e4m3fn data if FP8
+    row_scale_ptr,  # [S, 1] fp32 contiguous per-row scale; unused unless FP8
     stride_x_s,
     stride_shift_r,
     stride_scale_r,
@@ -24,6 +30,7 @@ def _modulate_kernel(
     C,
     eps,
     HAS_WEIGHT: tl.constexpr,
+    FP8: tl.constexpr,
     BLOCK_C: tl.constexpr,
 ):
     s = tl.program_id(0).to(tl.int64)
@@ -38,8 +45,13 @@ def _modulate_kernel(
         y = y * tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     scale = tl.load(scale_ptr + r * stride_scale_r + cols, mask=mask, other=0.0).to(tl.float32)
     shift = tl.load(shift_ptr + r * stride_shift_r + cols, mask=mask, other=0.0).to(tl.float32)
-    y = y * (1.0 + scale) + shift
-    tl.store(out_ptr + s * stride_out_s + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
+    y = y * (1.0 + scale) + shift  # masked lanes stay 0, so they do not move the row's abs-max
+    if FP8:
+        q_scale = row_scale(y)
+        tl.store(out_ptr + s * stride_out_s + cols, e4m3_codes(tl.math.div_rn(y, q_scale)), mask=mask)
+        tl.store(row_scale_ptr + s, q_scale)
+    else:
+        tl.store(out_ptr + s * stride_out_s + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def modulate_triton(
@@ -68,9 +80,47 @@ def modulate_triton(
     block_c, num_warps = calculate_settings(C)
     has_weight = norm_weight is not None
     _modulate_kernel[(S,)](
-        x, norm_weight if has_weight else x, shift, scale, row_index, out,
+        x, norm_weight if has_weight else x, shift, scale, row_index, out, x,
         x.stride(0), shift.stride(0), scale.stride(0), out.stride(0),
         C, eps,
-        HAS_WEIGHT=has_weight, BLOCK_C=block_c, num_warps=num_warps,
+        HAS_WEIGHT=has_weight, FP8=False, BLOCK_C=block_c, num_warps=num_warps,
     )
     return out
+
+
+def modulate_fp8_triton(
+    x: torch.Tensor,
+    norm_weight: torch.Tensor | None,
+    shift: torch.Tensor,
+    scale: torch.Tensor,
+    row_index: torch.Tensor,
+    eps: float,
+    out: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Modulate and quantize each row to e4m3 in one program. Arguments as in `kernels.modulate.modulate`.
+
+    Args:
+        x: [S, C] with C <= 65536 (released hidden 5376); norm_weight: [C] or None; shift, scale: [R, C];
+        row_index: [S] int; eps: float.
+        out: optional (data [S, C] float8_e4m3fn, scale [S, 1] float32) to write into.
+
+    Returns:
+        (data [S, C] float8_e4m3fn, scale [S, 1] float32): `kernels.fp8` semantics applied to the fp32 result,
+        as `modulate_naive(..., fp8=True)`.
+    """
+    S, C = x.shape
+    if out is None:
+        out = empty_fp8_rows(S, C, x.device)
+    check_fp8_out(out, S, C)
+    data, q_scale = out
+    if S == 0:
+        return data, q_scale
+    block_c, num_warps = calculate_settings(C)
+    has_weight = norm_weight is not None
+    _modulate_kernel[(S,)](
+        x, norm_weight if has_weight else x, shift, scale, row_index, data.view(torch.uint8), q_scale,
+        x.stride(0), shift.stride(0), scale.stride(0), data.stride(0),
+        C, eps,
+        HAS_WEIGHT=has_weight, FP8=True, BLOCK_C=block_c, num_warps=num_warps,
+    )
+    return data, q_scale

@@ -1,4 +1,9 @@
-"""Triton launcher + kernel for SwiGLU; a program covers BLOCK_F outputs of one row."""
+"""Triton launchers + kernels for SwiGLU: bf16 out over (row, column-block) programs; FP8 out one row per program.
+
+The FP8 form needs the whole row's abs-max before it can write a byte, so one program holds a full row
+(released F = 14336: gate and value are 2 x 16384-lane blocks) and writes e4m3 codes + the row scale from the fp32
+result (`kernels.fp8.triton_impl`), with no bf16 intermediate.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
+from h3render.kernels.fp8.triton_impl import check_fp8_out, e4m3_codes, empty_fp8_rows, row_scale
 from h3render.kernels.utils import calculate_settings
 
 _MAX_BLOCK = 2048
@@ -50,3 +56,54 @@ def swiglu_triton(h: torch.Tensor, out: torch.Tensor | None = None) -> torch.Ten
     grid = (S, triton.cdiv(F, block_f))
     _swiglu_kernel[grid](h, out, h.stride(0), out.stride(0), F, BLOCK_F=block_f, num_warps=num_warps)
     return out
+
+
+@triton.jit
+def _swiglu_fp8_kernel(
+    h_ptr,  # [S, 2F] strides (stride_h_s, 1): gate at [:, :F], value at [:, F:]
+    data_ptr,  # [S, F] uint8 view of the float8_e4m3fn output, strides (stride_d_s, 1)
+    scale_ptr,  # [S, 1] fp32 contiguous
+    stride_h_s,
+    stride_d_s,
+    F,
+    BLOCK_F: tl.constexpr,
+):
+    s = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_F)
+    mask = cols < F
+    row = h_ptr + s * stride_h_s
+    gate = tl.load(row + cols, mask=mask, other=0.0).to(tl.float32)
+    value = tl.load(row + F + cols, mask=mask, other=0.0).to(tl.float32)
+    y = gate * tl.sigmoid(gate) * value  # masked lanes: silu(0) * 0 = 0
+    scale = row_scale(y)
+    tl.store(data_ptr + s * stride_d_s + cols, e4m3_codes(tl.math.div_rn(y, scale)), mask=mask)
+    tl.store(scale_ptr + s, scale)
+
+
+def swiglu_fp8_triton(
+    h: torch.Tensor, out: tuple[torch.Tensor, torch.Tensor] | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One program per row: silu(gate) * value in fp32, then its e4m3 codes and scale. Validated by `swiglu`.
+
+    Args:
+        h: [S, 2F] gate half first, F <= 32768 (released 14336).
+        out: optional (data [S, F] float8_e4m3fn, scale [S, 1] float32) to write into.
+
+    Returns:
+        (data [S, F] float8_e4m3fn, scale [S, 1] float32), as `swiglu_naive(h, fp8=True)`.
+    """
+    S, two_f = h.shape
+    F = two_f // 2
+    if out is None:
+        out = empty_fp8_rows(S, F, h.device)
+    check_fp8_out(out, S, F)
+    data, scale = out
+    if S == 0:
+        return data, scale
+    block_f, _ = calculate_settings(F)
+    # Warps sized for the 2F values a program loads (gate + value), not the F it writes.
+    _, num_warps = calculate_settings(2 * block_f)
+    _swiglu_fp8_kernel[(S,)](
+        h, data.view(torch.uint8), scale, h.stride(0), data.stride(0), F, BLOCK_F=block_f, num_warps=num_warps
+    )
+    return data, scale
