@@ -25,7 +25,8 @@ from h3render.kernels.swiglu.triton_impl import swiglu_fp8_triton
 DTYPES = [torch.float32, torch.bfloat16]
 SCALE_RTOL = 1e-6
 MAX_OFF_FRACTION = 1e-3
-interpreted = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="CPU Triton needs TRITON_INTERPRET=1")
+interpreted = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                                 reason="CPU Triton needs TRITON_INTERPRET=1")
 # Compiled kernels only: the interpreter on CUDA tensors would test numpy again, slowly.
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") != "0",
                                 reason="needs CUDA and TRITON_INTERPRET=0")
