@@ -4,15 +4,17 @@
 fp32 row they already hold in registers, so the activation is read once and written once, as e4m3.
 
 Semantics (those of `kernels.fp8.naive.quantize_rows_naive`, bit for bit on the same fp32 row):
-    scale = max(max|y|, ...) / 448 rounded once (IEEE division, `div_rn`), floored at MIN_SCALE;
-    data  = RTNE_e4m3(clamp(y / scale, -448, 448)) with IEEE division.
+    scale = max(max|y| / 448, MIN_SCALE), one IEEE-rounded division;
+    data  = RTNE_e4m3(clamp(y / scale, -448, 448)), IEEE division again. (`tl.math.div_rn`: Triton's `/` on fp32
+    lowers to the approximate `div.full.f32` on NVIDIA, which would move scales and codes off the reference.)
     NaN anywhere in a row makes its scale NaN and the whole row NaN (as torch's amax does); an Inf makes the scale
     Inf, that element NaN (Inf / Inf) and the row's finite elements zero. Nothing non-finite turns finite.
 
 Why the rounding is written out instead of `v.to(tl.float8e4nv)`: the hardware conversion (sm89+
-`cvt.rn.satfinite.e4m3x2.f32`) is RTNE, but the CPU interpreter's fp32 -> fp8 cast rounds half-up without a sticky
-bit, loses the carry into the exponent (127.7 -> 64) and maps NaN to 384 (triton 3.9 `interpreter._convert_float`).
-The few integer ops below give the same bytes on both and cost nothing next to the row's HBM traffic.
+`cvt.rn.satfinite.e4m3x2.f32`) is RTNE, but the CPU interpreter's fp32 -> fp8 cast rounds ties away from zero,
+loses the carry into the exponent (127.7 -> 64) and maps NaN to 384 (triton 3.9 `interpreter._convert_float`), so
+the tests could not check it. The ~15 integer / fp32 ops per element below give the same bytes on both; next to a
+memory-bound row's HBM traffic they should be cheap (not yet measured on the GPU).
 """
 
 from __future__ import annotations
