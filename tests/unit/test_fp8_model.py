@@ -199,6 +199,24 @@ def test_load_components_fp8_builtin_tiny():
         load_components("tiny", precision="int8")
 
 
+def test_fp8_load_quantizes_the_fasth3_fused_weights(tmp_path):
+    from h3render.checkpoint import TINY_BASE_MODEL, AdapterFusion, read_adapter
+    from h3render.make_checkpoint import write_synthetic_adapter
+
+    adapter = read_adapter(write_synthetic_adapter(tmp_path / "a.safetensors", DIT_TINY, seed=3, rank=4),
+                           base_model=TINY_BASE_MODEL)
+    fused = load_components("tiny", parts=("dit",), tensor_hook=AdapterFusion(adapter, DIT_TINY, "cpu")).dit
+    base = load_components("tiny", parts=("dit",)).dit
+    dit = load_components("tiny", parts=("dit",), tensor_hook=AdapterFusion(adapter, DIT_TINY, "cpu"),
+                          precision="fp8").dit
+    for name in ("blocks.0.attn.qkv_proj", "blocks.1.mlp.fc2"):
+        data, scale = quantize_weight(fused.get_submodule(name).weight)
+        got = dit.get_submodule(name)
+        assert torch.equal(got.weight.view(torch.uint8), data.view(torch.uint8))
+        assert torch.equal(got.weight_scale, scale)
+        assert not torch.equal(fused.get_submodule(name).weight, base.get_submodule(name).weight)  # fusion changed it
+
+
 def _worker(rank: int, port: int, queue) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
