@@ -14,8 +14,8 @@
 
 Weight scales are per output channel, `amax(|w[n, :]|) / 448` (448 = largest finite e4m3, `kernels.fp8.E4M3_MAX`),
 the row-wise layout `torch._scaled_mm` takes as `scale_b [1, N]`; the issue's speed measurements (H200, torch 2.11)
-used row-wise scales too. What stays in bf16/fp32 is the issue's list: patch projections, time embedder, token refiner, AdaLN
-projections, final layer and heads, and everything the release keeps in fp32.
+used row-wise scales too. What stays in bf16/fp32 is the issue's list: patch projections, time embedder, token
+refiner, AdaLN projections, final layer and heads, and everything the release keeps in fp32.
 """
 
 from __future__ import annotations
@@ -171,8 +171,9 @@ class Fp8WeightLinear(_Fp8Weight):
 
     Activations keep their dtype: the error is the weight rounding alone (e4m3, 3 mantissa bits, per-channel
     scale). Measured on the built-in tiny conditioner (tests/unit/test_fp8_model.py): 0.088 relative error at the
-    read layer, against 0.115 with `Fp8Linear` (activations quantized per row as well); hence weight-only. The dequantized weight [N, K] exists only during the call (released: at most 25600 x 5120, 0.5 GB fp32 +
-    0.26 GB bf16 transient).
+    read layer, against 0.115 with `Fp8Linear` (activations quantized per row as well); hence weight-only. The
+    dequantized weight [N, K] exists only during the call (released: at most 25600 x 5120, 0.5 GB fp32 + 0.26 GB
+    bf16 transient).
     """
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
