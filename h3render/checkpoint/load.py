@@ -4,6 +4,11 @@ Every module is built with its parameters on the meta device (buffers computed n
 straight to the target device through `stream_into`, cast to the dtype the module's precision policy gives them.
 The DiT goes through an optional per-tensor hook on the way (FastH3 fusion). The built-in random models ("tiny",
 "small") come from `h3render.make_checkpoint` and load through the same path.
+
+`precision="fp8"` (issue #18, `h3render.models.fp8`): the DiT block linears become `Fp8Linear` right after the DiT
+has streamed (so they quantize the FastH3-fused weights), before the next part loads; the text encoder's decoder-layer
+linears are `Fp8WeightLinear` from the start and their weights are quantized as they stream, so the bf16 encoder
+never exists on the device.
 """
 
 from __future__ import annotations
@@ -22,10 +27,13 @@ from h3render.checkpoint.stream import (Entry, TensorHook, cast_parameters_, fin
                                         safetensors_entries, stream_into, weights_where)
 from h3render.models.audio_vae import AudioVAE
 from h3render.models.dit import DiT, DiTConfig
+from h3render.models.fp8 import Fp8WeightLinear, quantize_dit_fp8_, quantize_text_encoder_fp8_, quantize_weight
 from h3render.models.text_encoder import TextEncoder
 from h3render.models.video_vae import VideoVAE
 
 PARTS = ("dit", "video_vae", "audio_vae", "text_encoder")
+# "bf16": every linear in the load dtype (today's path); "fp8": see the module docstring.
+PRECISIONS = ("bf16", "fp8")
 # Each part's name in messages.
 _WHAT = {"dit": "DiT", "video_vae": "video VAE", "audio_vae": "audio VAE", "text_encoder": "text encoder"}
 
@@ -65,11 +73,39 @@ def _empty_audio_vae(release: Release) -> AudioVAE:
     return model
 
 
-def _empty_text_encoder(release: Release, dtype: torch.dtype, tokenizer) -> TextEncoder:
+def _empty_text_encoder(release: Release, dtype: torch.dtype, tokenizer, precision: str = "bf16") -> TextEncoder:
     with parameters_on_meta():
         model = TextEncoder(release.text_config, release.text_read_layer, tokenizer=tokenizer)
     cast_parameters_(model, dtype)
+    if precision == "fp8":
+        quantize_text_encoder_fp8_(model)  # empty Fp8WeightLinear modules (meta), filled by `_quantized_entries`
     return model
+
+
+def _quantized_entries(entries: Iterable[Entry], weights: Collection[str]) -> Iterator[Entry]:
+    """Entries with every tensor named in `weights` quantized as it is read: `<name>` becomes its e4m3 data
+    [N, K] and a following `<name>_scale` entry its [1, N] fp32 per-channel scale (`models.fp8.quantize_weight`),
+    on the device the source reads to. Only one bf16 weight exists at a time."""
+    for entry in entries:
+        if entry.name not in weights:
+            yield entry
+            continue
+        done: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+        def quantized(entry: Entry = entry, done: list = done) -> tuple[torch.Tensor, torch.Tensor]:
+            if not done:
+                done.append(quantize_weight(entry.load()))
+            return done[0]
+
+        yield Entry(entry.file, entry.name, lambda q=quantized: q()[0])
+        yield Entry(entry.file, entry.name + "_scale", lambda q=quantized: q()[1])
+
+
+def check_precision(precision: str) -> str:
+    """`precision` if it is one of `PRECISIONS`, else ValueError naming the choices."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
+    return precision
 
 
 # Prefixes under which Qwen3-VL checkpoints store the language model: transformers >= 4.57
@@ -114,6 +150,7 @@ def assemble_components(
     *,
     parts: Collection[str] = PARTS,
     tensor_hook: TensorHook | None = None,
+    precision: str = "bf16",
 ) -> Components:
     """Build the asked-for parts empty and stream each one's tensors into it: the one loading path of checkpoints
     on disk and of the built-in random models.
@@ -127,10 +164,19 @@ def assemble_components(
             release's fp32 islands stay fp32 and the audio VAE is always fp32.
         tensor_hook: applied to every DiT tensor while streaming, then `finish()` when it has one; its optional
             `prepare(dit)` runs on the empty DiT first and `entries(stream)` wraps the DiT's entries.
+        precision: "bf16" or "fp8". With "fp8" the DiT streams in `dtype` (fused by the hook), then its block
+            linears are quantized one at a time (`quantize_dit_fp8_`) before anything else loads; the text
+            encoder's decoder-layer weights are quantized as they stream. Peak device memory is then the larger of
+            (a) the whole DiT in `dtype` plus one linear's quantization transient (released: ≈66 GB bf16 with the
+            AdaLN projections) and (b) the FP8 DiT + VAEs + FP8 text encoder + one bf16 text tensor; the bf16 text
+            encoder (51.5 GB released) is never resident. Parts load in the order dit, video_vae, audio_vae,
+            text_encoder.
 
     Raises:
         CheckpointError: as `stream_into`.
+        ValueError: an unknown precision.
     """
+    check_precision(precision)
     release = info.release
     built: dict[str, Any] = dict.fromkeys(PARTS)
     if "dit" in parts:
@@ -144,6 +190,8 @@ def assemble_components(
         built["dit"] = stream_into(dit, entries, device, what=_WHAT["dit"], where=where("dit"),
                                    tensor_hook=tensor_hook)
         finish_hook(tensor_hook)
+        if precision == "fp8":
+            quantize_dit_fp8_(built["dit"])  # after the fusion: the FP8 weights are the student's
     if "video_vae" in parts:
         built["video_vae"] = stream_into(_empty_video_vae(release, dtype), source("video_vae"), device,
                                          what=_WHAT["video_vae"], where=where("video_vae"))
@@ -152,9 +200,12 @@ def assemble_components(
                                          what=_WHAT["audio_vae"], where=where("audio_vae"))
     if "text_encoder" in parts:
         entries = _text_entries(source("text_encoder"), release.text_read_layer)
-        built["text_encoder"] = stream_into(_empty_text_encoder(release, dtype, tokenizer()), entries, device,
-                                            what=_WHAT["text_encoder"], where=where("text_encoder"),
-                                            skip=_is_skipped)
+        encoder = _empty_text_encoder(release, dtype, tokenizer(), precision)
+        fp8_weights = {f"{name}.weight" for name, m in encoder.named_modules() if isinstance(m, Fp8WeightLinear)}
+        if fp8_weights:
+            entries = _quantized_entries(entries, fp8_weights)
+        built["text_encoder"] = stream_into(encoder, entries, device, what=_WHAT["text_encoder"],
+                                            where=where("text_encoder"), skip=_is_skipped)
     return Components(**built, info=info)
 
 
@@ -164,17 +215,17 @@ def _folder(info: CheckpointInfo, part: str) -> str:
 
 
 def _from_disk(info: CheckpointInfo, device: torch.device | str, dtype: torch.dtype, parts: Collection[str],
-               tensor_hook: TensorHook | None) -> Components:
+               tensor_hook: TensorHook | None, precision: str = "bf16") -> Components:
     def source(part: str) -> Iterable[Entry]:
         return dit_entries(info, device) if part == "dit" else safetensors_entries(Path(_folder(info, part)), device)
 
     return assemble_components(info, source, lambda part: weights_where(_folder(info, part)),
                                lambda: load_tokenizer(info.tokenizer), device, dtype, parts=parts,
-                               tensor_hook=tensor_hook)
+                               tensor_hook=tensor_hook, precision=precision)
 
 
 def load_dit(info: CheckpointInfo, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
-             tensor_hook: TensorHook | None = None) -> DiT:
+             tensor_hook: TensorHook | None = None, precision: str = "bf16") -> DiT:
     """Load the DiT of a (non-builtin) checkpoint.
 
     Args:
@@ -182,11 +233,12 @@ def load_dit(info: CheckpointInfo, device: torch.device | str = "cpu", dtype: to
         dtype: block-stack dtype; `DiT.apply_precision_` keeps the fp32 islands fp32.
         tensor_hook: optional `hook(native_name, tensor) -> tensor` applied to every DiT tensor while streaming
             (e.g. FastH3 fusion), then `hook.finish()` if it has one.
+        precision: "bf16" or "fp8" (block linears quantized after the fusion; see `assemble_components`).
 
     Raises:
         CheckpointError: as `stream_into`.
     """
-    return _from_disk(info, device, dtype, ("dit",), tensor_hook).dit
+    return _from_disk(info, device, dtype, ("dit",), tensor_hook, precision).dit
 
 
 def load_components(
@@ -198,6 +250,7 @@ def load_components(
     tensor_hook: TensorHook | None = None,
     transformer_file: str | Path | None = None,
     seed: int = 0,
+    precision: str = "bf16",
 ) -> Components:
     """Load a checkpoint (or build a built-in random model) onto `device`.
 
@@ -209,10 +262,15 @@ def load_components(
         tensor_hook: applied to every DiT tensor while streaming, then `finish()` (see `load_dit`).
         transformer_file: a single-file transformer replacing the checkpoint's own; its architecture must match.
         seed: weights seed of a built-in model ("tiny", "small"); ignored otherwise.
+        precision: "bf16" (default: all linears in `dtype`) or "fp8": DiT block linears `Fp8Linear`, text encoder
+            decoder-layer linears `Fp8WeightLinear`, each quantized on `device` before the next part loads (peak
+            memory: `assemble_components`). `models.fp8.precision_report(components)` describes the result.
 
     Raises:
         CheckpointError: layout, config or tensor problems, naming the file and tensor; an unknown part.
+        ValueError: an unknown precision.
     """
+    check_precision(precision)
     unknown = sorted(set(parts) - set(PARTS))
     if unknown:
         raise CheckpointError(f"unknown component {unknown[0]!r} (choose from {', '.join(PARTS)})")
@@ -222,7 +280,8 @@ def load_components(
             raise CheckpointError(f"{transformer_file}: a built-in model takes no transformer file")
         from h3render.make_checkpoint import build_random  # the random models build on this module
 
-        return build_random(info.path, seed=seed, device=device, dtype=dtype, parts=parts, tensor_hook=tensor_hook)
+        return build_random(info.path, seed=seed, device=device, dtype=dtype, parts=parts, tensor_hook=tensor_hook,
+                            precision=precision)
     if info.layout == "single-file" and set(parts) - {"dit"}:
         raise CheckpointError(f"{info.path}: a single-file checkpoint holds only the transformer; load it with "
                               f"parts=('dit',) or as transformer_file= of a full checkpoint")
@@ -233,7 +292,7 @@ def load_components(
         if file_info.release.dit != info.release.dit:
             raise CheckpointError(f"{transformer_file}: DiT architecture differs from {info.path}'s transformer")
         info = dataclasses.replace(info, transformer=file_info.transformer, transformer_names="native-stacked")
-    return _from_disk(info, device, dtype, parts, tensor_hook)
+    return _from_disk(info, device, dtype, parts, tensor_hook, precision)
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -140,11 +140,13 @@ def build_random(
     *,
     parts: Collection[str] = PARTS,
     tensor_hook: TensorHook | None = None,
+    precision: str = "bf16",
 ) -> Components:
     """A built-in random model ("tiny" or "small") in memory, from a fixed seed; no files, no downloads.
 
     Same weights as `make_checkpoint(out, name, seed=seed)` writes (values rounded to the release storage
-    dtypes), loaded through the same strict streaming path (`assemble_components`).
+    dtypes), loaded through the same strict streaming path (`assemble_components`), `precision` ("bf16" / "fp8")
+    included.
 
     Raises:
         CheckpointError: an unknown name.
@@ -158,7 +160,8 @@ def build_random(
     return assemble_components(info, source=lambda part: random_entries(part, release, seed),
                                where=lambda part: f"<builtin {name}>",
                                tokenizer=lambda: tiny_vl_tokenizer(release.text_config.vocab_size),
-                               device=device, dtype=dtype, parts=parts, tensor_hook=tensor_hook)
+                               device=device, dtype=dtype, parts=parts, tensor_hook=tensor_hook,
+                               precision=precision)
 
 
 def build_tiny(seed: int = 0, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,

@@ -33,6 +33,7 @@ from torch import nn
 from h3render import kernels
 from h3render.models.attention import SparseAttention, check_vsa_settings, gate_projection, sdpa_attention
 from h3render.models.dit_config import DIT_SMALL, DIT_TINY, DiTConfig  # noqa: F401 (the DiT's config lives there)
+from h3render.models.fp8 import Fp8Linear, Fp8Rows
 from h3render.packing import PackedLayout
 
 # Modality tags of the packed sequence (released model): 0 video, 1 text, 2 audio. Block AdaLN tables hold one row per
@@ -125,9 +126,12 @@ class Attention(nn.Module):
         self.qkv_attention: QKVAttentionFn | None = None
         self.gate_proj: nn.Linear | None = None  # `DiT.enable_vsa`: FastVideo's `to_gate_compress` (no bias)
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None, sparse=None) -> torch.Tensor:
-        """x: `[S, hidden]` -> `[S, hidden]`; rope: `(cos, sin)` `[S, R]` or None; `sparse`: `SparseAttention`."""
-        s = x.shape[0]
+    def forward(self, x: "torch.Tensor | Fp8Rows", rope: tuple[torch.Tensor, torch.Tensor] | None,
+                sparse=None) -> torch.Tensor:
+        """x: `[S, hidden]` -> `[S, hidden]`; rope: `(cos, sin)` `[S, R]` or None; `sparse`: `SparseAttention`.
+        x is `Fp8Rows` when the projections are `Fp8Linear` (`models.fp8.quantize_dit_fp8_`): qkv and gate read the
+        same quantized rows, and `out_proj` quantizes the attention output itself."""
+        s = x.data.shape[0] if isinstance(x, Fp8Rows) else x.shape[0]
         qkv = self.qkv_proj(x).view(s, self.heads, 3, self.head_dim)  # interleaved per head
         gate = None if sparse is None else self.gate_proj(x).view(s, self.heads, self.head_dim)  # input of q/k/v
         if self.qkv_attention is not None:
@@ -150,8 +154,9 @@ class MLP(nn.Module):
         self.fc2 = nn.Linear(ffn_dim, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """`[S, hidden]` -> `[S, hidden]`."""
-        return self.fc2(swiglu(self.fc1(x)))
+        """`[S, hidden]` (or `Fp8Rows` for an `Fp8Linear` fc1) -> `[S, hidden]`; an `Fp8Linear` fc2 gets its input
+        as `Fp8Rows` straight from the SwiGLU kernel."""
+        return self.fc2(swiglu(self.fc1(x), fp8=isinstance(self.fc2, Fp8Linear)))
 
 
 class RefinerBlock(nn.Module):
@@ -223,9 +228,12 @@ class Block(RefinerBlock):
         Returns:
             `[S, hidden]`.
         """
-        h = modulate(x, self.norm1.weight, table[:, 0], table[:, 1], rows, self.norm1.eps)
+        # FP8 linears (`models.fp8.quantize_dit_fp8_`) read e4m3 rows that modulate writes in the same pass.
+        h = modulate(x, self.norm1.weight, table[:, 0], table[:, 1], rows, self.norm1.eps,
+                     fp8=isinstance(self.attn.qkv_proj, Fp8Linear))
         x = gated_residual(x, self.attn(h, rope, sparse), table[:, 2], rows)
-        h = modulate(x, self.norm2.weight, table[:, 3], table[:, 4], rows, self.norm2.eps)
+        h = modulate(x, self.norm2.weight, table[:, 3], table[:, 4], rows, self.norm2.eps,
+                     fp8=isinstance(self.mlp.fc1, Fp8Linear))
         return gated_residual(x, self.mlp(h), table[:, 5], rows)
 
 
@@ -349,6 +357,8 @@ class DiT(nn.Module):
         """Blocks (not the token refiner) run VSA-H3 at `sparsity` (FastH3 v1 0.9, V2 0.8; 64-row tiles only) and
         gain zero gates `blocks.{i}.attn.gate_proj.weight` `[heads * head_dim, hidden]` to load a student's into.
         ValueError on a sparsity outside [0, 1) or another tile (`models.attention.check_vsa_settings`)."""
+        if any(isinstance(block.attn.qkv_proj, Fp8Linear) and block.attn.gate_proj is None for block in self.blocks):
+            raise ValueError("DiT.enable_vsa after quantize_dit_fp8_: the gates would miss FP8; enable VSA first")
         self.vsa_sparsity = check_vsa_settings(sparsity, tile)
         for attn in (block.attn for block in self.blocks if block.attn.gate_proj is None):
             attn.gate_proj = gate_projection(attn.qkv_proj.weight, attn.heads * attn.head_dim)

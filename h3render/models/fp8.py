@@ -1,0 +1,295 @@
+"""FP8 (e4m3) linears for `--precision fp8`: the DiT block GEMMs and the text encoder's weights.
+
+* `Fp8Linear`: e4m3 weight with one fp32 scale per output channel, e4m3 activations with one scale per row
+  (`kernels.fp8.Fp8Rows`), one `torch._scaled_mm` that applies both scales in its epilogue and writes bf16. The DiT's
+  blocks hand it `Fp8Rows` straight from the fused producers (`modulate(..., fp8=True)` -> qkv / gate / fc1,
+  `swiglu(..., fp8=True)` -> fc2); a float input (the attention output -> out_proj) goes through
+  `kernels.fp8.quantize_rows` first.
+* `Fp8WeightLinear`: weight-only FP8 for the text encoder (it runs once per job, so accuracy comes first): the e4m3
+  weight is dequantized to the activation dtype per call and the GEMM runs there, so the only error is the weight's
+  own rounding (no activation quantization).
+* `quantize_dit_fp8_`, `quantize_text_encoder_fp8_`: in-place replacement of the covered linears, one at a time, so
+  the peak grows by one linear's transient, not by a model.
+* `precision_report`: what precision each loaded component runs in, for the sidecar.
+
+Weight scales are per output channel, `amax(|w[n, :]|) / 448` (448 = largest finite e4m3, `kernels.fp8.E4M3_MAX`),
+the row-wise layout `torch._scaled_mm` takes as `scale_b [1, N]`; the issue's speed measurements (H200, torch 2.11)
+used row-wise scales too. What stays in bf16/fp32 is the issue's list: patch projections, time embedder, token
+refiner, AdaLN projections, final layer and heads, and everything the release keeps in fp32.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from h3render.kernels.fp8 import Fp8Rows, quantize_rows, quantize_rows_naive
+
+__all__ = [
+    "DIT_BLOCK_LINEARS", "FP8", "TEXT_ENCODER_LINEARS", "Fp8Linear", "Fp8WeightLinear", "precision_report",
+    "quantize_dit_fp8_", "quantize_text_encoder_fp8_", "quantize_weight",
+]
+
+FP8 = torch.float8_e4m3fn
+# torch._scaled_mm (cuBLASLt FP8) needs both GEMM dimensions of the weight divisible by 16.
+_SCALED_MM_MULTIPLE = 16
+# Rows per weight-quantization chunk: at most ~2**26 fp32 elements (256 MB) of transient per chunk, so quantizing a
+# released [28672, 5376] fc1 does not add a full fp32 copy (616 MB) to the load peak.
+_CHUNK_ELEMENTS = 1 << 26
+
+# DiT block linears that run FP8 (issue #18): attention q/k/v and output, the SwiGLU FFN, FastH3's VSA gate.
+DIT_BLOCK_LINEARS = ("attn.qkv_proj", "attn.gate_proj", "attn.out_proj", "mlp.fc1", "mlp.fc2")
+# Qwen3-VL decoder-layer linears (transformers `Qwen3VLTextAttention` / `Qwen3VLTextMLP`): about 24 B of the released
+# conditioner's ≈25.7 B parameters (50 read layers x 487 M; embeddings 0.78 B and the norms stay bf16).
+TEXT_ENCODER_LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+                        "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+
+
+def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-output-channel e4m3 quantization of a linear's weight, on the weight's own device.
+
+    Args:
+        weight: [N, K] float (bf16 / fp32), row n = output channel n.
+
+    Returns:
+        data [N, K] float8_e4m3fn and scale [1, N] float32 with weight[n] ~= data[n].float() * scale[0, n],
+        scale = max(|weight[n]|) / 448 (floored at `kernels.fp8.MIN_SCALE`, so an all-zero channel stays zero).
+        Quantized in row chunks (the math of `kernels.fp8.quantize_rows_naive`, fp32, one rounding).
+    """
+    if weight.ndim != 2:
+        raise ValueError(f"weight must be [N, K], got shape {tuple(weight.shape)}")
+    n, k = weight.shape
+    data = torch.empty(n, k, dtype=FP8, device=weight.device)
+    scale = torch.empty(n, 1, dtype=torch.float32, device=weight.device)
+    step = max(1, _CHUNK_ELEMENTS // max(k, 1))
+    for start in range(0, n, step):
+        d, s = quantize_rows_naive(weight[start:start + step])
+        data[start:start + step] = d
+        scale[start:start + step] = s
+    return data, scale.t().contiguous()
+
+
+class _Fp8Weight(nn.Module):
+    """Shared storage of both FP8 linears: buffers `weight` [N, K] e4m3, `weight_scale` [1, N] fp32, `bias` [N]."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, out_dtype: torch.dtype,
+                 device: torch.device | str | None = None):
+        super().__init__()
+        self.in_features = in_features
+        self.out_features = out_features
+        self.out_dtype = out_dtype
+        self.register_buffer("weight", torch.empty(out_features, in_features, dtype=FP8, device=device))
+        self.register_buffer("weight_scale", torch.empty(1, out_features, dtype=torch.float32, device=device))
+        self.register_buffer("bias", torch.empty(out_features, dtype=out_dtype, device=device) if bias else None)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear):
+        """Quantize `linear` on its own device; the result holds no reference to `linear`'s weight, so dropping
+        the linear frees it. Output dtype = the linear's weight dtype (bf16 at release). A linear on the meta
+        device (an empty module before loading) gives the empty FP8 module, buffers on meta, for a loader to stream
+        already-quantized tensors into (`checkpoint.load`: the text encoder).
+
+        Raises:
+            ValueError: (Fp8Linear) a dimension is not a multiple of 16.
+        """
+        w = linear.weight
+        module = cls(linear.in_features, linear.out_features, linear.bias is not None, w.dtype, device=w.device)
+        if w.is_meta:
+            return module
+        with torch.no_grad():
+            module.weight, module.weight_scale = quantize_weight(w.detach())
+            if linear.bias is not None:
+                module.bias = linear.bias.detach().clone()
+        return module
+
+    def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """[N, K] in `dtype`: data * per-channel scale in fp32, rounded once."""
+        return (self.weight.float() * self.weight_scale.t()).to(dtype)
+
+    def _apply(self, fn, recurse=True):
+        # nn.Module.to(dtype) / .float() / .half() cast every floating buffer, float8 included, which would turn the
+        # e4m3 codes into unscaled values and round the fp32 scales. Only the device follows `fn`; dtypes stay.
+        device = fn(torch.empty(0, device=self.weight.device)).device
+        for name, t in self._buffers.items():
+            if t is not None:
+                self._buffers[name] = t.to(device)
+        return self
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"bias={self.bias is not None}, out_dtype={self.out_dtype}")
+
+
+class Fp8Linear(_Fp8Weight):
+    """`y = x @ w.T (+ bias)` as one FP8 GEMM: e4m3 activations (per-row scale) x e4m3 weight (per-channel scale).
+
+    Buffers: `weight` [N, K] float8_e4m3fn (row-major, as nn.Linear), `weight_scale` [1, N] float32, optional
+    `bias` [N]. K and N must be multiples of 16 (`torch._scaled_mm`); the released DiT's are (5376, 7168, 14336,
+    21504, 28672), and so are DIT_TINY's / DIT_SMALL's.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, out_dtype: torch.dtype = torch.bfloat16,
+                 device: torch.device | str | None = None):
+        for what, size in (("in_features (K)", in_features), ("out_features (N)", out_features)):
+            if size % _SCALED_MM_MULTIPLE:
+                raise ValueError(f"Fp8Linear: {what} = {size} is not a multiple of {_SCALED_MM_MULTIPLE}, which "
+                                 f"torch._scaled_mm requires; keep this linear in bf16")
+        super().__init__(in_features, out_features, bias, out_dtype, device)
+
+    def forward(self, x: "torch.Tensor | Fp8Rows") -> torch.Tensor:
+        """
+        Args:
+            x: `Fp8Rows` (data [S, K] e4m3, scale [S, 1] fp32) from a fused producer, or a float tensor [..., K]
+                (quantized per row here with `kernels.fp8.quantize_rows`).
+
+        Returns:
+            [S, N] (or [..., N]) in `out_dtype`; the GEMM writes bf16 (row-wise scaled_mm on CUDA writes bf16 only)
+            and an fp32 linear's output is cast up from it.
+        """
+        lead = None
+        if not isinstance(x, Fp8Rows):
+            if x.shape[-1] != self.in_features:
+                raise ValueError(f"Fp8Linear: input has {x.shape[-1]} features, the weight expects {self.in_features}")
+            lead = x.shape[:-1]
+            x = quantize_rows(x.reshape(-1, self.in_features).contiguous())
+        elif x.data.ndim != 2 or x.data.shape[1] != self.in_features:
+            raise ValueError(f"Fp8Linear: Fp8Rows data must be [S, {self.in_features}], got {tuple(x.data.shape)}")
+        out = torch._scaled_mm(x.data, self.weight.t(), scale_a=x.scale, scale_b=self.weight_scale,
+                               out_dtype=torch.bfloat16)  # [S, N]
+        if self.bias is not None:
+            out = out + self.bias.to(out.dtype)
+        out = out.to(self.out_dtype)
+        return out if lead is None else out.view(*lead, self.out_features)
+
+
+class Fp8WeightLinear(_Fp8Weight):
+    """Weight-only FP8: `F.linear(x, dequantize(w), bias)` in x's dtype; same buffers as `Fp8Linear`, any K, N.
+
+    Activations keep their dtype: the error is the weight rounding alone (e4m3, 3 mantissa bits, per-channel
+    scale). Measured on the built-in tiny conditioner (tests/unit/test_fp8_model.py): 0.088 relative error at the
+    read layer, against 0.115 with `Fp8Linear` (activations quantized per row as well); hence weight-only. The
+    dequantized weight [N, K] exists only during the call (released: at most 25600 x 5120, 0.5 GB fp32 + 0.26 GB
+    bf16 transient).
+    """
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [..., K] float -> [..., N] in x's dtype."""
+        bias = None if self.bias is None else self.bias.to(x.dtype)
+        return F.linear(x, self.dequantized_weight(x.dtype), bias)
+
+
+def _replace(root: nn.Module, path: str, make) -> bool:
+    """Replace the nn.Linear at `root.<path>` by `make(linear)`; False when absent (None) or already FP8."""
+    owner_path, _, leaf = path.rpartition(".")
+    owner = root.get_submodule(owner_path) if owner_path else root
+    old = getattr(owner, leaf, None)
+    if old is None or isinstance(old, _Fp8Weight):
+        return False
+    if not isinstance(old, nn.Linear):
+        raise TypeError(f"{path}: expected an nn.Linear to quantize, found {type(old).__name__}")
+    setattr(owner, leaf, make(old))
+    del old  # the last reference: the bf16 weight is freed before the next linear is quantized
+    return True
+
+
+@torch.no_grad()
+def quantize_dit_fp8_(dit: nn.Module) -> int:
+    """Replace the linears of every `dit.blocks[i]` in `DIT_BLOCK_LINEARS` (qkv_proj, gate_proj when VSA is on,
+    out_proj, fc1, fc2) by `Fp8Linear`, one at a time on their own device; the block's forward then feeds them
+    `Fp8Rows` from its fused producers. The token refiner, patch projections, time embedder, AdaLN projections and
+    final layer stay as they are. Call after the weights are loaded (and FastH3-fused) and after `enable_vsa`.
+
+    Returns:
+        The number of linears replaced now: 4 (dense) or 5 (VSA) per block; 0 when called again (idempotent).
+
+    Raises:
+        ValueError: a linear still on the meta device (load first: the FastH3 fusion must see bf16 weights), or a
+            dimension not a multiple of 16.
+    """
+    meta = [name for name, p in dit.blocks.named_parameters() if p.is_meta]
+    if meta:
+        raise ValueError(f"quantize_dit_fp8_: blocks.{meta[0]} is on the meta device; load the weights first")
+    count = 0
+    for block in dit.blocks:
+        for path in DIT_BLOCK_LINEARS:
+            count += _replace(block, path, Fp8Linear.from_linear)
+    return count
+
+
+@torch.no_grad()
+def quantize_text_encoder_fp8_(encoder: nn.Module) -> int:
+    """Replace the decoder-layer linears of a `models.text_encoder.TextEncoder` (`TEXT_ENCODER_LINEARS` of every
+    `encoder.layers[i]`) by `Fp8WeightLinear`, one at a time on their own device. Embeddings, norms, rotary tables
+    and the vision tower (fl2va; its own 0.6 B parameters, loaded separately) stay as they are.
+
+    On an empty (meta-parameter) encoder this builds the empty FP8 modules that `checkpoint.load` streams quantized
+    weights into, so the bf16 encoder never exists on the device.
+
+    Returns:
+        The number of linears replaced now (7 per read layer); 0 when called again (idempotent).
+    """
+    count = 0
+    for layer in encoder.layers:
+        for path in TEXT_ENCODER_LINEARS:
+            count += _replace(layer, path, Fp8WeightLinear.from_linear)
+    return count
+
+
+_DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", FP8: "fp8_e4m3"}
+
+
+def _dtype_summary(module: nn.Module, skip: tuple[type, ...] = ()) -> str:
+    """The float dtypes of `module`'s parameters by share of elements, e.g. "bf16 (fp32: 3% of parameters)"."""
+    counts: Counter = Counter()
+    for sub in module.modules():
+        if isinstance(sub, skip):
+            continue
+        for p in sub.parameters(recurse=False):
+            if p.is_floating_point():
+                counts[p.dtype] += p.numel()
+    if not counts:
+        return "none"
+    total = sum(counts.values())
+    (main, _), *rest = counts.most_common()
+    text = _DTYPE_NAMES.get(main, str(main))
+    if rest:
+        text += " (" + ", ".join(f"{_DTYPE_NAMES.get(d, str(d))}: {100 * n / total:.0f}% of parameters"
+                                 for d, n in rest) + ")"
+    return text
+
+
+def precision_report(components: Any) -> dict[str, str]:
+    """What each loaded component computes in, for the sidecar (`checkpoint.Components`; parts that are None are
+    left out).
+
+    Returns:
+        e.g. {"dit_blocks": "fp8_e4m3 (row-wise activations, per-channel weights; 200 linears)",
+        "dit_other": "bf16 (fp32: 0% of parameters)", "text_encoder": "fp8_e4m3 weights (per-channel scales,
+        dequantized to bf16; 350 linears); other: bf16", "video_vae": "bf16 (fp32: ...)", "audio_vae": "fp32"}.
+    """
+    report: dict[str, str] = {}
+    dit = getattr(components, "dit", None)
+    if dit is not None:
+        n = sum(isinstance(m, Fp8Linear) for m in dit.blocks.modules())
+        report["dit_blocks"] = (f"fp8_e4m3 (row-wise activations, per-channel weights; {n} linears)" if n
+                                else _dtype_summary(dit.blocks))
+        other = nn.ModuleList(m for name, m in dit.named_children() if name != "blocks")
+        report["dit_other"] = _dtype_summary(other)
+    te = getattr(components, "text_encoder", None)
+    if te is not None:
+        fp8_linears = [m for m in te.modules() if isinstance(m, Fp8WeightLinear)]
+        rest = _dtype_summary(te, skip=(Fp8WeightLinear,))
+        if fp8_linears:
+            to = _DTYPE_NAMES.get(fp8_linears[0].out_dtype, str(fp8_linears[0].out_dtype))
+            rest = f"fp8_e4m3 weights (per-channel scales, dequantized to {to}; {len(fp8_linears)} linears); " \
+                   f"other: {rest}"
+        report["text_encoder"] = rest
+    for name in ("video_vae", "audio_vae"):
+        part = getattr(components, name, None)
+        if part is not None:
+            report[name] = _dtype_summary(part)
+    return report
