@@ -16,6 +16,7 @@ from h3render.parallel.ulysses import shard_rows
 from h3render.parallel.vae import assign_items
 from tests._mp4 import frames_of
 from tests._env import repo_pythonpath
+from tests._spawn import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -29,17 +30,34 @@ def render(out: Path, nproc: int, *extra: str, launcher: str = "torchrun") -> su
         cmd = [sys.executable, "-m", "h3render.cli", *args, *(["--gpus", str(nproc)] if nproc > 1 else [])]
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port",
-               str(29500 + nproc + os.getpid() % 200), "-m", "h3render.cli", *args]
+               str(free_port()), "-m", "h3render.cli", *args]
     return subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO, timeout=600)
 
 
-@pytest.mark.parametrize("nproc, launcher", [(2, "torchrun"), (3, "torchrun"), (8, "torchrun"), (2, "spawn")])
-def test_multi_rank_gloo_matches_one_process(nproc, launcher, tmp_path):
+@pytest.fixture(scope="module")
+def one_rank(tmp_path_factory):
+    """`one_rank(*extra)`: the 1-process reference render for these extra arguments, made once per module (every
+    multi-rank case compares against the same one)."""
+    made: dict[tuple[str, ...], Path] = {}
+
+    def get(*extra: str) -> Path:
+        if extra not in made:
+            out = tmp_path_factory.mktemp("one") / "one.mp4"
+            r = render(out, 1, *extra)
+            assert r.returncode == 0, r.stderr
+            made[extra] = out
+        return made[extra]
+
+    return get
+
+
+# 2 ranks run through the in-process spawn launcher, 3 and 8 through torchrun (2 ranks under torchrun is the same
+# code path as 3 and 8 and no longer has a case of its own).
+@pytest.mark.parametrize("nproc, launcher", [(3, "torchrun"), (8, "torchrun"), (2, "spawn")])
+def test_multi_rank_gloo_matches_one_process(nproc, launcher, one_rank, tmp_path):
     """Same seed on N ranks: latents within 1e-5 of 1 rank, decoded frames identical (with the same VAE batch
     grouping per item; different groupings differ by float rounding, up to 1 code value before encoding)."""
-    single, multi = tmp_path / "one.mp4", tmp_path / "many.mp4"
-    r1 = render(single, 1)
-    assert r1.returncode == 0, r1.stderr
+    single, multi = one_rank(), tmp_path / "many.mp4"
     rn = render(multi, nproc, launcher=launcher)
     assert rn.returncode == 0, rn.stderr
     a = torch.load(single.with_name("one.latents.pt"))
@@ -59,14 +77,12 @@ def test_multi_rank_gloo_matches_one_process(nproc, launcher, tmp_path):
 
 
 @pytest.mark.parametrize("nproc", [2, 3])
-def test_split_decode_batches_across_windows(nproc, tmp_path):
+def test_split_decode_batches_across_windows(nproc, one_rank, tmp_path):
     """320x192: 2 windows x 6 tiles. With 4 items per decoder forward a rank's batch holds items of both windows
     (2 ranks: 3 + 1, then 2; 3 ranks: 2 + 2), so windows are gathered mid-queue. Batch grouping differs from one
     rank's, which moves float rounding only: frames within 1 code value, latents unchanged."""
     extra = ("--width", "320", "--height", "192", "--vae-batch", "4")
-    single, multi = tmp_path / "one.mp4", tmp_path / "many.mp4"
-    r1 = render(single, 1, *extra)
-    assert r1.returncode == 0, r1.stderr
+    single, multi = one_rank(*extra), tmp_path / "many.mp4"
     rn = render(multi, nproc, *extra)
     assert rn.returncode == 0, rn.stderr
     a, b = frames_of(single).astype(int), frames_of(multi).astype(int)
@@ -138,8 +154,7 @@ def test_batch_on_two_cpu_ranks_renders_then_resumes(tmp_path):
     manifest = tmp_path / "jobs.jsonl"
     manifest.write_text("\n".join([
         '{"id": "a", "prompt": "Surf at dawn", "frames": 22, "steps": 2}',
-        '{"id": "b", "prompt": "A train in the night", "frames": 22, "steps": 2, "seed": 3}',
-        '{"id": "c", "prompt": "Birdsong in a forest", "frames": 22, "steps": 3}',
+        '{"id": "b", "prompt": "A train in the night", "frames": 22, "steps": 3, "seed": 3}',
     ]) + "\n")
     env = {**os.environ, "PYTHONPATH": repo_pythonpath(), "OMP_NUM_THREADS": "1"}
     env.pop("H3RENDER_CHECKPOINT", None)
@@ -150,12 +165,12 @@ def test_batch_on_two_cpu_ranks_renders_then_resumes(tmp_path):
     import json
 
     report = json.loads((tmp_path / "out" / "batch-report.json").read_text())
-    assert [j["status"] for j in report["jobs"]] == ["succeeded"] * 3
-    for name in "abc":
+    assert [j["status"] for j in report["jobs"]] == ["succeeded"] * 2
+    for name in "ab":
         side = json.loads((tmp_path / "out" / f"{name}.json").read_text())
         assert side["extra"]["world_size"] == 2
         assert frames_of(tmp_path / "out" / f"{name}.mp4").shape[0] == 22
     r = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     report = json.loads((tmp_path / "out" / "batch-report.json").read_text())
-    assert [j["status"] for j in report["jobs"]] == ["skipped"] * 3
+    assert [j["status"] for j in report["jobs"]] == ["skipped"] * 2

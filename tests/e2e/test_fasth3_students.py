@@ -268,7 +268,7 @@ def test_position_sets_on_adapters_and_contracts(tmp_path, bundle):
 def test_vsa_student_renders_through_prompt_and_batch(tmp_path, bundle):
     """A tiny VSA student (bundle variant with gates) through `h3render prompt` and `h3render batch` (CPU: the VSA
     torch reference); the sidecar records the attention, its sources, k at the job's shape, and the positions."""
-    from tests.e2e.test_cli import run_cli
+    from tests._cli import run_cli
 
     out = tmp_path / "p.mp4"
     r = run_cli("prompt", "Rain on a tin roof", "-o", str(out), "--mode", "fasth3", "--adapter", str(bundle),

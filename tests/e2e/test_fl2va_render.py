@@ -18,6 +18,7 @@ from h3render.checkpoint import CheckpointError, load_vision, read_checkpoint_in
 from h3render.make_checkpoint import make_checkpoint
 from tests._mp4 import frames_of
 from tests._env import repo_pythonpath
+from tests._spawn import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 ARGS = ("--steps", "3", "--seed", "5", "--device", "cpu", "--save-latents", "--vae-batch", "1")
@@ -141,7 +142,7 @@ def test_two_gloo_ranks_match_one_for_fl2va(tmp_path):
     r1 = cli("prompt", "Waves on black rocks", *keyframes, "-o", str(one), *ARGS)
     assert r1.returncode == 0, r1.stderr
     torchrun = ["-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
-                str(29700 + os.getpid() % 200)]
+                str(free_port())]
     r2 = cli("prompt", "Waves on black rocks", *keyframes, "-o", str(two), *ARGS, launcher=torchrun)
     assert r2.returncode == 0, r2.stderr
     a, b = _latents(one), _latents(two)

@@ -66,7 +66,7 @@ def test_mixed_engine_matches_base_then_fused_engines(adapter, tmp_path):
 def test_cli_mixed_queue_renders_base_jobs_then_the_student(adapter, tmp_path):
     import json
 
-    from tests.e2e.test_cli import run_cli
+    from tests._cli import invoke, run_cli
 
     manifest = tmp_path / "m.jsonl"
     lines = [{"id": "a", "prompt": "base", "frames": 22, "steps": 2, "width": 128, "height": 64},
@@ -76,8 +76,8 @@ def test_cli_mixed_queue_renders_base_jobs_then_the_student(adapter, tmp_path):
     out = tmp_path / "out"
     # no student anywhere: refused before loading, naming the fasth3 job's line, for --dry-run too
     for extra in ((), ("--dry-run",)):
-        r = run_cli("batch", str(manifest), "--out-dir", str(out), *extra)
-        assert r.returncode == 2 and f"{manifest}:2: mode: fasth3 needs a FastH3 adapter" in r.stderr, r.stderr
+        r = invoke("batch", str(manifest), "--out-dir", str(out), *extra)
+        assert r.exit_code == 2 and f"{manifest}:2: mode: fasth3 needs a FastH3 adapter" in r.stderr, r.stderr
     assert not out.exists()
     # the adapter named in the manifest's defaults: t2va jobs on the base weights, then the fused student
     manifest.write_text(json.dumps({"defaults": {"adapter": adapter}}) + "\n" + manifest.read_text())
@@ -91,5 +91,5 @@ def test_cli_mixed_queue_renders_base_jobs_then_the_student(adapter, tmp_path):
     assert [sides[n]["sigmas"]["forwards"] for n in "abc"] == [1, 4, 1]
     assert ["fasth3" in sides[n]["extra"] for n in "abc"] == [False, True, False]
     # resume with another CRF: skipped, and the log says what differs
-    r = run_cli("batch", str(manifest), "--out-dir", str(out), "--quiet", "--crf", "23")
-    assert r.returncode == 0 and "job 1/3 a (a.mp4) skipped: rendered earlier with crf 18 (now 23)" in r.stderr, r.stderr
+    r = invoke("batch", str(manifest), "--out-dir", str(out), "--quiet", "--crf", "23")  # in-process
+    assert r.exit_code == 0 and "job 1/3 a (a.mp4) skipped: rendered earlier with crf 18 (now 23)" in r.stderr, r.stderr

@@ -79,7 +79,7 @@ def test_decode_with_fused_activations_matches_torch_path_and_diffusers(device):
     vae = AudioVAE(cfg).eval()
     vae.load_state_dict(ref.state_dict(), strict=True)
     ref, vae = ref.to(device), vae.to(device)
-    z = torch.randn(2, 32, 12, generator=torch.Generator().manual_seed(1)).to(device)
+    z = torch.randn(1, 32, 5, generator=torch.Generator().manual_seed(1)).to(device)
     torch_path = vae.set_fused_activations(False).decode(z)
     fused = vae.set_fused_activations(True).decode(z)
     mean = torch.tensor(cfg.latents_mean, device=device).view(1, -1, 1)
