@@ -25,12 +25,14 @@ Stages (`--stages`, comma-separated):
   compare   1 GPU vs N GPUs: latents and frames saved by `e2e --save-latents` runs on this machine
   e2e       complete MP4 of --e2e-canvases clips (default a 10.125 s 1344x768) with --forwards DiT forwards (4 = FastH3
             length; --e2e-vsa: then again with VSA at --vsa-sparsity, random gates), all
-            components resident, for each of --precision (bf16,fp8: one engine after the other; scripts/bench_fp8.py);
-            run under torchrun for several GPUs
-  fp8-gemm, fp8-quant, fp8-dit, fp8-memory
+            components resident, for each of --precision (bf16,fp8: one engine after the other), --e2e-attention
+            to pick dense / vsa; scripts/bench_e2e.py; run under torchrun for several GPUs
+  fp8-gemm, fp8-quant, fp8-dit
             issue 18 (scripts/bench_fp8.py): the DiT's block GEMMs bf16 vs FP8, the fused FP8 producers, a DiT
-            forward and the 4-forward FastH3 chain bf16 vs FP8 (errors, memory), resident memory per component;
-            `--fp8-model tiny --fp8-device cpu --fp8-canvas 160x128x22` is the CPU smoke run
+            forward and the 4-forward FastH3 chain bf16 vs FP8 (errors, memory); `--fp8-model tiny --fp8-device cpu
+            --fp8-canvas 160x128x22` is the CPU smoke run
+  fp8-memory
+            resident memory per component and load peak, per --precision (scripts/bench_e2e.py)
   fl2va     fl2va's extra cost over t2va at --fl2va-canvas (scripts/bench_fl2va.py): vision tower + processor for 2
             keyframes, their VAE encode, the text encoder's longer presentation, one DiT forward with the +2,016
             condition rows vs without, summed for --fl2va-forwards forwards; `--fl2va-model tiny --fl2va-device
@@ -565,10 +567,10 @@ PROMPT = ("A lighthouse keeper climbs the spiral stairs at dusk, camera tracking
 
 
 def stage_e2e(args) -> None:
-    """Complete MP4s through the real Engine, per --precision (scripts/bench_fp8.py)."""
-    import bench_fp8
+    """Complete MP4s through the real Engine, per --precision (scripts/bench_e2e.py)."""
+    import bench_e2e
 
-    bench_fp8.stage_e2e(args, sys.modules[__name__])
+    bench_e2e.stage_e2e(args, sys.modules[__name__])
 
 
 def stage_fp8_gemm(args) -> None:
@@ -590,9 +592,9 @@ def stage_fp8_dit(args) -> None:
 
 
 def stage_fp8_memory(args) -> None:
-    import bench_fp8
+    import bench_e2e
 
-    bench_fp8.stage_memory(args, sys.modules[__name__])
+    bench_e2e.stage_memory(args, sys.modules[__name__])
 
 
 def _dit_step(dit, height: int, width: int, frames: int):
@@ -1085,9 +1087,11 @@ def main() -> None:
     p.add_argument("--fl2va-reps", type=int, default=3, help="fl2va stage: timed calls per measurement (median)")
     p.add_argument("--fl2va-te", type=int, default=1, help="fl2va stage: 0 skips the text encoder (≈ 50 GB)")
     p.add_argument("--out", default=None)
-    import bench_fp8  # scripts/ is sys.path[0] when run as a script
+    import bench_e2e  # scripts/ is sys.path[0] when run as a script
+    import bench_fp8
 
     bench_fp8.add_arguments(p)
+    bench_e2e.add_arguments(p)
     args = p.parse_args()
     args.vae_batches = [int(x) for x in args.vae_batches.split(",")]
     args.ulysses_chunks = [int(x) for x in args.ulysses_chunks.split(",")]

@@ -1,45 +1,30 @@
-"""The FP8 stages of scripts/bench.py (issue #18) and its e2e stage, bf16 and fp8 side by side in one process.
-
-Stages (bf16 measured in the same process, on the same weights and inputs, as the fp8 it is compared with):
+"""The FP8 stages of scripts/bench.py (issue #18); bf16 measured in the same process, on the same weights and inputs,
+as the fp8 it is compared with. Random weights at `--fp8-model`'s shapes (released by default).
 
   fp8-gemm    the DiT's four block GEMMs at S = 73,642 rows (1344x768x243 + 256 text rows; `--fp8-canvas`,
               `--fp8-text`): qkv 5376 -> 21504 (3 x 56 heads x 128), out 7168 -> 5376, fc1 5376 -> 28672 (gate and
-              value, 2 x 14336), fc2 14336 -> 5376, from `--fp8-model`'s DiTConfig. bf16 `F.linear` vs `Fp8Linear`
-              on pre-quantized `Fp8Rows` (what the fused producers hand it) vs `Fp8Linear` on the bf16 input
-              (`quantize_rows` inside, the out-projection's path), and `quantize_rows` alone; CUDA-event medians,
-              TFLOP/s, relative error against the bf16 result and against an fp32 GEMM of the same bf16 operands.
+              value, 2 x 14336), fc2 14336 -> 5376, from the DiTConfig. bf16 `F.linear` vs `Fp8Linear` on
+              pre-quantized `Fp8Rows` (what the fused producers hand it) vs `Fp8Linear` on the bf16 input
+              (`quantize_rows` inside: the out-projection's path), `quantize_rows` alone; CUDA-event medians, TFLOP/s,
+              rel. error vs the bf16 result and vs an fp32 GEMM of the same bf16 operands.
   fp8-quant   the fused producers at the same S: modulate (C = hidden) and swiglu (F = ffn) in bf16 and with
               `fp8=True`, and `quantize_rows` on the attention output [S, heads x head_dim] (7168 wide at release:
               the out-projection's input); GB/s of the bytes each one reads and writes; the fp8 outputs against
               their torch references with tests/unit/test_fp8_kernels.py's bounds.
-  fp8-dit     one DiT forward at `--fp8-canvas` with random weights, dense and VSA (`--vsa-sparsity`), then the
-              4-forward FastH3 chain (release positions, shifts 12/3; `--fp8-chain` attention): bf16 first, then the
-              same DiT quantized in place (`quantize_dit_fp8_`) and the same again in fp8; times, rel. error of the
-              video and audio outputs and of the chain's latents, resident weights and the forward's peak.
-  fp8-memory  every component built through the checkpoint loader (`assemble_components`, what `Engine.load`
-              runs) with random weights, per `--precision`: resident GB per component and the load peak.
-  e2e         complete MP4s through the real Engine for each of `--precision` (one after the other, one engine
-              at a time: a bf16 engine (97 GB) and an fp8 one do not fit one H200 together), dense, then VSA with
-              random gates (`--e2e-vsa`).
+  fp8-dit     one DiT forward at `--fp8-canvas`, dense and VSA (`--vsa-sparsity`, random gates), then the 4-forward
+              FastH3 chain (release positions, shifts 12/3; `--fp8-chain` attention): bf16 first, then the same DiT
+              quantized in place (`quantize_dit_fp8_`) and the same again in fp8; times, rel. error of the video and
+              audio outputs and of the chain's latents, resident weights and the forward's peak.
 
-Random components (`random_components`): tensors made on the target device (no host copy) with bench.random_'s
-scales, streamed through `checkpoint.load.assemble_components` with `precision=`, as `Engine.load` loads a checkpoint
-(the FP8 quantization happens in the loader, shard by shard). `Engine.load` itself takes a path or a built-in tiny
-model: a released-size random checkpoint would need 118 GB of disk or minutes of host RNG. `--e2e-checkpoint PATH`
-runs `Engine.load(PATH, ..., precision=...)` instead.
-
-CPU smoke (tests/unit/test_bench_fp8.py): `--fp8-model tiny --fp8-device cpu --fp8-canvas 160x128x22 --e2e-model tiny
---e2e-device cpu --e2e-canvases 160x128x22`.
+fp8-memory and e2e (bf16 and fp8 engines one after the other) are in scripts/bench_e2e.py. CPU smoke
+(tests/unit/test_bench_fp8.py): `--fp8-model tiny --fp8-device cpu --fp8-canvas 160x128x22 --fp8-text 6`.
 """
 
 from __future__ import annotations
 
 import gc
-import json
 import statistics
 import time
-import zlib
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -53,14 +38,6 @@ MAX_OFF_FRACTION = 1e-3
 
 def add_arguments(p) -> None:
     """This module's flags on scripts/bench.py's parser."""
-    p.add_argument("--precision", default="bf16",
-                   help="e2e / fp8-memory: comma-separated precisions (bf16, fp8), run one after the other")
-    p.add_argument("--e2e-model", default="released", choices=["released", "tiny", "small"],
-                   help="e2e: random components of this release (tiny: the CPU smoke run)")
-    p.add_argument("--e2e-device", default=None, choices=["cuda", "cpu"], help="default: cuda when available")
-    p.add_argument("--e2e-checkpoint", default=None,
-                   help="e2e: Engine.load(PATH, precision=...) instead of random components")
-    p.add_argument("--e2e-dir", default="/tmp", help="e2e: where the MP4s (noise: large) and sidecars are written")
     p.add_argument("--fp8-model", default="released", choices=["released", "tiny", "small"])
     p.add_argument("--fp8-device", default=None, choices=["cuda", "cpu"], help="default: cuda when available")
     p.add_argument("--fp8-canvas", default="1344x768x243", help="fp8 stages: WxHxFRAMES of the packed sequence")
@@ -75,16 +52,16 @@ def add_arguments(p) -> None:
 # helpers
 
 
-def _device(name: str | None) -> torch.device:
+def pick_device(name: str | None) -> torch.device:
     return torch.device(name or ("cuda" if torch.cuda.is_available() else "cpu"))
 
 
-def _canvas(text: str) -> tuple[int, int, int]:
+def parse_canvas(text: str) -> tuple[int, int, int]:
     width, height, frames = (int(v) for v in text.lower().split("x"))
     return width, height, frames
 
 
-def _sync(device: torch.device) -> None:
+def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -94,7 +71,7 @@ def time_call(fn, device: torch.device, reps: int, warm: int = 1) -> dict:
     a GPU (launch gaps and host syncs inside count), `perf_counter` on the CPU."""
     for _ in range(warm):
         fn()
-    _sync(device)
+    sync(device)
     times = []
     for _ in range(reps):
         if device.type == "cuda":
@@ -111,18 +88,18 @@ def time_call(fn, device: torch.device, reps: int, warm: int = 1) -> dict:
     return {"median_s": round(statistics.median(times), 6), "min_s": round(min(times), 6), "reps": reps}
 
 
-def _peak_reset(device: torch.device) -> None:
+def reset_peak(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
 
 
-def _peak_gb(bench, device: torch.device) -> float | None:
+def peak_gb(bench, device: torch.device) -> float | None:
     return bench.gb(torch.cuda.max_memory_allocated(device)) if device.type == "cuda" else None
 
 
-def _allocated_gb(bench, device: torch.device) -> float | None:
+def allocated_gb(bench, device: torch.device) -> float | None:
     return bench.gb(torch.cuda.memory_allocated(device)) if device.type == "cuda" else None
 
 
@@ -160,7 +137,7 @@ def fp8_agreement(got, ref) -> dict:
             "within_bound": scale_rel <= SCALE_RTOL and int(off.max()) <= 1 and frac <= MAX_OFF_FRACTION}
 
 
-def _free(device: torch.device) -> None:
+def free_memory(device: torch.device) -> None:
     if device.type == "cuda":  # a collection costs ~0.4 s with transformers imported: only where memory is tight
         gc.collect()
         torch.cuda.empty_cache()
@@ -210,10 +187,6 @@ def enable_random_vsa_(dit, sparsity: float, seed: int = 1) -> None:
     fill_random_gates_(dit, seed)
 
 
-def _gates_bytes(dit) -> int:
-    return sum(tensor_bytes(b.attn.gate_proj) for b in dit.blocks if b.attn.gate_proj is not None)
-
-
 # ---------------------------------------------------------------------------------------------------------------------
 # fp8-gemm and fp8-quant
 
@@ -222,7 +195,7 @@ def _rows_and_config(args):
     from h3render.checkpoint.releases import RELEASES
     from h3render.packing import t2va_layout
 
-    width, height, frames = _canvas(args.fp8_canvas)
+    width, height, frames = parse_canvas(args.fp8_canvas)
     cfg = RELEASES[args.fp8_model].dit
     seq = t2va_layout(args.fp8_text, height, width, frames).seq_len
     return cfg, seq, dict(model=args.fp8_model, canvas=args.fp8_canvas, rows=seq)
@@ -241,7 +214,7 @@ def stage_gemm(args, bench) -> None:
     from h3render.kernels.fp8 import quantize_rows
     from h3render.models.fp8 import Fp8Linear
 
-    device = _device(args.fp8_device)
+    device = pick_device(args.fp8_device)
     cfg, seq, row = _rows_and_config(args)
     g = torch.Generator(device=device).manual_seed(0)
     for name, k, n in gemm_shapes(cfg):
@@ -269,7 +242,7 @@ def stage_gemm(args, bench) -> None:
         bench.rec(stage="fp8-gemm", what=f"{label}: quantize_rows of the input alone", **row, ours_s=tq,
                   gb_per_s=round(x.numel() * 3 / tq / 1e9, 1))
         del x, linear, fp8, rows, exact, y16
-        _free(device)
+        free_memory(device)
 
 
 @torch.no_grad()
@@ -278,7 +251,7 @@ def stage_quant(args, bench) -> None:
     from h3render.kernels.modulate import modulate, modulate_naive
     from h3render.kernels.swiglu import swiglu, swiglu_naive
 
-    device = _device(args.fp8_device)
+    device = pick_device(args.fp8_device)
     cfg, seq, row = _rows_and_config(args)
     g = torch.Generator(device=device).manual_seed(1)
     c, ffn, inner = cfg.hidden_size, cfg.ffn_dim, cfg.num_attention_heads * cfg.attention_head_dim
@@ -309,13 +282,13 @@ def stage_quant(args, bench) -> None:
            modulate_naive(x.float(), weight.float(), shift.float(), scale.float(), index, 1e-5), 2 * x.numel(),
            x.numel())
     del x, weight, table, index
-    _free(device)
+    free_memory(device)
 
     h = torch.randn(seq, 2 * ffn, device=device, generator=g).bfloat16()
     report(f"swiglu [{seq}, {2 * ffn}] -> [{seq}, {ffn}]", lambda: swiglu(h), lambda: swiglu(h, fp8=True),
            swiglu_naive(h), swiglu_naive(h, fp8=True), swiglu_naive(h.float()), 2 * h.numel(), h.numel() // 2)
     del h
-    _free(device)
+    free_memory(device)
 
     y = torch.randn(seq, inner, device=device, generator=g).bfloat16()  # the attention output, out_proj's input
     t = time_call(lambda: quantize_rows(y), device, reps, warm=3)["median_s"]
@@ -324,7 +297,7 @@ def stage_quant(args, bench) -> None:
               gb_per_s=round((3 * y.numel() + 4 * seq) / t / 1e9, 1), rel_err=bench.rel_err(got.dequantize(), y),
               vs="bf16 input", **fp8_agreement(got, Fp8Rows(*quantize_rows_naive(y))))
     del y, got
-    _free(device)
+    free_memory(device)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -343,10 +316,10 @@ def stage_dit(args, bench) -> None:
     from h3render.models.fp8 import quantize_dit_fp8_
     from h3render.packing import patchify_video, t2va_layout
 
-    device = _device(args.fp8_device)
+    device = pick_device(args.fp8_device)
     cuda = device.type == "cuda"
     release = RELEASES[args.fp8_model]
-    width, height, frames = _canvas(args.fp8_canvas)
+    width, height, frames = parse_canvas(args.fp8_canvas)
     s = args.vsa_sparsity
     shape = f"{width}x{height}x{frames}"
     dtype = torch.bfloat16 if cuda else torch.float32  # CPU: fp32 as the CLI runs there (FP8 linears then write fp32)
@@ -365,7 +338,7 @@ def stage_dit(args, bench) -> None:
     schedule = fasth3_schedule()  # release positions (0.999, 0.749, 0.5, 0.25, 0), shifts 12 / 3
     tables = dit.modulation_tables(schedule.timesteps)
     dit.drop_adaln_weights_()  # as the Engine runs it: tables only
-    _free(device)
+    free_memory(device)
     vt, at = 1 - schedule.video[1], 1 - schedule.audio[1]  # the second step: video and audio timesteps differ
     index = layout.row_timestep_index(tables.index_of(vt), tables.index_of(at))
     rope = dit.rope_tables(layout.positions)
@@ -381,7 +354,7 @@ def stage_dit(args, bench) -> None:
     def run(precision: str, attention: str, ref=None):
         """One forward kept (also the warm-up: Triton JIT, the VSA tile plan), then `--fp8-reps` timed ones."""
         dit.vsa_sparsity = s if attention == "vsa" else None  # the gates, once made, stay; dense ignores them
-        _peak_reset(device)
+        reset_peak(device)
         out = forward()
         t = time_call(forward, device, args.fp8_reps, warm=0)["median_s"]
         extra = {} if attention == "vsa" else {"tflops": round((att + lin) / t / 1e12, 1)}
@@ -389,15 +362,15 @@ def stage_dit(args, bench) -> None:
             extra.update(ref_s=ref[2], speedup=round(ref[2] / t, 3), rel_err_video=bench.rel_err(out[0], ref[0]),
                          rel_err_audio=bench.rel_err(out[1], ref[1]), vs="bf16, same weights and inputs")
         bench.rec(**row, what=f"DiT forward {shape} {precision} {attention}", precision=precision, ours_s=t,
-                  peak_gb=_peak_gb(bench, device), **extra)
+                  peak_gb=peak_gb(bench, device), **extra)
         return out[0], out[1], t
 
     def chain(precision: str, ref=None):
         dit.vsa_sparsity = s if args.fp8_chain == "vsa" else None
-        _sync(device)
+        sync(device)
         t0 = time.perf_counter()
         video, audio = sampling.denoise(model_fn, video_rows, audio_rows, schedule.video, schedule.audio)
-        _sync(device)
+        sync(device)
         t = round(time.perf_counter() - t0, 4)
         extra = {} if ref is None else dict(ref_s=ref[2], speedup=round(ref[2] / t, 3), vs="bf16 chain latents",
                                             rel_err_video=bench.rel_err(video, ref[0]),
@@ -412,194 +385,22 @@ def stage_dit(args, bench) -> None:
     vsa16 = run("bf16", "vsa")
     chain16 = chain("bf16")
     w16_gates = tensor_bytes(dit, device)
-    before = _allocated_gb(bench, device)
+    before = allocated_gb(bench, device)
     t0 = time.perf_counter()
     replaced = quantize_dit_fp8_(dit)
-    _sync(device)
+    sync(device)
     quant_s = time.perf_counter() - t0
-    _free(device)
-    w8_gates, gates8 = tensor_bytes(dit, device), _gates_bytes(dit)
+    free_memory(device)
+    w8_gates, gates8 = tensor_bytes(dit, device), sum(tensor_bytes(b.attn.gate_proj) for b in dit.blocks)
     bench.rec(**row, what="DiT resident weights bf16 vs fp8 (AdaLN dropped)", gb=bench.gb(w8_gates - gates8),
               bf16_gb=bench.gb(w16), fp8_gb=bench.gb(w8_gates - gates8), bf16_with_gates_gb=bench.gb(w16_gates),
               fp8_with_gates_gb=bench.gb(w8_gates), bytes={"bf16": w16, "fp8": w8_gates - gates8,
                                                           "bf16_with_gates": w16_gates, "fp8_with_gates": w8_gates},
               allocated_before_quantize_gb=before,
-              allocated_after_quantize_gb=_allocated_gb(bench, device), fp8_linears=replaced,
+              allocated_after_quantize_gb=allocated_gb(bench, device), fp8_linears=replaced,
               quantize_s=round(quant_s, 3))
     run("fp8", "dense", dense16)
     run("fp8", "vsa", vsa16)
     chain("fp8", chain16)
     del dit, tables, model_fn, dense16, vsa16, chain16
-    _free(device)
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# random components through the loader, fp8-memory, e2e
-
-
-def _random_tensor(name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, seed: int):
-    """bench.random_'s scales (norm gains 1 + N(0, 0.01), other vectors N(0, 4e-4), matrices N(0, 0.25 / fan_in))
-    from a generator on `device` seeded by (seed, name), rounded to the release storage dtype."""
-    gen = torch.Generator(device=device).manual_seed(zlib.crc32(f"{seed}/{name}".encode()))
-    x = torch.randn(shape, device=device, generator=gen)
-    if len(shape) <= 1:
-        x = 1.0 + 0.1 * x if "norm" in name else 0.02 * x
-    else:
-        x = x * (0.5 / (x[0].numel() ** 0.5))
-    return x.to(dtype)
-
-
-def random_components(name: str, device: torch.device, dtype: torch.dtype, precision: str, seed: int = 0):
-    """All four components of release `name` with random weights made on `device`, loaded by
-    `checkpoint.load.assemble_components` (the function `Engine.load` reaches) with `precision`."""
-    from h3render.checkpoint.layouts import CheckpointInfo
-    from h3render.checkpoint.load import assemble_components
-    from h3render.checkpoint.releases import RELEASES
-    from h3render.checkpoint.stream import Entry, parameters_on_meta
-    from h3render.make_checkpoint.random_model import STORAGE_DTYPES
-    from h3render.models.audio_vae import AudioVAE
-    from h3render.models.dit import DiT
-    from h3render.models.text_encoder import TextEncoder, tiny_vl_tokenizer
-    from h3render.models.video_vae import VideoVAE
-
-    release = RELEASES[name]
-    makers = {"dit": lambda: DiT(release.dit), "video_vae": lambda: VideoVAE(release.video_vae),
-              "audio_vae": lambda: AudioVAE(release.audio_vae),
-              "text_encoder": lambda: TextEncoder(release.text_config, release.text_read_layer)}
-
-    def source(part: str):
-        with parameters_on_meta():
-            template = makers[part]()  # module names = the loader's names (text: the read layers only)
-        where, storage = f"<random {name} {part} on {device.type}>", STORAGE_DTYPES[part]
-        for key, t in template.state_dict().items():
-            if t.is_meta:
-                def load(key=key, shape=tuple(t.shape), d=storage(key)):
-                    return _random_tensor(f"{part}.{key}", shape, d, device, seed)
-            else:
-                def load(t=t, d=storage(key)):
-                    return t.to(device, d)
-            yield Entry(where, key, load)
-
-    info = CheckpointInfo(path=f"random-{name}", layout="builtin", release=release)
-    return assemble_components(info, source, lambda part: f"<random {name} {part}>", lambda: tiny_vl_tokenizer(512),
-                               device, dtype, precision=precision)
-
-
-def component_bytes(components, device: torch.device) -> dict:
-    """Resident bytes per component on `device` (AdaLN projections on the host not counted)."""
-    return {part: tensor_bytes(getattr(components, part), device)
-            for part in ("text_encoder", "dit", "video_vae", "audio_vae") if getattr(components, part) is not None}
-
-
-def _memory_fields(bench, components, device: torch.device) -> dict:
-    sizes = component_bytes(components, device)
-    return {"components_gb": {k: bench.gb(v) for k, v in sizes.items()}, "components_bytes": sizes,
-            "components_total_gb": bench.gb(sum(sizes.values()))}
-
-
-def _precisions(args) -> list[str]:
-    from h3render.checkpoint.load import check_precision
-
-    return [check_precision(p.strip()) for p in args.precision.split(",") if p.strip()]
-
-
-def _build(args, bench, ctx, precision: str, stage: str):
-    """An Engine of `precision` (random components, or `--e2e-checkpoint` through `Engine.load`), with its load
-    time and peak recorded."""
-    from h3render.engine import Engine, EngineSettings
-
-    device = ctx.device
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32  # as the CLI: fp32 on CPU
-    settings = EngineSettings(vae_batch=args.vae_batches[-1], attention=args.attention, progress=False,
-                              save_latents=getattr(args, "save_latents", False))
-    _peak_reset(device)
-    t0 = time.perf_counter()
-    if args.e2e_checkpoint:
-        engine = Engine.load(args.e2e_checkpoint, ctx, dtype, settings, precision=precision)
-    else:
-        components = random_components(args.e2e_model, device, dtype, precision)
-        _sync(device)
-        engine = Engine(components, ctx, settings, load_seconds=time.perf_counter() - t0)
-    from h3render.models.fp8 import precision_report
-
-    bench.rec(stage=stage, what=f"{precision}: components loaded", precision=precision,
-              source=args.e2e_checkpoint or f"random {args.e2e_model} ({device.type})",
-              seconds=round(time.perf_counter() - t0, 1), load_peak_gb=_peak_gb(bench, device),
-              gb=_allocated_gb(bench, device), **_memory_fields(bench, engine.c, device),
-              report=precision_report(engine.c))
-    return engine
-
-
-def _teardown(bench, device: torch.device, stage: str, precision: str) -> None:
-    """After the caller dropped its engine: free it so the next precision's fits (its modules, the compiled VAE
-    blocks, the audio decode's CUDA graphs) and record what is left allocated."""
-    gc.collect()
-    torch._dynamo.reset()  # compiled VAE blocks hold guards on the old modules
-    _free(device)
-    bench.rec(stage=stage, what=f"{precision}: engine freed", precision=precision,
-              gb=_allocated_gb(bench, device))
-
-
-@torch.no_grad()
-def stage_memory(args, bench) -> None:
-    """Per `--precision`: load all components (random, through the loader) and report what stays resident."""
-    from h3render.parallel.groups import init_parallel
-
-    ctx = init_parallel(args.e2e_device)
-    for precision in _precisions(args):
-        engine = _build(args, bench, ctx, precision, "fp8-memory")
-        del engine
-        _teardown(bench, ctx.device, "fp8-memory", precision)
-
-
-@torch.no_grad()
-def stage_e2e(args, bench) -> None:
-    """Complete MP4s through the real Engine, per `--precision` one engine at a time: for each canvas of
-    --e2e-canvases dense attention and, with --e2e-vsa, VSA at --vsa-sparsity with random gates (a FastH3 VSA
-    student's attention; same engine, gates added after the dense jobs)."""
-    from h3render.jobs import Job
-    from h3render.parallel.groups import init_parallel
-
-    ctx = init_parallel(args.e2e_device)
-    device = ctx.device
-    canvases = [_canvas(c) for c in args.e2e_canvases.split(",")]
-    jobs = [Job(id="bench", prompt=bench.PROMPT, width=w, height=h, frames=f, seed=0, steps=args.forwards + 1,
-                mode="t2va", output="bench") for w, h, f in canvases]
-    for precision in _precisions(args):
-        engine = _build(args, bench, ctx, precision, "e2e")
-        engine.prepare(jobs)
-        bench.rec(stage="e2e", what=f"{precision}: warm-up (outside job timings)", precision=precision,
-                  warmup=engine.warmup)
-        bench.rec(stage="e2e", what=f"{precision}: resident after AdaLN offload", precision=precision,
-                  gb=_allocated_gb(bench, device), world=ctx.world_size,
-                  **_memory_fields(bench, engine.c, device))
-        # random weights encode as noise: too big to bring back; the bf16 name is the one `compare` reads
-        stem = "e2e" if precision == "bf16" else f"e2e-{precision}"
-        out = Path(args.e2e_dir) / f"{stem}-w{ctx.world_size}.mp4"
-        out.parent.mkdir(parents=True, exist_ok=True)
-        for attention in ["dense"] + (["vsa"] if args.e2e_vsa else []):
-            if attention == "vsa":
-                enable_random_vsa_(engine.c.dit, args.vsa_sparsity, seed=1)
-                for job in jobs:  # the first VSA forward at a shape builds its tile plan (host syncs): untimed
-                    engine.render(job, out, out.with_suffix(".json"))
-            for job in jobs:
-                for rep in range(args.e2e_reps):
-                    _peak_reset(device)
-                    t0 = time.perf_counter()
-                    engine.render(job, out, out.with_suffix(".json"))
-                    wall = time.perf_counter() - t0
-                    if not ctx.is_main:
-                        continue
-                    side = json.loads(out.with_suffix(".json").read_text())
-                    timings = side["timings"]
-                    stages = {k: round(v["seconds"], 3) for k, v in timings["stages"].items()}
-                    bench.rec(stage="e2e", what=f"complete MP4 {job.width}x{job.height}x{job.frames}, {args.forwards} "
-                                                f"forwards, {precision}, {attention}, {ctx.world_size} "
-                                                f"{'GPU' if device.type == 'cuda' else 'CPU'}(s), rep {rep}",
-                              precision=precision, attention=attention, wall_s=round(wall, 2), stages=stages,
-                              denoise_steps=[round(x, 3) for x in timings["stages"]["denoise"]["steps"]],
-                              peak_gb=_peak_gb(bench, device), stage_peak_gb={
-                                  k: bench.gb(v) for k, v in (timings.get("stage_peak_memory_bytes") or {}).items()},
-                              mp4_bytes=out.stat().st_size)
-        del engine
-        _teardown(bench, device, "e2e", precision)
+    free_memory(device)

@@ -1,5 +1,5 @@
-"""CPU smoke run of scripts/bench.py's FP8 stages (fp8-gemm, fp8-quant, fp8-dit, fp8-memory) and of its e2e stage
-with `--precision bf16,fp8` (scripts/bench_fp8.py): one in-process `bench.main()` through the CLI flags the device
+"""CPU smoke run of scripts/bench.py's FP8 stages (fp8-gemm, fp8-quant, fp8-dit: scripts/bench_fp8.py) and of
+fp8-memory and e2e with `--precision bf16,fp8` (scripts/bench_e2e.py): one in-process `bench.main()` through the CLI flags the device
 calls use, at the tiny model's shapes, so the functions the GPU runs are the ones that ran here. Every timed row must
 be finite, every error below a loose bound and, for an FP8 variant, above zero (the FP8 path really ran); plus the
 random-gate fill of an FP8 DiT (bench.py's old `gate_proj.weight.copy_` wrote raw values into an e4m3 buffer).
