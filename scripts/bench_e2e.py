@@ -189,6 +189,8 @@ def stage_e2e(args, bench) -> None:
                 enable_random_vsa_(engine.c.dit, args.vsa_sparsity, seed=1)
                 for job in jobs:  # the first VSA forward at a shape builds its tile plan (host syncs): untimed
                     _warm_forward(engine, job)
+            else:
+                engine.c.dit.vsa_sparsity = None  # dense (gates, if made earlier, stay unused)
             for job in jobs:
                 for rep in range(args.e2e_reps):
                     reset_peak(device)
