@@ -24,7 +24,8 @@ from pathlib import Path
 
 import torch
 
-from bench_fp8 import allocated_gb, parse_canvas, free_memory, peak_gb, reset_peak, sync, enable_random_vsa_, tensor_bytes
+from bench_fp8 import (allocated_gb, enable_random_vsa_, free_memory, parse_canvas, peak_gb, reset_peak, sync,
+                       tensor_bytes)
 
 
 def add_arguments(p) -> None:

@@ -1,8 +1,9 @@
 """CPU smoke run of scripts/bench.py's FP8 stages (fp8-gemm, fp8-quant, fp8-dit: scripts/bench_fp8.py) and of
-fp8-memory and e2e with `--precision bf16,fp8` (scripts/bench_e2e.py): one in-process `bench.main()` through the CLI flags the device
-calls use, at the tiny model's shapes, so the functions the GPU runs are the ones that ran here. Every timed row must
-be finite, every error below a loose bound and, for an FP8 variant, above zero (the FP8 path really ran); plus the
-random-gate fill of an FP8 DiT (bench.py's old `gate_proj.weight.copy_` wrote raw values into an e4m3 buffer).
+fp8-memory and e2e with `--precision bf16,fp8` (scripts/bench_e2e.py): one in-process `bench.main()` through the CLI
+flags the device calls use, at the tiny model's shapes, so the functions the GPU runs are the ones that ran here.
+Every timed row must be finite, every error below a loose bound and, for an FP8 variant, above zero (the FP8 path
+really ran); plus the random-gate fill of an FP8 DiT (bench.py's old `gate_proj.weight.copy_` would write raw values
+into an e4m3 buffer).
 """
 
 from __future__ import annotations
@@ -112,7 +113,7 @@ def test_fp8_dit_rows(rows):
     assert len(forwards) == 4 and len(chains) == 2
     assert all(_finite_time(r["ours_s"]) for r in forwards + chains)
     for r in forwards + chains:
-        if r["precision"] == "fp8":  # measured 1.6e-3 .. 2.4e-3 on these random weights
+        if r["precision"] == "fp8":  # measured 4.4e-4 (dense), 1.0e-3 (VSA), 2.8e-4 (chain); 0 if FP8 never ran
             assert 1e-5 < r["rel_err_video"] <= 0.05 and 1e-5 < r["rel_err_audio"] <= 0.05, r
     assert chains[0]["forwards"] == 4
     mem = by["DiT resident weights bf16 vs fp8 (AdaLN dropped)"]
