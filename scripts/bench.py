@@ -25,7 +25,14 @@ Stages (`--stages`, comma-separated):
   compare   1 GPU vs N GPUs: latents and frames saved by `e2e --save-latents` runs on this machine
   e2e       complete MP4 of --e2e-canvases clips (default a 10.125 s 1344x768) with --forwards DiT forwards (4 = FastH3
             length; --e2e-vsa: then again with VSA at --vsa-sparsity, random gates), all
-            components resident; run under torchrun for several GPUs
+            components resident, for each of --precision (bf16,fp8: one engine after the other), --e2e-attention
+            to pick dense / vsa; scripts/bench_e2e.py; run under torchrun for several GPUs
+  fp8-gemm, fp8-quant, fp8-dit
+            issue 18 (scripts/bench_fp8.py): the DiT's block GEMMs bf16 vs FP8, the fused FP8 producers, a DiT
+            forward and the 4-forward FastH3 chain bf16 vs FP8 (errors, memory); `--fp8-model tiny --fp8-device cpu
+            --fp8-canvas 160x128x22` is the CPU smoke run
+  fp8-memory
+            resident memory per component and load peak, per --precision (scripts/bench_e2e.py)
   fl2va     fl2va's extra cost over t2va at --fl2va-canvas (scripts/bench_fl2va.py): vision tower + processor for 2
             keyframes, their VAE encode, the text encoder's longer presentation, one DiT forward with the +2,016
             condition rows vs without, summed for --fl2va-forwards forwards; `--fl2va-model tiny --fl2va-device
@@ -559,47 +566,35 @@ PROMPT = ("A lighthouse keeper climbs the spiral stairs at dusk, camera tracking
           "iron steps. [Speaker 1]: \"Storm's coming.\"")
 
 
-@torch.no_grad()
 def stage_e2e(args) -> None:
-    """A complete MP4 through the real Engine: random real-size components, all resident. For each canvas of
-    --e2e-canvases, dense attention and, with --e2e-vsa, VSA at --vsa-sparsity with random gates (a FastH3 VSA
-    student's attention; same engine, the gates added after the dense jobs)."""
-    from h3render.jobs import Job
-    from h3render.parallel.groups import init_parallel
+    """Complete MP4s through the real Engine, per --precision (scripts/bench_e2e.py)."""
+    import bench_e2e
 
-    ctx = init_parallel("cuda")
-    engine = released_engine(args, ctx)
-    canvases = [tuple(int(x) for x in c.lower().split("x")) for c in args.e2e_canvases.split(",")]
-    jobs = [Job(id="bench", prompt=PROMPT, width=w, height=h, frames=f, seed=0, steps=args.forwards + 1,
-                mode="t2va", output="bench") for w, h, f in canvases]
-    engine.prepare(jobs)
-    rec(stage="e2e", what="warm-up (outside job timings)", warmup=engine.warmup)
-    rec(stage="e2e", what="resident after AdaLN offload", gb=gb(torch.cuda.memory_allocated()), world=ctx.world_size)
-    out = Path("/tmp") / f"e2e-w{ctx.world_size}.mp4"  # random weights encode as noise: too big to bring back
-    for attention in ["dense"] + (["vsa"] if args.e2e_vsa else []):
-        if attention == "vsa":
-            dit = engine.c.dit
-            dit.enable_vsa(args.vsa_sparsity)
-            gen = torch.Generator(device="cuda").manual_seed(1)
-            for block in dit.blocks:
-                w = block.attn.gate_proj.weight
-                w.copy_(torch.randn(w.shape, device="cuda", generator=gen) * (0.5 / w.shape[1] ** 0.5))
-            for job in jobs:  # the first VSA forward at a shape builds its tile plan (host syncs): outside timings
-                engine.render(job, out, out.with_suffix(".json"))
-        for job in jobs:
-            for rep in range(args.e2e_reps):
-                peak_reset()
-                t0 = time.perf_counter()
-                engine.render(job, out, out.with_suffix(".json"))
-                wall = time.perf_counter() - t0
-                if not ctx.is_main:
-                    continue
-                sidecar = json.loads(out.with_suffix(".json").read_text())
-                stages = {k: round(v["seconds"], 3) for k, v in sidecar["timings"]["stages"].items()}
-                rec(stage="e2e", what=f"complete MP4 {job.width}x{job.height}x{job.frames}, {args.forwards} forwards, "
-                                      f"{attention}, {ctx.world_size} GPU(s), rep {rep}", wall_s=round(wall, 2),
-                    stages=stages, denoise_steps=[round(s, 3) for s in sidecar["timings"]["stages"]["denoise"]["steps"]],
-                    peak_gb=peak_gb(), mp4_bytes=out.stat().st_size)
+    bench_e2e.stage_e2e(args, sys.modules[__name__])
+
+
+def stage_fp8_gemm(args) -> None:
+    import bench_fp8
+
+    bench_fp8.stage_gemm(args, sys.modules[__name__])
+
+
+def stage_fp8_quant(args) -> None:
+    import bench_fp8
+
+    bench_fp8.stage_quant(args, sys.modules[__name__])
+
+
+def stage_fp8_dit(args) -> None:
+    import bench_fp8
+
+    bench_fp8.stage_dit(args, sys.modules[__name__])
+
+
+def stage_fp8_memory(args) -> None:
+    import bench_e2e
+
+    bench_e2e.stage_memory(args, sys.modules[__name__])
 
 
 def _dit_step(dit, height: int, width: int, frames: int):
@@ -710,11 +705,9 @@ def stage_vsa(args) -> None:
     t_dense = cuda_time(lambda: dit(*step), reps=2)
     rec(stage="vsa", what=f"DiT forward 1344x768x243 dense ({backend})", ours_s=round(t_dense, 3), peak_gb=peak_gb())
     dense_v = dit(*step)[0]
-    dit.enable_vsa(s)
-    gen = torch.Generator(device="cuda").manual_seed(1)
-    for block in dit.blocks:
-        w = block.attn.gate_proj.weight
-        w.copy_(torch.randn(w.shape, device="cuda", generator=gen) * (0.5 / w.shape[1] ** 0.5))
+    import bench_fp8
+
+    bench_fp8.enable_random_vsa_(dit, s, seed=1)  # bf16 or FP8 gates (an FP8 gate is an e4m3 buffer + scales)
     peak_reset()
     t_vsa = cuda_time(lambda: dit(*step), reps=2)
     rec(stage="vsa", what=f"DiT forward 1344x768x243 VSA s={s} (Triton fine)", ours_s=round(t_vsa, 3),
@@ -1094,6 +1087,11 @@ def main() -> None:
     p.add_argument("--fl2va-reps", type=int, default=3, help="fl2va stage: timed calls per measurement (median)")
     p.add_argument("--fl2va-te", type=int, default=1, help="fl2va stage: 0 skips the text encoder (≈ 50 GB)")
     p.add_argument("--out", default=None)
+    import bench_e2e  # scripts/ is sys.path[0] when run as a script
+    import bench_fp8
+
+    bench_fp8.add_arguments(p)
+    bench_e2e.add_arguments(p)
     args = p.parse_args()
     args.vae_batches = [int(x) for x in args.vae_batches.split(",")]
     args.ulysses_chunks = [int(x) for x in args.ulysses_chunks.split(",")]
@@ -1107,7 +1105,7 @@ def main() -> None:
     for name in args.stages.split(","):
         t0 = time.perf_counter()
         try:
-            globals()[f"stage_{name}"](args)
+            globals()[f"stage_{name.replace('-', '_')}"](args)
         except Exception as exc:  # keep the other stages' numbers
             import traceback
 

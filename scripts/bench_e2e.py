@@ -1,0 +1,232 @@
+"""The e2e and fp8-memory stages of scripts/bench.py: the real Engine per `--precision` (bf16, fp8; issue #18).
+
+  fp8-memory  every component loaded with random weights, per `--precision`: resident GB per component, load peak.
+  e2e         complete MP4s of `--e2e-canvases` for each of `--precision`, one engine at a time (a bf16 engine,
+              97 GB, and an fp8 one do not fit one H200 together; the first is freed before the second loads):
+              `--e2e-attention` (default dense, then VSA with random gates when `--e2e-vsa`), all components
+              resident; run under torchrun for several GPUs.
+
+Random components (`random_components`): tensors made on the target device (no host copy) with bench.random_'s
+scales, streamed through `checkpoint.load.assemble_components` with `precision=`, which is how `Engine.load` loads a
+checkpoint (the FP8 quantization happens in the loader, part by part). `Engine.load` itself takes a path or a built-in
+tiny model: a released-size random checkpoint would need 118 GB of disk or minutes of host RNG. `--e2e-checkpoint
+PATH` runs `Engine.load(PATH, ..., precision=...)` instead. CPU smoke (tests/unit/test_bench_fp8.py): `--e2e-model
+tiny --e2e-device cpu --e2e-canvases 160x128x22`.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import time
+import zlib
+from pathlib import Path
+
+import torch
+
+from bench_fp8 import (allocated_gb, enable_random_vsa_, free_memory, parse_canvas, peak_gb, reset_peak, sync,
+                       tensor_bytes)
+
+
+def add_arguments(p) -> None:
+    """This module's flags on scripts/bench.py's parser."""
+    p.add_argument("--precision", default="bf16",
+                   help="e2e / fp8-memory: comma-separated precisions (bf16, fp8), run one after the other")
+    p.add_argument("--e2e-model", default="released", choices=["released", "tiny", "small"],
+                   help="e2e / fp8-memory: random components of this release (tiny: the CPU smoke run)")
+    p.add_argument("--e2e-device", default=None, choices=["cuda", "cpu"], help="default: cuda when available")
+    p.add_argument("--e2e-checkpoint", default=None,
+                   help="e2e / fp8-memory: Engine.load(PATH, precision=...) instead of random components")
+    p.add_argument("--e2e-attention", default=None,
+                   help="e2e: comma-separated dense,vsa (default: dense, then vsa with --e2e-vsa)")
+    p.add_argument("--e2e-dir", default="/tmp", help="e2e: where the MP4s (noise: large) and sidecars are written")
+
+
+def _random_tensor(name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, seed: int):
+    """bench.random_'s scales (norm gains 1 + N(0, 0.01), other vectors N(0, 4e-4), matrices N(0, 0.25 / fan_in))
+    from a generator on `device` seeded by (seed, name), rounded to the release storage dtype."""
+    gen = torch.Generator(device=device).manual_seed(zlib.crc32(f"{seed}/{name}".encode()))
+    x = torch.randn(shape, device=device, generator=gen)
+    if len(shape) <= 1:
+        x = 1.0 + 0.1 * x if "norm" in name else 0.02 * x
+    else:
+        x = x * (0.5 / (x[0].numel() ** 0.5))
+    return x.to(dtype)
+
+
+def random_components(name: str, device: torch.device, dtype: torch.dtype, precision: str, seed: int = 0):
+    """All four components of release `name` with random weights made on `device`, loaded by
+    `checkpoint.load.assemble_components` (the function `Engine.load` reaches) with `precision`."""
+    from h3render.checkpoint.layouts import CheckpointInfo
+    from h3render.checkpoint.load import assemble_components
+    from h3render.checkpoint.releases import RELEASES
+    from h3render.checkpoint.stream import Entry, parameters_on_meta
+    from h3render.make_checkpoint.random_model import STORAGE_DTYPES
+    from h3render.models.audio_vae import AudioVAE
+    from h3render.models.dit import DiT
+    from h3render.models.text_encoder import TextEncoder, tiny_vl_tokenizer
+    from h3render.models.video_vae import VideoVAE
+
+    release = RELEASES[name]
+    makers = {"dit": lambda: DiT(release.dit), "video_vae": lambda: VideoVAE(release.video_vae),
+              "audio_vae": lambda: AudioVAE(release.audio_vae),
+              "text_encoder": lambda: TextEncoder(release.text_config, release.text_read_layer)}
+
+    def source(part: str):
+        with parameters_on_meta():
+            template = makers[part]()  # module names = the loader's names (text: the read layers only)
+        where, storage = f"<random {name} {part} on {device.type}>", STORAGE_DTYPES[part]
+        for key, t in template.state_dict().items():
+            if t.is_meta:
+                def load(key=key, shape=tuple(t.shape), d=storage(key)):
+                    return _random_tensor(f"{part}.{key}", shape, d, device, seed)
+            else:
+                def load(t=t, d=storage(key)):
+                    return t.to(device, d)
+            yield Entry(where, key, load)
+
+    info = CheckpointInfo(path=f"random-{name}", layout="builtin", release=release)
+    return assemble_components(info, source, lambda part: f"<random {name} {part}>", lambda: tiny_vl_tokenizer(512),
+                               device, dtype, precision=precision)
+
+
+def component_bytes(components, device: torch.device) -> dict:
+    """Resident bytes per component on `device` (AdaLN projections on the host not counted)."""
+    return {part: tensor_bytes(getattr(components, part), device)
+            for part in ("text_encoder", "dit", "video_vae", "audio_vae") if getattr(components, part) is not None}
+
+
+def _memory_fields(bench, components, device: torch.device) -> dict:
+    sizes = component_bytes(components, device)
+    return {"components_gb": {k: bench.gb(v) for k, v in sizes.items()}, "components_bytes": sizes,
+            "components_total_gb": bench.gb(sum(sizes.values()))}
+
+
+def _precisions(args) -> list[str]:
+    from h3render.checkpoint.load import check_precision
+
+    return [check_precision(p.strip()) for p in args.precision.split(",") if p.strip()]
+
+
+def _build(args, bench, ctx, precision: str, stage: str):
+    """An Engine of `precision` (random components, or `--e2e-checkpoint` through `Engine.load`), with its load
+    time and peak recorded."""
+    from h3render.engine import Engine, EngineSettings
+
+    device = ctx.device
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32  # as the CLI: fp32 on CPU
+    settings = EngineSettings(vae_batch=args.vae_batches[-1], attention=args.attention, progress=False,
+                              save_latents=getattr(args, "save_latents", False))
+    reset_peak(device)
+    t0 = time.perf_counter()
+    if args.e2e_checkpoint:
+        engine = Engine.load(args.e2e_checkpoint, ctx, dtype, settings, precision=precision)
+    else:
+        components = random_components(args.e2e_model, device, dtype, precision)
+        sync(device)
+        engine = Engine(components, ctx, settings, load_seconds=time.perf_counter() - t0)
+    from h3render.models.fp8 import precision_report
+
+    bench.rec(stage=stage, what=f"{precision}: components loaded", precision=precision,
+              source=args.e2e_checkpoint or f"random {args.e2e_model} ({device.type})",
+              seconds=round(time.perf_counter() - t0, 1), load_peak_gb=peak_gb(bench, device),
+              gb=allocated_gb(bench, device), **_memory_fields(bench, engine.c, device),
+              report=precision_report(engine.c))
+    return engine
+
+
+def _teardown(bench, device: torch.device, stage: str, precision: str) -> None:
+    """After the caller dropped its engine: free it so the next precision's fits (its modules, the compiled VAE
+    blocks, the audio decode's CUDA graphs) and record what is left allocated."""
+    gc.collect()
+    torch._dynamo.reset()  # compiled VAE blocks hold guards on the old modules
+    free_memory(device)
+    bench.rec(stage=stage, what=f"{precision}: engine freed", precision=precision,
+              gb=allocated_gb(bench, device))
+
+
+@torch.no_grad()
+def stage_memory(args, bench) -> None:
+    """Per `--precision`: load all components (random, through the loader) and report what stays resident."""
+    from h3render.parallel.groups import init_parallel
+
+    ctx = init_parallel(args.e2e_device)
+    for precision in _precisions(args):
+        engine = _build(args, bench, ctx, precision, "fp8-memory")
+        del engine
+        _teardown(bench, ctx.device, "fp8-memory", precision)
+
+
+@torch.no_grad()
+def stage_e2e(args, bench) -> None:
+    """Complete MP4s through the real Engine, per `--precision` one engine at a time: for each canvas of
+    --e2e-canvases dense attention and, with --e2e-vsa, VSA at --vsa-sparsity with random gates (a FastH3 VSA
+    student's attention; same engine, gates added after the dense jobs)."""
+    from h3render.jobs import Job
+    from h3render.parallel.groups import init_parallel
+
+    ctx = init_parallel(args.e2e_device)
+    device = ctx.device
+    canvases = [parse_canvas(c) for c in args.e2e_canvases.split(",")]
+    attentions = (args.e2e_attention or "dense" + (",vsa" if args.e2e_vsa else "")).split(",")
+    if set(attentions) - {"dense", "vsa"}:
+        raise ValueError(f"--e2e-attention: expected dense and/or vsa, got {args.e2e_attention!r}")
+    jobs = [Job(id="bench", prompt=bench.PROMPT, width=w, height=h, frames=f, seed=0, steps=args.forwards + 1,
+                mode="t2va", output="bench") for w, h, f in canvases]
+    for precision in _precisions(args):
+        engine = _build(args, bench, ctx, precision, "e2e")
+        engine.prepare(jobs)
+        bench.rec(stage="e2e", what=f"{precision}: warm-up (outside job timings)", precision=precision,
+                  warmup=engine.warmup)
+        bench.rec(stage="e2e", what=f"{precision}: resident after AdaLN offload", precision=precision,
+                  gb=allocated_gb(bench, device), world=ctx.world_size,
+                  **_memory_fields(bench, engine.c, device))
+        # random weights encode as noise: too big to bring back; the bf16 name is the one `compare` reads
+        stem = "e2e" if precision == "bf16" else f"e2e-{precision}"
+        out = Path(args.e2e_dir) / f"{stem}-w{ctx.world_size}.mp4"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        for attention in attentions:
+            if attention == "vsa":
+                enable_random_vsa_(engine.c.dit, args.vsa_sparsity, seed=1)
+                for job in jobs:  # the first VSA forward at a shape builds its tile plan (host syncs): untimed
+                    _warm_forward(engine, job)
+            else:
+                engine.c.dit.vsa_sparsity = None  # dense (gates, if made earlier, stay unused)
+            for job in jobs:
+                for rep in range(args.e2e_reps):
+                    reset_peak(device)
+                    t0 = time.perf_counter()
+                    engine.render(job, out, out.with_suffix(".json"))
+                    wall = time.perf_counter() - t0
+                    if not ctx.is_main:
+                        continue
+                    side = json.loads(out.with_suffix(".json").read_text())
+                    timings = side["timings"]
+                    stages = {k: round(v["seconds"], 3) for k, v in timings["stages"].items()}
+                    bench.rec(stage="e2e", what=f"complete MP4 {job.width}x{job.height}x{job.frames}, {args.forwards} "
+                                                f"forwards, {precision}, {attention}, {ctx.world_size} "
+                                                f"{'GPU' if device.type == 'cuda' else 'CPU'}(s), rep {rep}",
+                              precision=precision, attention=attention, wall_s=round(wall, 2), stages=stages,
+                              denoise_steps=[round(x, 3) for x in timings["stages"]["denoise"]["steps"]],
+                              peak_gb=peak_gb(bench, device), stage_peak_gb={
+                                  k: bench.gb(v) for k, v in (timings.get("stage_peak_memory_bytes") or {}).items()},
+                              mp4_bytes=out.stat().st_size)
+        del engine
+        _teardown(bench, device, "e2e", precision)
+
+
+def _warm_forward(engine, job) -> None:
+    """One DiT forward of `job`'s own layout, as `render` builds it (encoded prompt length, canvas, frames): its
+    first-call costs (the VSA tile plan, Triton specializations of the row count) stay out of the timed render."""
+    from h3render.packing import t2va_layout
+
+    device = engine.device
+    text = engine.c.text_encoder.encode(job.prompt).to(device)  # [Nt, text_dim]
+    layout = t2va_layout(text.shape[0], job.height, job.width, job.frames).to(device)
+    tables = engine.tables(engine.schedule(job))
+    dit = engine.c.dit
+    video = torch.zeros(layout.video_index.numel(), dit.cfg.video_patch_dim, device=device)
+    audio = torch.zeros(layout.audio_index.numel(), dit.cfg.audio_in_channels, device=device)
+    t = tables.timesteps[0]
+    engine.model_fn(text, layout, tables)(video, audio, t, t)
+    sync(device)

@@ -1,0 +1,152 @@
+"""CPU smoke run of scripts/bench.py's FP8 stages (fp8-gemm, fp8-quant, fp8-dit: scripts/bench_fp8.py) and of
+fp8-memory and e2e with `--precision bf16,fp8` (scripts/bench_e2e.py): one in-process `bench.main()` through the CLI
+flags the device calls use, at the tiny model's shapes, so the functions the GPU runs are the ones that ran here.
+Every timed row must be finite, every error below a loose bound and, for an FP8 variant, above zero (the FP8 path
+really ran); plus the random-gate fill of an FP8 DiT (bench.py's old `gate_proj.weight.copy_` would write raw values
+into an e4m3 buffer).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from h3render.models.dit import DIT_TINY
+from h3render.models.fp8 import Fp8Linear, quantize_dit_fp8_
+from tests._diffusers_ref import random_dit, rel_err
+
+SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
+CANVAS = "160x128x22"  # 4 video tiles of 4x4x4 with 6 text + 74 audio rows: VSA has tiles to drop at 0.75
+
+
+@pytest.fixture(scope="module")
+def bench_fp8():
+    sys.path.insert(0, str(SCRIPTS))
+    try:
+        import bench_fp8
+
+        yield bench_fp8
+    finally:
+        sys.path.remove(str(SCRIPTS))
+
+
+@pytest.fixture(scope="module")
+def rows(bench_fp8, tmp_path_factory):
+    import bench
+
+    out = tmp_path_factory.mktemp("bench-fp8")
+    argv = ["bench.py", "--stages", "fp8-gemm,fp8-quant,fp8-dit,fp8-memory,e2e", "--fp8-model", "tiny",
+            "--fp8-device", "cpu", "--fp8-canvas", CANVAS, "--fp8-text", "6", "--fp8-gemm-reps", "1",
+            "--fp8-reps", "1", "--vsa-sparsity", "0.75", "--precision", "bf16,fp8", "--e2e-model", "tiny",
+            "--e2e-device", "cpu", "--e2e-canvases", CANVAS, "--e2e-vsa", "--forwards", "1", "--e2e-dir", str(out),
+            "--out", str(out / "rows.json")]
+    saved_argv, threads = sys.argv, torch.get_num_threads()
+    sys.argv = argv
+    torch.set_num_threads(1)  # the 2 shared cores: tiny ops spin-wait for each other's threads with more
+    bench.RESULTS.clear()
+    try:
+        bench.main()
+    finally:
+        sys.argv = saved_argv
+        torch.set_num_threads(threads)
+    return json.loads((out / "rows.json").read_text())
+
+
+def _stage(rows, stage):
+    found = [r for r in rows if r["stage"] == stage and r.get("what") != "stage wall"]
+    assert found, f"no rows for {stage}"
+    return found
+
+
+def _finite_time(value):
+    return isinstance(value, float) and math.isfinite(value) and value > 0
+
+
+def test_no_stage_failed(rows):
+    errors = [r for r in rows if "error" in r]
+    assert not errors, errors
+
+
+def test_fp8_gemm_rows(rows):
+    inner = DIT_TINY.num_attention_heads * DIT_TINY.attention_head_dim
+    h, ffn = DIT_TINY.hidden_size, DIT_TINY.ffn_dim
+    found = _stage(rows, "fp8-gemm")
+    for name, k, n in (("qkv", h, 3 * inner), ("out", inner, h), ("fc1", h, 2 * ffn), ("fc2", ffn, h)):
+        mine = [r for r in found if r["what"].startswith(f"{name} GEMM {k}->{n}, S=")]
+        assert len(mine) == 4, (name, [r["what"] for r in found])
+        assert all(_finite_time(r["ours_s"]) for r in mine)
+        bf16 = next(r for r in mine if r["what"].endswith("bf16 F.linear"))
+        assert 0 < bf16["rel_err"] <= 1e-2  # bf16 rounding of the output vs the fp32 GEMM (measured 1.7e-3)
+        fp8 = [r for r in mine if "Fp8Linear" in r["what"]]
+        assert len(fp8) == 2
+        for r in fp8:  # e4m3 on both operands: measured 0.035-0.037 against bf16
+            assert 5e-3 <= r["rel_err"] <= 0.08 and 5e-3 <= r["rel_err_vs_fp32"] <= 0.08
+            assert _finite_time(r["ref_s"]) and r["tflops"] >= 0
+
+
+def test_fp8_quant_rows(rows):
+    found = {r["what"].split(":")[0].split(" [")[0]: [] for r in _stage(rows, "fp8-quant")}
+    for r in _stage(rows, "fp8-quant"):
+        found[r["what"].split(":")[0].split(" [")[0]].append(r)
+    assert set(found) == {"modulate", "swiglu", "quantize_rows, attention output"}
+    for name in ("modulate", "swiglu"):
+        bf16, fp8 = (next(r for r in found[name] if r["what"].endswith(tail)) for tail in (": bf16", ": fp8=True"))
+        assert _finite_time(bf16["ours_s"]) and _finite_time(fp8["ours_s"]) and bf16["gb_per_s"] > 0
+        assert bf16["rel_err"] <= 1e-2
+        # e4m3 rounding: at most 2**-4 relative per element, measured 0.023-0.025 rms
+        assert 5e-3 <= fp8["rel_err"] <= 0.0625 and fp8["within_bound"]
+    (q,) = found["quantize_rows, attention output"]
+    assert f", {DIT_TINY.num_attention_heads * DIT_TINY.attention_head_dim}]" in q["what"]
+    assert q["bit_exact"] and 5e-3 <= q["rel_err"] <= 0.0625 and _finite_time(q["ours_s"])
+
+
+def test_fp8_dit_rows(rows):
+    found = _stage(rows, "fp8-dit")
+    by = {r["what"]: r for r in found}
+    forwards = [r for r in found if r["what"].startswith("DiT forward")]
+    chains = [r for r in found if r["what"].startswith("4-forward FastH3 chain")]
+    assert len(forwards) == 4 and len(chains) == 2
+    assert all(_finite_time(r["ours_s"]) for r in forwards + chains)
+    for r in forwards + chains:
+        if r["precision"] == "fp8":  # measured 4.4e-4 (dense), 1.0e-3 (VSA), 2.8e-4 (chain); 0 if FP8 never ran
+            assert 1e-5 < r["rel_err_video"] <= 0.05 and 1e-5 < r["rel_err_audio"] <= 0.05, r
+    assert chains[0]["forwards"] == 4
+    mem = by["DiT resident weights bf16 vs fp8 (AdaLN dropped)"]
+    assert mem["fp8_linears"] == 5 * DIT_TINY.num_layers  # qkv, gate, out, fc1, fc2 per block
+    assert 0 < mem["bytes"]["fp8"] < mem["bytes"]["bf16"]
+    assert mem["bytes"]["fp8_with_gates"] > mem["bytes"]["fp8"]
+
+
+def test_fp8_memory_and_e2e_rows(rows):
+    for stage in ("fp8-memory", "e2e"):
+        loaded = {r["precision"]: r for r in _stage(rows, stage) if r["what"].endswith("components loaded")}
+        assert set(loaded) == {"bf16", "fp8"}
+        b16, b8 = loaded["bf16"]["components_bytes"], loaded["fp8"]["components_bytes"]
+        assert b8["dit"] < b16["dit"] and b8["text_encoder"] < b16["text_encoder"]
+        assert b8["video_vae"] == b16["video_vae"] and b8["audio_vae"] == b16["audio_vae"]
+        assert "fp8_e4m3" in loaded["fp8"]["report"]["dit_blocks"]
+    renders = [r for r in _stage(rows, "e2e") if r["what"].startswith("complete MP4")]
+    assert {(r["precision"], r["attention"]) for r in renders} == {(p, a) for p in ("bf16", "fp8")
+                                                                  for a in ("dense", "vsa")}
+    assert all(_finite_time(r["wall_s"]) and r["mp4_bytes"] > 0 and len(r["denoise_steps"]) == 1 for r in renders)
+
+
+def test_random_gates_on_an_fp8_dit_match_the_bf16_ones(bench_fp8):
+    """The same seed gives the bf16 DiT's gates and, quantized, the FP8 DiT's; a raw copy into the e4m3 buffer
+    (what bench.py did) leaves the dequantized gate at ~0 (rel. err 1)."""
+    bf16 = random_dit(DIT_TINY, seed=1).apply_precision_(torch.bfloat16)
+    bench_fp8.enable_random_vsa_(bf16, 0.75, seed=1)
+    fp8 = random_dit(DIT_TINY, seed=1).apply_precision_(torch.bfloat16)
+    quantize_dit_fp8_(fp8)  # dense FP8 DiT: DiT.enable_vsa refuses it, the bench helper adds FP8 gates
+    bench_fp8.enable_random_vsa_(fp8, 0.75, seed=1)
+    assert fp8.vsa_sparsity == bf16.vsa_sparsity == 0.75
+    for a, b in zip(bf16.blocks, fp8.blocks):
+        assert isinstance(b.attn.gate_proj, Fp8Linear)
+        ref = a.attn.gate_proj.weight.detach().float()
+        assert ref.abs().sum() > 0
+        assert rel_err(b.attn.gate_proj.dequantized_weight(), ref) <= 0.04  # e4m3 rounding, measured ~0.02
