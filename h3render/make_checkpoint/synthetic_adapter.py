@@ -14,13 +14,13 @@ from pathlib import Path
 from typing import Sequence
 
 import torch
-from safetensors.torch import save_file
 
 from h3render.checkpoint.adapter import (ADAPTER_FORMAT, APPLICATION, TINY_BASE_MODEL, native_shapes,
                                          split_adapter_key)
 from h3render.checkpoint.contract import (CONTRACT_FILE, CONTRACT_SCHEMA, V2_MODEL_ID, V2_REQUIRED, V2_VSA,
                                           VSA_BACKEND)
 from h3render.checkpoint.names import STACKS, VSA_GATE, diffusers_modules
+from h3render.make_checkpoint.files import save_tensors
 from h3render.models.dit import DiTConfig
 
 
@@ -103,7 +103,7 @@ def write_synthetic_adapter(path: str | Path, dit_config: DiTConfig, seed: int, 
     if dmd_denoising_steps is not None:
         metadata["dmd_denoising_steps"] = json.dumps(list(dmd_denoising_steps))
     path.parent.mkdir(parents=True, exist_ok=True)
-    save_file({key: value.contiguous() for key, value in tensors.items()}, str(path), metadata=metadata)
+    save_tensors({key: value.contiguous() for key, value in tensors.items()}, str(path), metadata=metadata)
     return path
 
 
@@ -192,7 +192,7 @@ def write_synthetic_full_student(out: str | Path, student: str = "v2", config: s
     transformer = out / ("FL2VA" if layout == "official" else "") / "transformer"
     if gates:
         shard = "diffusion_pytorch_model-gates.safetensors"
-        save_file(gates, str(transformer / shard), metadata={"format": "pt"})
+        save_tensors(gates, str(transformer / shard), metadata={"format": "pt"})
         index_path = transformer / "diffusion_pytorch_model.safetensors.index.json"
         index = json.loads(index_path.read_text())
         index["weight_map"].update(dict.fromkeys(gates, shard))

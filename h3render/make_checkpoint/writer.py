@@ -22,11 +22,11 @@ from pathlib import Path
 from typing import Any, Mapping
 
 import torch
-from safetensors.torch import save_file
 from torch import Tensor
 
 from h3render.checkpoint.names import QKV_NATIVE, deinterleave_qkv, dit_state_dict_to_diffusers
 from h3render.checkpoint.releases import BUILTIN, RELEASES, Release
+from h3render.make_checkpoint.files import save_tensors
 from h3render.make_checkpoint.random_model import random_entries
 from h3render.make_checkpoint.synthetic_adapter import write_synthetic_adapter
 
@@ -102,7 +102,7 @@ def _save_sharded(folder: Path, tensors: Mapping[str, Tensor], stem: str, shards
     folder.mkdir(parents=True, exist_ok=True)
     tensors = {name: t.contiguous() for name, t in tensors.items()}
     if shards == 1:
-        save_file(tensors, str(folder / f"{stem}.safetensors"), metadata={"format": "pt"})
+        save_tensors(tensors, str(folder / f"{stem}.safetensors"), metadata={"format": "pt"})
         return
     names = list(tensors)
     per_shard = -(-len(names) // shards)
@@ -110,7 +110,7 @@ def _save_sharded(folder: Path, tensors: Mapping[str, Tensor], stem: str, shards
     for i in range(shards):
         chunk = names[i * per_shard:(i + 1) * per_shard]
         file = f"{stem}-{i + 1:05d}-of-{shards:05d}.safetensors"
-        save_file({n: tensors[n] for n in chunk}, str(folder / file), metadata={"format": "pt"})
+        save_tensors({n: tensors[n] for n in chunk}, str(folder / file), metadata={"format": "pt"})
         weight_map.update((n, file) for n in chunk)
     total = sum(t.numel() * t.element_size() for t in tensors.values())
     _write_json(folder / f"{stem}.safetensors.index.json", {"metadata": {"total_size": total},
@@ -199,4 +199,4 @@ def _write_single_file(path: Path, release: Release, seed: int) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     metadata = {"format": "pt", "config": json.dumps(dataclasses.asdict(cfg)),
                 "h3render_random": release.name}
-    save_file(tensors, str(path), metadata=metadata)
+    save_tensors(tensors, str(path), metadata=metadata)

@@ -354,3 +354,21 @@ def test_seed_changes_weights():
     a, b = build_tiny(seed=0, parts=("dit",)), build_tiny(seed=1, parts=("dit",))
     assert not torch.equal(a.dit.blocks[0].attn.qkv_proj.weight, b.dit.blocks[0].attn.qkv_proj.weight)
     assert torch.equal(a.dit.blocks[0].attn.qkv_proj.weight, build_tiny(seed=0, parts=("dit",)).dit.blocks[0].attn.qkv_proj.weight)
+
+
+def test_written_tensor_files_get_the_umask_mode_not_0600(tmp_path):
+    """safetensors creates its files 0600; a checkpoint (or adapter) made for a cluster must be readable by the
+    users the umask lets read it."""
+    import os
+
+    from h3render.make_checkpoint.synthetic_adapter import write_synthetic_adapter
+
+    old = os.umask(0o027)
+    try:
+        root = make_checkpoint(tmp_path / "ckpt", "tiny", "official", seed=0)
+        adapter = write_synthetic_adapter(tmp_path / "a.safetensors", RELEASES["tiny"].dit, seed=1)
+    finally:
+        os.umask(old)
+    files = sorted(Path(root).rglob("*.safetensors")) + [Path(adapter)]
+    assert len(files) > 4
+    assert {oct(f.stat().st_mode & 0o777) for f in files} == {oct(0o640)}
