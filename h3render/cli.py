@@ -76,8 +76,8 @@ def _engine_options(f):
                           "compute capability >= 8.9, or the CPU); default bf16, or the manifest's defaults."),
         click.option("--gpus", type=int, default=None, help="GPUs to use (default: every visible GPU; with --device cpu: CPU processes, for testing)."),
         click.option("--crf", type=click.IntRange(0, 51), default=18, show_default=True, help="x264 CRF."),
-        click.option("--x264-preset", type=_LazyChoice("h3render.media", "X264_PRESETS"), default="veryfast", show_default=True,
-                     help="x264 speed preset (faster presets: bigger files at the same CRF)."),
+        click.option("--x264-preset", type=_LazyChoice("h3render.media", "X264_PRESETS"), default="veryfast",
+                     show_default=True, help="x264 speed preset (faster presets: bigger files at the same CRF)."),
         click.option("--attention", type=click.Choice(["fa3", "cudnn", "sdpa"]), default=None,
                      help="Attention backend on CUDA (default: fastest available, by measurement); on CPU "
                           "torch SDPA always runs. The sidecar's run.attention says what ran."),
@@ -306,9 +306,7 @@ def _prompt(text: str, output: str, opts: dict) -> int:
                                    "mode", "first_frame", "last_frame")}
     fields.update(prompt=text, output=out.stem)
     job = jobs_mod.job_from_fields(fields, info.limits())
-    from h3render.manifest import DEFAULT_PRECISION
-
-    opts["precision"] = opts["precision"] or DEFAULT_PRECISION
+    opts["precision"] = opts["precision"] or jobs_mod.DEFAULT_PRECISION
     _say(f"h3render: {job.canvas_note()}, {job.time_note()}")
     if job.task == "fl2va":
         _say("h3render: fl2va: " + "; ".join(k.describe() for k in job.keyframes))
