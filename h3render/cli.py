@@ -28,18 +28,20 @@ def _fail(message: str) -> NoReturn:
     raise UsageError(message)
 
 
-class _X264Preset(click.Choice):
-    """`click.Choice` over `h3render.media.X264_PRESETS`, read when click first needs it: importing h3render.media
-    loads torch (about 3 s), which `h3render --help` and `h3render presets` should not wait for."""
+class _LazyChoice(click.Choice):
+    """`click.Choice` over a tuple of another module (`h3render.media.X264_PRESETS`, `checkpoint.load.PRECISIONS`),
+    read when click first needs it: those modules load torch (about 3 s), which `h3render --help` and
+    `h3render presets` should not wait for."""
 
-    def __init__(self) -> None:
+    def __init__(self, module: str, name: str) -> None:
+        self._where = (module, name)
         super().__init__(())
 
     @property
     def choices(self):
-        from h3render.media import X264_PRESETS
+        import importlib
 
-        return X264_PRESETS
+        return getattr(importlib.import_module(self._where[0]), self._where[1])
 
     @choices.setter
     def choices(self, value) -> None:
@@ -68,11 +70,14 @@ def _engine_options(f):
         click.option("--device", type=click.Choice(["cuda", "cpu"]), default=None,
                      help="Default: cuda when available."),
         click.option("--dtype", type=click.Choice(["bf16", "fp32"]), default=None,
-                     help="Default: bf16 on CUDA, fp32 on CPU."),
+                     help="Default: bf16 on CUDA, fp32 on CPU (bf16 with --precision fp8)."),
+        click.option("--precision", type=_LazyChoice("h3render.checkpoint.load", "PRECISIONS"), default=None,
+                     help="fp8: FP8 GEMMs in the DiT blocks, FP8 text-encoder weights, bf16 activations (needs CUDA "
+                          "compute capability >= 8.9, or the CPU); default bf16, or the manifest's defaults."),
         click.option("--gpus", type=int, default=None, help="GPUs to use (default: every visible GPU; with --device cpu: CPU processes, for testing)."),
         click.option("--crf", type=click.IntRange(0, 51), default=18, show_default=True, help="x264 CRF."),
-        click.option("--x264-preset", type=_X264Preset(), default="veryfast", show_default=True,
-                     help="x264 speed preset (faster presets: bigger files at the same CRF)."),
+        click.option("--x264-preset", type=_LazyChoice("h3render.media", "X264_PRESETS"), default="veryfast",
+                     show_default=True, help="x264 speed preset (faster presets: bigger files at the same CRF)."),
         click.option("--attention", type=click.Choice(["fa3", "cudnn", "sdpa"]), default=None,
                      help="Attention backend on CUDA (default: fastest available, by measurement); on CPU "
                           "torch SDPA always runs. The sidecar's run.attention says what ran."),
@@ -140,10 +145,24 @@ def _device(device: str | None) -> str:
     return device or ("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def _dtype(dtype: str | None, device: str):
+def _dtype(dtype: str | None, device: str, precision: str = "bf16"):
+    """--dtype, else bf16 on CUDA and fp32 on CPU; fp8 implies bf16 activations (its GEMMs write bf16)."""
     import torch
 
-    return {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype or ("bf16" if device == "cuda" else "fp32")]
+    default = "bf16" if device == "cuda" or precision == "fp8" else "fp32"
+    return {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype or default]
+
+
+def _check_precision(opts: dict, device: str, world: int) -> None:
+    """--precision against --dtype and each GPU of the run (`engine.precision_problem`), before any weights load."""
+    import torch
+
+    from h3render.engine import precision_problem
+
+    devices = [torch.device(device, i) for i in range(world)] if device == "cuda" else [torch.device(device)]
+    problem = precision_problem(opts["precision"], _dtype(opts["dtype"], device, opts["precision"]), devices)
+    if problem:
+        _fail(problem)
 
 
 def _check_mode(mode: str | None, adapter: str | None, checkpoint: str) -> None:
@@ -287,6 +306,7 @@ def _prompt(text: str, output: str, opts: dict) -> int:
                                    "mode", "first_frame", "last_frame")}
     fields.update(prompt=text, output=out.stem)
     job = jobs_mod.job_from_fields(fields, info.limits())
+    opts["precision"] = opts["precision"] or jobs_mod.DEFAULT_PRECISION
     _say(f"h3render: {job.canvas_note()}, {job.time_note()}")
     if job.task == "fl2va":
         _say("h3render: fl2va: " + "; ".join(k.describe() for k in job.keyframes))
@@ -336,10 +356,15 @@ def _batch(manifest, out_dir, shard, skip_existing, fail_fast, dry_run, quiet, o
     # Command-line defaults, passed like --mode: read_manifest applies them below each job's own fields.
     overrides = {k: opts[k] for k in ("mode", "seed", "steps", "preset")}
     student = opts["adapter"] is not None or _has_contract(checkpoint)
-    m = jobs_mod.read_manifest(manifest, info.limits(), overrides, adapter_available=student)
+    m = jobs_mod.read_manifest(manifest, info.limits(), overrides, adapter_available=student,
+                               precision=opts["precision"])
     jobs = m.jobs
     if opts["adapter"] is None and m.adapter is not None:
         opts["adapter"] = str(m.adapter)  # named in the manifest's defaults; --adapter wins
+    # Engine settings the manifest's defaults may give; each command-line option wins over its own field.
+    opts["precision"] = m.precision
+    opts["adapter_variant"] = opts["adapter_variant"] or m.adapter_variant
+    opts["fasth3_positions"] = opts["fasth3_positions"] or m.fasth3_positions
     try:
         shard_spec = jobs_mod.parse_shard(shard) if shard else jobs_mod.shard_from_slurm(os.environ)
     except ValueError as exc:
@@ -356,7 +381,8 @@ def _batch(manifest, out_dir, shard, skip_existing, fail_fast, dry_run, quiet, o
     prepare_out_dir(out_dir)  # a file or a broken/looping symlink in the way: exit 2 before any rank starts
     # This run's checkpoint and encoder, for resume's "skipped: rendered earlier with ..." lines.
     current = {"checkpoint": {"path": info.path, "config_hash": info.config_hash,
-                              "transformer": opts["transformer"] and str(Path(opts["transformer"]).resolve())},
+                              "transformer": opts["transformer"] and str(Path(opts["transformer"]).resolve()),
+                              "precision": opts["precision"]},
                "encoder": {"crf": opts["crf"], "x264_preset": opts["x264_preset"]}}
     return _run(checkpoint, info, jobs, opts, out_dir=out_dir, shard=shard_spec, overwrite=not skip_existing,
                 fail_fast=fail_fast, quiet=quiet, current=current)
@@ -374,6 +400,7 @@ def _run(checkpoint, info, jobs, opts, **kw) -> int:
         world, warning = plan_world(opts["gpus"], device, info.release.dit.num_attention_heads)
     except ValueError as exc:
         _fail(str(exc))
+    _check_precision(opts, device, world)
     if warning:
         print(f"h3render: warning: {warning}", file=sys.stderr)
     kw["heads"] = info.release.dit.num_attention_heads
@@ -414,7 +441,7 @@ def _rank_main(checkpoint, jobs, opts, device, kw) -> int:
                               progress=_progress(ctx.is_main and not (opts.get("quiet") or kw.get("quiet")),
                                                 single="single" in kw),
                               save_latents=opts["save_latents"])
-    dtype = _dtype(opts["dtype"], device)
+    dtype = _dtype(opts["dtype"], device, opts["precision"])
 
     def load():
         # A queue with t2va jobs beside a student adapter renders them on the base weights first, then fuses the
@@ -422,7 +449,8 @@ def _rank_main(checkpoint, jobs, opts, device, kw) -> int:
         base_first = opts["adapter"] is not None and any(j.mode == "t2va" for j in jobs)
         engine = Engine.load(checkpoint, ctx, dtype, settings, adapter=opts["adapter"],
                              transformer_file=opts["transformer"], adapter_variant=opts["adapter_variant"],
-                             fasth3_positions=opts["fasth3_positions"], base_jobs_first=base_first)
+                             fasth3_positions=opts["fasth3_positions"], base_jobs_first=base_first,
+                             precision=opts["precision"])
         engine.prepare(_distinct_setups(jobs))
         return engine
 

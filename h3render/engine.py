@@ -13,7 +13,7 @@ import time
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable
 
 import torch
 
@@ -27,6 +27,43 @@ from h3render.packing import fl2va_layout, noise_keyframes, t2va_layout
 from h3render.parallel.groups import ParallelContext
 from h3render.parallel.plan import ParallelPlan
 from h3render.sampling import Schedule, dit_model_fn, schedule_timesteps
+
+
+# torch._scaled_mm's e4m3 GEMMs (cuBLASLt) need compute capability 8.9 or newer: Ada (8.9), Hopper (9.0), Blackwell.
+FP8_MIN_CAPABILITY = (8, 9)
+
+
+def precision_problem(precision: str, dtype: torch.dtype, devices: Iterable[torch.device] = ()) -> str | None:
+    """Why `precision` cannot run with these activations or on these devices, or None (`Engine.load` raises it as
+    a ValueError; the CLI prints it as a usage error before any weights load).
+
+    Args:
+        precision: "bf16" or "fp8" (`checkpoint.load.PRECISIONS`).
+        dtype: the activations' (block stack's) dtype; fp8 writes its GEMM outputs in bf16, so it needs bfloat16.
+        devices: the devices the run uses; each CUDA one needs compute capability >= `FP8_MIN_CAPABILITY` for fp8
+            (`torch.cuda.get_device_capability`); the CPU runs `torch._scaled_mm` too (torch >= 2.11), slowly.
+
+    Raises:
+        ValueError: an unknown precision.
+    """
+    from h3render.checkpoint.load import check_precision
+
+    if check_precision(precision) != "fp8":
+        return None
+    if dtype != torch.bfloat16:
+        flag = {torch.float32: "fp32", torch.float16: "fp16"}.get(dtype, str(dtype))
+        return (f"--precision fp8 runs the activations in bf16 (its GEMMs write bf16), so it cannot go with --dtype "
+                f"{flag}: drop --dtype or pass --dtype bf16")
+    for device in devices:
+        if device.type != "cuda":
+            continue
+        capability = tuple(torch.cuda.get_device_capability(device))
+        if capability < FP8_MIN_CAPABILITY:
+            name = torch.cuda.get_device_name(device)
+            return (f"--precision fp8 needs FP8 GEMMs (torch._scaled_mm): CUDA compute capability >= "
+                    f"{'.'.join(map(str, FP8_MIN_CAPABILITY))} (Ada, Hopper or newer); {device} ({name}) has "
+                    f"{capability[0]}.{capability[1]}: use --precision bf16")
+    return None
 
 
 class RenderError(RuntimeError):
@@ -72,12 +109,15 @@ class Engine:
         settings: `EngineSettings`.
         fasth3: the FastH3 few-step `Schedule` when a student runs (adapter fused, or a V2 checkpoint), else None.
         adapter: what the sidecar says about the student (path, sha256, positions, source), or None.
+        precision: "bf16" or "fp8", as loaded (`Engine.load`); with a deferred fusion and "fp8" the DiT is still
+            bf16 here and `fuse_student` quantizes it.
     """
 
     def __init__(self, components, ctx: ParallelContext, settings: EngineSettings = EngineSettings(),
                  fasth3: Schedule | None = None, load_seconds: float = 0.0, adapter: dict[str, Any] | None = None,
-                 deferred_fusion=None):
+                 deferred_fusion=None, precision: str = "bf16"):
         self.c = components
+        self.precision = precision
         self.ctx = ctx
         self.device = ctx.device
         self.settings = settings
@@ -112,7 +152,8 @@ class Engine:
     @classmethod
     def load(cls, checkpoint: str, ctx: ParallelContext, dtype: torch.dtype, settings: EngineSettings = EngineSettings(),
              adapter: str | None = None, transformer_file: str | None = None, *, base_jobs_first: bool = False,
-             adapter_variant: str | None = None, fasth3_positions: str | None = None) -> "Engine":
+             adapter_variant: str | None = None, fasth3_positions: str | None = None,
+             precision: str = "bf16") -> "Engine":
         """Load a checkpoint (a path, or "tiny"/"small" for a built-in random model) onto this rank's device.
 
         With `adapter` (a file, a variant folder, or a LoRA bundle root with `adapter_variant` naming the variant),
@@ -126,10 +167,20 @@ class Engine:
         job (`fuse_student`). `transformer_file` is a single-file DiT (ComfyUI layout) used in place of the
         checkpoint's own transformer.
 
+        `precision="fp8"` (issue #18; `checkpoint.load_components`): the DiT block linears run FP8 GEMMs and the text
+        encoder holds FP8 weights; `dtype` must be bfloat16 and a CUDA device of compute capability >= 8.9
+        (`precision_problem`). With `base_jobs_first` and an adapter the DiT loads in bf16 instead (fusion in place
+        needs its bf16 parameters): the base jobs run a bf16 DiT (announced on stderr) and `fuse_student`
+        quantizes the DiT right after fusing, so the fasth3 jobs run FP8.
+
         Raises:
             CheckpointError, AdapterError, ValueError: unreadable or mismatched checkpoint / adapter / contract,
-                missing or zero VSA gates, a bundle root without a variant (naming file, field and blocks).
+                missing or zero VSA gates, a bundle root without a variant (naming file, field and blocks); a
+                precision that cannot run here (`precision_problem`).
         """
+        problem = precision_problem(precision, dtype, [ctx.device])
+        if problem is not None:
+            raise ValueError(problem)
         from h3render import checkpoint as ckpt
         from h3render.checkpoint import students
 
@@ -141,12 +192,25 @@ class Engine:
             for warning in plan.warnings:
                 print(f"h3render: warning: {warning}", file=sys.stderr)
         deferred = plan.hook if base_jobs_first and adapter is not None else None
-        components = ckpt.load_components(checkpoint, ctx.device, dtype, tensor_hook=None if deferred else plan.hook,
-                                          transformer_file=transformer_file)
+        if precision == "fp8" and deferred is not None:
+            # `fuse_student` adds the adapter to nn.Parameters in place, which FP8 buffers are not: the DiT loads in
+            # bf16 (the other parts in fp8) and is quantized right after the fusion.
+            if ctx.is_main:
+                print("h3render: warning: --precision fp8 with a mixed queue: its t2va jobs run the DiT in bf16 "
+                      "(the FastH3 student is fused into bf16 weights, then quantized for the fasth3 jobs)",
+                      file=sys.stderr)
+            dit = ckpt.load_components(checkpoint, ctx.device, dtype, parts=("dit",),
+                                       transformer_file=transformer_file).dit
+            rest = tuple(p for p in ckpt.PARTS if p != "dit")
+            components = ckpt.load_components(checkpoint, ctx.device, dtype, parts=rest, precision=precision)
+            components.dit = dit
+        else:
+            components = ckpt.load_components(checkpoint, ctx.device, dtype, transformer_file=transformer_file,
+                                              tensor_hook=None if deferred else plan.hook, precision=precision)
         if ctx.device.type == "cuda":
             torch.cuda.synchronize(ctx.device)
         engine = cls(components, ctx, settings, fasth3=plan.schedule, load_seconds=time.perf_counter() - t0,
-                     adapter=plan.sidecar, deferred_fusion=deferred)
+                     adapter=plan.sidecar, deferred_fusion=deferred, precision=precision)
         engine.student_attention = plan.attention
         if transformer_file is not None:
             # The DiT came from this file, not from the checkpoint folder: the sidecar says so.
@@ -206,7 +270,8 @@ class Engine:
         """Fuse the deferred FastH3 adapter into the resident DiT weights in place (AdaLN projections held in host
         memory included), once; the cached AdaLN tables are of the base weights and go. A VSA student first gets
         `DiT.enable_vsa` (zero gates on the device, which the adapter's `.set_weight` then fills; the same gate
-        checks as at load).
+        checks as at load). An fp8 engine then quantizes the fused block linears (`models.fp8.quantize_dit_fp8_`,
+        one at a time), so the fasth3 jobs run FP8 GEMMs.
 
         Raises:
             AdapterError: a gate missing or zero in some blocks (named)."""
@@ -220,9 +285,14 @@ class Engine:
             if fused is not param.data:
                 param.data.copy_(fused)
         fusion.finish()
+        if self.precision == "fp8":
+            from h3render.models.fp8 import quantize_dit_fp8_
+
+            quantize_dit_fp8_(self.c.dit)
         self._tables.clear()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()  # the bf16 block weights are freed
         self.warmup["fasth3_fusion_s"] = time.perf_counter() - t0
 
     def tables(self, schedule: Schedule, keyframes: bool = False):

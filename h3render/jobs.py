@@ -557,7 +557,7 @@ def check_x264_preset(name: str) -> str:
 
 # The manifest readers live in h3render.manifest, which imports this module; these names stay importable from here
 # (`from h3render.jobs import load_manifest`) through a lazy lookup, so neither module imports the other at load.
-_FROM_MANIFEST = ("Manifest", "ManifestError", "job_from_fields", "load_manifest", "read_manifest")
+_FROM_MANIFEST = ("DEFAULT_PRECISION", "Manifest", "ManifestError", "job_from_fields", "load_manifest", "read_manifest")
 
 
 def __getattr__(name: str) -> Any:

@@ -21,15 +21,19 @@ from h3render.jobs import (DEFAULT_MODE, DEFAULT_SEED, Job, Limits, Preset, Requ
                            canvas_for_aspect, check_canvas, load_presets, output_key, output_name, output_path_problem,
                            parse_aspect, prompt_slug, snap_frames)
 from h3render.manifest_fields import (MAX_INT_DIGITS as _MAX_INT_DIGITS, STRING_FIELDS as _STRING_FIELDS,
-                                      TooLong as _TooLong, field_problem as _field_problem, keyframe_canvas,
-                                      resolve_keyframes, strip_mp4 as _strip_mp4)
+                                      TooLong as _TooLong, engine_choices, field_problem as _field_problem,
+                                      keyframe_canvas, resolve_keyframes, strip_mp4 as _strip_mp4)
 
 JOB_FIELDS = ("id", "prompt", "preset", "aspect", "width", "height", "duration", "frames", "seed", "steps", "mode",
               "output", *KEYFRAME_FIELDS)
 JOB_ONLY_FIELDS = ("id", "prompt", "output", *KEYFRAME_FIELDS)  # not in `defaults` or command-line defaults
-DEFAULTS_ONLY_FIELDS = ("adapter",)  # only in the manifest's `defaults` (the command line has --adapter)
-DEFAULT_FIELDS = tuple(f for f in JOB_FIELDS if f not in JOB_ONLY_FIELDS) + DEFAULTS_ONLY_FIELDS
-_KNOWN_FIELDS = JOB_FIELDS + DEFAULTS_ONLY_FIELDS
+# Engine settings (the weights load once per run): set in `defaults`; a job may repeat the run's value, never change it.
+ENGINE_FIELDS = ("precision",)
+# Only in the manifest's `defaults`; the command line's --adapter, --adapter-variant, --fasth3-positions win.
+DEFAULTS_ONLY_FIELDS = ("adapter", "adapter_variant", "fasth3_positions")
+DEFAULT_FIELDS = tuple(f for f in JOB_FIELDS if f not in JOB_ONLY_FIELDS) + ENGINE_FIELDS + DEFAULTS_ONLY_FIELDS
+_KNOWN_FIELDS = JOB_FIELDS + ENGINE_FIELDS + DEFAULTS_ONLY_FIELDS
+DEFAULT_PRECISION = "bf16"  # = `checkpoint.load.PRECISIONS[0]` (tests/e2e/test_precision.py), kept here torch-free
 _CANVAS_FIELDS = ("preset", "aspect", "width", "height")
 _TIME_FIELDS = ("duration", "frames")
 _COMMAND_LINE = "<command line>"
@@ -47,12 +51,17 @@ class ManifestError(ValueError):
 
 @dataclass(frozen=True)
 class Manifest:
-    """A validated manifest: its `path`, its resolved `jobs` in file order, and the FastH3 `adapter` its defaults
-    name (resolved against the manifest's folder; None when absent; a command-line `--adapter` takes precedence)."""
+    """A validated manifest: its `path`, its resolved `jobs` in file order, the FastH3 `adapter` its defaults
+    name (resolved against the manifest's folder; None when absent; a command-line `--adapter` takes precedence)
+    with its `adapter_variant` and `fasth3_positions` (None when absent), and the run's `precision`: the command
+    line's, else the defaults', else "bf16"."""
 
     path: Path
     jobs: list[Job]
     adapter: Path | None = None
+    precision: str = DEFAULT_PRECISION
+    adapter_variant: str | None = None
+    fasth3_positions: str | None = None
 
 
 class _Value(NamedTuple):
@@ -103,7 +112,8 @@ class _Errors:
 
 
 def read_manifest(path: str | Path, limits: Limits, defaults_overrides: Mapping[str, Any] | None = None, *,
-                  presets_dir: str | Path | None = None, adapter_available: bool | None = None) -> Manifest:
+                  presets_dir: str | Path | None = None, adapter_available: bool | None = None,
+                  precision: str | None = None) -> Manifest:
     """Read a JSONL (`.jsonl`, `.ndjson`) or YAML (`.yaml`, `.yml`) manifest into resolved jobs, in file order.
 
     Precedence for each field: the job's own value, then `defaults_overrides` (command-line defaults; None values
@@ -114,6 +124,8 @@ def read_manifest(path: str | Path, limits: Limits, defaults_overrides: Mapping[
         adapter_available: whether a FastH3 adapter is at hand without the manifest (`--adapter`, or a FastH3 V2
             checkpoint). False: each `mode: fasth3` job is an error unless the manifest's `defaults` name an
             `adapter`; True: t2va and fasth3 jobs may mix. None (default): not checked here.
+        precision: the command line's `--precision` (None: the defaults' `precision`, else "bf16"); a job whose
+            own `precision` differs from the run's is an error.
 
     Raises:
         ManifestError: every problem found, one line each, naming file, line and field.
@@ -138,10 +150,12 @@ def read_manifest(path: str | Path, limits: Limits, defaults_overrides: Mapping[
     if adapter_available is not None:
         adapter_available = adapter_available or adapter is not None
     jobs = _resolve_all(job_layers, [overrides, defaults], limits, presets, errors, adapter_available)
+    run_precision = _run_precision(precision, defaults, job_layers, errors)
     if not job_layers and not errors.found:
         errors.add(_Where(str(path)), "the manifest has no jobs")
     errors.raise_if_any()
-    return Manifest(path, jobs, adapter)
+    return Manifest(path, jobs, adapter, run_precision, defaults.get("adapter_variant"),
+                    defaults.get("fasth3_positions"))
 
 
 def load_manifest(path: str | Path, limits: Limits, defaults_overrides: Mapping[str, Any] | None = None, *,
@@ -167,13 +181,32 @@ def job_from_fields(fields: Mapping[str, Any], limits: Limits, *, source: str = 
     return jobs[0]
 
 
+def _run_precision(cli: str | None, defaults: _Layer, job_layers: list[_Layer], errors: _Errors) -> str:
+    """The run's precision (`--precision`, else the defaults', else "bf16"); a job that sets another one is an error
+    naming where the run's came from (a job repeating the run's value is fine; a bad value is _check_layer's)."""
+    if cli is None and "precision" not in defaults.fields and not any("precision" in j.fields for j in job_layers):
+        return DEFAULT_PRECISION  # nothing to check: torch (the choices' home) stays unimported
+    choices = engine_choices("precision")
+    run, where = (cli, "--precision") if cli else (choices[0], "the default")
+    if cli is None and defaults.get("precision") in choices:
+        run, where = defaults.get("precision"), f"the defaults at {defaults.file}:{defaults.where('precision').line}"
+    for job in job_layers:
+        value = job.get("precision")
+        if "precision" in job.fields and value in choices and value != run:
+            errors.add(job.where("precision"), f"{value!r} differs from this run's precision {run!r} (from {where}): "
+                       "precision is one engine setting for the whole run (the weights load once); remove it from "
+                       "this job, or render the job in a batch of its own")
+    return run
+
+
 def _manifest_adapter(defaults: _Layer, manifest: Path, errors: _Errors) -> Path | None:
-    """`defaults: adapter:` relative to the manifest's folder; missing is an error now, not after the t2va jobs."""
+    """`defaults: adapter:` relative to the manifest's folder (a file, a variant folder or a LoRA bundle root, as
+    --adapter); missing is an error now, not after the t2va jobs."""
     value = defaults.get("adapter")
     if not isinstance(value, str) or not value.strip():
         return None  # absent, or reported by _check_layer
     adapter = manifest.parent / os.path.expanduser(value)
-    if not adapter.is_file():
+    if not adapter.exists():
         errors.add(defaults.where("adapter"), f"no such file: {adapter}")
         return None
     return adapter
@@ -351,7 +384,7 @@ def _check_layer(layer: _Layer, presets: Mapping[str, Preset], limits: Limits, e
         value = layer.get(name)
         where = layer.where(name)
         if name not in _KNOWN_FIELDS:
-            allowed = JOB_FIELDS if is_job else DEFAULT_FIELDS
+            allowed = JOB_FIELDS + ENGINE_FIELDS if is_job else DEFAULT_FIELDS
             close = difflib.get_close_matches(name, allowed, n=1)
             hint = f" (did you mean {close[0]}?)" if close else f"; allowed: {', '.join(allowed)}"
             errors.add(where, f"unknown field{hint}")
@@ -360,8 +393,9 @@ def _check_layer(layer: _Layer, presets: Mapping[str, Preset], limits: Limits, e
             errors.add(where, "may only be set on a job, not in defaults")
             continue
         if name in DEFAULTS_ONLY_FIELDS and (is_job or layer.file == _COMMAND_LINE):
+            flag = "--" + name.replace("_", "-")
             errors.add(where, "may only be set in the manifest's defaults" +
-                       (" (on the command line: --adapter)" if layer.file == _COMMAND_LINE else ""))
+                       (f" (on the command line: {flag})" if layer.file == _COMMAND_LINE else ""))
             continue
         problem = _field_problem(name, value, presets, limits)
         if problem:

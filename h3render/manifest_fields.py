@@ -13,7 +13,8 @@ from h3render.job_keyframes import ANCHOR_OF_FIELD, KEYFRAME_FIELDS, KeyframeRef
 from h3render.jobs import (CANVAS_MULTIPLE, MAX_SEED, MODES, Limits, Preset, _is_int, canvas_for_aspect,
                            output_path_problem, parse_aspect)
 
-STRING_FIELDS = ("id", "prompt", "preset", "aspect", "mode", "output", "adapter", *KEYFRAME_FIELDS)
+STRING_FIELDS = ("id", "prompt", "preset", "aspect", "mode", "output", "adapter", "adapter_variant",
+                 "fasth3_positions", "precision", *KEYFRAME_FIELDS)
 # Integers longer than this are never a valid value of any field (the largest, a seed, has 20 digits); they are kept
 # as their digit count, so a 5,001-digit number is a field error rather than Python's int-conversion ValueError.
 MAX_INT_DIGITS = 100
@@ -33,8 +34,10 @@ def field_problem(name: str, value: Any, presets: Mapping[str, Preset], limits: 
         return f"an integer of {value.digits:,} digits is out of range"
     if name in STRING_FIELDS and not isinstance(value, str):
         return f"must be a string, got {type_name(value)}"
-    if name in ("id", "prompt", "adapter", *KEYFRAME_FIELDS) and not value.strip():
+    if name in ("id", "prompt", "adapter", "adapter_variant", *KEYFRAME_FIELDS) and not value.strip():
         return "must not be empty"
+    if name in ("precision", "fasth3_positions") and value not in engine_choices(name):
+        return f"{value!r} is not one of {', '.join(engine_choices(name))}"
     if name == "prompt" and len(value) > limits.max_prompt_chars:
         return (f"{len(value):,} characters is longer than this checkpoint's limit of {limits.max_prompt_chars:,} "
                 f"characters")
@@ -76,6 +79,19 @@ def field_problem(name: str, value: Any, presets: Mapping[str, Preset], limits: 
         if problem:
             return problem
     return None
+
+
+def engine_choices(name: str) -> tuple[str, ...]:
+    """The values an engine-level field takes, from their one home: `precision` (`checkpoint.load.PRECISIONS`,
+    "bf16" first: the default) or `fasth3_positions` (`checkpoint.students.POSITION_CHOICES`). Imported only when a
+    manifest sets one: both modules bring torch along."""
+    if name == "precision":
+        from h3render.checkpoint.load import PRECISIONS
+
+        return PRECISIONS
+    from h3render.checkpoint.students import POSITION_CHOICES
+
+    return POSITION_CHOICES
 
 
 def type_name(value: Any) -> str:

@@ -20,6 +20,7 @@ from h3render import sampling
 from h3render.colour import frames_to_uint8, rgb_to_i420
 from h3render.engine import RenderError
 from h3render.media import Mp4Writer
+from h3render.models.fp8 import precision_report
 from h3render.packing import patchify_video, rows_to_audio, t2va_layout, unpatchify_video
 from h3render.progress import Progress, as_progress
 from h3render.timing import StageTimer, device_name, utc_now, versions, write_sidecar
@@ -44,7 +45,10 @@ def render_job(engine, job, mp4_path: Path, sidecar_path: Path) -> Future:
     progress = as_progress(settings.progress, settings.step_bar_position) if plan.writes else Progress("off")
     label = mp4_path.stem
 
-    schedule = engine.schedule(job)
+    schedule = engine.schedule(job)  # a mixed queue's first fasth3 job fuses (and, fp8, quantizes) the DiT here
+    # What each component computes in, read now: the sidecar is written on the writer's thread, by when the next
+    # job may have fused and quantized the DiT.
+    precision = precision_report(c)
     # fl2va (keyframes): text with vision blocks, condition rows, a layout with them (h3render.conditioning).
     with progress.stage(label, "text + keyframes encode") if job.task == "fl2va" else nullcontext():
         condition = _condition(engine, job, timer)
@@ -115,7 +119,7 @@ def render_job(engine, job, mp4_path: Path, sidecar_path: Path) -> Future:
             result["job_warmup"] = job_warmup
         if condition is not None:
             result["fl2va"] = condition.record
-        run = run_facts(engine, mp4_path, started_at)
+        run = run_facts(engine, mp4_path, started_at, precision)
         return _write_sidecar(engine, job, schedule, timer, sidecar_path, result, run, mp4_path)
 
     try:
@@ -193,9 +197,10 @@ def _write_chunk(engine, writer: Mp4Writer, first: int, frames: torch.Tensor) ->
     return chunk.shape[0]
 
 
-def run_facts(engine, mp4_path: Path, started_at: str) -> dict[str, Any]:
+def run_facts(engine, mp4_path: Path, started_at: str, components: dict[str, str]) -> dict[str, Any]:
     """What ran this job, for the sidecar's ``run`` (docs/sidecar.md): the output, the start time, the device, the
-    dtypes the components hold, the attention backends actually used (and the one asked for), the x264 settings."""
+    engine's precision setting and `components` (`models.fp8.precision_report` at the job's start), the dtypes the
+    components hold, the attention backends actually used (and the one asked for), the x264 settings."""
     dev = engine.device
     requested = engine.settings.attention or "auto"
     dit_attention = str(engine.warmup.get("attention_backend", "sdpa"))
@@ -205,12 +210,13 @@ def run_facts(engine, mp4_path: Path, started_at: str) -> dict[str, Any]:
         # The VAE decoder runs the process-wide choice until prepare() measures its own shape (auto only).
         vae_attention = str(engine.warmup.get("vae_attention_backend", dit_attention))
     c = engine.c
-    precision = {"dit": str(c.dit.dtype).removeprefix("torch."), "text_encoder": _main_dtype(c.text_encoder),
-                 "video_vae": _main_dtype(c.video_vae), "audio_vae": _main_dtype(c.audio_vae),
-                 "float32_matmul": torch.get_float32_matmul_precision()}
+    dtypes = {"dit": str(c.dit.dtype).removeprefix("torch."), "text_encoder": _main_dtype(c.text_encoder),
+              "video_vae": _main_dtype(c.video_vae), "audio_vae": _main_dtype(c.audio_vae),
+              "float32_matmul": torch.get_float32_matmul_precision()}
     return {"output": str(Path(mp4_path).resolve()), "started_at": started_at,
             "device": {"type": dev.type, "name": device_name(dev), "ranks": engine.ctx.world_size},
-            "dtype": precision["dit"], "precision": precision,
+            "dtype": dtypes["dit"], "dtypes": dtypes, "precision": engine.precision,
+            "precision_components": dict(components),
             "attention": {"requested": requested, "dit": dit_attention, "vae": vae_attention},
             "encoder": {"crf": engine.settings.crf, "x264_preset": engine.settings.x264_preset}}
 

@@ -38,7 +38,9 @@ STAGES = ("load", "text_encode", "denoise", "vae_video", "vae_audio", "to_uint8_
 SUBSTAGES = ("vae_decode", "to_uint8_d2h", "mp4_close_after_decode")
 # 2: top-level "run" (device, dtypes, attention, output, start time); timings.overlapped_s -> concurrent_s;
 #    extra.writer in seconds (durations) instead of perf_counter instants
-SIDECAR_SCHEMA = 2
+# 3: run.precision is the engine's --precision ("bf16" / "fp8") and run.precision_components what each component
+#    computes in (`models.fp8.precision_report`); the per-component dtypes run.precision held moved to run.dtypes
+SIDECAR_SCHEMA = 3
 
 Interval = tuple[float, float]
 
@@ -312,19 +314,24 @@ def rendered_with(sidecar: Mapping[str, Any], checkpoint: Mapping[str, Any], enc
 
     Args:
         sidecar: the parsed sidecar of a job resume skips.
-        checkpoint: this run's ``{"path", "config_hash"}`` and, with ``--transformer``, ``"transformer"`` (its path).
+        checkpoint: this run's ``{"path", "config_hash"}``, with ``--transformer`` ``"transformer"`` (its path), and
+            optionally ``"precision"`` (``--precision``).
         encoder: this run's ``{"crf", "x264_preset"}``.
     Returns:
         e.g. ``"rendered earlier with checkpoint /m/a (now /m/b), crf 18 (now 23)"``, or None when nothing recorded
-        differs (a schema-1 sidecar has no encoder settings: only its checkpoint is compared).
+        differs (a schema-1 sidecar has no encoder settings: only its checkpoint is compared; schema 1 and 2 knew
+        only bf16 precision).
     """
     was = sidecar.get("checkpoint") or {}
     then_encoder = (sidecar.get("run") or {}).get("encoder") or {}
+    then_precision = (sidecar.get("run") or {}).get("precision")
+    then_precision = then_precision if isinstance(then_precision, str) else "bf16"  # schema 2: a dtype mapping
     pairs = [("checkpoint", was.get("path"), checkpoint.get("path")),
              ("checkpoint config", was.get("config_hash"), checkpoint.get("config_hash")),
              ("--transformer", (was.get("transformer") or {}).get("path"), checkpoint.get("transformer")),
              ("crf", then_encoder.get("crf", encoder.get("crf")), encoder.get("crf")),
-             ("x264 preset", then_encoder.get("x264_preset", encoder.get("x264_preset")), encoder.get("x264_preset"))]
+             ("x264 preset", then_encoder.get("x264_preset", encoder.get("x264_preset")), encoder.get("x264_preset")),
+             ("precision", then_precision, checkpoint.get("precision", then_precision))]
     changes = [f"{name} {then if then is not None else 'none'} (now {now if now is not None else 'none'})"
                for name, then, now in pairs if then != now]
     if changes and changes[0].startswith("checkpoint ") and len(changes) > 1 and changes[1].startswith(
