@@ -114,7 +114,9 @@ def _build(args, bench, ctx, precision: str, stage: str):
     from h3render.engine import Engine, EngineSettings
 
     device = ctx.device
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32  # as the CLI: fp32 on CPU
+    # bf16 on CUDA; fp32 on CPU for both precisions, so the CPU smoke compares like with like (the CLI would run
+    # fp8 with bf16 activations there: `engine.precision_problem`).
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     settings = EngineSettings(vae_batch=args.vae_batches[-1], attention=args.attention, progress=False,
                               save_latents=getattr(args, "save_latents", False))
     reset_peak(device)
@@ -124,7 +126,7 @@ def _build(args, bench, ctx, precision: str, stage: str):
     else:
         components = random_components(args.e2e_model, device, dtype, precision)
         sync(device)
-        engine = Engine(components, ctx, settings, load_seconds=time.perf_counter() - t0)
+        engine = Engine(components, ctx, settings, load_seconds=time.perf_counter() - t0, precision=precision)
     from h3render.models.fp8 import precision_report
 
     bench.rec(stage=stage, what=f"{precision}: components loaded", precision=precision,
