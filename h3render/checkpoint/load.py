@@ -241,12 +241,12 @@ def assemble_components(
     modules built on meta, times bytes per element; parts load in the order dit, video_vae, audio_vae,
     text_encoder, so the peak comes at the end): FP8 DiT 20.9 GB (19.27 B e4m3 block-linear weights + 12 MB
     scales + 1.67 GB of other DiT tensors in bf16/fp32; a VSA student's gates add 1.93 GB) + video VAE 5.6 GB +
-    audio VAE 0.6 GB + FP8 text encoder 26.0 GB (24.2 B e4m3 weights + bf16 embeddings and norms) ≈ 53.1 GB
-    (55.0 GB VSA), plus one weight's transient (≈1 GB: a bf16 text linear of at most 25600 x 5120, 0.26 GB, and
-    the fp32 temporaries of one 2**26-element quantization chunk, ≈0.8 GB). The DiT phase peaks lower: its FP8 part plus one AdaLN projection on its way to host
-    memory (96768 x 2688, 0.52 GB bf16; ≈2.6 GB while a FastH3 adapter fuses it in fp32). The 13.04 B AdaLN
-    parameters (26.1 GB bf16) sit in host memory. Before: the whole bf16 DiT with its AdaLN projections, 66.3 GB,
-    then quantized in place.
+    audio VAE 0.6 GB + FP8 text encoder 26.0 GB (24.38 B e4m3 weights + 14 MB scales + 1.56 GB bf16 embeddings
+    and norms) ≈ 53.1 GB (55.0 GB VSA), plus one weight's transient (≈1 GB: a bf16 text linear of at most
+    25600 x 5120, 0.26 GB, and the fp32 temporaries of one 2**26-element quantization chunk, ≈0.8 GB). The DiT
+    phase peaks lower: its FP8 part plus one AdaLN projection on its way to host memory (96768 x 2688, 0.52 GB
+    bf16; ≈2.6 GB while a FastH3 adapter fuses it in fp32). The 13.04 B AdaLN parameters (26.1 GB bf16) sit in
+    host memory. Before: the whole bf16 DiT with its AdaLN projections, 66.3 GB, then quantized in place.
 
     Raises:
         CheckpointError: as `stream_into`.
@@ -264,10 +264,11 @@ def assemble_components(
         if hasattr(tensor_hook, "entries"):
             entries = tensor_hook.entries(entries)
         hook, adaln_home = tensor_hook, _adaln_home(adaln_device, precision, device)
-        if precision == "fp8" or adaln_home != torch.device(device):
+        adaln_away = adaln_home if adaln_home != torch.device(device) else None
+        if precision == "fp8" or adaln_away is not None:
             if precision == "fp8":
                 empty_dit_fp8_(dit)  # after `prepare`: a VSA student's gates become FP8 too
-            hook = _DitPlacement(dit, tensor_hook, adaln_home if adaln_home != torch.device(device) else None)
+            hook = _DitPlacement(dit, tensor_hook, adaln_away)
             entries = hook.entries(entries)
         built["dit"] = stream_into(dit, entries, device, what=_WHAT["dit"], where=where("dit"), tensor_hook=hook)
         finish_hook(tensor_hook)
