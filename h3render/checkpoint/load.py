@@ -5,15 +5,17 @@ straight to the target device through `stream_into`, cast to the dtype the modul
 The DiT goes through an optional per-tensor hook on the way (FastH3 fusion). The built-in random models ("tiny",
 "small") come from `h3render.make_checkpoint` and load through the same path.
 
-`precision="fp8"` (issue #18, `h3render.models.fp8`): the DiT block linears become `Fp8Linear` right after the DiT
-has streamed (so they quantize the FastH3-fused weights), before the next part loads; the text encoder's decoder-layer
-linears are `Fp8WeightLinear` from the start and their weights are quantized as they stream, so the bf16 encoder
-never exists on the device.
+`precision="fp8"` (issue #18, `h3render.models.fp8`): the DiT block linears are empty `Fp8Linear` modules from the
+start (after a FastH3 hook's `prepare` has added any VSA gates) and each weight is quantized as it streams, after
+the hook has fused it; the text encoder's decoder-layer linears are `Fp8WeightLinear` the same way. So neither the
+bf16 DiT nor the bf16 encoder ever exists on the device, and the DiT's AdaLN projections (read only to build the
+modulation tables) go to host memory as they stream.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Collection, Iterable, Iterator
@@ -26,8 +28,8 @@ from h3render.checkpoint.releases import Release
 from h3render.checkpoint.stream import (Entry, TensorHook, cast_parameters_, finish_hook, parameters_on_meta,
                                         safetensors_entries, stream_into, weights_where)
 from h3render.models.audio_vae import AudioVAE
-from h3render.models.dit import DiT, DiTConfig
-from h3render.models.fp8 import Fp8WeightLinear, quantize_dit_fp8_, quantize_text_encoder_fp8_, quantize_weight
+from h3render.models.dit import AdaLNProj, DiT, DiTConfig
+from h3render.models.fp8 import Fp8Linear, Fp8WeightLinear, empty_dit_fp8_, quantize_text_encoder_fp8_, quantize_weight
 from h3render.models.text_encoder import TextEncoder
 from h3render.models.video_vae import VideoVAE
 
@@ -101,6 +103,67 @@ def _quantized_entries(entries: Iterable[Entry], weights: Collection[str]) -> It
         yield Entry(entry.file, entry.name + "_scale", lambda q=quantized: q()[1])
 
 
+class _DitPlacement:
+    """The DiT's per-tensor hook when its block linears are FP8 or its AdaLN projections live off `device`.
+
+    Every tensor goes through the caller's `tensor_hook` first (the FastH3 fusion sees the streamed tensor, as on
+    the bf16 path), then:
+
+    * a block-linear weight (an empty `Fp8Linear` of `dit`): cast to the linear's `out_dtype` (what the bf16 path
+      would hold) and quantized on its device (`quantize_weight`); the hook returns the e4m3 data [N, K], and the
+      [1, N] scale is the `<name>_scale` entry that `entries` adds right after it. Each bf16 weight is dropped as
+      soon as it is quantized, so one exists at a time, and the result equals quantizing the loaded bf16 DiT.
+    * an AdaLN projection tensor (`blocks.*.adaln_proj`, `final_layer.adaln_proj`): cast to its parameter's dtype
+      and moved to `adaln_device` (host memory), so at most one projection is on the device at a time.
+
+    Args:
+        dit: the empty DiT, already swapped to FP8 (`empty_dit_fp8_`) where it should be.
+        tensor_hook: the caller's hook, or None.
+        adaln_device: where the AdaLN projections go, or None to leave them where the DiT streams.
+    """
+
+    def __init__(self, dit: DiT, tensor_hook: TensorHook | None, adaln_device: torch.device | None):
+        self.hook = tensor_hook
+        self.quantized = {f"{name}.weight": m.out_dtype for name, m in dit.named_modules() if isinstance(m, Fp8Linear)}
+        self.scales = {name + "_scale" for name in self.quantized}
+        self.adaln_device = adaln_device
+        self.adaln: dict[str, torch.dtype] = {}
+        if adaln_device is not None:
+            self.adaln = {f"{name}.{leaf}": p.dtype for name, m in dit.named_modules() if isinstance(m, AdaLNProj)
+                          for leaf, p in m.named_parameters()}
+        self._pending: dict[str, torch.Tensor] = {}
+
+    def entries(self, stream: Iterable[Entry]) -> Iterator[Entry]:
+        """`stream`, with each quantized weight's scale entry right after it (same file, so the same shard)."""
+        for entry in stream:
+            if entry.name in self.scales:
+                raise CheckpointError(f"{entry.file}: unexpected tensor {entry.name!r} for the DiT (a pre-quantized "
+                                      f"export?); precision='fp8' quantizes the checkpoint's own weights")
+            yield entry
+            if entry.name in self.quantized:
+                yield Entry(entry.file, entry.name + "_scale", functools.partial(self._pending.pop,
+                                                                                 entry.name + "_scale"))
+
+    def __call__(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        if name in self.scales:
+            return tensor  # computed with its weight, the hook already saw that
+        if self.hook is not None:
+            tensor = self.hook(name, tensor)
+        if name in self.quantized:
+            data, self._pending[name + "_scale"] = quantize_weight(tensor.to(self.quantized[name]))
+            return data
+        if name in self.adaln:
+            return tensor.to(self.adaln[name]).to(self.adaln_device)
+        return tensor
+
+
+def _adaln_home(adaln_device: torch.device | str | None, precision: str, device: torch.device | str) -> torch.device:
+    """Where the AdaLN projections load: `adaln_device` when given, else host memory under fp8, else `device`."""
+    if adaln_device is not None:
+        return torch.device(adaln_device)
+    return torch.device("cpu") if precision == "fp8" else torch.device(device)
+
+
 def check_precision(precision: str) -> str:
     """`precision` if it is one of `PRECISIONS`, else ValueError naming the choices."""
     if precision not in PRECISIONS:
@@ -151,6 +214,7 @@ def assemble_components(
     parts: Collection[str] = PARTS,
     tensor_hook: TensorHook | None = None,
     precision: str = "bf16",
+    adaln_device: torch.device | str | None = None,
 ) -> Components:
     """Build the asked-for parts empty and stream each one's tensors into it: the one loading path of checkpoints
     on disk and of the built-in random models.
@@ -164,13 +228,25 @@ def assemble_components(
             release's fp32 islands stay fp32 and the audio VAE is always fp32.
         tensor_hook: applied to every DiT tensor while streaming, then `finish()` when it has one; its optional
             `prepare(dit)` runs on the empty DiT first and `entries(stream)` wraps the DiT's entries.
-        precision: "bf16" or "fp8". With "fp8" the DiT streams in `dtype` (fused by the hook), then its block
-            linears are quantized one at a time (`quantize_dit_fp8_`) before anything else loads; the text
-            encoder's decoder-layer weights are quantized as they stream. Peak device memory is then the larger of
-            (a) the whole DiT in `dtype` plus one linear's quantization transient (released: ≈66 GB bf16 with the
-            AdaLN projections) and (b) the FP8 DiT + VAEs + FP8 text encoder + one bf16 text tensor; the bf16 text
-            encoder (51.5 GB released) is never resident. Parts load in the order dit, video_vae, audio_vae,
-            text_encoder.
+        precision: "bf16" or "fp8". With "fp8" the DiT's block linears (`models.fp8.DIT_BLOCK_LINEARS`, VSA gates
+            included) are empty `Fp8Linear` modules before anything streams, and each weight is quantized on
+            `device` as it arrives, after the hook has fused it (cast to `dtype` first: bit-identical to quantizing
+            the bf16-loaded DiT with `quantize_dit_fp8_`); the text encoder's decoder-layer weights are quantized as
+            they stream too. Only one bf16 weight exists at a time.
+        adaln_device: where the DiT's AdaLN projections (`blocks.*.adaln_proj`, `final_layer.adaln_proj`; read only
+            by `DiT.modulation_tables`, which brings each to the tables' device for its own block) are placed as
+            they stream; None: host memory ("cpu") with precision "fp8", else `device`.
+
+    Peak device memory with precision "fp8" on a GPU, released sizes (parameter counts of the release configs'
+    modules built on meta, times bytes per element; parts load in the order dit, video_vae, audio_vae,
+    text_encoder, so the peak comes at the end): FP8 DiT 20.9 GB (19.27 B e4m3 block-linear weights + 12 MB
+    scales + 1.67 GB of other DiT tensors in bf16/fp32; a VSA student's gates add 1.93 GB) + video VAE 5.6 GB +
+    audio VAE 0.6 GB + FP8 text encoder 26.0 GB (24.38 B e4m3 weights + 14 MB scales + 1.56 GB bf16 embeddings
+    and norms) ≈ 53.1 GB (55.0 GB VSA), plus one weight's transient (≈1 GB: a bf16 text linear of at most
+    25600 x 5120, 0.26 GB, and the fp32 temporaries of one 2**26-element quantization chunk, ≈0.8 GB). The DiT
+    phase peaks lower: its FP8 part plus one AdaLN projection on its way to host memory (96768 x 2688, 0.52 GB
+    bf16; ≈2.6 GB while a FastH3 adapter fuses it in fp32). The 13.04 B AdaLN parameters (26.1 GB bf16) sit in
+    host memory. Before: the whole bf16 DiT with its AdaLN projections, 66.3 GB, then quantized in place.
 
     Raises:
         CheckpointError: as `stream_into`.
@@ -187,11 +263,15 @@ def assemble_components(
             tensor_hook.prepare(dit)
         if hasattr(tensor_hook, "entries"):
             entries = tensor_hook.entries(entries)
-        built["dit"] = stream_into(dit, entries, device, what=_WHAT["dit"], where=where("dit"),
-                                   tensor_hook=tensor_hook)
+        hook, adaln_home = tensor_hook, _adaln_home(adaln_device, precision, device)
+        adaln_away = adaln_home if adaln_home != torch.device(device) else None
+        if precision == "fp8" or adaln_away is not None:
+            if precision == "fp8":
+                empty_dit_fp8_(dit)  # after `prepare`: a VSA student's gates become FP8 too
+            hook = _DitPlacement(dit, tensor_hook, adaln_away)
+            entries = hook.entries(entries)
+        built["dit"] = stream_into(dit, entries, device, what=_WHAT["dit"], where=where("dit"), tensor_hook=hook)
         finish_hook(tensor_hook)
-        if precision == "fp8":
-            quantize_dit_fp8_(built["dit"])  # after the fusion: the FP8 weights are the student's
     if "video_vae" in parts:
         built["video_vae"] = stream_into(_empty_video_vae(release, dtype), source("video_vae"), device,
                                          what=_WHAT["video_vae"], where=where("video_vae"))
@@ -233,7 +313,8 @@ def load_dit(info: CheckpointInfo, device: torch.device | str = "cpu", dtype: to
         dtype: block-stack dtype; `DiT.apply_precision_` keeps the fp32 islands fp32.
         tensor_hook: optional `hook(native_name, tensor) -> tensor` applied to every DiT tensor while streaming
             (e.g. FastH3 fusion), then `hook.finish()` if it has one.
-        precision: "bf16" or "fp8" (block linears quantized after the fusion; see `assemble_components`).
+        precision: "bf16" or "fp8" (block linears quantized as they stream, after the fusion; AdaLN projections
+            in host memory; see `assemble_components`).
 
     Raises:
         CheckpointError: as `stream_into`.
@@ -263,8 +344,10 @@ def load_components(
         transformer_file: a single-file transformer replacing the checkpoint's own; its architecture must match.
         seed: weights seed of a built-in model ("tiny", "small"); ignored otherwise.
         precision: "bf16" (default: all linears in `dtype`) or "fp8": DiT block linears `Fp8Linear`, text encoder
-            decoder-layer linears `Fp8WeightLinear`, each quantized on `device` before the next part loads (peak
-            memory: `assemble_components`). `models.fp8.precision_report(components)` describes the result.
+            decoder-layer linears `Fp8WeightLinear`, each weight quantized on `device` as it streams, and the DiT's
+            AdaLN projections in host memory. Peak device memory on a GPU, released sizes: ≈53 GB (FP8 DiT 20.9 +
+            VAEs 6.2 + FP8 text encoder 26.0, plus ≈1 GB transient; derivation in `assemble_components`), where
+            the bf16 DiT alone was 66.3 GB. `models.fp8.precision_report(components)` describes the result.
 
     Raises:
         CheckpointError: layout, config or tensor problems, naming the file and tensor; an unknown part.

@@ -9,7 +9,8 @@
   weight is dequantized to the activation dtype per call and the GEMM runs there, so the only error is the weight's
   own rounding (no activation quantization).
 * `quantize_dit_fp8_`, `quantize_text_encoder_fp8_`: in-place replacement of the covered linears, one at a time, so
-  the peak grows by one linear's transient, not by a model.
+  the peak grows by one linear's transient, not by a model. `empty_dit_fp8_` (and `quantize_text_encoder_fp8_` on
+  an empty encoder) build the empty FP8 modules that `checkpoint.load` streams quantized weights into.
 * `precision_report`: what precision each loaded component runs in, for the sidecar.
 
 Weight scales are per output channel, `amax(|w[n, :]|) / 448` (448 = largest finite e4m3, `kernels.fp8.E4M3_MAX`),
@@ -31,7 +32,7 @@ from h3render.kernels.fp8 import Fp8Rows, quantize_rows, quantize_rows_naive
 
 __all__ = [
     "DIT_BLOCK_LINEARS", "FP8", "TEXT_ENCODER_LINEARS", "Fp8Linear", "Fp8WeightLinear", "precision_report",
-    "quantize_dit_fp8_", "quantize_text_encoder_fp8_", "quantize_weight",
+    "empty_dit_fp8_", "quantize_dit_fp8_", "quantize_text_encoder_fp8_", "quantize_weight",
 ]
 
 FP8 = torch.float8_e4m3fn
@@ -213,6 +214,32 @@ def quantize_dit_fp8_(dit: nn.Module) -> int:
     meta = [name for name, p in dit.blocks.named_parameters() if p.is_meta]
     if meta:
         raise ValueError(f"quantize_dit_fp8_: blocks.{meta[0]} is on the meta device; load the weights first")
+    return _replace_block_linears(dit)
+
+
+@torch.no_grad()
+def empty_dit_fp8_(dit: nn.Module) -> int:
+    """On an EMPTY DiT (every block parameter on the meta device): replace the same linears as `quantize_dit_fp8_`
+    by empty `Fp8Linear` modules (buffers `weight` [N, K] e4m3, `weight_scale` [1, N] fp32 on meta; `out_dtype` =
+    the linear's dtype), which `checkpoint.load` fills with weights quantized while they stream, so the DiT's block
+    linears never exist whole in bf16. Call after `enable_vsa` (a VSA student's gates must be there to be swapped).
+
+    Returns:
+        The number of linears replaced now: 4 (dense) or 5 (VSA) per block; 0 when called again.
+
+    Raises:
+        ValueError: a block parameter that is not on meta (a loaded DiT: use `quantize_dit_fp8_`), or a dimension
+            not a multiple of 16.
+    """
+    loaded = [name for name, p in dit.blocks.named_parameters() if not p.is_meta]
+    if loaded:
+        raise ValueError(f"empty_dit_fp8_: blocks.{loaded[0]} is already loaded; quantize a loaded DiT with "
+                         f"quantize_dit_fp8_")
+    return _replace_block_linears(dit)
+
+
+def _replace_block_linears(dit: nn.Module) -> int:
+    """`DIT_BLOCK_LINEARS` of every block -> `Fp8Linear.from_linear` (quantized, or empty on meta); the count."""
     count = 0
     for block in dit.blocks:
         for path in DIT_BLOCK_LINEARS:
