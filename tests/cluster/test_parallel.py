@@ -17,6 +17,7 @@ from h3render.parallel.vae import assign_items
 from tests._mp4 import frames_of
 from tests._env import repo_pythonpath
 from tests._spawn import free_port
+from tests._cli import run_here
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -125,9 +126,7 @@ def test_failure_on_rank0_mid_stream_fails_job_on_all_ranks_without_hang(tmp_pat
     from safetensors.torch import load_file, save_file
 
     ckpt = tmp_path / "ckpt"
-    env = {**os.environ, "PYTHONPATH": repo_pythonpath()}
-    r = subprocess.run([sys.executable, "-m", "h3render.cli", "make-checkpoint", str(ckpt), "--config", "tiny"],
-                       capture_output=True, text=True, env=env, timeout=300)
+    r = run_here("make-checkpoint", str(ckpt), "--config", "tiny")
     assert r.returncode == 0, r.stderr
     files = sorted((ckpt / "FL2VA" / "video_vae").glob("*.safetensors"))
     assert files

@@ -1,7 +1,7 @@
 """End-to-end CLI tests on the tiny model: real MP4s opened with PyAV, determinism, and bad-argument handling.
 
-Usage errors run in-process through click's CliRunner (they stop before any weights load); renders and exit
-behaviour run the real command in a subprocess.
+Usage errors and most renders run in-process through click's CliRunner (`tests._cli.run_here`); one render of
+each kind and the exit behaviour run the real command in a subprocess (`run_cli`).
 """
 
 from __future__ import annotations
@@ -14,14 +14,14 @@ import numpy as np
 import pytest
 
 from h3render.media import audio_samples_for
-from tests._cli import click_error, invoke, one_error_line, run_cli
+from tests._cli import click_error, invoke, one_error_line, run_cli, run_here
 from tests._mp4 import decode
 
 
 @pytest.fixture(scope="module")
 def official_ckpt(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("ckpt") / "tiny-official"
-    r = run_cli("make-checkpoint", str(out), "--config", "tiny", "--layout", "official")
+    r = run_here("make-checkpoint", str(out), "--config", "tiny", "--layout", "official")
     assert r.returncode == 0, r.stderr
     return out
 
@@ -29,7 +29,7 @@ def official_ckpt(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def diffusers_ckpt(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("ckpt") / "tiny-diffusers"
-    r = run_cli("make-checkpoint", str(out), "--config", "tiny", "--layout", "diffusers")
+    r = run_here("make-checkpoint", str(out), "--config", "tiny", "--layout", "diffusers")
     assert r.returncode == 0, r.stderr
     return out
 
@@ -59,8 +59,9 @@ def check_mp4(path: Path, frames: int, width: int, height: int) -> None:
 def test_prompt_renders_playable_mp4_from_checkpoint(layout, official_ckpt, diffusers_ckpt, tmp_path):
     ckpt = official_ckpt if layout == "official" else diffusers_ckpt
     out = tmp_path / "clip.mp4"
-    r = run_cli("prompt", "A red fox runs through snow, wind howling", "-o", str(out), "--checkpoint", str(ckpt),
-                "--width", "224", "--height", "128", "--frames", "22", "--steps", "3", "--seed", "5")
+    run = run_cli if layout == "official" else run_here  # one real process; the other layout in this one
+    r = run("prompt", "A red fox runs through snow, wind howling", "-o", str(out), "--checkpoint", str(ckpt),
+            "--width", "224", "--height", "128", "--frames", "22", "--steps", "3", "--seed", "5")
     assert r.returncode == 0, r.stderr
     check_mp4(out, frames=22, width=224, height=128)
     sidecar = json.loads(out.with_suffix(".json").read_text())
@@ -82,14 +83,9 @@ def test_builtin_tiny_same_seed_identical_other_seed_differs(tmp_path):
     for name, seed in (("a", 3), ("b", 3), ("c", 4)):
         out = tmp_path / f"{name}.mp4"
         args = ("prompt", "Rain on a tin roof", "-o", str(out), "--seed", str(seed), "--steps", "3")
-        if name == "a":
-            r = run_cli(*args)
-            code, stderr = r.returncode, r.stderr
-        else:
-            result = invoke(*args)
-            code, stderr = result.exit_code, result.stderr
-        assert code == 0, stderr
-        assert "random weights" in stderr
+        r = run_cli(*args) if name == "a" else run_here(*args)
+        assert r.returncode == 0, r.stderr
+        assert "random weights" in r.stderr
         outs[name] = decode(out)
     check_mp4(tmp_path / "a.mp4", frames=39, width=224, height=128)
     np.testing.assert_array_equal(outs["a"][0], outs["b"][0])
@@ -197,11 +193,11 @@ def test_batch_seed_steps_preset_are_defaults_below_a_jobs_own_fields(tmp_path):
 
 def test_fasth3_renders_with_synthetic_adapter_and_records_schedule(tmp_path):
     ckpt, adapter = tmp_path / "ckpt", tmp_path / "adapter.safetensors"
-    r = run_cli("make-checkpoint", str(ckpt), "--config", "tiny", "--adapter", str(adapter))
+    r = run_here("make-checkpoint", str(ckpt), "--config", "tiny", "--adapter", str(adapter))
     assert r.returncode == 0, r.stderr
     out = tmp_path / "fast.mp4"
-    r = run_cli("prompt", "A drummer in a garage, snare cracks", "-o", str(out), "--checkpoint", str(ckpt),
-                "--mode", "fasth3", "--adapter", str(adapter), "--frames", "22")
+    r = run_here("prompt", "A drummer in a garage, snare cracks", "-o", str(out), "--checkpoint", str(ckpt),
+                 "--mode", "fasth3", "--adapter", str(adapter), "--frames", "22")
     assert r.returncode == 0, r.stderr
     check_mp4(out, frames=22, width=224, height=128)
     side = json.loads(out.with_suffix(".json").read_text())
@@ -231,28 +227,28 @@ def test_fasth3_v2_checkpoint_runs_its_own_contract(official_ckpt, tmp_path):
                 "video_scheduler_shift": 10.0, "audio_scheduler_shift": 3.0}
     (ckpt / "fastvideo_inference.json").write_text(json.dumps(contract))
     out = tmp_path / "v2.mp4"
-    r = run_cli("prompt", "A choir in a stone church", "-o", str(out), "--checkpoint", str(ckpt), "--mode", "fasth3",
-                "--frames", "22")
+    r = run_here("prompt", "A choir in a stone church", "-o", str(out), "--checkpoint", str(ckpt), "--mode", "fasth3",
+                 "--frames", "22")
     assert r.returncode == 0, r.stderr
     side = json.loads(out.with_suffix(".json").read_text())["sigmas"]
     assert side["forwards"] == 8 and side["video_shift"] == 10.0 and side["source"] == "FastH3 V2 contract"
     s = 0.999
     assert abs(side["video"][0] - 10 * s / (1 + 9 * s)) < 1e-6
     # the same checkpoint refuses base-model jobs: its weights are the distilled student
-    r = run_cli("prompt", "x", "-o", str(tmp_path / "base.mp4"), "--checkpoint", str(ckpt), "--frames", "22")
+    r = run_here("prompt", "x", "-o", str(tmp_path / "base.mp4"), "--checkpoint", str(ckpt), "--frames", "22")
     assert r.returncode == 1 and "FastH3" in r.stderr and not (tmp_path / "base.mp4").exists()
 
 
 def test_single_file_transformer_replaces_the_checkpoint_dit(official_ckpt, tmp_path):
     """A ComfyUI-style single-file DiT (q/k/v stacked) with the same weights renders the same MP4 frames."""
     single = tmp_path / "dit.safetensors"
-    r = run_cli("make-checkpoint", str(single), "--config", "tiny", "--layout", "single-file")
+    r = run_here("make-checkpoint", str(single), "--config", "tiny", "--layout", "single-file")
     assert r.returncode == 0, r.stderr
     args = ("--checkpoint", str(official_ckpt), "--frames", "22", "--steps", "3", "--seed", "2")
     a, b = tmp_path / "a.mp4", tmp_path / "b.mp4"
-    r = run_cli("prompt", "Wind over dunes", "-o", str(a), *args)
+    r = run_here("prompt", "Wind over dunes", "-o", str(a), *args)
     assert r.returncode == 0, r.stderr
-    r = run_cli("prompt", "Wind over dunes", "-o", str(b), *args, "--transformer", str(single))
+    r = run_here("prompt", "Wind over dunes", "-o", str(b), *args, "--transformer", str(single))
     assert r.returncode == 0, r.stderr
     np.testing.assert_array_equal(decode(a)[0], decode(b)[0])
     # the sidecar names the file the DiT came from (a user found no trace of it)
@@ -271,7 +267,7 @@ def test_batch_renders_jobs_in_turn_and_the_overlap_flags_are_gone(tmp_path):
     manifest.write_text("".join(json.dumps({"id": name, "prompt": f"Surf at dawn, take {name}", "frames": 22,
                                             "steps": 2, "width": 128, "height": 64}) + "\n" for name in "ab"))
     out = tmp_path / "out"
-    r = run_cli("batch", str(manifest), "--out-dir", str(out), "--quiet")
+    r = run_here("batch", str(manifest), "--out-dir", str(out), "--quiet")
     assert r.returncode == 0, r.stderr
     report = json.loads((out / "batch-report.json").read_text())
     assert [j["status"] for j in report["jobs"]] == ["succeeded"] * 2 and report["queue_seconds"] > 0

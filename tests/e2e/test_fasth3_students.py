@@ -268,11 +268,11 @@ def test_position_sets_on_adapters_and_contracts(tmp_path, bundle):
 def test_vsa_student_renders_through_prompt_and_batch(tmp_path, bundle):
     """A tiny VSA student (bundle variant with gates) through `h3render prompt` and `h3render batch` (CPU: the VSA
     torch reference); the sidecar records the attention, its sources, k at the job's shape, and the positions."""
-    from tests._cli import run_cli
+    from tests._cli import run_here
 
     out = tmp_path / "p.mp4"
-    r = run_cli("prompt", "Rain on a tin roof", "-o", str(out), "--mode", "fasth3", "--adapter", str(bundle),
-                "--adapter-variant", "vsa-datafree", "--fasth3-positions", "fastvideo-example", "--frames", "22")
+    r = run_here("prompt", "Rain on a tin roof", "-o", str(out), "--mode", "fasth3", "--adapter", str(bundle),
+                 "--adapter-variant", "vsa-datafree", "--fasth3-positions", "fastvideo-example", "--frames", "22")
     assert r.returncode == 0, r.stderr
     side = json.loads(out.with_suffix(".json").read_text())
     fast = side["extra"]["fasth3"]
@@ -286,8 +286,8 @@ def test_vsa_student_renders_through_prompt_and_batch(tmp_path, bundle):
 
     manifest = tmp_path / "jobs.jsonl"
     manifest.write_text(json.dumps({"id": "a", "prompt": "A bell tolls", "mode": "fasth3", "frames": 22}) + "\n")
-    r = run_cli("batch", str(manifest), "--out-dir", str(tmp_path / "out"), "--adapter",
-                str(bundle / "vsa-synthetic-step1900"), "--quiet")
+    r = run_here("batch", str(manifest), "--out-dir", str(tmp_path / "out"), "--adapter",
+                 str(bundle / "vsa-synthetic-step1900"), "--quiet")
     assert r.returncode == 0, r.stderr
     sidecars = list((tmp_path / "out").glob("*.json"))
     job = next(json.loads(p.read_text()) for p in sidecars if "extra" in json.loads(p.read_text()))

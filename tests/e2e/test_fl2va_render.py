@@ -19,12 +19,16 @@ from h3render.make_checkpoint import make_checkpoint
 from tests._mp4 import frames_of
 from tests._env import repo_pythonpath
 from tests._spawn import free_port
+from tests._cli import run_here
 
 REPO = Path(__file__).resolve().parents[2]
 ARGS = ("--steps", "3", "--seed", "5", "--device", "cpu", "--save-latents", "--vae-batch", "1")
 
 
-def cli(*args: str, cwd: Path = REPO, launcher: list[str] | None = None) -> subprocess.CompletedProcess:
+def cli(*args: str, cwd: Path = REPO, launcher: list[str] | None = None):
+    """`h3render ARGS` in this process (`tests._cli.run_here`), or under `launcher` (torchrun) in a subprocess."""
+    if launcher is None:
+        return run_here(*args, cwd=cwd)
     env = {**os.environ, "PYTHONPATH": repo_pythonpath(), "OMP_NUM_THREADS": "1"}
     env.pop("H3RENDER_CHECKPOINT", None)
     cmd = [sys.executable, *(launcher or []), "-m", "h3render.cli", *args]

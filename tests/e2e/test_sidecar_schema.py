@@ -1,18 +1,16 @@
-"""docs/schema/*.schema.json against real sidecars and a real batch report from tiny renders (subprocesses), and the
-sidecar's `run` facts: what device, dtypes and attention actually ran, where the MP4 went, when the job started."""
+"""docs/schema/*.schema.json against real sidecars and a real batch report from tiny renders (in-process CLI runs), and
+the sidecar's `run` facts: what device, dtypes and attention actually ran, where the MP4 went, when the job started."""
 
 from __future__ import annotations
 
 import copy
 import json
-import os
-import subprocess
-import sys
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 import pytest
-from tests._env import repo_pythonpath
+
+from tests._cli import run_here
 
 jsonschema = pytest.importorskip("jsonschema")
 
@@ -30,11 +28,9 @@ def validate(doc: dict, name: str) -> None:
     jsonschema.Draft202012Validator(schema(name)).validate(doc)
 
 
-def h3render(*args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": repo_pythonpath()}
-    env.pop("H3RENDER_CHECKPOINT", None)
-    return subprocess.run([sys.executable, "-m", "h3render.cli", *args], capture_output=True, text=True, env=env,
-                          cwd=REPO, timeout=600)
+def h3render(*args: str):
+    """`h3render ARGS` in this process (`tests._cli.run_here`: no fresh interpreter per render)."""
+    return run_here(*args)
 
 
 @pytest.fixture(scope="module")
