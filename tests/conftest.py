@@ -2,3 +2,11 @@ import os
 
 # Triton kernels run under the interpreter on CPU-only machines (CI has no GPU).
 os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# Under pytest-xdist every core already runs a worker: one intra-op thread per worker (and per render subprocess it
+# starts, which inherits this) instead of each of them spinning up a thread per core and contending for the cores.
+if os.environ.get("PYTEST_XDIST_WORKER") and "OMP_NUM_THREADS" not in os.environ:
+    os.environ["OMP_NUM_THREADS"] = "1"
+    import torch
+
+    torch.set_num_threads(1)
