@@ -372,8 +372,8 @@ def _batch(manifest, out_dir, shard, skip_existing, fail_fast, dry_run, quiet, o
     if shard_spec is not None:
         jobs = jobs_mod.shard_jobs(jobs, *shard_spec)
     if dry_run:
-        for line in jobs_mod.plan_lines(jobs):
-            print(line)
+        print("\n".join(jobs_mod.plan_lines(jobs, Path(out_dir), overwrite=not skip_existing, run={
+            "checkpoint": checkpoint, "precision": opts["precision"], "adapter": opts["adapter"]})))
         return 0
     _check_writable(Path(out_dir))
     from h3render.batch import prepare_out_dir

@@ -267,8 +267,16 @@ def test_batch_renders_jobs_in_turn_and_the_overlap_flags_are_gone(tmp_path):
     manifest.write_text("".join(json.dumps({"id": name, "prompt": f"Surf at dawn, take {name}", "frames": 22,
                                             "steps": 2, "width": 128, "height": 64}) + "\n" for name in "ab"))
     out = tmp_path / "out"
+    plan = invoke("batch", str(manifest), "--out-dir", str(out), "--dry-run").stdout.splitlines()
+    assert plan[0] == "run: checkpoint tiny, precision bf16"
+    assert plan[1].startswith(f"[1/2] a ({out / 'a.mp4'}, render: no MP4): ") and not out.exists()
     r = run_here("batch", str(manifest), "--out-dir", str(out), "--quiet")
     assert r.returncode == 0, r.stderr
+    # the plan now says what a rerun would do: skip both, or render them again with --overwrite
+    plan = invoke("batch", str(manifest), "--out-dir", str(out), "--dry-run").stdout.splitlines()
+    assert [line.split(": ")[0].split(", ")[-1] for line in plan[1:3]] == ["skip"] * 2, plan
+    plan = invoke("batch", str(manifest), "--out-dir", str(out), "--dry-run", "--overwrite").stdout.splitlines()
+    assert f"({out / 'b.mp4'}, render: overwrite)" in plan[2]
     report = json.loads((out / "batch-report.json").read_text())
     assert [j["status"] for j in report["jobs"]] == ["succeeded"] * 2 and report["queue_seconds"] > 0
     assert "overlap" not in report and "overlap" not in json.loads((out / "a.json").read_text())["timings"]
