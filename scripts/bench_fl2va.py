@@ -72,7 +72,7 @@ def _keyframes(width: int, height: int) -> list[Image.Image]:
 
 @torch.no_grad()
 def run(args, bench) -> None:
-    """The stage; `bench` is scripts/bench.py's module (`rec`, `random_`, `gb`)."""
+    """The stage; `bench` is scripts/bench_common.py (`rec`, `random_`, `gb`)."""
     from h3render import sampling
     from h3render.checkpoint.releases import RELEASES
     from h3render.keyframes import keyframe_pixels

@@ -1,0 +1,317 @@
+"""The DiT-side stages of scripts/bench.py: ceilings (ceil), attention backends (attn), Triton kernels (kernels),
+the DiT forward vs diffusers (dit), Ulysses sharding (ulysses), video sparse attention (vsa) and the profiler's top
+kernels (prof)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from bench_common import (build_on_gpu, cuda_time, dit_flops, dit_inputs, gb, peak_gb, peak_reset, random_, rec,
+                          rel_err, released_dit)
+from bench_vae import vae_attention
+
+PEAK_TFLOPS = [None]
+
+
+def stage_ceil(args) -> None:
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn_like(a)
+    t = cuda_time(lambda: a @ b, reps=10, warm=3)
+    PEAK_TFLOPS[0] = 2 * 8192 ** 3 / t / 1e12
+    rec(stage="ceil", what="bf16 matmul 8192^3", tflops=round(PEAK_TFLOPS[0], 1))
+    x = torch.empty(2 * 1024 ** 3, dtype=torch.uint8, device="cuda")
+    y = torch.empty_like(x)
+    t = cuda_time(lambda: y.copy_(x), reps=10, warm=2)
+    rec(stage="ceil", what="device copy", tb_per_s=round(2 * x.numel() / t / 1e12, 2))
+    del a, b, x, y
+
+
+def stage_attn(args) -> None:
+    import bench_kernels
+
+    for row in bench_kernels.bench_attention():
+        rec(stage="attn", **row)
+
+
+def stage_kernels(args) -> None:
+    import bench_kernels
+
+    for row in bench_kernels.check_kernels():
+        rec(stage="kernel-check", **row)
+    for row in bench_kernels.bench_kernels():
+        rec(stage="kernels", **row)
+
+
+@torch.no_grad()
+def stage_dit(args) -> None:
+    from h3render import sampling
+    from h3render.models.attention import attention, select_backend
+
+    backend = select_backend(args.attention)
+    rec(stage="dit", what="attention backend", backend=backend)
+    shapes = [(768, 1344, 243), (544, 960, 124)]
+
+    # 1. ours vs diffusers at reduced depth, same weights
+    n = args.ref_blocks
+    dit = released_dit(n)
+    dit.set_attention(attention, refiner=True)
+    ref = diffusers_dit(dit)
+    for height, width, frames in shapes:
+        layout, text, video_rows, audio_rows = dit_inputs(dit, height, width, frames)
+        vs, as_ = sampling.sigma_schedule(50, 12.0), sampling.sigma_schedule(50, 3.0)
+        tables = dit.modulation_tables(sampling.schedule_timesteps(vs[:3], as_[:3]))
+        vt, at = 1 - vs[1], 1 - as_[1]
+        index = layout.row_timestep_index(tables.index_of(vt), tables.index_of(at))
+        rope = dit.rope_tables(layout.positions)
+        ours_fn = lambda: dit(video_rows, audio_rows, text, layout, tables, index, rope)  # noqa: E731
+        ref_fn = lambda: ref_forward(ref, layout, text, video_rows, audio_rows, vt, at)  # noqa: E731
+        peak_reset()
+        t_ours = cuda_time(ours_fn, reps=2)
+        mem_ours = peak_gb()
+        peak_reset()
+        t_ref = cuda_time(ref_fn, reps=2)
+        mem_ref = peak_gb()
+        (ov, oa), (rv, ra) = ours_fn(), ref_fn()
+        ev, ea = rel_err(ov, rv), rel_err(oa, ra)
+        att, lin = dit_flops(layout.seq_len, dit.cfg, 50)
+        scale = 50 / n
+        rec(stage="dit", what=f"DiT forward {width}x{height}x{frames} ({n} blocks, scaled to 50)",
+            seq=layout.seq_len, ours_s=round(t_ours * scale, 3), ref_s=round(t_ref * scale, 3),
+            speedup=round(t_ref / t_ours, 3), tflops=round((att + lin) / (t_ours * scale) / 1e12, 1),
+            rel_err_video=ev, rel_err_audio=ea, ok=ev <= 1e-2 and ea <= 1e-2,
+            peak_gb_ours=mem_ours, peak_gb_ref=mem_ref)
+    del ref, dit
+    peak_reset()
+
+    # 2. ours alone at 50 blocks, tables only (AdaLN weights dropped)
+    dit = released_dit(50)
+    dit.set_attention(attention, refiner=True)
+    for height, width, frames in shapes:
+        layout, text, video_rows, audio_rows = dit_inputs(dit, height, width, frames)
+        vs, as_ = sampling.sigma_schedule(5, 12.0), sampling.sigma_schedule(5, 3.0)
+        if dit.has_adaln_weights:
+            tables = dit.modulation_tables(sampling.schedule_timesteps(vs, as_))
+            weights_gb = gb(sum(p.numel() * p.element_size() for p in dit.parameters()))
+            dit.drop_adaln_weights_()
+            torch.cuda.empty_cache()
+            rec(stage="dit", what="DiT weights on GPU", with_adaln_gb=weights_gb,
+                without_adaln_gb=gb(sum(p.numel() * p.element_size() for p in dit.parameters())))
+        index = layout.row_timestep_index(tables.index_of(1 - vs[1]), tables.index_of(1 - as_[1]))
+        rope = dit.rope_tables(layout.positions)
+        peak_reset()
+        t = cuda_time(lambda: dit(video_rows, audio_rows, text, layout, tables, index, rope), reps=2)
+        att, lin = dit_flops(layout.seq_len, dit.cfg, 50)
+        rec(stage="dit", what=f"DiT forward {width}x{height}x{frames} (50 blocks, ours)", seq=layout.seq_len,
+            ours_s=round(t, 3), tflops=round((att + lin) / t / 1e12, 1),
+            frac_peak=round((att + lin) / t / 1e12 / PEAK_TFLOPS[0], 3) if PEAK_TFLOPS[0] else None,
+            peak_gb=peak_gb())
+    del dit
+    peak_reset()
+
+
+def diffusers_dit(dit):
+    from diffusers import MiniMaxH3Transformer3DModel
+
+    from h3render.checkpoint import dit_state_dict_to_diffusers
+
+    config = dataclasses.asdict(dit.cfg)
+    config["patch_size"] = tuple(config["patch_size"])
+    ref = build_on_gpu(lambda: MiniMaxH3Transformer3DModel(**config))
+    sd = dit_state_dict_to_diffusers(dit.state_dict(), dit.cfg)
+    missing, unexpected = ref.load_state_dict(sd, strict=False)
+    assert not unexpected and all("inv_freq" in k for k in missing), (missing[:3], unexpected[:3])
+    # the release's fp32 islands, as diffusers keeps them (_keep_in_fp32_modules)
+    for name in ("proj_in", "audio_proj_in", "time_embedder", "proj_out", "audio_proj_out"):
+        ref.get_submodule(name).float()
+    return ref
+
+
+def ref_forward(ref, layout, text, video_rows, audio_rows, video_t, audio_t):
+    from h3render.packing import step_timesteps
+
+    ts, index = step_timesteps(layout, video_t, audio_t)
+    out = ref(video_rows[None], audio_rows[None], text[None], ts.cuda(), index.cuda(), layout.token_tags,
+              layout.positions, layout.video_index, layout.audio_index, layout.text_index, return_dict=False)
+    return out[0][0], out[1][0]
+
+
+def _dit_step(dit, height: int, width: int, frames: int):
+    """A 50-block-style forward closure at one canvas (tables for a 4-forward schedule, AdaLN weights dropped)."""
+    from h3render import sampling
+
+    layout, text, video_rows, audio_rows = dit_inputs(dit, height, width, frames)
+    vs, as_ = sampling.sigma_schedule(5, 12.0), sampling.sigma_schedule(5, 3.0)
+    tables = dit.modulation_tables(sampling.schedule_timesteps(vs, as_))
+    dit.drop_adaln_weights_()
+    torch.cuda.empty_cache()
+    index = layout.row_timestep_index(tables.index_of(1 - vs[1]), tables.index_of(1 - as_[1]))
+    rope = dit.rope_tables(layout.positions)
+    return layout, (video_rows, audio_rows, text, layout, tables, index, rope)
+
+
+@torch.no_grad()
+def stage_ulysses(args) -> None:
+    """DiT forward at 1344x768x243, 50 blocks, rows sharded over the torchrun ranks: head-chunk variants."""
+    from h3render.models.attention import attention, select_backend
+    from h3render.parallel.dit import sharded_forward
+    from h3render.parallel.groups import init_parallel
+
+    ctx = init_parallel("cuda")
+    select_backend(args.attention)
+    dit = released_dit(50)
+    dit.set_attention(attention, refiner=True)
+    layout, inputs = _dit_step(dit, 768, 1344, 243)
+    first = None
+    for chunks in args.ulysses_chunks:
+        fn = lambda: sharded_forward(dit, ctx, *inputs, chunks=chunks)  # noqa: E731
+        peak_reset()
+        t = cuda_time(fn, reps=2)
+        video, _ = fn()
+        first = video if first is None else first
+        att, lin = dit_flops(layout.seq_len, dit.cfg, 50)
+        rec(stage="ulysses", what=f"DiT forward 1344x768x243 (50 blocks) on {ctx.world_size} GPUs, {chunks} head "
+                                  f"chunk(s)", ours_s=round(t, 3), tflops=round((att + lin) / t / 1e12, 1),
+            rel_err=rel_err(video, first), vs="first variant", peak_gb=peak_gb())
+    del dit, inputs
+    peak_reset()
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# vsa stage (issue 14): FastH3 video sparse attention
+
+
+@torch.no_grad()
+def stage_vsa(args) -> None:
+    from h3render.kernels.vsa import select_tiles, topk_budget, vsa_attention, vsa_attention_naive
+    from h3render.kernels.vsa.naive import coarse_attention_naive, tile_scores
+    from h3render.kernels.vsa.triton_impl import fine_attention_triton, pool_tiles_triton
+    from h3render.models.attention import SparseAttention, attention, runner, select_backend
+    from h3render.packing import t2va_layout
+
+    s = args.vsa_sparsity
+    backend = select_backend(args.attention)
+    layout = t2va_layout(300, 768, 1344, 243)
+    plan = SparseAttention.for_layout(layout, s, "cuda").plan
+    heads, dim, n = 56, 128, plan.num_tiles
+    k_tiles = topk_budget(s, plan.num_video)
+    # Fine work relative to dense: prefix query tiles visit all n tiles, video ones P + k (padded 64-row tiles).
+    density = (plan.num_prefix * n + plan.num_video * (plan.num_prefix + k_tiles)) / n ** 2
+    rec(stage="vsa", what="geometry", seq=plan.seq_len, tiles=n, prefix_tiles=plan.num_prefix,
+        video_tiles=plan.num_video, k=k_tiles, sparsity=s, block_density=round(density, 4))
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v, gate = (torch.randn(plan.seq_len, heads, dim, device="cuda", generator=g).bfloat16() for _ in range(4))
+    flop_dense = 4 * plan.seq_len ** 2 * heads * dim
+
+    for name in dict.fromkeys([backend, "sdpa"]):
+        fn = runner(name)
+        t = cuda_time(lambda: fn(q[None], k[None], v[None]), reps=5)
+        rec(stage="vsa", what=f"dense attention one layer ({name})", ours_s=round(t, 4),
+            tflops=round(flop_dense / t / 1e12, 1))
+
+    # Reference on 4 heads (VSA is per head; the token-level reference is S x S per head in chunks).
+    sub = slice(0, 4)
+    ref = vsa_attention_naive(*(x[:, sub].contiguous() for x in (q, k, v, gate)), plan, s)
+    for fine in ("triton", "flex"):
+        fn = lambda: vsa_attention(q, k, v, gate, plan, s, fine=fine)  # noqa: E731
+        peak_reset()
+        t = cuda_time(fn, reps=5, warm=2)
+        rec(stage="vsa", what=f"VSA layer coarse+fine+gate ({fine})", ours_s=round(t, 4),
+            tflops=round(flop_dense * density / t / 1e12, 1), rel_err=rel_err(fn()[:, sub], ref), peak_gb=peak_gb())
+
+    def coarse():
+        scores = tile_scores(pool_tiles_triton(q, plan), pool_tiles_triton(k, plan))
+        return scores, select_tiles(scores, plan, s), coarse_attention_naive(scores, pool_tiles_triton(v, plan))
+
+    rec(stage="vsa", what="VSA coarse stage (pool, scores, top-k, coarse out)", ours_s=round(cuda_time(coarse), 4))
+    _, sel, out_c = coarse()
+    for warps, stages in ((4, 2), (4, 3), (8, 2)):
+        fn = lambda: fine_attention_triton(q, k, v, plan, sel, gate, out_c, num_warps=warps,  # noqa: E731
+                                           num_stages=stages)
+        t = cuda_time(fn, reps=5, warm=2)
+        rec(stage="vsa", what=f"VSA fine+gate Triton num_warps={warps} num_stages={stages}",
+            ours_s=round(t, 4), tflops=round(flop_dense * density / t / 1e12, 1), rel_err=rel_err(fn()[:, sub], ref))
+    del q, k, v, gate, ref, sel, out_c
+    torch.cuda.empty_cache()
+    if args.vsa_layer_only:
+        return
+
+    # DiT forward, 50 blocks, dense then VSA with random gates (bf16, 7168 x 5376 per block).
+    dit = released_dit(50)
+    dit.set_attention(attention, refiner=True)
+    _, step = _dit_step(dit, 768, 1344, 243)
+    peak_reset()
+    t_dense = cuda_time(lambda: dit(*step), reps=2)
+    rec(stage="vsa", what=f"DiT forward 1344x768x243 dense ({backend})", ours_s=round(t_dense, 3), peak_gb=peak_gb())
+    dense_v = dit(*step)[0]
+    import bench_fp8
+
+    bench_fp8.enable_random_vsa_(dit, s, seed=1)  # bf16 or FP8 gates (an FP8 gate is an e4m3 buffer + scales)
+    peak_reset()
+    t_vsa = cuda_time(lambda: dit(*step), reps=2)
+    rec(stage="vsa", what=f"DiT forward 1344x768x243 VSA s={s} (Triton fine)", ours_s=round(t_vsa, 3),
+        ref_s=round(t_dense, 3), speedup=round(t_dense / t_vsa, 2), peak_gb=peak_gb(),
+        rel_err_vs_dense=rel_err(dit(*step)[0], dense_v))
+    del dit
+    torch.cuda.empty_cache()
+
+
+def _top_kernels(prof, n: int = 20) -> list[dict]:
+    rows = []
+    for e in prof.key_averages():
+        device_us = getattr(e, "self_device_time_total", None)
+        if device_us is None:
+            device_us = e.self_cuda_time_total
+        if device_us > 0:
+            rows.append({"name": e.key[:90], "ms": round(device_us / 1e3, 2), "calls": e.count})
+    rows.sort(key=lambda r: -r["ms"])
+    total = sum(r["ms"] for r in rows)
+    return [{"total_device_ms": round(total, 1)}] + rows[:n]
+
+
+@torch.no_grad()
+def stage_prof(args) -> None:
+    """Where device time goes: one 8-block DiT forward at 1344x768x243 (sharded when under torchrun), and on a single
+    GPU one compiled video-VAE decode batch. Prints the top kernels by self device time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from h3render.models.attention import attention, select_backend
+    from h3render.parallel.dit import sharded_forward
+    from h3render.parallel.groups import init_parallel
+
+    ctx = init_parallel("cuda")
+    select_backend(args.attention)
+    dit = released_dit(8)
+    dit.set_attention(attention, refiner=True)
+    layout, inputs = _dit_step(dit, 768, 1344, 243)
+    fn = (lambda: sharded_forward(dit, ctx, *inputs)) if ctx.distributed else (lambda: dit(*inputs))
+    cuda_time(fn, reps=1)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    rec(stage="prof", what=f"DiT 8 blocks, {ctx.world_size} GPU(s), top kernels", kernels=_top_kernels(prof))
+    del dit, inputs
+    peak_reset()
+    if ctx.distributed:
+        return
+    from h3render.models.video_vae import VideoVAE
+    from h3render.checkpoint import RELEASES
+
+    release = RELEASES["released"]
+    vae = build_on_gpu(lambda: VideoVAE(release.video_vae, release.vae_tiling), torch.float32)
+    random_(vae, 1).apply_precision_(torch.bfloat16)
+    vae.fuse_qkv_()
+    vae_attention(vae, args.vae_batches[-1], "prof")
+    vae.compile_blocks_(dynamic=False)
+    z = torch.randn(24, 72, 48, 84, device="cuda")
+    vb = args.vae_batches[-1]
+    items = vae.plan_decode(*z.shape[1:]).items[:vb]
+    for _ in range(2):
+        vae.decode_items(z, items, vb)
+    t = cuda_time(lambda: vae.decode_items(z, items, vb), reps=3)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        vae.decode_items(z, items, vb)
+        torch.cuda.synchronize()
+    rec(stage="prof", what=f"video VAE compiled, one batch of {vb} items", seconds=round(t, 4),
+        kernels=_top_kernels(prof, 25))
