@@ -66,10 +66,10 @@ def vae_chunk_sizes(frames: int, height: int, width: int) -> list[int]:
     window's tail after it: 14 x 17 + 5 for 243 frames)."""
     from h3render.models.vae_tiling import RELEASED_TILING, plan_decode
     from h3render.models.video_vae import VideoVAEConfig
-    from h3render.packing import latent_frames_for
+    from h3render.spec import latent_frames
 
     cfg = VideoVAEConfig()
-    plan = plan_decode(latent_frames_for(frames), height // 16, width // 16, geometry=cfg.geometry,
+    plan = plan_decode(latent_frames(frames), height // 16, width // 16, geometry=cfg.geometry,
                        spatial_ratio=cfg.spatial_ratio, tiling=RELEASED_TILING)
     clip = cfg.geometry.clip_length  # as `assemble_frames` yields them
     bounds = [(w * clip, (w + 1) * clip) for w in range(plan.num_windows)]
