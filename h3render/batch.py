@@ -193,7 +193,7 @@ class _Queue:
         self.log.start(len(self.order))
         if note:
             self.log.line(note)
-        self.log.line(f"{n} jobs: {n - len(self.order)} already rendered (skipped), {len(self.order)} to render"
+        self.log.line(f"{n} job{'s' if n != 1 else ''}: {n - len(self.order)} already rendered (skipped), {len(self.order)} to render"
                       + ("" if shard is None else f" [shard {shard[0]} of {shard[1]}]"))
         for i, reason in enumerate(self.reasons):
             if reason is None:

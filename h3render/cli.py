@@ -153,16 +153,17 @@ def _dtype(dtype: str | None, device: str, precision: str = "bf16"):
     return {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype or default]
 
 
-def _check_precision(opts: dict, device: str, world: int) -> None:
-    """--precision against --dtype and each GPU of the run (`engine.precision_problem`), before any weights load."""
+def _check_precision(opts: dict, device: str, world: int, source: str | None = None) -> None:
+    """--precision against --dtype and each GPU of the run (`engine.precision_problem`), before any weights load
+    (world 0: against --dtype only); `source` names where a manifest set the precision."""
     import torch
 
     from h3render.engine import precision_problem
 
     devices = [torch.device(device, i) for i in range(world)] if device == "cuda" else [torch.device(device)]
-    problem = precision_problem(opts["precision"], _dtype(opts["dtype"], device, opts["precision"]), devices)
+    problem = precision_problem(opts["precision"], _dtype(opts["dtype"], device, opts["precision"]), devices[:world])
     if problem:
-        _fail(problem)
+        _fail(problem if source is None else f"{source}: precision: {problem}")
 
 
 def _check_mode(mode: str | None, adapter: str | None, checkpoint: str) -> None:
@@ -358,32 +359,32 @@ def _batch(manifest, out_dir, shard, skip_existing, fail_fast, dry_run, quiet, o
     student = opts["adapter"] is not None or _has_contract(checkpoint)
     m = jobs_mod.read_manifest(manifest, info.limits(), overrides, adapter_available=student,
                                precision=opts["precision"])
-    jobs = m.jobs
     if opts["adapter"] is None and m.adapter is not None:
         opts["adapter"] = str(m.adapter)  # named in the manifest's defaults; --adapter wins
     # Engine settings the manifest's defaults may give; each command-line option wins over its own field.
+    source = None if opts["precision"] else f"{manifest}"  # the defaults set it when --precision did not
     opts["precision"] = m.precision
+    _check_precision(opts, _device(opts["device"]), 0, source)  # --dtype fp32 with fp8: nothing created yet
     opts["adapter_variant"] = opts["adapter_variant"] or m.adapter_variant
     opts["fasth3_positions"] = opts["fasth3_positions"] or m.fasth3_positions
     try:
         shard_spec = jobs_mod.parse_shard(shard) if shard else jobs_mod.shard_from_slurm(os.environ)
     except ValueError as exc:
         _fail(str(exc))
-    if shard_spec is not None:
-        jobs = jobs_mod.shard_jobs(jobs, *shard_spec)
+    jobs = m.jobs if shard_spec is None else jobs_mod.shard_jobs(m.jobs, *shard_spec)
+    # This run's checkpoint and encoder, for resume's "skipped: rendered earlier with ..." lines.
+    current = {"checkpoint": {"path": info.path, "config_hash": info.config_hash,
+                              "transformer": opts["transformer"] and str(Path(opts["transformer"]).resolve()),
+                              "precision": opts["precision"]},
+               "encoder": {"crf": opts["crf"], "x264_preset": opts["x264_preset"]}}
     if dry_run:
-        print("\n".join(jobs_mod.plan_lines(jobs, Path(out_dir), overwrite=not skip_existing, run={
+        print("\n".join(jobs_mod.plan_lines(jobs, Path(out_dir), overwrite=not skip_existing, current=current, run={
             "checkpoint": checkpoint, "precision": opts["precision"], "adapter": opts["adapter"]})))
         return 0
     _check_writable(Path(out_dir))
     from h3render.batch import prepare_out_dir
 
     prepare_out_dir(out_dir)  # a file or a broken/looping symlink in the way: exit 2 before any rank starts
-    # This run's checkpoint and encoder, for resume's "skipped: rendered earlier with ..." lines.
-    current = {"checkpoint": {"path": info.path, "config_hash": info.config_hash,
-                              "transformer": opts["transformer"] and str(Path(opts["transformer"]).resolve()),
-                              "precision": opts["precision"]},
-               "encoder": {"crf": opts["crf"], "x264_preset": opts["x264_preset"]}}
     return _run(checkpoint, info, jobs, opts, out_dir=out_dir, shard=shard_spec, overwrite=not skip_existing,
                 fail_fast=fail_fast, quiet=quiet, current=current)
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import difflib
 import hashlib
+import json
 import math
 import re
 import unicodedata
@@ -523,14 +524,24 @@ def _one_line(exc: BaseException) -> str:
 # --- Dry-run plan ----------------------------------------------------------------------------------------------------
 
 def plan_lines(jobs: list[Job], out_dir: Path | None = None, *, overwrite: bool = False,
-               run: dict[str, Any] | None = None) -> list[str]:
+               run: dict[str, Any] | None = None, current: dict[str, Any] | None = None) -> list[str]:
     """One line per job for `--dry-run` (output, canvas, frames and s, steps, packed rows, source) and a total.
 
     With `out_dir`, each line names the job's MP4 path and whether the run would render it or skip it (its outputs
-    complete and rendered with these parameters: `outputs.render_reason`); `run` (checkpoint, precision, adapter)
+    complete and rendered with these parameters: `outputs.render_reason`); a skip with `current` (the run's
+    `{"checkpoint", "encoder"}` settings, as the batch takes them) also says what the earlier render ran with where
+    that differs (`timing.rendered_with`), as the real run's log does. `run` (checkpoint, precision, adapter)
     comes first as one line of `key value` pairs, the ones that are None left out.
     """
     from h3render.outputs import output_paths, render_reason
+
+    def skip_note(sidecar: Path) -> str:
+        if current is None:
+            return "skip: done"
+        from h3render.timing import rendered_with
+
+        earlier = rendered_with(json.loads(sidecar.read_text(encoding="utf-8")), **current)
+        return "skip: done" if earlier is None else f"skip: done, {earlier}"
 
     lines = [] if run is None else ["run: " + ", ".join(f"{k} {v}" for k, v in run.items() if v is not None)]
     for number, job in enumerate(jobs, start=1):
@@ -538,7 +549,7 @@ def plan_lines(jobs: list[Job], out_dir: Path | None = None, *, overwrite: bool 
         if out_dir is not None:
             mp4, sidecar = output_paths(out_dir, job)
             reason = render_reason(job, mp4, sidecar, overwrite=overwrite)
-            label = f"{label} ({mp4}, {'skip: done' if reason is None else 'render: ' + reason})"
+            label = f"{label} ({mp4}, {skip_note(sidecar) if reason is None else 'render: ' + reason})"
         steps = "adapter schedule" if job.steps is None else f"{job.steps} sigma points"
         task = "" if job.task == "t2va" else f"fl2va ({', '.join(k.describe() for k in job.keyframes)}), "
         lines.append(f"[{number}/{len(jobs)}] {label}: {task}{job.canvas_note()}, {job.time_note()}, {job.mode} "

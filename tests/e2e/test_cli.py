@@ -275,6 +275,8 @@ def test_batch_renders_jobs_in_turn_and_the_overlap_flags_are_gone(tmp_path):
     # the plan now says what a rerun would do: skip both, or render them again with --overwrite
     plan = invoke("batch", str(manifest), "--out-dir", str(out), "--dry-run").stdout.splitlines()
     assert [line.split(": ")[0].split(", ")[-1] for line in plan[1:3]] == ["skip"] * 2, plan
+    plan = invoke("batch", str(manifest), "--out-dir", str(out), "--dry-run", "--crf", "23").stdout.splitlines()
+    assert f"({out / 'a.mp4'}, skip: done, rendered earlier with crf 18 (now 23)): " in plan[1], plan
     plan = invoke("batch", str(manifest), "--out-dir", str(out), "--dry-run", "--overwrite").stdout.splitlines()
     assert f"({out / 'b.mp4'}, render: overwrite)" in plan[2]
     report = json.loads((out / "batch-report.json").read_text())

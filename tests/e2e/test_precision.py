@@ -193,6 +193,13 @@ def test_fp8_with_dtype_fp32_is_a_usage_error(tmp_path, monkeypatch):
                                   "--dtype", "fp32"))
     assert "--precision fp8" in error and "--dtype fp32" in error and "bf16" in error
     assert not out.exists()
+    # fp8 from a manifest's defaults: the same refusal names the manifest, and the out dir is not created
+    # (it was left behind empty, found by a fresh-user trial), --dry-run included
+    manifest, out_dir = _manifest(tmp_path), tmp_path / "renders"
+    for extra in ((), ("--dry-run",)):
+        error = one_error_line(invoke("batch", str(manifest), "--out-dir", str(out_dir), "--dtype", "fp32", *extra))
+        assert error.startswith(f"h3render: error: {manifest}: precision: --precision fp8 runs") and "fp32" in error
+    assert not out_dir.exists()
 
 
 def test_fp8_on_a_gpu_older_than_sm89_is_a_usage_error(tmp_path, monkeypatch, no_load):

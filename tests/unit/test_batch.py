@@ -396,3 +396,10 @@ def test_a_failed_tail_fails_its_job_only_and_leaves_no_final_file(tmp_path):
     assert "No space left on device" in report.jobs[1].error
     assert not (tmp_path / "sub/j1.mp4").exists() and not (tmp_path / "sub/j1.json").exists()
     assert sorted(p.name for p in (tmp_path / "sub").iterdir()) == ["j0.json", "j0.mp4", "j2.json", "j2.mp4"]
+
+
+def test_the_queue_line_counts_one_job_in_the_singular(tmp_path, capsys):
+    run(make_jobs(1), FakeRenderer(), tmp_path, quiet=True)
+    assert "1 job: 0 already rendered (skipped), 1 to render" in capsys.readouterr().err
+    run(make_jobs(2), FakeRenderer(), tmp_path / "two", quiet=True)
+    assert "2 jobs: 0 already rendered (skipped), 2 to render" in capsys.readouterr().err
