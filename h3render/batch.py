@@ -50,7 +50,6 @@ import threading
 import time
 import traceback
 from concurrent.futures import Future
-from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -172,7 +171,8 @@ class _Queue:
         self.renderer = None
         self.current: int | None = None  # the job the main thread renders
         self.attempt: _Attempt | None = None
-        self.tails: list[tuple[int, Future]] = []  # jobs whose writer tail may still run (one at a time)
+        # Jobs whose writer tail may still run (one at a time), each with the event its `_tail_done` sets last.
+        self.tails: list[tuple[int, threading.Event]] = []
         self.lock = threading.RLock()  # job outcomes, the log and the report (tails end on writer threads)
         self.t_queue: float | None = None
         self.said_write_error: str | None = None
@@ -347,13 +347,21 @@ class _Queue:
             _release_memory()  # the cycles a failed job's traceback left hold its tensors
             self._job_done(i)
             return True
-        self.tails.append((i, future))
-        future.add_done_callback(lambda f: self._tail_done(i, attempt, f, t0))
+        recorded = threading.Event()
+        self.tails.append((i, recorded))
+        future.add_done_callback(lambda f: self._tail_done(i, attempt, f, t0, recorded))
         return True
 
-    def _tail_done(self, i: int, attempt: "_Attempt", future: Future, t0: float) -> None:
-        """Job i's MP4 and sidecar are in place (or its tail failed): record it, then give the lock back. Runs on
-        the writer's thread; never raises (an exception here would only be logged by concurrent.futures)."""
+    def _tail_done(self, i: int, attempt: "_Attempt", future: Future, t0: float, recorded: threading.Event) -> None:
+        """Job i's MP4 and sidecar are in place (or its tail failed): record it, then give the lock back, then set
+        `recorded`. Runs on the writer's thread; never raises (an exception here would only be logged by
+        concurrent.futures)."""
+        try:
+            self._record_tail(i, attempt, future, t0)
+        finally:
+            recorded.set()
+
+    def _record_tail(self, i: int, attempt: "_Attempt", future: Future, t0: float) -> None:
         with self.lock:
             outcome = attempt.outcome
             outcome.seconds = time.perf_counter() - t0
@@ -370,13 +378,12 @@ class _Queue:
                 attempt.release()
 
     def wait_tails(self) -> None:
-        """Wait for every writer tail still running, in short slices so a signal handler can run meanwhile."""
-        for _, future in self.tails:
-            while not future.done():
-                try:
-                    future.exception(timeout=0.1)
-                except FutureTimeout:
-                    pass
+        """Wait until every writer tail has ended and its outcome is recorded, in short slices so a signal handler
+        can run meanwhile. (Waiting on the future alone was not enough: a future is done before its callback runs,
+        so the final report could be written without the last job's outcome; seen once in CI, 2026-12-01.)"""
+        for _, recorded in self.tails:
+            while not recorded.wait(0.1):
+                pass
         self.tails.clear()
 
     def interrupted(self, exc: BaseException) -> None:
