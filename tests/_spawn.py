@@ -7,8 +7,11 @@ shared-memory handle that the parent opens through the child's resource sharer, 
 
 from __future__ import annotations
 
+import contextlib
 import io
+import os
 import socket
+from typing import Iterator
 
 import torch
 import torch.multiprocessing as mp
@@ -18,6 +21,24 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def cpu_rank(rank: int, port: int, world: int) -> Iterator:
+    """In a rank: join a `world`-rank gloo group on 127.0.0.1:`port` with one intra-op thread (the ranks share the
+    cores) and yield this rank's `h3render.parallel.groups.ParallelContext` on the CPU; leave the group after."""
+    import torch.distributed as dist
+
+    from h3render.parallel.groups import ParallelContext
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        yield ParallelContext(rank=rank, world_size=world, local_rank=rank, device=torch.device("cpu"),
+                              group=dist.group.WORLD)
+    finally:
+        dist.destroy_process_group()
 
 
 def put_result(queue, obj) -> None:

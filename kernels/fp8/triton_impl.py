@@ -92,20 +92,20 @@ def _quantize_rows_kernel(
     tl.store(scale_ptr + s, scale)
 
 
-def empty_fp8_rows(S: int, K: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Uninitialized (data [S, K] float8_e4m3fn, scale [S, 1] float32) for a launcher to fill."""
-    return (torch.empty((S, K), dtype=torch.float8_e4m3fn, device=device),
-            torch.empty((S, 1), dtype=torch.float32, device=device))
-
-
-def check_fp8_out(out: tuple[torch.Tensor, torch.Tensor], S: int, K: int) -> None:
-    """Validate a caller's (data [S, K] float8_e4m3fn, unit column stride; scale [S, 1] float32 contiguous)."""
+def fp8_rows_out(out: tuple[torch.Tensor, torch.Tensor] | None, S: int, K: int,
+                 device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The (data [S, K] float8_e4m3fn, scale [S, 1] float32) a launcher writes: new (uninitialized) when `out` is
+    None, else the caller's, validated (data with unit column stride, scale contiguous)."""
+    if out is None:
+        return (torch.empty((S, K), dtype=torch.float8_e4m3fn, device=device),
+                torch.empty((S, 1), dtype=torch.float32, device=device))
     data, scale = out
     if data.shape != (S, K) or data.dtype != torch.float8_e4m3fn or (K > 1 and data.stride(1) != 1):
         raise ValueError(f"out data must be [S={S}, K={K}] float8_e4m3fn with unit column stride, got "
                          f"{tuple(data.shape)} {data.dtype} strides {tuple(data.stride())}")
     if scale.shape != (S, 1) or scale.dtype != torch.float32 or not scale.is_contiguous():
         raise ValueError(f"out scale must be contiguous [S={S}, 1] float32, got {tuple(scale.shape)} {scale.dtype}")
+    return data, scale
 
 
 def quantize_rows_triton(
@@ -122,10 +122,7 @@ def quantize_rows_triton(
         (data [S, K] float8_e4m3fn, scale [S, 1] float32), as `quantize_rows_naive`.
     """
     S, K = y.shape
-    if out is None:
-        out = empty_fp8_rows(S, K, y.device)
-    check_fp8_out(out, S, K)
-    data, scale = out
+    data, scale = fp8_rows_out(out, S, K, y.device)
     if S == 0:
         return data, scale
     block_k, num_warps = calculate_settings(K)

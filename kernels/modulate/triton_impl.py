@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from h3render.kernels.fp8.triton_impl import check_fp8_out, e4m3_codes, empty_fp8_rows, row_scale
+from h3render.kernels.fp8.triton_impl import e4m3_codes, fp8_rows_out, row_scale
 from h3render.kernels.utils import calculate_settings
 
 
@@ -109,10 +109,7 @@ def modulate_fp8_triton(
         as `modulate_naive(..., fp8=True)`.
     """
     S, C = x.shape
-    if out is None:
-        out = empty_fp8_rows(S, C, x.device)
-    check_fp8_out(out, S, C)
-    data, q_scale = out
+    data, q_scale = fp8_rows_out(out, S, C, x.device)
     if S == 0:
         return data, q_scale
     block_c, num_warps = calculate_settings(C)

@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from h3render.kernels.fp8.triton_impl import check_fp8_out, e4m3_codes, empty_fp8_rows, row_scale
+from h3render.kernels.fp8.triton_impl import e4m3_codes, fp8_rows_out, row_scale
 from h3render.kernels.utils import calculate_settings
 
 _MAX_BLOCK = 2048
@@ -94,10 +94,7 @@ def swiglu_fp8_triton(
     """
     S, two_f = h.shape
     F = two_f // 2
-    if out is None:
-        out = empty_fp8_rows(S, F, h.device)
-    check_fp8_out(out, S, F)
-    data, scale = out
+    data, scale = fp8_rows_out(out, S, F, h.device)
     if S == 0:
         return data, scale
     block_f, _ = calculate_settings(F)

@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
-import torch.distributed as dist
 
 from h3render.models.dit import qk_norm_rope, sdpa_attention
 from h3render.parallel.ulysses import chunks_for, shard_rows, ulysses_qkv_attention
-from tests._spawn import put_result, run_ranks
+from tests._spawn import cpu_rank, put_result, run_ranks
 
 WORLD = 2
 
@@ -33,20 +30,16 @@ def _reference(seq_len, heads, dim, rot):
 
 
 def _worker(rank: int, port: int, seq_len: int, heads: int, chunks: int, queue) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
-    try:
+    with cpu_rank(rank, port, WORLD) as ctx:
         dim, rot = 16, 12
         qkv, cos, sin, qw, kw = _inputs(seq_len, heads, dim, rot)
         shard = shard_rows(seq_len, rank, WORLD)
         pad = shard.end - shard.valid_end
         mine = torch.cat([qkv[shard.start:shard.valid_end], torch.zeros(pad, heads, 3, dim)])
         rope = tuple(torch.cat([t[shard.start:shard.valid_end], torch.ones(pad, rot)]) for t in (cos, sin))
-        fn = ulysses_qkv_attention(sdpa_attention, seq_len, dist.group.WORLD, chunks)
+        fn = ulysses_qkv_attention(sdpa_attention, seq_len, ctx.group, chunks)
         out = fn(mine, qw, kw, rope, 1e-5)
         put_result(queue, (rank, shard.start, shard.valid_end, out[: shard.valid_end - shard.start].clone()))
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("seq_len, heads, chunks", [(10, 4, 1), (9, 4, 2), (9, 8, 4)])

@@ -17,7 +17,7 @@ from h3render.checkpoint import read_checkpoint_info
 from h3render.checkpoint.students import plan_student, resolve_adapter
 from h3render.make_checkpoint.synthetic_adapter import (write_synthetic_adapter, write_synthetic_bundle,
                                                         write_synthetic_full_student)
-from tests._spawn import put_result, run_ranks
+from tests._spawn import cpu_rank, put_result, run_ranks
 
 CFG = RELEASES["tiny"].dit
 TINY = read_checkpoint_info("tiny")
@@ -313,23 +313,10 @@ def _student_forward(adapter, ctx=None):
 
 
 def _ulysses_worker(rank, port, adapter, queue):
-    import os
-
-    import torch.distributed as dist
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=2)
-    try:
-        from h3render.parallel.groups import ParallelContext
-
-        ctx = ParallelContext(rank=rank, world_size=2, local_rank=rank, device=torch.device("cpu"),
-                              group=dist.group.WORLD)
+    with cpu_rank(rank, port, 2) as ctx:
         v, a = _student_forward(adapter, ctx)
         if rank == 0:
             put_result(queue, (v.clone(), a.clone()))
-    finally:
-        dist.destroy_process_group()
 
 
 def test_loaded_vsa_student_on_two_ulysses_ranks_equals_one(tmp_path):

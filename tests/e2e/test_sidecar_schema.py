@@ -28,17 +28,12 @@ def validate(doc: dict, name: str) -> None:
     jsonschema.Draft202012Validator(schema(name)).validate(doc)
 
 
-def h3render(*args: str):
-    """`h3render ARGS` in this process (`tests._cli.run_here`: no fresh interpreter per render)."""
-    return run_here(*args)
-
-
 @pytest.fixture(scope="module")
 def t2va(tmp_path_factory):
     """One base-model render on CPU asking for fa3 (which CPU cannot run): (sidecar, stderr, before, after)."""
     out = tmp_path_factory.mktemp("t2va") / "clip.mp4"
     before = datetime.now(timezone.utc)
-    r = h3render("prompt", "Gulls over a harbour", "-o", str(out), *SMALL, "--steps", "3", "--device", "cpu",
+    r = run_here("prompt", "Gulls over a harbour", "-o", str(out), *SMALL, "--steps", "3", "--device", "cpu",
                  "--attention", "fa3")
     after = datetime.now(timezone.utc)
     assert r.returncode == 0, r.stderr
@@ -104,7 +99,7 @@ def test_fasth3_sidecar_with_adapter_implied_mode(tmp_path):
     adapter = tmp_path / "adapter.safetensors"
     write_synthetic_adapter(adapter, RELEASES["tiny"].dit, 0)
     out = tmp_path / "fast.mp4"
-    r = h3render("prompt", "A drum solo", "-o", str(out), *SMALL, "--adapter", str(adapter))  # no --mode
+    r = run_here("prompt", "A drum solo", "-o", str(out), *SMALL, "--adapter", str(adapter))  # no --mode
     assert r.returncode == 0, r.stderr
     assert "--mode fasth3" in r.stderr
     side = json.loads(out.with_suffix(".json").read_text())
@@ -118,7 +113,7 @@ def test_batch_report_and_its_sidecars_match_the_schemas(tmp_path):
     manifest.write_text("".join(json.dumps({"id": name, "prompt": f"Rain, take {name}", "frames": 22, "steps": 2,
                                             "width": 128, "height": 64}) + "\n" for name in "ab"))
     out = tmp_path / "out"
-    r = h3render("batch", str(manifest), "--out-dir", str(out), "--seed", "11")
+    r = run_here("batch", str(manifest), "--out-dir", str(out), "--seed", "11")
     assert r.returncode == 0, r.stderr
     report = json.loads((out / "batch-report.json").read_text())
     validate(report, "batch-report")
@@ -129,7 +124,7 @@ def test_batch_report_and_its_sidecars_match_the_schemas(tmp_path):
         assert side["job"]["seed"] == 11  # --seed: a batch-wide default (the jobs name none)
     # in a log, batch prints no stage lines for stages shorter than 10 s (one line per job instead)
     assert " done in " not in r.stderr and "job 2/2" in r.stderr
-    r = h3render("batch", str(manifest), "--out-dir", str(out), "--seed", "11")  # resume: both skipped
+    r = run_here("batch", str(manifest), "--out-dir", str(out), "--seed", "11")  # resume: both skipped
     assert r.returncode == 0, r.stderr
     report = json.loads((out / "batch-report.json").read_text())
     validate(report, "batch-report")

@@ -8,11 +8,9 @@ Bounds are about twice the values measured on CPU (torch 2.13, the seeds below);
 from __future__ import annotations
 
 import copy
-import os
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -24,7 +22,7 @@ from h3render.models.dit import DIT_TINY
 from h3render.models.fp8 import (Fp8Linear, Fp8WeightLinear, precision_report, quantize_dit_fp8_,
                                  quantize_text_encoder_fp8_, quantize_weight)
 from tests._diffusers_ref import random_dit, rel_err
-from tests._spawn import put_result, run_ranks
+from tests._spawn import cpu_rank, put_result, run_ranks
 from tests.unit.test_vsa_dit import _forward, _vsa_dit
 
 WORLD = 2
@@ -218,21 +216,12 @@ def test_fp8_load_quantizes_the_fasth3_fused_weights(tmp_path):
 
 
 def _worker(rank: int, port: int, queue) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
-    try:
-        from h3render.parallel.groups import ParallelContext
-
-        ctx = ParallelContext(rank=rank, world_size=WORLD, local_rank=rank, device=torch.device("cpu"),
-                              group=dist.group.WORLD)
+    with cpu_rank(rank, port, WORLD) as ctx:
         dit = _vsa_dit(0.75, gate_seed=2)
         quantize_dit_fp8_(dit)
         v, a = _forward(dit, window_ctx=ctx)
         if rank == 0:
             put_result(queue, (v.clone(), a.clone()))
-    finally:
-        dist.destroy_process_group()
 
 
 def test_ulysses_fp8_two_ranks_equal_one():

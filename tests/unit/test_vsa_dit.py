@@ -3,18 +3,15 @@ gates equals the dense model, the gate reads the attention's input, and Ulysses 
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
-import torch.distributed as dist
 
 from h3render.models.attention import SparseAttention
 from h3render.models.dit import DIT_TINY, DiT
 from h3render.packing import t2va_layout
 from h3render.sampling import schedule_timesteps, sigma_schedule
 from tests._diffusers_ref import random_dit, rel_err
-from tests._spawn import put_result, run_ranks
+from tests._spawn import cpu_rank, put_result, run_ranks
 
 WORLD = 2
 
@@ -110,19 +107,10 @@ def test_plan_is_cached_per_layout_shape():
 
 
 def _worker(rank: int, port: int, queue) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
-    try:
-        from h3render.parallel.groups import ParallelContext
-
-        ctx = ParallelContext(rank=rank, world_size=WORLD, local_rank=rank, device=torch.device("cpu"),
-                              group=dist.group.WORLD)
+    with cpu_rank(rank, port, WORLD) as ctx:
         v, a = _forward(_vsa_dit(0.75, gate_seed=2), window_ctx=ctx)
         if rank == 0:
             put_result(queue, (v.clone(), a.clone()))
-    finally:
-        dist.destroy_process_group()
 
 
 def test_ulysses_two_ranks_equal_one():
