@@ -159,8 +159,11 @@ class Fp8Linear(_Fp8Weight):
             x = quantize_rows(x.reshape(-1, self.in_features).contiguous())
         elif x.data.ndim != 2 or x.data.shape[1] != self.in_features:
             raise ValueError(f"Fp8Linear: Fp8Rows data must be [S, {self.in_features}], got {tuple(x.data.shape)}")
-        out = torch._scaled_mm(x.data, self.weight.t(), scale_a=x.scale, scale_b=self.weight_scale,
-                               out_dtype=torch.bfloat16)  # [S, N]
+        if x.data.shape[0] == 0:  # a rank's empty shard: cuBLASLt takes no M = 0 problem
+            out = torch.empty(0, self.out_features, dtype=torch.bfloat16, device=x.data.device)
+        else:
+            out = torch._scaled_mm(x.data, self.weight.t(), scale_a=x.scale, scale_b=self.weight_scale,
+                                   out_dtype=torch.bfloat16)  # [S, N]
         if self.bias is not None:
             out = out + self.bias.to(out.dtype)
         out = out.to(self.out_dtype)
