@@ -238,6 +238,10 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor
         )
     if k.dtype != q.dtype or v.dtype != q.dtype or k.device != q.device or v.device != q.device:
         raise ValueError(f"attention wants q, k, v of one dtype and device, got {q.dtype}/{k.dtype}/{v.dtype}")
+    if q.device.type != "cuda":
+        # The process-wide choice is measured on the GPU; a CPU render on a GPU host (`--device cpu`, gloo ranks)
+        # must not run cuDNN / FA3 on host tensors.
+        return sdpa_attention(q, k, v)
     return _RUNNERS[current_backend()](q, k, v)
 
 

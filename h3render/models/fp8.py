@@ -161,9 +161,13 @@ class Fp8Linear(_Fp8Weight):
             raise ValueError(f"Fp8Linear: Fp8Rows data must be [S, {self.in_features}], got {tuple(x.data.shape)}")
         if x.data.shape[0] == 0:  # a rank's empty shard: cuBLASLt takes no M = 0 problem
             out = torch.empty(0, self.out_features, dtype=torch.bfloat16, device=x.data.device)
-        else:
+        elif x.data.device.type == "cuda":
             out = torch._scaled_mm(x.data, self.weight.t(), scale_a=x.scale, scale_b=self.weight_scale,
                                    out_dtype=torch.bfloat16)  # [S, N]
+        else:
+            # Off CUDA the same product, dequantized operands in fp32 then one bf16 rounding: CPU `_scaled_mm`
+            # takes per-tensor scales only before torch 2.13 (2.11 fails an INTERNAL ASSERT in mkldnn/Linear.cpp).
+            out = (x.dequantize() @ self.dequantized_weight().t()).to(torch.bfloat16)
         if self.bias is not None:
             out = out + self.bias.to(out.dtype)
         out = out.to(self.out_dtype)

@@ -83,9 +83,19 @@ def test_fa3_path_passes_bshd_and_unwraps_tuple(monkeypatch):
     assert select_backend("fa3") == "fa3"
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(2, 37, 3, 16, generator=g) for _ in range(3))
-    out = attention(q, k, v)
+    out = attn_mod.runner("fa3")(q, k, v)  # `attention` itself runs host tensors through SDPA (next test)
     assert calls == [((2, 37, 3, 16), False, None)]
     torch.testing.assert_close(out, naive_attention(q, k, v))
+
+
+def test_host_tensors_use_sdpa_whatever_gpu_backend_was_selected(monkeypatch):
+    # A CPU render on a GPU host (`--device cpu`, gloo ranks): the process-wide choice was measured on the GPU
+    # ("cudnn" here), and cuDNN on host tensors fails with "No viable backend" (seen on the H200 machine).
+    monkeypatch.setattr(attn_mod, "_selected", "cudnn")
+    monkeypatch.setitem(attn_mod._RUNNERS, "cudnn", lambda *a: pytest.fail("GPU backend given host tensors"))
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(1, 29, 2, 16, generator=g) for _ in range(3))
+    torch.testing.assert_close(attention(q, k, v), naive_attention(q, k, v), atol=1e-5, rtol=1e-5)
 
 
 def test_attention_rejects_mismatched_inputs():

@@ -270,8 +270,11 @@ def test_fp8_kernels_on_cuda_match_naive():
     got_m = modulate(x, w, table[:, 0], table[:, 1], row_index, fp8=True)
     got_s = swiglu(h, fp8=True)
     got_q = quantize_rows(x)
-    # CUDA torch divides by a scalar as a multiply by its reciprocal, so the reference scale may be 1 ulp off IEEE.
+    # The fused producers compute their fp32 row in another order than torch (FMA contraction): the bound. The
+    # stand-alone quantization reads the same bf16 row as the reference: bit-exact (the first H200 run, before the
+    # reference divided by a tensor 448, had 1.2e-3 of the codes off at ties: kernels/fp8/naive.py).
     for got, ref in ((got_m, modulate_naive(x, w, table[:, 0], table[:, 1], row_index, 1e-5, fp8=True)),
-                     (got_s, swiglu_naive(h, fp8=True)), (got_q, quantize_rows_naive(x))):
+                     (got_s, swiglu_naive(h, fp8=True))):
         assert_fp8_close(tuple(t.cpu() for t in got), tuple(t.cpu() for t in ref))
+    assert_fp8_equal(tuple(t.cpu() for t in got_q), tuple(t.cpu() for t in quantize_rows_naive(x)))
     assert (got_q.dequantize() - x.float()).abs().max().item() <= E4M3_MAX * got_q.scale.max().item() * 2**-4

@@ -279,6 +279,17 @@ def test_tiny_dit_fp8_on_cuda_against_bf16(vsa):
     assert rel_err(v.float(), ref_v.float()) <= 0.045 and rel_err(a.float(), ref_a.float()) <= 0.035
 
 
+def test_fp8_linear_off_cuda_needs_no_scaled_mm(monkeypatch):
+    # torch 2.11's CPU _scaled_mm takes per-tensor scales only (an INTERNAL ASSERT on the H200 machine's CPU
+    # tensors): off CUDA the GEMM is the dequantized product, whatever the torch version.
+    lin, x = _linear(512, 384, seed=11)
+    f = Fp8Linear.from_linear(lin.to(torch.bfloat16))
+    monkeypatch.setattr(torch, "_scaled_mm", lambda *a, **k: pytest.fail("CPU _scaled_mm called"))
+    y = f(x.bfloat16())
+    exact = quantize_rows(x.bfloat16()).dequantize() @ f.dequantized_weight().t()
+    assert y.dtype == torch.bfloat16 and rel_err(y.float(), exact) <= 4e-3  # bf16 rounding of the output only
+
+
 def test_fp8_linear_empty_shard():
     # A rank can hold no rows of a stream (Ulysses shard of a short clip); cuBLASLt rejects M = 0, so it is skipped.
     lin, _ = _linear(64, 32, seed=3, bias=True)

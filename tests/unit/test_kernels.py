@@ -24,6 +24,9 @@ from h3render.kernels.utils import calculate_settings
 # differ by one bf16 ulp (2**-8 relative) where the fp32 values straddle a rounding boundary.
 TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=1e-2, rtol=1e-2)}
 DTYPES = [torch.float32, torch.bfloat16]
+# Triton reaches CPU tensors only through the interpreter (conftest.py turns it on). A GPU run with
+# TRITON_INTERPRET=0 skips these and runs the compiled kernels on CUDA tensors (test_kernels_on_cuda_match_naive).
+interpreted = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="CPU Triton needs TRITON_INTERPRET=1")
 
 
 def rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
@@ -34,6 +37,7 @@ def poisoned(shape, dtype) -> torch.Tensor:
     return torch.full(shape, float("nan"), dtype=dtype)
 
 
+@interpreted
 def test_interpreter_is_on():
     # CPU tensors can only reach the @triton.jit code through the interpreter; conftest.py turns it on.
     assert os.environ.get("TRITON_INTERPRET") == "1"
@@ -63,6 +67,7 @@ def _qkv_inputs(S, H, D, R, dtype, layout, seed):
     return qkv, q_w.to(dtype), k_w.to(dtype), angles.cos(), angles.sin()
 
 
+@interpreted
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(
     "S,H,D,R,layout",
@@ -86,6 +91,7 @@ def test_qk_norm_rope_triton_matches_naive(S, H, D, R, layout, dtype):
     assert torch.equal(got[2], v)
 
 
+@interpreted
 def test_qk_norm_rope_without_v_and_dispatch(monkeypatch):
     S, H, D, R = 37, 2, 32, 16
     qkv, q_w, k_w, cos, sin = _qkv_inputs(S, H, D, R, torch.float32, "interleaved", seed=3)
@@ -101,6 +107,7 @@ def test_qk_norm_rope_without_v_and_dispatch(monkeypatch):
     torch.testing.assert_close(got_k, ref_k, **TOL[torch.float32])
 
 
+@interpreted
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_qk_norm_without_rope(dtype):
     # cos = sin = None (the token refiner): normalize only, with every element written.
@@ -117,6 +124,7 @@ def test_qk_norm_without_rope(dtype):
     torch.testing.assert_close(ref[0], normed.to(dtype), **TOL[dtype])
 
 
+@interpreted
 def test_qk_norm_rope_passes_unrotated_channels_and_is_rotation():
     # Channels R..D are only normalized; a rotation keeps each head's rotary-part norm.
     S, H, D, R = 9, 2, 16, 8
@@ -155,6 +163,7 @@ def _rows(S, C, R, dtype, index_dtype, seed):
     return x, table, row_index
 
 
+@interpreted
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(
     "S,C,R,with_weight,index_dtype",
@@ -170,6 +179,7 @@ def test_modulate_triton_matches_naive(S, C, R, with_weight, index_dtype, dtype)
     torch.testing.assert_close(got, ref, **TOL[dtype])
 
 
+@interpreted
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("S,C,R", [(1, 7, 1), (37, 48, 6), (129, 2500, 3), (3, 5376, 6)])
 def test_gated_residual_triton_matches_naive(S, C, R, dtype):
@@ -180,6 +190,7 @@ def test_gated_residual_triton_matches_naive(S, C, R, dtype):
     torch.testing.assert_close(got, ref, **TOL[dtype])
 
 
+@interpreted
 def test_gated_residual_in_place_and_dispatch(monkeypatch):
     x, table, row_index = _rows(37, 2100, 6, torch.float32, torch.int64, seed=5)
     y = torch.randn_like(x)
@@ -192,6 +203,7 @@ def test_gated_residual_in_place_and_dispatch(monkeypatch):
     torch.testing.assert_close(x, ref, **TOL[torch.float32])
 
 
+@interpreted
 def test_modulate_dispatch_and_errors(monkeypatch):
     x, table, row_index = _rows(5, 16, 3, torch.float32, torch.int64, seed=1)
     ref = modulate_naive(x, None, table[:, 0], table[:, 1], row_index, 1e-5)
@@ -214,6 +226,7 @@ def test_modulate_dispatch_and_errors(monkeypatch):
 # ---------------------------------------------------------------- swiglu
 
 
+@interpreted
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("S,F", [(1, 1), (37, 45), (129, 2500)])
 def test_swiglu_triton_matches_naive(S, F, dtype):
@@ -222,6 +235,7 @@ def test_swiglu_triton_matches_naive(S, F, dtype):
     torch.testing.assert_close(got, swiglu_naive(h), **TOL[dtype])
 
 
+@interpreted
 def test_swiglu_strided_rows_and_errors(monkeypatch):
     h = torch.randn(37, 100)[:, :90]  # row stride 100, unit column stride
     mod = importlib.import_module("kernels.swiglu")  # the package re-exports a function of the same name
@@ -233,6 +247,40 @@ def test_swiglu_strided_rows_and_errors(monkeypatch):
         swiglu(torch.randn(3, 7))
     with pytest.raises(ValueError, match="unit stride"):
         swiglu(torch.randn(8, 3).t())
+
+
+# ---------------------------------------------------------------- compiled, on CUDA (GPU machine, TRITON_INTERPRET=0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") != "0",
+                    reason="needs CUDA and TRITON_INTERPRET=0")
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_kernels_on_cuda_match_naive(dtype):
+    # The interpreted tests' odd shapes, compiled: every launcher writes into a NaN-poisoned output on the GPU.
+    def cuda(*ts):
+        return tuple(None if t is None else t.cuda() for t in ts)
+
+    def nan(shape):
+        return poisoned(shape, dtype).cuda()
+
+    for S, H, D, R, layout in ((1, 1, 8, 6, "interleaved"), (37, 3, 40, 24, "stacked"), (5, 56, 128, 96, "stacked")):
+        qkv, q_w, k_w, cos, sin = cuda(*_qkv_inputs(S, H, D, R, dtype, layout, seed=S * 7 + H))
+        q, k, v = qkv.unbind(2)
+        got = qk_norm_rope_triton(q, k, v, q_w, k_w, cos, sin, 1e-5, out=tuple(nan((S, H, D)) for _ in range(3)))
+        for a, b in zip(got, qk_norm_rope_naive(q, k, v, q_w, k_w, cos, sin, 1e-5)):
+            torch.testing.assert_close(a, b, **TOL[dtype])
+    for S, C, R in ((1, 7, 1), (37, 48, 6), (129, 2500, 3), (3, 5376, 6)):
+        x, table, row_index = cuda(*_rows(S, C, R, dtype, torch.int64, seed=S + C))
+        weight = (1 + 0.1 * torch.randn(C, device="cuda")).to(dtype)
+        got = modulate_triton(x, weight, table[:, 3], table[:, 4], row_index, 1e-5, out=nan((S, C)))
+        torch.testing.assert_close(got, modulate_naive(x, weight, table[:, 3], table[:, 4], row_index, 1e-5),
+                                   **TOL[dtype])
+        y = torch.randn(S, C, device="cuda").to(dtype)
+        got = gated_residual_triton(x, y, table[:, 2], row_index, out=nan((S, C)))
+        torch.testing.assert_close(got, gated_residual_naive(x, y, table[:, 2], row_index), **TOL[dtype])
+    for S, F in ((1, 1), (37, 45), (129, 2500)):
+        h = (2 * torch.randn(S, 2 * F, device="cuda")).to(dtype)
+        torch.testing.assert_close(swiglu_triton(h, out=nan((S, F))), swiglu_naive(h), **TOL[dtype])
 
 
 # ---------------------------------------------------------------- parity with diffusers (fp32)
@@ -286,7 +334,7 @@ def test_naive_references_match_diffusers_parts():
     assert err <= 1e-5
 
 
-@pytest.mark.parametrize("use_triton", [False, True])
+@pytest.mark.parametrize("use_triton", [False, pytest.param(True, marks=interpreted)])
 def test_block_from_kernels_matches_diffusers_block(use_triton):
     """One DiT block composed from the kernels and `attention` equals diffusers' block on the same weights."""
     from diffusers.models.transformers.transformer_minimax_h3 import (
