@@ -210,7 +210,10 @@ def stage_e2e(args, bench) -> None:
                                                 f"{'GPU' if device.type == 'cuda' else 'CPU'}(s), rep {rep}",
                               precision=precision, attention=attention, wall_s=round(wall, 2), stages=stages,
                               denoise_steps=[round(x, 3) for x in timings["stages"]["denoise"]["steps"]],
-                              peak_gb=peak_gb(bench, device), stage_peak_gb={
+                              # the job's peak from its sidecar: the stage timer resets the device's counter at
+                              # each stage, so max_memory_allocated() here is the last stage's (vae_video) alone
+                              peak_gb=bench.gb(timings["peak_memory_bytes"]) if timings.get("peak_memory_bytes")
+                              else peak_gb(bench, device), stage_peak_gb={
                                   k: bench.gb(v) for k, v in (timings.get("stage_peak_memory_bytes") or {}).items()},
                               mp4_bytes=out.stat().st_size)
         del engine

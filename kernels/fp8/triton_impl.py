@@ -5,19 +5,22 @@ fp32 row they already hold in registers, so the activation is read once and writ
 
 Semantics (those of `kernels.fp8.naive.quantize_rows_naive`, bit for bit on the same fp32 row):
     scale = max(max|y| / 448, MIN_SCALE), one IEEE-rounded division;
-    data  = RTNE_e4m3(clamp(y / scale, -448, 448)), IEEE division again. (`tl.math.div_rn`: Triton's `/` on fp32
-    lowers to the approximate `div.full.f32` on NVIDIA, which would move scales and codes off the reference.)
+    data  = RTNE_e4m3(clamp(y * (1 / scale), -448, 448)): one IEEE reciprocal per row, one multiply per element.
+    (`tl.math.div_rn`: Triton's `/` on fp32 lowers to the approximate `div.full.f32` on NVIDIA, which would move
+    scales and codes off the reference.)
     NaN anywhere in a row makes its scale NaN and the whole row NaN (as torch's amax does); an Inf makes the scale
     Inf, that element NaN (Inf / Inf) and the row's finite elements zero. Nothing non-finite turns finite.
 
-Why the rounding is written out instead of `v.to(tl.float8e4nv)`: the hardware conversion (sm89+
-`cvt.rn.satfinite.e4m3x2.f32`) is RTNE, but the CPU interpreter's fp32 -> fp8 cast rounds ties away from zero,
-loses the carry into the exponent (127.7 -> 64) and maps NaN to 384 (triton 3.9 `interpreter._convert_float`), so
-the tests could not check it. The ~15 integer / fp32 ops per element below give the same bytes on both; next to a
-memory-bound row's HBM traffic they should be cheap (not yet measured on the GPU).
+Compiled, the rounding is the hardware's (`v.to(tl.float8e4nv)`: sm89+ `cvt.rn.satfinite.e4m3x2.f32`, RTNE).
+Under the interpreter it is written out (`e4m3_codes`): the interpreter's fp32 -> fp8 cast rounds ties away from
+zero, loses the carry into the exponent (127.7 -> 64) and maps NaN to 384 (triton 3.9 `interpreter._convert_float`),
+so the CPU tests could not check the hardware form. Both give the reference's bytes (tests/unit/test_fp8_kernels.py:
+interpreted on CPU, compiled on the H200).
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
@@ -73,6 +76,25 @@ def e4m3_codes(v):
 
 
 @triton.jit
+def quantize_codes(y, scale, HW_CVT: tl.constexpr):
+    """y: fp32 block of one row, scale: its `row_scale` -> uint8 e4m3fn codes of RTNE(clamp(y * (1 / scale)))).
+
+    HW_CVT (compiled kernels): the hardware conversion; else `e4m3_codes` (the interpreter's cast is not RTNE)."""
+    v = y * tl.math.div_rn(1.0, scale)
+    if HW_CVT:
+        # satfinite would clamp too; the explicit clamp keeps NaN (min/max.f32 drop it) and matches the reference.
+        v = tl.minimum(tl.maximum(v, -_E4M3_MAX, propagate_nan=tl.PropagateNan.ALL), _E4M3_MAX,
+                       propagate_nan=tl.PropagateNan.ALL)
+        return v.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+    return e4m3_codes(v)
+
+
+def hardware_cvt() -> bool:
+    """Whether launched kernels are compiled (the HW_CVT argument of `quantize_codes`)."""
+    return os.environ.get("TRITON_INTERPRET") != "1"
+
+
+@triton.jit
 def _quantize_rows_kernel(
     y_ptr,  # [S, K] strides (stride_y_s, 1)
     data_ptr,  # [S, K] uint8 view of the float8_e4m3fn output, strides (stride_d_s, 1)
@@ -81,6 +103,7 @@ def _quantize_rows_kernel(
     stride_d_s,
     K,
     BLOCK_K: tl.constexpr,
+    HW_CVT: tl.constexpr,
 ):
     s = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_K)
@@ -88,7 +111,7 @@ def _quantize_rows_kernel(
     # The whole row is loaded once; the abs-max and the quantization both read it from registers.
     y = tl.load(y_ptr + s * stride_y_s + cols, mask=mask, other=0.0).to(tl.float32)
     scale = row_scale(y)
-    tl.store(data_ptr + s * stride_d_s + cols, e4m3_codes(tl.math.div_rn(y, scale)), mask=mask)
+    tl.store(data_ptr + s * stride_d_s + cols, quantize_codes(y, scale, HW_CVT), mask=mask)
     tl.store(scale_ptr + s, scale)
 
 
@@ -127,6 +150,7 @@ def quantize_rows_triton(
         return data, scale
     block_k, num_warps = calculate_settings(K)
     _quantize_rows_kernel[(S,)](
-        y, data.view(torch.uint8), scale, y.stride(0), data.stride(0), K, BLOCK_K=block_k, num_warps=num_warps
+        y, data.view(torch.uint8), scale, y.stride(0), data.stride(0), K, BLOCK_K=block_k, HW_CVT=hardware_cvt(),
+        num_warps=num_warps
     )
     return data, scale

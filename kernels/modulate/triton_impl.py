@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from h3render.kernels.fp8.triton_impl import e4m3_codes, fp8_rows_out, row_scale
+from h3render.kernels.fp8.triton_impl import fp8_rows_out, hardware_cvt, quantize_codes, row_scale
 from h3render.kernels.utils import calculate_settings
 
 
@@ -32,6 +32,7 @@ def _modulate_kernel(
     HAS_WEIGHT: tl.constexpr,
     FP8: tl.constexpr,
     BLOCK_C: tl.constexpr,
+    HW_CVT: tl.constexpr,
 ):
     s = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_C)
@@ -48,7 +49,7 @@ def _modulate_kernel(
     y = y * (1.0 + scale) + shift  # masked lanes stay 0, so they do not move the row's abs-max
     if FP8:
         q_scale = row_scale(y)
-        tl.store(out_ptr + s * stride_out_s + cols, e4m3_codes(tl.math.div_rn(y, q_scale)), mask=mask)
+        tl.store(out_ptr + s * stride_out_s + cols, quantize_codes(y, q_scale, HW_CVT), mask=mask)
         tl.store(row_scale_ptr + s, q_scale)
     else:
         tl.store(out_ptr + s * stride_out_s + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
@@ -83,7 +84,7 @@ def modulate_triton(
         x, norm_weight if has_weight else x, shift, scale, row_index, out, x,
         x.stride(0), shift.stride(0), scale.stride(0), out.stride(0),
         C, eps,
-        HAS_WEIGHT=has_weight, FP8=False, BLOCK_C=block_c, num_warps=num_warps,
+        HAS_WEIGHT=has_weight, FP8=False, BLOCK_C=block_c, HW_CVT=False, num_warps=num_warps,
     )
     return out
 
@@ -118,6 +119,6 @@ def modulate_fp8_triton(
         x, norm_weight if has_weight else x, shift, scale, row_index, data.view(torch.uint8), q_scale,
         x.stride(0), shift.stride(0), scale.stride(0), data.stride(0),
         C, eps,
-        HAS_WEIGHT=has_weight, FP8=True, BLOCK_C=block_c, num_warps=num_warps,
+        HAS_WEIGHT=has_weight, FP8=True, BLOCK_C=block_c, HW_CVT=hardware_cvt(), num_warps=num_warps,
     )
     return data, q_scale

@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from h3render.kernels.fp8.triton_impl import e4m3_codes, fp8_rows_out, row_scale
+from h3render.kernels.fp8.triton_impl import fp8_rows_out, hardware_cvt, quantize_codes, row_scale
 from h3render.kernels.utils import calculate_settings
 
 _MAX_BLOCK = 2048
@@ -67,6 +67,7 @@ def _swiglu_fp8_kernel(
     stride_d_s,
     F,
     BLOCK_F: tl.constexpr,
+    HW_CVT: tl.constexpr,
 ):
     s = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_F)
@@ -76,7 +77,7 @@ def _swiglu_fp8_kernel(
     value = tl.load(row + F + cols, mask=mask, other=0.0).to(tl.float32)
     y = gate * tl.sigmoid(gate) * value  # masked lanes: silu(0) * 0 = 0
     scale = row_scale(y)
-    tl.store(data_ptr + s * stride_d_s + cols, e4m3_codes(tl.math.div_rn(y, scale)), mask=mask)
+    tl.store(data_ptr + s * stride_d_s + cols, quantize_codes(y, scale, HW_CVT), mask=mask)
     tl.store(scale_ptr + s, scale)
 
 
@@ -101,6 +102,7 @@ def swiglu_fp8_triton(
     # Warps sized for the 2F values a program loads (gate + value), not the F it writes.
     _, num_warps = calculate_settings(2 * block_f)
     _swiglu_fp8_kernel[(S,)](
-        h, data.view(torch.uint8), scale, h.stride(0), data.stride(0), F, BLOCK_F=block_f, num_warps=num_warps
+        h, data.view(torch.uint8), scale, h.stride(0), data.stride(0), F, BLOCK_F=block_f, HW_CVT=hardware_cvt(),
+        num_warps=num_warps
     )
     return data, scale
