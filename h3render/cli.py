@@ -373,7 +373,7 @@ def _batch(manifest, out_dir, shard, skip_existing, fail_fast, dry_run, quiet, o
         _fail(str(exc))
     jobs = m.jobs if shard_spec is None else jobs_mod.shard_jobs(m.jobs, *shard_spec)
     # This run's checkpoint and encoder, for resume's "skipped: rendered earlier with ..." lines.
-    current = {"checkpoint": {"path": info.path, "config_hash": info.config_hash,
+    current = {"checkpoint": {"path": info.recorded_path, "config_hash": info.config_hash,
                               "transformer": opts["transformer"] and str(Path(opts["transformer"]).resolve()),
                               "precision": opts["precision"]},
                "encoder": {"crf": opts["crf"], "x264_preset": opts["x264_preset"]}}

@@ -237,7 +237,7 @@ def _write_sidecar(engine, job, schedule: sampling.Schedule, timer: StageTimer, 
              "mode": job.mode, **result}
     if engine.adapter is not None and job.mode == "fasth3":
         extra["fasth3"] = engine.adapter
-    checkpoint = {"path": info.path, "layout": info.layout, "release": info.release.name,
+    checkpoint = {"path": info.recorded_path, "layout": info.layout, "release": info.release.name,
                   "config_hash": info.config_hash}
     if engine.transformer is not None:
         checkpoint["transformer"] = engine.transformer

@@ -72,6 +72,12 @@ class CheckpointInfo:
     processor: str | None = None
 
     @property
+    def recorded_path(self) -> str:
+        """`path` as sidecars and resume record it: absolute (resolved, as `--transformer` is), so the same checkpoint
+        named from another working directory compares equal; a built-in name as given."""
+        return self.path if self.layout == "builtin" else str(Path(self.path).resolve())
+
+    @property
     def config_hash(self) -> str:
         return self.release.config_hash()
 

@@ -300,3 +300,21 @@ def test_a_bad_option_value_is_one_line_and_exit_2(tmp_path):
     r = run_cli("prompt", "x", "-o", str(tmp_path / "a.mp4"), "--crf", "99")
     assert r.returncode == 2 and r.stderr.strip().splitlines() == [
         "h3render: error: Invalid value for '--crf': 99 is not in the range 0<=x<=51. (see 'h3render prompt --help')"]
+
+
+def test_sidecar_records_the_checkpoint_absolute_and_resume_from_another_folder_agrees(official_ckpt, tmp_path):
+    # A relative --checkpoint was recorded as given, so the same checkpoint named from another working directory
+    # read as "rendered earlier with checkpoint ../x (now x)" on resume.
+    manifest = tmp_path / "jobs.jsonl"
+    manifest.write_text(json.dumps({"id": "a", "prompt": "Rain on a tin roof", "frames": 22, "steps": 2,
+                                    "width": 128, "height": 64}) + "\n")
+    out = tmp_path / "out"
+    here = official_ckpt.parent
+    r = run_here("batch", str(manifest), "--out-dir", str(out), "--checkpoint", official_ckpt.name, "--quiet",
+                 cwd=here)
+    assert r.returncode == 0, r.stderr
+    assert json.loads((out / "a.json").read_text())["checkpoint"]["path"] == str(official_ckpt.resolve())
+    r = run_here("batch", str(manifest), "--out-dir", str(out), "--dry-run", "--checkpoint",
+                 f"{here.name}/{official_ckpt.name}", cwd=here.parent)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.splitlines()[1].startswith(f"[1/1] a ({out / 'a.mp4'}, skip: done): "), r.stdout
