@@ -41,7 +41,8 @@ def precision_problem(precision: str, dtype: torch.dtype, devices: Iterable[torc
         precision: "bf16" or "fp8" (`checkpoint.load.PRECISIONS`).
         dtype: the activations' (block stack's) dtype; fp8 writes its GEMM outputs in bf16, so it needs bfloat16.
         devices: the devices the run uses; each CUDA one needs compute capability >= `FP8_MIN_CAPABILITY` for fp8
-            (`torch.cuda.get_device_capability`); the CPU runs `torch._scaled_mm` too (torch >= 2.11), slowly.
+            (`torch.cuda.get_device_capability`); the CPU computes the same products dequantized in fp32
+            (`models.fp8.Fp8Linear`), slowly.
 
     Raises:
         ValueError: an unknown precision.

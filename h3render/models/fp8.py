@@ -149,7 +149,8 @@ class Fp8Linear(_Fp8Weight):
 
         Returns:
             [S, N] (or [..., N]) in `out_dtype`; the GEMM writes bf16 (row-wise scaled_mm on CUDA writes bf16 only)
-            and an fp32 linear's output is cast up from it.
+            and an fp32 linear's output is cast up from it. Off CUDA: the dequantized operands' fp32 product,
+            rounded once to bf16 (what cuBLASLt computes, up to the order of accumulation).
         """
         lead = None
         if not isinstance(x, Fp8Rows):
