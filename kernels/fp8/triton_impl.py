@@ -9,7 +9,8 @@ Semantics (those of `kernels.fp8.naive.quantize_rows_naive`, bit for bit on the 
     (`tl.math.div_rn`: Triton's `/` on fp32 lowers to the approximate `div.full.f32` on NVIDIA, which would move
     scales and codes off the reference.)
     NaN anywhere in a row makes its scale NaN and the whole row NaN (as torch's amax does); an Inf makes the scale
-    Inf, that element NaN (Inf / Inf) and the row's finite elements zero. Nothing non-finite turns finite.
+    Inf, that element NaN (Inf * (1 / Inf) = Inf * 0) and the row's finite elements zero. Nothing non-finite
+    turns finite.
 
 Compiled, the rounding is the hardware's (`v.to(tl.float8e4nv)`: sm89+ `cvt.rn.satfinite.e4m3x2.f32`, RTNE).
 Under the interpreter it is written out (`e4m3_codes`): the interpreter's fp32 -> fp8 cast rounds ties away from
@@ -77,7 +78,7 @@ def e4m3_codes(v):
 
 @triton.jit
 def quantize_codes(y, scale, HW_CVT: tl.constexpr):
-    """y: fp32 block of one row, scale: its `row_scale` -> uint8 e4m3fn codes of RTNE(clamp(y * (1 / scale)))).
+    """y: fp32 block of one row, scale: its `row_scale` -> uint8 e4m3fn codes of RTNE(clamp(y * (1 / scale), +-448)).
 
     HW_CVT (compiled kernels): the hardware conversion; else `e4m3_codes` (the interpreter's cast is not RTNE)."""
     v = y * tl.math.div_rn(1.0, scale)

@@ -26,7 +26,8 @@ TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=1e-2
 DTYPES = [torch.float32, torch.bfloat16]
 # Triton reaches CPU tensors only through the interpreter (conftest.py turns it on). A GPU run with
 # TRITON_INTERPRET=0 skips these and runs the compiled kernels on CUDA tensors (test_kernels_on_cuda_match_naive).
-interpreted = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="CPU Triton needs TRITON_INTERPRET=1")
+interpreted = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                                 reason="CPU Triton needs TRITON_INTERPRET=1")
 
 
 def rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
