@@ -129,3 +129,33 @@ def test_batch_report_and_its_sidecars_match_the_schemas(tmp_path):
     report = json.loads((out / "batch-report.json").read_text())
     validate(report, "batch-report")
     assert [j["status"] for j in report["jobs"]] == ["skipped", "skipped"] and report["load_seconds"] is None
+
+
+def test_fl2va_sidecar_matches_the_schema(tmp_path):
+    # fl2va sidecars carried job.task, the keyframe hashes, the vae_encode stage and extra.fl2va, none of which the
+    # schema allowed (a fresh user's jsonschema check failed on them). An RGBA first frame (alpha flattened) and a
+    # portrait last frame (cover-crop) exercise the optional keyframe fields.
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    Image.fromarray(rng.integers(0, 256, (96, 128, 4), dtype=np.uint8), "RGBA").save(tmp_path / "a.png")
+    Image.fromarray(rng.integers(0, 256, (128, 96, 3), dtype=np.uint8)).save(tmp_path / "b.png")
+    out = tmp_path / "door.mp4"
+    r = run_here("prompt", "A door opens", "--first-frame", "a.png", "--last-frame", "b.png", "-o", str(out),
+                 "--steps", "2", "--device", "cpu", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    side = json.loads(out.with_suffix(".json").read_text())
+    validate(side, "sidecar")
+    first, last = side["extra"]["fl2va"]["keyframes"]
+    assert first["alpha"] == "flattened onto white" and last["resize"] == "cover-crop"
+    assert side["job"]["first_frame_sha256"] == first["sha256"] and "vae_encode" in side["timings"]["stages"]
+    # and the schema still holds its line: a t2va job may not claim a keyframe hash, an fl2va one must have one
+    t2va = copy.deepcopy(side)
+    del t2va["job"]["task"]
+    with pytest.raises(jsonschema.ValidationError):
+        validate(t2va, "sidecar")
+    bare = copy.deepcopy(side)
+    del bare["job"]["first_frame_sha256"], bare["job"]["last_frame_sha256"]
+    with pytest.raises(jsonschema.ValidationError):
+        validate(bare, "sidecar")
