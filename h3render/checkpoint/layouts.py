@@ -210,7 +210,7 @@ def read_checkpoint_info(path: str | Path) -> CheckpointInfo:
     if root.suffix == ".safetensors":
         if not root.is_file():
             raise CheckpointError(f"{root}: missing")
-        release = dataclasses.replace(_single_file_release(root), name=str(root))
+        release = _single_file_release(root)  # named for its registry entry, as the sidecar records it
         origin = (open_safetensors(root, torch.device("cpu")).metadata() or {}).get("h3render_random")
         return CheckpointInfo(path=str(root), layout="single-file", release=release, transformer=str(root),
                               transformer_names="native-stacked", random_model=origin)
@@ -244,7 +244,7 @@ def read_checkpoint_info(path: str | Path) -> CheckpointInfo:
     min_frames, max_frames = _frame_limits(meta, defaults, str(index_path))
     processor_file, image_processor = _image_processor_config(part)
     release = dataclasses.replace(
-        defaults, name=str(root), dit=dit, video_vae=video_vae, audio_vae=audio_vae, text_encoder=text_encoder,
+        defaults, dit=dit, video_vae=video_vae, audio_vae=audio_vae, text_encoder=text_encoder,
         text_read_layer=_read_layer(meta, text_encoder, str(index_path)), video_shift=video_shift,
         audio_shift=audio_shift, min_frames=min_frames, max_frames=max_frames, image_processor=image_processor,
     )

@@ -313,7 +313,9 @@ def test_sidecar_records_the_checkpoint_absolute_and_resume_from_another_folder_
     r = run_here("batch", str(manifest), "--out-dir", str(out), "--checkpoint", official_ckpt.name, "--quiet",
                  cwd=here)
     assert r.returncode == 0, r.stderr
-    assert json.loads((out / "a.json").read_text())["checkpoint"]["path"] == str(official_ckpt.resolve())
+    recorded = json.loads((out / "a.json").read_text())["checkpoint"]
+    # the path resolved; the release is the registry entry whose limits applied, not the folder name again
+    assert recorded["path"] == str(official_ckpt.resolve()) and recorded["release"] == "tiny"
     r = run_here("batch", str(manifest), "--out-dir", str(out), "--dry-run", "--checkpoint",
                  f"{here.name}/{official_ckpt.name}", cwd=here.parent)
     assert r.returncode == 0, r.stderr
