@@ -128,13 +128,18 @@ def _resolve_checkpoint(checkpoint: str | None) -> str:
     return checkpoint
 
 
+def _usage(fn, *args, prefix: str = ""):
+    """`fn(*args)`, where an OSError or ValueError (CheckpointError included) is bad input: its first line, exit 2."""
+    try:
+        return fn(*args)
+    except (OSError, ValueError) as exc:
+        _fail(prefix + (str(exc).strip().splitlines() or [""])[0])
+
+
 def _checkpoint_info(checkpoint: str):
     from h3render.checkpoint import read_checkpoint_info
 
-    try:
-        return read_checkpoint_info(checkpoint)
-    except (OSError, ValueError) as exc:
-        _fail(str(exc).splitlines()[0])
+    return _usage(read_checkpoint_info, checkpoint)
 
 
 def _device(device: str | None) -> str:
@@ -218,14 +223,16 @@ def _check_attention(attention: str | None, device: str) -> None:
               f"{', '.join(available_backends())})")
 
 
-def _check_transformer(transformer: str | None, checkpoint: str) -> None:
+def _check_transformer(transformer: str | None, info) -> None:
+    """--transformer FILE: the loader's own check (`with_transformer_file`), headers only, before any weights load."""
     if transformer is None:
         return
-    if checkpoint in ("tiny", "small"):
+    if info.layout == "builtin":
         _fail(f"--transformer {transformer} replaces a checkpoint folder's DiT: it needs --checkpoint DIR (the text "
-              f"encoder and VAEs come from there); the built-in {checkpoint} model takes none")
-    if not Path(transformer).is_file():
-        _fail(f"--transformer {transformer}: no such file")
+              f"encoder and VAEs come from there); the built-in {info.path} model takes none")
+    from h3render.checkpoint import with_transformer_file
+
+    _usage(with_transformer_file, info, transformer, prefix="--transformer ")  # its messages start with the file
 
 
 def _check_writable(folder: Path) -> None:
@@ -301,8 +308,8 @@ def _prompt(text: str, output: str, opts: dict) -> int:
     checkpoint = _resolve_checkpoint(opts["checkpoint"])
     opts["mode"] = _adapter_mode(opts["mode"], opts["adapter"])
     _check_mode(opts["mode"], opts["adapter"], checkpoint)
-    _check_transformer(opts["transformer"], checkpoint)
     info = _checkpoint_info(checkpoint)
+    _check_transformer(opts["transformer"], info)
     fields = {k: opts[k] for k in ("preset", "aspect", "width", "height", "duration", "frames", "steps", "seed",
                                    "mode", "first_frame", "last_frame")}
     fields.update(prompt=text, output=out.stem)
@@ -352,8 +359,8 @@ def batch_command(manifest, out_dir, shard, skip_existing, fail_fast, dry_run, q
 def _batch(manifest, out_dir, shard, skip_existing, fail_fast, dry_run, quiet, opts) -> int:
     checkpoint = _resolve_checkpoint(opts["checkpoint"])
     _check_mode(None, opts["adapter"], checkpoint)  # fasth3 jobs without a student: the manifest check below
-    _check_transformer(opts["transformer"], checkpoint)
     info = _checkpoint_info(checkpoint)
+    _check_transformer(opts["transformer"], info)
     # Command-line defaults, passed like --mode: read_manifest applies them below each job's own fields.
     overrides = {k: opts[k] for k in ("mode", "seed", "steps", "preset")}
     student = opts["adapter"] is not None or _has_contract(checkpoint)
@@ -534,15 +541,12 @@ def _distinct_setups(jobs):
 # h3render presets / make-checkpoint
 
 @cli.command("presets")
-@click.option("--checkpoint", default=None, help="Checkpoint whose frame limits apply (default: the released ones).")
+@click.option("--checkpoint", default=None, help="As on `prompt`: default $H3RENDER_CHECKPOINT, else the tiny model.")
 def presets_command(checkpoint) -> None:
-    """List the canvas presets with canvas, frames and packed row counts."""
+    """List the canvas presets with canvas, frames and packed row counts, for the checkpoint `prompt` would use."""
 
     def run() -> int:
-        from h3render.checkpoint import RELEASES
-
-        limits = _checkpoint_info(checkpoint).limits() if checkpoint else RELEASES["released"].limits()
-        for line in jobs_mod.preset_lines(limits):
+        for line in jobs_mod.preset_lines(_checkpoint_info(_resolve_checkpoint(checkpoint)).limits()):
             print(line)
         return 0
 
@@ -561,13 +565,10 @@ def make_checkpoint_command(out, config, layout, seed, adapter) -> None:
     """Write a random checkpoint in the real on-disk format (no downloads)."""
 
     def run() -> int:
-        target = Path(out)
-        if target.exists() and (target.is_file() or any(target.iterdir())):
-            _fail(f"make-checkpoint: {out} already exists and is not empty; name a new or empty folder")
         from h3render.checkpoint import RELEASES
-        from h3render.make_checkpoint import write_synthetic_adapter
-        from h3render.make_checkpoint import make_checkpoint
+        from h3render.make_checkpoint import check_output, make_checkpoint, write_synthetic_adapter
 
+        _usage(check_output, out, layout)  # before anything is written (make_checkpoint checks it again)
         path = make_checkpoint(out, config=config, layout=layout, seed=seed)
         print(f"h3render: wrote a random {config} checkpoint ({layout} layout) to {path}", file=sys.stderr)
         if adapter:

@@ -15,7 +15,7 @@ The built-in random models and the checkpoint writer live in `h3render.make_chec
 from h3render.checkpoint.adapter import (RELEASED_BASE_MODEL, TINY_BASE_MODEL, V2_CONTRACT_FILE, Adapter, AdapterFusion,
                                          fasth3_schedule, read_adapter, read_v2_contract)
 from h3render.checkpoint.errors import AdapterError, CheckpointError
-from h3render.checkpoint.layouts import CheckpointInfo, read_checkpoint_info
+from h3render.checkpoint.layouts import CheckpointInfo, read_checkpoint_info, with_transformer_file
 from h3render.checkpoint.load import PARTS, Components, load_components, load_dit, load_tokenizer, load_vision
 from h3render.checkpoint.names import dit_state_dict_to_diffusers
 from h3render.checkpoint.releases import (BUILTIN, QWEN3VL_RELEASED, QWEN3VL_SMALL, QWEN3VL_TINY, RELEASES,
@@ -27,5 +27,5 @@ __all__ = [
     "PARTS", "QWEN3VL_RELEASED", "QWEN3VL_SMALL", "QWEN3VL_TINY", "RELEASED_BASE_MODEL", "RELEASES", "Release",
     "TINY_BASE_MODEL", "TensorHook", "V2_CONTRACT_FILE", "dit_state_dict_to_diffusers", "fasth3_schedule",
     "load_components", "load_dit", "load_tokenizer", "load_vision", "read_adapter", "read_checkpoint_info", "read_v2_contract",
-    "safetensors_entries", "stream_into", "weights_where",
+    "safetensors_entries", "stream_into", "weights_where", "with_transformer_file",
 ]

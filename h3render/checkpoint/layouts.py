@@ -256,6 +256,28 @@ def read_checkpoint_info(path: str | Path) -> CheckpointInfo:
     )
 
 
+def with_transformer_file(info: CheckpointInfo, transformer_file: str | Path) -> CheckpointInfo:
+    """`info` with its DiT weights taken from a single-file transformer (ComfyUI layout, q/k/v stacked) instead of its
+    own `transformer/`; reads the file's header only, so `h3render --transformer` runs it before any weights load.
+
+    Raises:
+        CheckpointError: the file is missing, a folder, not named `*.safetensors` (the suffix is how
+            `read_checkpoint_info` tells a single file from a folder), has an unreadable header, or holds a DiT whose
+            architecture differs from `info`'s; the message starts with the file's path.
+    """
+    path = Path(transformer_file)
+    if not path.exists():
+        raise CheckpointError(f"{path}: no such file")
+    if not path.is_file():
+        raise CheckpointError(f"{path}: not a file; a transformer file is one single-file DiT (.safetensors)")
+    if path.suffix != ".safetensors":
+        raise CheckpointError(f"{path}: not a .safetensors file; a single-file DiT must be named *.safetensors")
+    file_info = read_checkpoint_info(path)
+    if file_info.release.dit != info.release.dit:
+        raise CheckpointError(f"{path}: DiT architecture differs from {info.path}'s transformer")
+    return dataclasses.replace(info, transformer=file_info.transformer, transformer_names="native-stacked")
+
+
 def _single_file_release(path: Path) -> Release:
     """The registry release whose DiT matches a single file: by its `config` metadata when present, else by the
     tensor shapes in its header."""

@@ -14,7 +14,6 @@ modulation tables) go to host memory as they stream.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,7 +22,7 @@ from typing import Any, Callable, Collection, Iterable, Iterator
 import torch
 
 from h3render.checkpoint.errors import CheckpointError
-from h3render.checkpoint.layouts import CheckpointInfo, dit_entries, read_checkpoint_info
+from h3render.checkpoint.layouts import CheckpointInfo, dit_entries, read_checkpoint_info, with_transformer_file
 from h3render.checkpoint.releases import Release
 from h3render.checkpoint.stream import (Entry, TensorHook, cast_parameters_, finish_hook, parameters_on_meta,
                                         safetensors_entries, stream_into, weights_where)
@@ -369,12 +368,7 @@ def load_components(
         raise CheckpointError(f"{info.path}: a single-file checkpoint holds only the transformer; load it with "
                               f"parts=('dit',) or as transformer_file= of a full checkpoint")
     if transformer_file is not None:
-        file_info = read_checkpoint_info(transformer_file)
-        if file_info.layout != "single-file":
-            raise CheckpointError(f"{transformer_file}: transformer_file must be a single .safetensors file")
-        if file_info.release.dit != info.release.dit:
-            raise CheckpointError(f"{transformer_file}: DiT architecture differs from {info.path}'s transformer")
-        info = dataclasses.replace(info, transformer=file_info.transformer, transformer_names="native-stacked")
+        info = with_transformer_file(info, transformer_file)
     return _from_disk(info, device, dtype, parts, tensor_hook, precision)
 
 

@@ -60,7 +60,8 @@ def make_checkpoint(
         The path to pass to `load_components` (the repository root for "official").
 
     Raises:
-        ValueError: unknown config / layout, `shards < 1`, or `out_dir` exists and is not empty.
+        ValueError: unknown config / layout, `shards < 1`, or as `check_output` (`out_dir` exists and is not empty,
+            a "single-file" path not ending in `.safetensors`).
     """
     if config not in BUILTIN:
         raise ValueError(f"make-checkpoint: unknown config {config!r} (choose from {', '.join(BUILTIN)})")
@@ -68,9 +69,7 @@ def make_checkpoint(
         raise ValueError(f"make-checkpoint: unknown layout {layout!r} (choose from {', '.join(LAYOUTS)})")
     if shards < 1:
         raise ValueError(f"make-checkpoint: shards must be >= 1, got {shards}")
-    out = Path(out_dir)
-    if out.exists() and (out.is_file() or any(out.iterdir())):
-        raise ValueError(f"make-checkpoint: {out} already exists and is not empty")
+    out = check_output(out_dir, layout)
     release = RELEASES[config]
 
     if layout == "single-file":
@@ -80,6 +79,26 @@ def make_checkpoint(
         _write_partition(part, release, seed, layout, shards)
     if adapter is not None:
         write_synthetic_adapter(adapter, release.dit, seed=seed)
+    return out
+
+
+def check_output(out_dir: str | Path, layout: str) -> Path:
+    """The path `make_checkpoint` would write `layout` to, refused before anything is written.
+
+    A "single-file" DiT must be named `*.safetensors`: `read_checkpoint_info` (hence `--checkpoint` and
+    `--transformer`) tells a single file from a checkpoint folder by that suffix, so a file named otherwise could
+    not be loaded. Any layout: the path must be new, or an empty folder.
+
+    Raises:
+        ValueError: the message names the path and what to do.
+    """
+    out = Path(out_dir)
+    if layout == "single-file" and out.suffix != ".safetensors":
+        raise ValueError(f"make-checkpoint: {out_dir}: a single-file checkpoint must end in .safetensors "
+                         f"(it is found by that suffix), e.g. {out.name}.safetensors")
+    if out.exists() and (out.is_file() or any(out.iterdir())):
+        raise ValueError(f"make-checkpoint: {out_dir} already exists and is not empty; name a new "
+                         f"{'file' if layout == 'single-file' else 'or empty folder'}")
     return out
 
 

@@ -163,10 +163,30 @@ def test_unwritable_output_directory(tmp_path):
 
 
 def test_presets_lists_canvas_frames_rows():
-    r = invoke("presets")
+    r = invoke("presets", "--checkpoint", "small")  # the built-in small model keeps the released canvas rule
     assert r.exit_code == 0, r.output
     assert "1344x768" in r.stdout.replace("×", "x")
     assert "72,576" in r.stdout or "72576" in r.stdout or "landscape" in r.stdout
+
+
+def test_presets_resolve_the_checkpoint_as_prompt_and_batch_do(tmp_path):
+    """`presets` listed the released canvases without a checkpoint (prompt and batch use the built-in tiny model) and
+    ignored H3RENDER_CHECKPOINT: its canvas for a preset must be the one `batch --dry-run` plans for that preset."""
+    manifest = tmp_path / "jobs.jsonl"
+    manifest.write_text('{"id": "a", "prompt": "x", "preset": "4x3"}\n')
+    canvases = {}
+    for checkpoint in (None, "small"):
+        env = {} if checkpoint is None else {"H3RENDER_CHECKPOINT": checkpoint}
+        listed, planned = invoke("presets", env=env), invoke("batch", str(manifest), "--dry-run", env=env)
+        assert listed.exit_code == 0 and planned.exit_code == 0, (listed.output, planned.output)
+        row = next(line for line in listed.stdout.splitlines() if line.split()[0] == "4x3")
+        canvases[checkpoint] = row.split()[1]
+        assert f"preset 4x3 → {canvases[checkpoint]}," in planned.stdout, (row, planned.stdout)
+        notice = "no checkpoint given" in listed.stderr
+        assert notice == ("no checkpoint given" in planned.stderr) == (checkpoint is None), listed.stderr
+    assert canvases[None] != canvases["small"]  # tiny's canvas rule differs: the env variable was read
+    line = one_error_line(invoke("presets", env={"H3RENDER_CHECKPOINT": str(tmp_path / "nope")}))
+    assert "does not exist" in line and str(tmp_path / "nope") in line
 
 
 def test_batch_seed_steps_preset_are_defaults_below_a_jobs_own_fields(tmp_path):
@@ -260,6 +280,55 @@ def test_single_file_transformer_replaces_the_checkpoint_dit(official_ckpt, tmp_
     # a single file given as --checkpoint: exit 2, pointing at --transformer (was exit 1 after the plan)
     r = invoke("prompt", "x", "-o", str(tmp_path / "d.mp4"), "--checkpoint", str(single))
     assert "--transformer" in one_error_line(r) and not (tmp_path / "d.mp4").exists()
+
+
+def test_make_checkpoint_single_file_must_end_in_safetensors(tmp_path):
+    """`--layout single-file` wrote `sf`, which `--transformer sf` could not load (a single file is told from a
+    checkpoint folder by its suffix): refused before anything is written."""
+    from h3render.make_checkpoint import make_checkpoint
+
+    out = tmp_path / "sf"
+    line = one_error_line(invoke("make-checkpoint", str(out), "--config", "tiny", "--layout", "single-file"))
+    assert str(out) in line and "must end in .safetensors" in line
+    with pytest.raises(ValueError, match="must end in .safetensors"):
+        make_checkpoint(out, "tiny", "single-file")
+    assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("kind", ["no suffix", "folder", "missing", "bad header", "other DiT"])
+def test_an_unusable_transformer_file_is_a_usage_error_before_the_plan(kind, official_ckpt, tmp_path):
+    """A single-file DiT named `sf` passed the old is-a-file check, then `prompt` printed the canvas line and failed
+    as loading began ("failed: CheckpointError: sf: no such checkpoint folder", exit 1); a bad header or another
+    architecture failed there too. Now each is one line naming --transformer and the file, exit 2, on prompt and on
+    batch --dry-run, before anything else is printed."""
+    import dataclasses
+    import shutil
+
+    import torch
+    from safetensors.torch import save_file
+
+    from h3render.checkpoint import RELEASES
+
+    path = tmp_path / {"no suffix": "sf", "folder": "dit", "missing": "nope.safetensors"}.get(kind, "dit.safetensors")
+    if kind == "no suffix":
+        single = tmp_path / "made" / "dit.safetensors"
+        assert run_here("make-checkpoint", str(single), "--layout", "single-file").returncode == 0
+        shutil.copy(single, path)  # the weights are fine: only the name is not
+    elif kind == "folder":
+        path.mkdir()
+    elif kind == "bad header":
+        path.write_bytes(b"\xff" * 64)
+    elif kind == "other DiT":  # a readable header whose config is the small DiT, not this checkpoint's tiny one
+        save_file({"w": torch.zeros(1)}, str(path), {"config": json.dumps(dataclasses.asdict(RELEASES["small"].dit))})
+    common = ("--checkpoint", str(official_ckpt), "--transformer", str(path))
+    out = tmp_path / "t" / "t.mp4"
+    r = invoke("prompt", "x", "-o", str(out), *common, "--frames", "22", "--width", "64", "--height", "64")
+    line = one_error_line(r)
+    assert line.startswith(f"h3render: error: --transformer {path}: "), line
+    assert r.stderr.strip().splitlines() == [line] and not out.parent.exists()  # no canvas line, nothing written
+    manifest = tmp_path / "jobs.jsonl"
+    manifest.write_text('{"id": "a", "prompt": "x", "frames": 22}\n')
+    assert f"--transformer {path}: " in one_error_line(invoke("batch", str(manifest), "--dry-run", *common))
 
 
 def test_batch_renders_jobs_in_turn_and_the_overlap_flags_are_gone(tmp_path):
