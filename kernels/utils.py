@@ -7,10 +7,18 @@ reference runs.
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 # Triton caps one block at 2**16 elements; every fused width here (hidden 5376, head dim 128) is far below it.
 MAX_FUSED_SIZE = 65536
+
+
+def interpreting() -> bool:
+    """Whether Triton launches run in its CPU interpreter (TRITON_INTERPRET=1, which the tests set) rather than
+    compiled: kernels pick interpreter-safe forms of a few operations on it (fp8 rounding, sin, fp32 upcasts)."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def next_power_of_2(n: int) -> int:

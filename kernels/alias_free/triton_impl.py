@@ -14,18 +14,18 @@ with clamp to the valid range of the signal indexed. A program covers BLOCK posi
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from h3render.kernels.utils import interpreting
+
 _BLOCK = 1024
 _NUM_WARPS = 4
 # The sine on the GPU is libdevice's `__nv_sinf`, the CUDA math library's accurate sinf that torch.sin calls too;
 # the CPU interpreter (tests) has no libdevice and runs `tl.sin` (numpy's).
-_PRECISE_SIN = os.environ.get("TRITON_INTERPRET") != "1"
+_PRECISE_SIN = not interpreting()
 
 
 @triton.jit

@@ -21,14 +21,12 @@ interpreted on CPU, compiled on the H200).
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
 from h3render.kernels.fp8.naive import E4M3_MAX, MIN_SCALE
-from h3render.kernels.utils import calculate_settings
+from h3render.kernels.utils import calculate_settings, interpreting
 
 _E4M3_MAX = tl.constexpr(E4M3_MAX)
 _MIN_SCALE = tl.constexpr(MIN_SCALE)
@@ -80,7 +78,7 @@ def e4m3_codes(v):
 def quantize_codes(y, scale, HW_CVT: tl.constexpr):
     """y: fp32 block of one row, scale: its `row_scale` -> uint8 e4m3fn codes of RTNE(clamp(y * (1 / scale), +-448)).
 
-    HW_CVT (compiled kernels): the hardware conversion; else `e4m3_codes` (the interpreter's cast is not RTNE)."""
+    HW_CVT (compiled kernels, `not kernels.utils.interpreting()`): the hardware conversion; else `e4m3_codes` (the interpreter's cast is not RTNE)."""
     v = y * tl.math.div_rn(1.0, scale)
     if HW_CVT:
         # satfinite would clamp too; the explicit clamp keeps NaN (min/max.f32 drop it) and matches the reference.
@@ -88,11 +86,6 @@ def quantize_codes(y, scale, HW_CVT: tl.constexpr):
                        propagate_nan=tl.PropagateNan.ALL)
         return v.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
     return e4m3_codes(v)
-
-
-def hardware_cvt() -> bool:
-    """Whether launched kernels are compiled (the HW_CVT argument of `quantize_codes`)."""
-    return os.environ.get("TRITON_INTERPRET") != "1"
 
 
 @triton.jit
@@ -151,7 +144,7 @@ def quantize_rows_triton(
         return data, scale
     block_k, num_warps = calculate_settings(K)
     _quantize_rows_kernel[(S,)](
-        y, data.view(torch.uint8), scale, y.stride(0), data.stride(0), K, BLOCK_K=block_k, HW_CVT=hardware_cvt(),
+        y, data.view(torch.uint8), scale, y.stride(0), data.stride(0), K, BLOCK_K=block_k, HW_CVT=not interpreting(),
         num_warps=num_warps
     )
     return data, scale

@@ -10,8 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
-from h3render.kernels.fp8.triton_impl import fp8_rows_out, hardware_cvt, quantize_codes, row_scale
-from h3render.kernels.utils import calculate_settings
+from h3render.kernels.fp8.triton_impl import fp8_rows_out, quantize_codes, row_scale
+from h3render.kernels.utils import calculate_settings, interpreting
 
 
 @triton.jit
@@ -76,16 +76,7 @@ def modulate_triton(
     S, C = x.shape
     if out is None:
         out = torch.empty((S, C), dtype=x.dtype, device=x.device)
-    if S == 0:
-        return out
-    block_c, num_warps = calculate_settings(C)
-    has_weight = norm_weight is not None
-    _modulate_kernel[(S,)](
-        x, norm_weight if has_weight else x, shift, scale, row_index, out, x,
-        x.stride(0), shift.stride(0), scale.stride(0), out.stride(0),
-        C, eps,
-        HAS_WEIGHT=has_weight, FP8=False, BLOCK_C=block_c, HW_CVT=False, num_warps=num_warps,
-    )
+    _launch(x, norm_weight, shift, scale, row_index, eps, out, None)
     return out
 
 
@@ -111,14 +102,23 @@ def modulate_fp8_triton(
     """
     S, C = x.shape
     data, q_scale = fp8_rows_out(out, S, C, x.device)
+    _launch(x, norm_weight, shift, scale, row_index, eps, data, q_scale)
+    return data, q_scale
+
+
+def _launch(x, norm_weight, shift, scale, row_index, eps, out, q_scale) -> None:
+    """One program per row into `out` [S, C]: x's dtype when `q_scale` is None, else e4m3 data with its [S, 1]
+    row scales in `q_scale`."""
+    S, C = x.shape
     if S == 0:
-        return data, q_scale
+        return
     block_c, num_warps = calculate_settings(C)
     has_weight = norm_weight is not None
+    fp8 = q_scale is not None
     _modulate_kernel[(S,)](
-        x, norm_weight if has_weight else x, shift, scale, row_index, data.view(torch.uint8), q_scale,
-        x.stride(0), shift.stride(0), scale.stride(0), data.stride(0),
+        x, norm_weight if has_weight else x, shift, scale, row_index, out.view(torch.uint8) if fp8 else out,
+        q_scale if fp8 else x,
+        x.stride(0), shift.stride(0), scale.stride(0), out.stride(0),
         C, eps,
-        HAS_WEIGHT=has_weight, FP8=True, BLOCK_C=block_c, HW_CVT=hardware_cvt(), num_warps=num_warps,
+        HAS_WEIGHT=has_weight, FP8=fp8, BLOCK_C=block_c, HW_CVT=fp8 and not interpreting(), num_warps=num_warps,
     )
-    return data, q_scale

@@ -11,8 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
-from h3render.kernels.fp8.triton_impl import fp8_rows_out, hardware_cvt, quantize_codes, row_scale
-from h3render.kernels.utils import calculate_settings
+from h3render.kernels.fp8.triton_impl import fp8_rows_out, quantize_codes, row_scale
+from h3render.kernels.utils import calculate_settings, interpreting
 
 _MAX_BLOCK = 2048
 
@@ -102,7 +102,7 @@ def swiglu_fp8_triton(
     # Warps sized for the 2F values a program loads (gate + value), not the F it writes.
     _, num_warps = calculate_settings(2 * block_f)
     _swiglu_fp8_kernel[(S,)](
-        h, data.view(torch.uint8), scale, h.stride(0), data.stride(0), F, BLOCK_F=block_f, HW_CVT=hardware_cvt(),
+        h, data.view(torch.uint8), scale, h.stride(0), data.stride(0), F, BLOCK_F=block_f, HW_CVT=not interpreting(),
         num_warps=num_warps
     )
     return data, scale

@@ -19,12 +19,12 @@ With GATE the epilogue adds `dtype(dtype(coarse[h, qt]) * gate)` to `dtype(out)`
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 import triton
 import triton.language as tl
 
+from h3render.kernels.utils import interpreting
 from h3render.kernels.vsa.tiles import TILE, TilePlan, to_tiles
 
 LOG2E = 1.4426950408889634  # exp(x) = exp2(x * log2(e))
@@ -201,7 +201,7 @@ def fine_attention_triton(
         plan.num_tiles, plan.num_prefix, plan.num_video, dense_q, topk,
         LOG2E / math.sqrt(d),
         HEAD_DIM=d, TILE_ROWS=TILE, GATE=gate is not None, IEEE=q.dtype == torch.float32,
-        UPCAST=not q.is_cuda and os.environ.get("TRITON_INTERPRET") == "1", 
+        UPCAST=not q.is_cuda and interpreting(),
         num_warps=num_warps, num_stages=num_stages,
     )
     return out

@@ -10,7 +10,6 @@ scale the kernel fails to write fails the test. Bounds (the same on CPU and GPU)
 """
 
 import importlib
-import os
 
 import pytest
 import torch
@@ -21,15 +20,11 @@ from h3render.kernels.modulate import modulate, modulate_naive
 from h3render.kernels.modulate.triton_impl import modulate_fp8_triton
 from h3render.kernels.swiglu import swiglu, swiglu_naive
 from h3render.kernels.swiglu.triton_impl import swiglu_fp8_triton
+from tests._markers import compiled_cuda, interpreted
 
 DTYPES = [torch.float32, torch.bfloat16]
 SCALE_RTOL = 1e-6
 MAX_OFF_FRACTION = 1e-3
-interpreted = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
-                                 reason="CPU Triton needs TRITON_INTERPRET=1")
-# Compiled kernels only: the interpreter on CUDA tensors would test numpy again, slowly.
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") != "0",
-                                reason="needs CUDA and TRITON_INTERPRET=0")
 pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # Inf/Inf under numpy
 
 
@@ -257,7 +252,7 @@ def test_swiglu_fp8_public_api(monkeypatch):
 # ---------------------------------------------------------------- CUDA (compiled kernels, a medium shape)
 
 
-@needs_cuda
+@compiled_cuda
 def test_fp8_kernels_on_cuda_match_naive():
     g = torch.Generator(device="cuda").manual_seed(0)
     S, C, F, R = 4096, 5376, 14336, 6

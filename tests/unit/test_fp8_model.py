@@ -8,7 +8,6 @@ Bounds are about twice the values measured on CPU (torch 2.13, the seeds below);
 from __future__ import annotations
 
 import copy
-import os
 
 import pytest
 import torch
@@ -25,6 +24,7 @@ from h3render.models.fp8 import (Fp8Linear, Fp8WeightLinear, precision_report, q
 from tests._diffusers_ref import random_dit, rel_err
 from tests._spawn import cpu_rank, put_result, run_ranks
 from tests.unit.test_vsa_dit import _forward, _vsa_dit
+from tests._markers import compiled_cuda
 
 WORLD = 2
 
@@ -237,11 +237,7 @@ def test_ulysses_fp8_two_ranks_equal_one():
 
 # ---------------------------------------------------------------- CUDA (cuBLASLt's FP8 GEMM, the compiled producers)
 
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") != "0",
-                                reason="needs CUDA and TRITON_INTERPRET=0")
-
-
-@needs_cuda
+@compiled_cuda
 @pytest.mark.parametrize("rows", [0, 1, 77, 4096])
 def test_fp8_linear_on_cuda_against_exact_reference(rows):
     # cuBLASLt's row-wise scaled GEMM (not the CPU fallback): scale orientation, odd row counts and an empty shard.
@@ -258,7 +254,7 @@ def test_fp8_linear_on_cuda_against_exact_reference(rows):
     assert rel_err(y.float(), F.linear(x.float(), lin.weight.float(), lin.bias.float())) <= 0.075
 
 
-@needs_cuda
+@compiled_cuda
 @pytest.mark.parametrize("vsa", [False, True])
 def test_tiny_dit_fp8_on_cuda_against_bf16(vsa):
     # The whole FP8 block on the GPU: fused Triton producers -> _scaled_mm, against the same model in bf16 on the GPU.

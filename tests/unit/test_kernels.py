@@ -19,15 +19,14 @@ from h3render.kernels.qk_norm_rope.triton_impl import qk_norm_rope_triton
 from h3render.kernels.swiglu import swiglu_naive
 from h3render.kernels.swiglu.triton_impl import swiglu_triton
 from h3render.kernels.utils import calculate_settings
+from tests._markers import compiled_cuda, interpreted
 
 # fp32: both sides do the same fp32 math in a different order. bf16: both round an fp32 result once, so they can
 # differ by one bf16 ulp (2**-8 relative) where the fp32 values straddle a rounding boundary.
 TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=1e-2, rtol=1e-2)}
 DTYPES = [torch.float32, torch.bfloat16]
-# Triton reaches CPU tensors only through the interpreter (conftest.py turns it on). A GPU run with
-# TRITON_INTERPRET=0 skips these and runs the compiled kernels on CUDA tensors (test_kernels_on_cuda_match_naive).
-interpreted = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
-                                 reason="CPU Triton needs TRITON_INTERPRET=1")
+# `interpreted` cases: CPU tensors through the interpreter; a GPU run with TRITON_INTERPRET=0 skips them and runs
+# the compiled kernels on CUDA tensors instead (test_kernels_on_cuda_match_naive).
 
 
 def rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
@@ -253,8 +252,7 @@ def test_swiglu_strided_rows_and_errors(monkeypatch):
 # ---------------------------------------------------------------- compiled, on CUDA (GPU machine, TRITON_INTERPRET=0)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") != "0",
-                    reason="needs CUDA and TRITON_INTERPRET=0")
+@compiled_cuda
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_kernels_on_cuda_match_naive(dtype):
     # The interpreted tests' odd shapes, compiled: every launcher writes into a NaN-poisoned output on the GPU.
