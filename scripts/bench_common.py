@@ -38,6 +38,18 @@ def cuda_time(fn, reps: int = 3, warm: int = 1) -> float:
     return times[len(times) // 2]
 
 
+def sync(device: torch.device) -> None:
+    """Wait for `device`'s queued work (a no-op off CUDA): the edges of a wall-clock timing."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def parse_canvas(text: str) -> tuple[int, int, int]:
+    """"WxHxFRAMES" (the --*-canvas flags) -> (width, height, frames)."""
+    width, height, frames = (int(v) for v in text.lower().split("x"))
+    return width, height, frames
+
+
 def rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
     ours, ref = ours.double(), ref.double()
     return float((ours - ref).norm() / ref.norm())

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from bench_common import PROMPT, build_on_gpu, gb, random_, rec, released_dit
+from bench_common import PROMPT, build_on_gpu, gb, parse_canvas, random_, rec, released_dit
 
 
 def released_engine(args, ctx):
@@ -80,7 +80,7 @@ def stage_batch(args) -> None:
     from h3render.jobs import Job
     from h3render.parallel.groups import init_parallel
 
-    width, height, frames = (int(x) for x in args.batch_canvas.lower().split("x"))
+    width, height, frames = parse_canvas(args.batch_canvas)
     device = args.batch_device or ("cuda" if torch.cuda.is_available() else "cpu")
     cuda = device == "cuda"
     ctx = init_parallel(device)

@@ -27,12 +27,9 @@ import numpy as np
 import torch
 from PIL import Image
 
+from bench_common import parse_canvas, sync
+
 PROMPT_TOKENS = 256  # the t2va prompt length the other stages use (bench.dit_inputs)
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def timed(fn, device: torch.device, reps: int, warm: int = 1) -> float:
@@ -41,10 +38,10 @@ def timed(fn, device: torch.device, reps: int, warm: int = 1) -> float:
         fn()
     times = []
     for _ in range(reps):
-        _sync(device)
+        sync(device)
         t0 = time.perf_counter()
         fn()
-        _sync(device)
+        sync(device)
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
 
@@ -85,7 +82,7 @@ def run(args, bench) -> None:
     device = torch.device(args.fl2va_device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     release = RELEASES[args.fl2va_model]
-    width, height, frames = (int(v) for v in args.fl2va_canvas.split("x"))
+    width, height, frames = parse_canvas(args.fl2va_canvas)
     reps = args.fl2va_reps
     row = dict(stage="fl2va", canvas=f"{width}x{height}x{frames}", model=release.name, device=device.type)
     images = _keyframes(width, height)

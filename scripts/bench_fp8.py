@@ -30,6 +30,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from bench_common import parse_canvas, sync  # noqa: F401 (bench_e2e imports them from here too)
+
 # tests/unit/test_fp8_kernels.py's bounds for a fused producer against its torch reference: scales within 1e-6
 # relative, e4m3 codes at most one step apart, at most 1e-3 of them off at all (quantize_rows: bit-exact).
 SCALE_RTOL = 1e-6
@@ -54,16 +56,6 @@ def add_arguments(p) -> None:
 
 def pick_device(name: str | None) -> torch.device:
     return torch.device(name or ("cuda" if torch.cuda.is_available() else "cpu"))
-
-
-def parse_canvas(text: str) -> tuple[int, int, int]:
-    width, height, frames = (int(v) for v in text.lower().split("x"))
-    return width, height, frames
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def time_call(fn, device: torch.device, reps: int, warm: int = 1) -> dict:
