@@ -98,7 +98,7 @@ def run_batch(
         shard: ``(index, count)`` of this array task, 0-based; only names the report file and is recorded in it.
         render_order: the order to render in (indices into ``jobs``; a mixed queue renders its t2va jobs before
             the FastH3 student is fused); the report keeps ``jobs``' order. Default: ``jobs``' order.
-        current: this run's ``{"checkpoint": ..., "encoder": ...}`` (`timing.rendered_with`): a skipped job
+        current: this run's ``{"checkpoint": ..., "encoder": ...}`` (`sidecar.rendered_with`): a skipped job
             rendered with another checkpoint or encoder setting says so in its log line.
     Returns:
         The final ``BatchReport``; ``report.path`` holds the same.
@@ -205,7 +205,7 @@ class _Queue:
         """A skipped job rendered with another checkpoint or encoder setting than this run's says so."""
         if self.settings is None:
             return
-        from h3render.timing import rendered_with
+        from h3render.sidecar import rendered_with
 
         try:
             note = rendered_with(json.loads(self.targets[i][1].read_text(encoding="utf-8")),

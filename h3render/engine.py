@@ -3,7 +3,11 @@
 The engine owns what outlives a job: the loaded components, the attention backend chosen by measurement, the
 parallel plan (`h3render.parallel.plan`: applied once here, handed to every job), the AdaLN tables per schedule,
 the audio decode's CUDA graphs per length, the pinned frame buffers, and the warm-up that keeps first-call costs
-(Triton compilation, communicator set-up, tokenizer load) out of job timings. A job itself is `render.render_job`.
+(Triton compilation, communicator set-up, tokenizer load) out of job timings. A job itself is `render.render_job`;
+what is task-specific is in the task's module (`h3render.tasks`), never here.
+
+The DiTs are held by checkpoint partition (`tasks.base.BASE_PARTITION` for t2va and fl2va; ref2va's
+"transformer_ref" next), each with the parallel plan's forward applied once (`dit_forward`).
 """
 
 from __future__ import annotations
@@ -18,15 +22,19 @@ from typing import Any, Iterable
 import torch
 
 from h3render import spec
+from h3render.errors import RenderError
 from h3render.graphs import ShapeGraphs
 from h3render.media import PinnedFrameStager
 from h3render.models.attention import attention as fast_attention
 from h3render.models.attention import fastest_for, select_backend
 from h3render.models.attention import runner as attention_runner
-from h3render.packing import fl2va_layout, noise_keyframes, t2va_layout
+from h3render.packing import t2va_layout
 from h3render.parallel.groups import ParallelContext
 from h3render.parallel.plan import ParallelPlan
-from h3render.sampling import Schedule, dit_model_fn, schedule_timesteps
+from h3render.render import render_job
+from h3render.sampling import Schedule, dit_model_fn
+from h3render.tasks import task_of
+from h3render.tasks.base import BASE_PARTITION, Prepared
 
 
 # torch._scaled_mm's e4m3 GEMMs (cuBLASLt) need compute capability 8.9 or newer: Ada (8.9), Hopper (9.0), Blackwell.
@@ -65,10 +73,6 @@ def precision_problem(precision: str, dtype: torch.dtype, devices: Iterable[torc
                     f"{'.'.join(map(str, FP8_MIN_CAPABILITY))} (Ada, Hopper or newer); {device} ({name}) has "
                     f"{capability[0]}.{capability[1]}: use --precision bf16")
     return None
-
-
-class RenderError(RuntimeError):
-    """A job could not produce a valid MP4 (non-finite latents, frames or audio; bad job for this checkpoint)."""
 
 
 @dataclass(frozen=True)
@@ -147,8 +151,12 @@ class Engine:
         # One GEMM for the VAE decoder's q/k/v (weights are loaded; the decoder never saves a state dict).
         self.c.video_vae.fuse_qkv_()
         self.warmup["select_attention_s"] = time.perf_counter() - t0
-        # The parallel plan is applied once, here: the DiT forward, the decode split and the audio hand-over.
-        self.plan = ParallelPlan(ctx, self.c.dit)
+        # The parallel plan is applied once, here: the DiT forward (per partition), the decode split and the audio
+        # hand-over. Which DiT partitions stay resident is a memory decision, logged in the warm-up record.
+        self.plan = ParallelPlan(ctx)
+        self.dits = {BASE_PARTITION: self.c.dit}
+        self._forwards = {BASE_PARTITION: self.plan.dit_forward(self.c.dit)}
+        self.warmup["dit_partitions"] = {BASE_PARTITION: "resident"}
 
     @classmethod
     def load(cls, checkpoint: str, ctx: ParallelContext, dtype: torch.dtype, settings: EngineSettings = EngineSettings(),
@@ -232,8 +240,6 @@ class Engine:
             RenderError: non-finite latents, frames or audio; a job this checkpoint cannot run.
             MediaError: the MP4 could not be written (before the tail).
         """
-        from h3render.render import render_job
-
         return render_job(self, job, Path(mp4_path), Path(sidecar_path))
 
     def render(self, job, mp4_path: Path | str, sidecar_path: Path | str) -> dict[str, Any]:
@@ -248,12 +254,14 @@ class Engine:
         A fasth3 job of a mixed queue fuses the student first (once).
 
         Raises:
-            RenderError: an fl2va job on a FastH3 student (students are t2va-only); fasth3 without a student.
+            RenderError: a task the FastH3 students cannot render (they are t2va-only) on a student; fasth3 without
+                a student.
         """
         info = self.c.info
-        if getattr(job, "task", "t2va") == "fl2va" and (job.mode == "fasth3" or self.fasth3 is not None):
-            raise RenderError(f"job {job.output!r} is fl2va (keyframes given): FastH3 students are t2va-only; "
-                              "render it on the base checkpoint without --adapter")
+        task = task_of(job)
+        if not task.FEW_STEP and (job.mode == "fasth3" or self.fasth3 is not None):
+            raise RenderError(f"job {job.output!r} is {task.NAME}: FastH3 students are t2va-only; render it on the "
+                              "base checkpoint without --adapter")
         if job.mode == "fasth3":
             if self.fasth3 is None:
                 raise RenderError("mode fasth3 needs a FastH3 adapter (--adapter PATH, or `adapter` in the manifest's "
@@ -296,20 +304,34 @@ class Engine:
             torch.cuda.empty_cache()  # the bf16 block weights are freed
         self.warmup["fasth3_fusion_s"] = time.perf_counter() - t0
 
-    def tables(self, schedule: Schedule, keyframes: bool = False):
-        """AdaLN modulation tables for every timestep of a schedule, built once on the device and cached; with
-        `keyframes`, also the fl2va keyframe rows' timesteps (`sampling.schedule_timesteps(..., keyframes=True)`)."""
-        timesteps = schedule_timesteps(schedule.video, schedule.audio, keyframes=keyframes)
+    def tables(self, schedule: Schedule, timesteps: torch.Tensor | None = None):
+        """AdaLN modulation tables for every timestep a job visits, built once on the device and cached.
+
+        Args:
+            schedule: the job's `Schedule`.
+            timesteps: `[K]` float32, what the job's task says its forwards see (`task.timesteps(schedule)`: fl2va
+                adds its condition rows' timesteps); default the schedule's own (`Schedule.timesteps`).
+        """
+        timesteps = schedule.timesteps if timesteps is None else timesteps
         key = tuple(timesteps.tolist())
         if key not in self._tables:
             self._tables[key] = self.c.dit.modulation_tables(timesteps, device=self.device)
         return self._tables[key]
 
-    def model_fn(self, text: torch.Tensor, layout, tables, condition_rows: torch.Tensor | None = None):
-        """`sampling.denoise`'s model_fn for one job: the DiT forward of the parallel plan (the diffusers oracle
-        chain test drives the same `sampling.dit_model_fn`); fl2va passes its fixed keyframe rows `[Nc, 96]`."""
-        return dit_model_fn(self.plan.forward, text, layout, tables, self.c.dit.rope_tables(layout.positions),
-                            condition_rows=condition_rows)
+    def model_fn(self, prepared: Prepared, tables):
+        """`sampling.denoise`'s model_fn for one job: the forward of the DiT of `prepared.partition` under the
+        parallel plan (the diffusers oracle chain test drives the same `sampling.dit_model_fn`), with the task's
+        fixed condition rows `[Nc, 96]` when it has any.
+
+        Raises:
+            RenderError: that DiT partition is not loaded in this engine.
+        """
+        dit = self.dits.get(prepared.partition)
+        if dit is None:
+            raise RenderError(f"this engine holds the DiT partitions {', '.join(sorted(self.dits))}, not "
+                              f"{prepared.partition!r}")
+        return dit_model_fn(self._forwards[prepared.partition], prepared.text, prepared.layout, tables,
+                            dit.rope_tables(prepared.layout.positions), condition_rows=prepared.condition_rows)
 
     def ensure_vision(self, timer=None) -> None:
         """Load the conditioner's vision tower and keyframe image processor (fl2va) if not yet loaded: in `prepare`
@@ -376,7 +398,8 @@ class Engine:
         for job in jobs:
             if job.mode == "fasth3" and self._deferred_fusion is not None:
                 continue  # built once the student is fused, on its first job
-            self.tables(self.schedule(job), keyframes=job.task == "fl2va")
+            schedule = self.schedule(job)
+            self.tables(schedule, task_of(job).timesteps(schedule))
         if self.device.type == "cuda":
             self.c.dit.offload_adaln_("cpu")
             torch.cuda.empty_cache()
@@ -390,12 +413,13 @@ class Engine:
                 self._warm_dit(jobs[0])
                 self.plan.warm_up()
             self.warmup["dit_te_warmup_s"] = time.perf_counter() - t0
-            fl2va = [j for j in jobs if j.task == "fl2va"]
-            if fl2va:
+            firsts: dict[str, Any] = {}
+            for job in jobs:
+                firsts.setdefault(job.task, job)
+            for name, job in firsts.items():  # each task's own first-call costs, on its first job's canvas
                 t0 = time.perf_counter()
-                self.ensure_vision()
-                self._warm_fl2va(fl2va[0])
-                self.warmup["fl2va_warmup_s"] = time.perf_counter() - t0
+                task_of(job).warm(self, job)
+                self.warmup[f"{name}_warmup_s"] = time.perf_counter() - t0
         if self.device.type == "cuda" and jobs:
             self._warm_vae(jobs)
             if self.plan.decodes_audio and "audio_activations" not in self.warmup:
@@ -458,30 +482,6 @@ class Engine:
         """A zero audio latent `[2, 32, length]` (float32, this device): the decode's input shape."""
         return torch.zeros(spec.AUDIO_CHANNELS, self.c.audio_vae.config.latent_channels, length, device=self.device)
 
-    @torch.no_grad()
-    def _warm_fl2va(self, job) -> None:
-        """One presentation encode with grey keyframes on the job's canvas, one keyframe VAE encode, and one DiT
-        forward with the job's condition rows on the shortest clip: first-call costs (kernel selection, Triton
-        specialization of the longer row count) stay out of the first fl2va job."""
-        from PIL import Image
-
-        from h3render.keyframes import keyframe_pixels
-
-        c, dev = self.c, self.device
-        grey = [Image.new("RGB", (job.width, job.height), (128, 128, 128))] * len(job.keyframes)
-        text, presentation = c.text_encoder.encode_presentation(job.prompt, grey)
-        latent = c.video_vae.encode_condition(keyframe_pixels(grey[0]).to(dev))
-        anchors = tuple(k.anchor for k in job.keyframes)
-        layout = fl2va_layout(presentation.tags, job.height, job.width, spec.FRAMES_REMAINDER, anchors).to(dev)
-        rows = noise_keyframes([latent] * len(anchors), torch.Generator().manual_seed(0))
-        tables = self.tables(self.schedule(job), keyframes=True)
-        video = torch.zeros(layout.num_target_video_rows, c.dit.cfg.video_patch_dim, device=dev)
-        audio = torch.zeros(layout.audio_index.numel(), c.dit.cfg.audio_in_channels, device=dev)
-        t = tables.timesteps[0]
-        self.model_fn(text.to(dev), layout, tables, condition_rows=rows)(video, audio, t, t)
-        if dev.type == "cuda":
-            torch.cuda.synchronize(dev)
-
     def _warm_dit(self, job) -> None:
         """Two short DiT forwards on the job's code path (sharded on several ranks), so the first denoising step of
         the first job pays no Triton compilation, attention set-up or communicator creation (measured on 2xH200:
@@ -503,7 +503,8 @@ class Engine:
             text = torch.zeros(text_len, dit.cfg.text_dim, dtype=dit.dtype, device=dev)
             video = torch.zeros(layout.video_index.numel(), dit.cfg.video_patch_dim, device=dev)
             audio = torch.zeros(layout.audio_index.numel(), dit.cfg.audio_in_channels, device=dev)
-            self.model_fn(text, layout, tables)(video, audio, tables.timesteps[0], tables.timesteps[0])
+            prepared = Prepared(text=text, layout=layout, output_layout=layout, video_rows=video, audio_rows=audio)
+            self.model_fn(prepared, tables)(video, audio, tables.timesteps[0], tables.timesteps[0])
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
 

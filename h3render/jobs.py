@@ -530,7 +530,7 @@ def plan_lines(jobs: list[Job], out_dir: Path | None = None, *, overwrite: bool 
     With `out_dir`, each line names the job's MP4 path and whether the run would render it or skip it (its outputs
     complete and rendered with these parameters: `outputs.render_reason`); a skip with `current` (the run's
     `{"checkpoint", "encoder"}` settings, as the batch takes them) also says what the earlier render ran with where
-    that differs (`timing.rendered_with`), as the real run's log does. `run` (checkpoint, precision, adapter)
+    that differs (`sidecar.rendered_with`), as the real run's log does. `run` (checkpoint, precision, adapter)
     comes first as one line of `key value` pairs, the ones that are None left out.
     """
     from h3render.outputs import output_paths, render_reason
@@ -538,7 +538,7 @@ def plan_lines(jobs: list[Job], out_dir: Path | None = None, *, overwrite: bool 
     def skip_note(sidecar: Path) -> str:
         if current is None:
             return "skip: done"
-        from h3render.timing import rendered_with
+        from h3render.sidecar import rendered_with
 
         earlier = rendered_with(json.loads(sidecar.read_text(encoding="utf-8")), **current)
         return "skip: done" if earlier is None else f"skip: done, {earlier}"

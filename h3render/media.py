@@ -96,7 +96,12 @@ class Mp4Writer:
         crf: x264 constant rate factor (0..51; 18 ~ visually lossless).
         preset: x264 preset name ("ultrafast" .. "placebo").
         sample_rate, fps: released model: 32000 Hz, 24 fps.
-        audio: whether an audio track is written (then ``write_audio`` must be called once before close).
+        audio: whether an audio track is written (then ``write_audio`` must be called once per window before
+            close).
+        windows: frame counts of the windows the clip is rendered in, in order, summing to ``frames`` (default
+            one window of ``frames``). Each window hands over its own soundtrack (``write_audio``, once per window,
+            in order); window i's audio fills samples ``audio_samples_for(F_0 + .. + F_{i-1})`` up to
+            ``audio_samples_for(F_0 + .. + F_i)``, so the rounding never drifts over many windows.
         audio_bitrate: AAC bit rate in bit/s.
         queue_chunks: bound of the hand-off queue, in chunks (back-pressure on the producer).
         threads: libx264 threads, 0 = auto.
@@ -132,6 +137,7 @@ class Mp4Writer:
         queue_chunks: int = 4,
         threads: int = 0,
         x264_params: str | None = None,
+        windows: Sequence[int] | None = None,
     ) -> None:
         import av  # imported here so that importing h3render does not load libav
 
@@ -148,6 +154,9 @@ class Mp4Writer:
             raise MediaError(f"{self.path}: frames must be >= 1, got {frames}")
         if not 0 <= crf <= 51:
             raise MediaError(f"{self.path}: crf must be in 0..51, got {crf}")
+        windows = (frames,) if windows is None else tuple(int(n) for n in windows)
+        if not windows or min(windows) < 1 or sum(windows) != frames:
+            raise MediaError(f"{self.path}: windows {list(windows)} must be >= 1 frame each and sum to {frames}")
         self.tmp_path = temp_path_for(self.path)
         self.width, self.height, self.frames, self.fps = width, height, frames, fps
         self.sample_rate = sample_rate
@@ -157,11 +166,16 @@ class Mp4Writer:
                                         "trailer_s": 0.0, "sync_s": 0.0, "blocked_s": 0.0}
 
         self._frames_in = 0  # frames accepted from the producer
+        # Sample boundaries of the windows' soundtracks: [0, a_1, ..., audio_samples] (cumulative, see `windows`).
+        ends = np.cumsum(windows)
+        self._audio_bounds = [0] + [audio_samples_for(int(n), sample_rate, fps) for n in ends]
+        self._audio_windows = 0  # soundtracks handed over (producer side)
+        self._audio_ready = 0  # samples of them the encoder thread may read (encoder side, set through the queue)
         self._audio: np.ndarray | None = None
         self._has_audio = audio
         self._error: BaseException | None = None
         self._state = "open"  # open -> closing (tail on the encoder thread) -> closed | aborted
-        self._then: Callable[[], object] | None = None
+        self._then: Callable[[BaseException | None], object] | None = None
         self._done: Future = Future()  # the tail's outcome (finish_async)
         self._abort_flag = threading.Event()
         self._queue: queue.Queue = queue.Queue(maxsize=max(1, queue_chunks))
@@ -252,24 +266,31 @@ class Mp4Writer:
             raise
 
     def write_audio(self, waveform: Union[np.ndarray, torch.Tensor]) -> None:
-        """Hand over the whole soundtrack (once, any time before ``close``).
+        """Hand over the next window's soundtrack (once per window, in order, any time before ``close``; with one
+        window, the whole soundtrack).
 
         Args:
             waveform: float ``[2, samples]`` (left, right) at ``sample_rate``, nominally in [-1, 1] (the
-                released audio VAE clamps to it; values beyond are clipped). Longer than
-                ``audio_samples_for(frames)`` is trimmed; up to 800 samples (one audio latent) short is
-                zero-padded.
+                released audio VAE clamps to it; values beyond are clipped). Longer than the window's share of
+                ``audio_samples_for(frames)`` (see ``windows``) is trimmed; up to 800 samples (one audio latent)
+                short is zero-padded.
         Raises:
-            MediaError: not ``[2, samples]``, NaN/inf, too short, a second call, or no audio track.
+            MediaError: not ``[2, samples]``, NaN/inf, too short, more calls than windows, or no audio track.
         """
         try:
             self._check_usable()
             if not self._has_audio:
                 raise MediaError(f"{self.path}: writer was opened with audio=False")
-            if self._audio is not None:
-                raise MediaError(f"{self.path}: write_audio called twice")
-            self._audio = prepare_audio(waveform, self.audio_samples, name=str(self.path))
-            self._put(("audio", None, None))
+            window = self._audio_windows
+            if window == len(self._audio_bounds) - 1:
+                raise MediaError(f"{self.path}: write_audio called {window + 1} times for {window} window(s)")
+            start, end = self._audio_bounds[window], self._audio_bounds[window + 1]
+            block = prepare_audio(waveform, end - start, name=str(self.path))
+            if self._audio is None:
+                self._audio = np.zeros((2, self.audio_samples), dtype=np.float32)
+            self._audio[:, start:end] = block  # the encoder thread reads it only once told through the queue
+            self._audio_windows = window + 1
+            self._put(("audio", end, None))
         except BaseException:
             self.abort()
             raise
@@ -284,15 +305,18 @@ class Mp4Writer:
             return
         self.finish_async().result()
 
-    def finish_async(self, then: Callable[[], object] | None = None) -> Future:
+    def finish_async(self, then: Callable[[BaseException | None], object] | None = None) -> Future:
         """Start the writer's tail on its own thread and return at once: encoder flush, trailer, fsync, rename onto
-        ``path``, then ``then()`` (the job's sidecar). The GPU is free meanwhile, so the next job's prompt encode and
-        denoise run beside the tail (0.13-0.5 s at 1344x768x243 on an H200 host).
+        ``path``, then the one completion callback ``then(error)``. The GPU is free meanwhile, so the next job's
+        prompt encode and denoise run beside the tail (0.13-0.5 s at 1344x768x243 on an H200 host).
+
+        ``then`` runs on the writer's thread exactly once, whatever happens after this call: ``then(None)`` once the
+        MP4 is in place (the job writes its sidecar there), or ``then(error)`` when the tail failed (the temp file
+        is already removed; the job closes its progress there).
 
         Returns:
-            A Future of ``then()``'s result (None without ``then``). It raises MediaError for an encoder failure
-            (the temp file is then removed and nothing exists under ``path``), or what ``then`` raised (the MP4 is
-            in place by then).
+            A Future of ``then(None)``'s result (None without ``then``). It raises MediaError for an encoder failure
+            (nothing exists under ``path``), or what ``then(None)`` raised (the MP4 is in place by then).
         Raises:
             MediaError: frame count short of ``frames`` or audio missing, found before the tail starts (aborted).
         """
@@ -300,8 +324,9 @@ class Mp4Writer:
             self._check_usable()
             if self._frames_in != self.frames:
                 raise MediaError(f"{self.path}: got {self._frames_in} frames, expected {self.frames}")
-            if self._has_audio and self._audio is None:
-                raise MediaError(f"{self.path}: no audio was written (call write_audio before close)")
+            if self._has_audio and self._audio_windows != len(self._audio_bounds) - 1:
+                raise MediaError(f"{self.path}: audio was written for {self._audio_windows} of "
+                                 f"{len(self._audio_bounds) - 1} window(s) (call write_audio before close)")
             self._then, self._state = then, "closing"
             self._put(_CLOSE)
         except BaseException:
@@ -440,7 +465,7 @@ class Mp4Writer:
         if self._state == "closing":  # the tail was asked for but encoding failed: nothing under ``path``
             self._state = "aborted"
             self._discard()
-            self._done.set_exception(MediaError(f"{self.path}: encoding failed: {self._error!r}"))
+            self._fail(MediaError(f"{self.path}: encoding failed: {self._error!r}"))
 
     def _consume(self, item) -> None:
         kind, array, staged = item
@@ -452,7 +477,9 @@ class Mp4Writer:
         try:
             if staged is not None:
                 staged.wait()
-            if kind != "audio":
+            if kind == "audio":
+                self._audio_ready = array  # the sample the soundtrack is now written up to
+            else:
                 self._encode_video(kind, array)
                 if self._pts == self.frames:
                     self._mark("frames_done")
@@ -484,7 +511,7 @@ class Mp4Writer:
         """Feed the AAC encoder the soundtrack up to sample ``end`` (interleaves audio with video)."""
         if self._audio is None or self._aac is None:
             return
-        end = min(end, self._audio.shape[1])
+        end = min(end, self._audio_ready)
         if end <= self._audio_pos:
             return
         t0 = time.perf_counter()
@@ -511,15 +538,24 @@ class Mp4Writer:
         except BaseException as exc:
             self._state = "aborted"
             self._discard()
-            self._done.set_exception(MediaError(f"{self.path}: could not finish the file: {exc!r}"))
+            self._fail(MediaError(f"{self.path}: could not finish the file: {exc!r}"))
             return
         self._state = "closed"
         try:
-            result = self._then() if self._then is not None else None
+            result = self._then(None) if self._then is not None else None
         except BaseException as exc:
             self._done.set_exception(exc)
             return
         self._done.set_result(result)
+
+    def _fail(self, error: BaseException) -> None:
+        """The tail failed: tell the completion callback (its own failure cannot hide `error`), then the Future."""
+        if self._then is not None:
+            try:
+                self._then(error)
+            except BaseException:
+                pass  # the callback's cleanup failed; `error` is what the job reports
+        self._done.set_exception(error)
 
     def _finish(self) -> None:
         t0 = time.perf_counter()

@@ -10,6 +10,8 @@ import json
 import os
 from pathlib import Path
 
+from h3render.sidecar import media_mismatch
+
 
 class BatchUsageError(ValueError):
     """A usage error found before anything renders (exit 2, one line): two jobs share an output, a bad out dir."""
@@ -27,7 +29,7 @@ def output_paths(out_dir: Path, job) -> tuple[Path, Path]:
 
 def temp_paths(mp4: Path, sidecar: Path) -> tuple[Path, ...]:
     """The temp names a job's final files pass through: ``<name>.tmp.mp4`` (media.Mp4Writer), and for the
-    sidecar both ``<name>.json.tmp`` (timing.write_sidecar) and ``<name>.tmp.json``. Written only by the holder
+    sidecar both ``<name>.json.tmp`` (sidecar.write_sidecar) and ``<name>.tmp.json``. Written only by the holder
     of the job's lock."""
     return (mp4.with_name(mp4.stem + ".tmp.mp4"), sidecar.with_name(sidecar.name + ".tmp"),
             sidecar.with_name(sidecar.stem + ".tmp.json"))
@@ -40,7 +42,7 @@ def lock_path(mp4: Path) -> Path:
 
 def render_reason(job, mp4: Path, sidecar: Path, *, overwrite: bool = False) -> str | None:
     """Why the job must be rendered ("overwrite", "no MP4", "no sidecar", "sidecar unreadable", "parameters
-    changed", "MP4 empty", or an MP4 that is not the one its sidecar records: `h3render.timing.media_mismatch`),
+    changed", "MP4 empty", or an MP4 that is not the one its sidecar records: `h3render.sidecar.media_mismatch`),
     or None when its outputs are complete and were rendered with ``job.params()`` (skip it)."""
     if overwrite:
         return "overwrite"
@@ -62,8 +64,6 @@ def render_reason(job, mp4: Path, sidecar: Path, *, overwrite: bool = False) -> 
             return "MP4 empty" if mp4.stat().st_size == 0 else None
         except OSError:
             return "no MP4"
-    from h3render.timing import media_mismatch  # imports torch: only when a record is there to check
-
     return media_mismatch(mp4, record)
 
 

@@ -1,5 +1,10 @@
-"""One job, top to bottom: schedule -> encode (text; fl2va: keyframes too) -> layout -> noise -> denoise -> unpack ->
-decode audio -> stream video into the writer -> sidecar.
+"""One job, top to bottom: for each window, schedule -> prepare (the task's: text, layout, noise, condition rows) ->
+generate (denoise, unpatchify) -> deliver (decode audio, stream the video into the writer); then the MP4's tail and
+the sidecar.
+
+A job is one window unless the caller splits it (`render_windows`: the windows' frames and soundtracks go through
+one writer into one MP4, and the sidecar lists every window). What differs between tasks is in the task's module
+(`h3render.tasks`); this file has no task branch.
 
 Every rank runs this for the same job in lock-step; what differs between ranks is the engine's parallel plan
 (`h3render.parallel.plan.ParallelPlan`): the DiT forward it hands over, which rank decodes the audio, where decoded
@@ -10,25 +15,45 @@ traffic is the prompt, the noise, and the finished frames and samples.
 from __future__ import annotations
 
 from concurrent.futures import Future
-from contextlib import nullcontext
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
 import torch
 
 from h3render import sampling
 from h3render.colour import frames_to_uint8, rgb_to_i420
-from h3render.engine import RenderError
+from h3render.errors import RenderError
 from h3render.media import Mp4Writer
 from h3render.models.fp8 import precision_report
-from h3render.packing import patchify_video, rows_to_audio, t2va_layout, unpatchify_video
+from h3render.packing import rows_to_audio, unpatchify_video
 from h3render.progress import Progress, as_progress
-from h3render.timing import StageTimer, device_name, utc_now, versions, write_sidecar
+from h3render.sidecar import write_sidecar
+from h3render.tasks import task_of
+from h3render.tasks.base import Prepared
+from h3render.timing import StageTimer, device_name, utc_now, versions
+
+
+@dataclass(eq=False)
+class Latents:
+    """What `generate` hands `deliver`: one window's final latents and how they were made.
+
+    Attributes:
+        video: `[24, T, h, w]` float32 video latent of the generated frames (condition rows dropped).
+        audio: `[2, 32, Ta]` float32 audio latent (stereo as a batch of 2).
+        schedule: the `sampling.Schedule` that made them.
+        record: what the task adds to the sidecar's `extra` (fl2va: the keyframes and presentation).
+    """
+
+    video: torch.Tensor
+    audio: torch.Tensor
+    schedule: sampling.Schedule
+    record: dict[str, Any] = field(default_factory=dict)
 
 
 @torch.no_grad()
 def render_job(engine, job, mp4_path: Path, sidecar_path: Path) -> Future:
-    """Render `job` with `engine` (`h3render.engine.Engine`) into `mp4_path` and its JSON sidecar.
+    """Render `job` with `engine` (`h3render.engine.Engine`) into `mp4_path` and its JSON sidecar: one window.
 
     Returns once the last frame is in the writer; the Future resolves to the sidecar dict (rank 0; {} on the other
     ranks) after the writer's tail (flush, trailer, fsync, rename, then the sidecar) finished on its own thread.
@@ -37,164 +62,219 @@ def render_job(engine, job, mp4_path: Path, sidecar_path: Path) -> Future:
         RenderError: non-finite latents, frames or audio; a job this checkpoint cannot run.
         MediaError: the MP4 could not be written.
     """
-    c, dev, plan, settings = engine.c, engine.device, engine.plan, engine.settings
+    return render_windows(engine, job, [job], mp4_path, sidecar_path)
+
+
+@torch.no_grad()
+def render_windows(engine, job, windows: Sequence, mp4_path: Path, sidecar_path: Path) -> Future:
+    """Render `windows` (jobs of the same canvas, each 17n + 5 frames, in order) into one MP4 of all their frames
+    and soundtracks, described by `job` (its `params()` are the sidecar's `job`, and the resume key).
+
+    The sidecar's `extra.windows` lists every window (frames, seed, task, sigmas, when it ran, what the task
+    recorded) when there is more than one. Returns and raises as `render_job`.
+    """
+    dev, plan, settings = engine.device, engine.plan, engine.settings
     timer = StageTimer(dev)
     t_start = timer.now()
     started_at = utc_now()
     # Stage progress on rank 0 only (the ranks run the same stages in lock-step).
     progress = as_progress(settings.progress, settings.step_bar_position) if plan.writes else Progress("off")
-    label = mp4_path.stem
-
-    schedule = engine.schedule(job)  # a mixed queue's first fasth3 job fuses (and, fp8, quantizes) the DiT here
-    # What each component computes in, read now: the sidecar is written on the writer's thread, by when the next
-    # job may have fused and quantized the DiT.
-    precision = precision_report(c)
-    # fl2va (keyframes): text with vision blocks, condition rows, a layout with them (h3render.conditioning).
-    with progress.stage(label, "text + keyframes encode") if job.task == "fl2va" else nullcontext():
-        condition = _condition(engine, job, timer)
-    if condition is None:
-        with progress.stage(label, "text encode"), timer.stage("text_encode"):
-            text = c.text_encoder.encode(job.prompt).to(dev)  # [Nt, text_dim]
-        layout = t2va_layout(text.shape[0], job.height, job.width, job.frames).to(dev)
-    else:
-        text, layout = condition.text, condition.layout
-    tables = engine.tables(schedule, keyframes=condition is not None)
-    # CPU generator, as released; fl2va continues the generator that drew the keyframe noise
-    video_noise, audio_rows = sampling.draw_noise(job.seed if condition is None else condition.generator, layout)
-    video_rows = patchify_video(video_noise[0]).to(dev)  # [Nv, 96]
-    audio_rows = audio_rows.to(dev)  # [Na, 32]
-
-    with timer.stage("denoise"), progress.stage(label, "denoise", schedule.forwards, "steps") as shown:
-        model_fn = _timed_steps(engine.model_fn(text, layout, tables, None if condition is None else condition.rows),
-                                timer)
-        video_rows, audio_rows = sampling.denoise(model_fn, video_rows, audio_rows, schedule.video, schedule.audio,
-                                                  on_step=lambda i, v, a: shown.update(1))
-    if not (torch.isfinite(video_rows).all() and torch.isfinite(audio_rows).all()):
-        raise RenderError("denoising produced non-finite latents (NaN/Inf); no video written")
-    if condition is not None:
-        layout = layout.target_layout()  # the generated rows only; the condition rows were never written
-    video_latent = unpatchify_video(video_rows, layout)  # [24, T, h, w]
-    audio_latent = rows_to_audio(audio_rows, layout).float()  # [2, 32, Ta]
-    if settings.save_latents and plan.writes:
-        torch.save({"video": video_latent.float().cpu(), "audio": audio_latent.cpu()},
-                   mp4_path.with_name(mp4_path.stem + ".latents.pt"))
-    del text, video_rows, audio_rows
-
-    waveform, job_warmup = engine.decode_audio(audio_latent, timer)  # [2, samples] fp32 (None: another rank's)
-    audio_shape = (audio_latent.shape[0], audio_latent.shape[-1] * c.audio_vae.hop_length)
-    frames = plan.decode_stream(c.video_vae, video_latent, settings.vae_batch)
-    # Before the video: the writer then spreads the AAC encoding over the decode instead of running it after the
-    # last frame (0.23-0.33 s for 10 s of stereo).
-    waveform = plan.share_waveform(waveform, audio_shape)
-    if not plan.writes:
-        with timer.stage("vae_video"):
-            for _ in frames:
-                pass  # this rank's tiles go to rank 0 inside the stream
+    sink = _Sink(engine, mp4_path, job, windows, progress) if plan.writes else None
+    records: list[dict[str, Any]] = []
+    first: Latents | None = None
+    precision: dict[str, str] = {}
+    try:
+        for i, window in enumerate(windows):
+            label = mp4_path.stem if len(windows) == 1 else f"{mp4_path.stem} [window {i + 1}/{len(windows)}]"
+            t0 = timer.now() - t_start
+            schedule = engine.schedule(window)  # a mixed queue's first fasth3 job fuses (and, fp8, quantizes) the DiT
+            # What each component computes in, read now: the sidecar is written on the writer's thread, by when the
+            # next job may have fused and quantized the DiT.
+            precision = precision or precision_report(engine.c)
+            with progress.stage(label, task_of(window).ENCODE_STAGE):
+                prepared = task_of(window).prepare(engine, window, timer)
+            latents = generate(engine, window, prepared, schedule, timer, progress, label)
+            del prepared
+            if settings.save_latents and plan.writes:
+                _save_latents(mp4_path, i, latents)
+            first = first or latents
+            t1 = timer.now() - t_start
+            deliver(engine, window, latents, sink, timer)
+            records.append({"index": i, "frames": window.frames, "seed": window.seed, "task": window.task,
+                            "sigmas": latents.schedule.to_dict(), "started_s": t0, "generated_s": t1,
+                            "delivered_s": timer.now() - t_start, **latents.record})
+    except BaseException:
+        if sink is not None:
+            sink.abort()
+        raise
+    if sink is None:
         done: Future = Future()
         done.set_result({})
         return done
 
-    writer = Mp4Writer(mp4_path, job.width, job.height, job.frames, crf=settings.crf, preset=settings.x264_preset)
-    shown = _Shown(progress.stage(label, "decode", job.frames, "frames"),
-                   progress.stage(label, "encode", job.frames, "frames", row=1), writer)
-    try:
-        written = _stream_video(engine, writer, waveform, frames, timer, shown)
-    except BaseException:
-        shown.close()
-        writer.abort()
-        raise
-    t_close = timer.now()
-    timer.freeze_peak()
-    shown.decode.close()
-
-    def tail() -> dict[str, Any]:
-        # On the writer's thread, once the MP4 is renamed into place: the sidecar goes last, so a sidecar never
-        # describes an MP4 that is not there.
-        shown.close()
-        timer.add_interval("encode_mux", writer.marks.get("start", t_close), writer.marks.get("end", timer.now()))
-        timer.add_interval("mp4_close_after_decode", t_close, timer.now())
-        timer.add_interval("total", t_start, timer.now())
-        result = {"frames_written": written, "writer": dict(writer.stats)}
-        if job_warmup:
-            result["job_warmup"] = job_warmup
-        if condition is not None:
-            result["fl2va"] = condition.record
+    def facts() -> dict[str, Any]:
+        # Read on the writer's thread once the MP4 is in place (the sidecar goes last, so a sidecar never describes
+        # an MP4 that is not there).
+        result = {"frames_written": sink.written, "writer": dict(sink.writer.stats), **first.record}
+        if sink.job_warmup:
+            result["job_warmup"] = sink.job_warmup
+        if len(windows) > 1:
+            result["windows"] = records
         run = run_facts(engine, mp4_path, started_at, precision)
-        return _write_sidecar(engine, job, schedule, timer, sidecar_path, result, run, mp4_path)
+        return _write_sidecar(engine, job, first.schedule, timer, sidecar_path, result, run, mp4_path)
 
-    try:
-        future = writer.finish_async(then=tail)
-    except BaseException:
-        shown.close()
-        raise
-    future.add_done_callback(lambda _: shown.close())  # an encoder failure in the tail never reaches tail()
-    return future
+    return sink.finish(timer, t_start, facts)
 
 
-class _Shown:
-    """The decode and encode progress of one job: frames decoded, and frames the writer's x264 thread took in."""
+@torch.no_grad()
+def generate(engine, job, prepared: Prepared, schedule: sampling.Schedule, timer: StageTimer,
+             progress: Progress | None = None, label: str = "") -> Latents:
+    """Denoise `prepared` (the task's rows) over `schedule` and unpack the final rows into latents.
 
-    def __init__(self, decode, encode, writer: Mp4Writer):
-        self.decode, self.encode, self.writer = decode, encode, writer
-
-    def frames(self, n: int) -> None:
-        self.decode.update(n)
-        self.encode.update(self.writer.frames_encoded - self.encode.done)
-
-    def close(self) -> None:
-        self.decode.close()
-        self.encode.update(self.writer.frames_encoded - self.encode.done)
-        self.encode.close()
-
-
-def _stream_video(engine, writer: Mp4Writer, waveform: torch.Tensor | None, frames: Iterator, timer,
-                  shown: _Shown) -> int:
-    """Soundtrack first, then every decoded chunk into the writer; returns the frames written.
-
-    On several ranks a failure here is raised only after the stream is drained: the other ranks still decode and
-    gather this job's windows, and must not be left waiting in a collective.
+    Raises:
+        RenderError: non-finite latents (NaN/Inf): no video is written.
     """
-    error: BaseException | None = None
-    written = 0
-    try:
-        if not torch.isfinite(waveform).all():
-            raise RenderError("the audio VAE produced non-finite samples; no video written")
-        writer.write_audio(waveform.cpu())
-    except Exception as exc:
-        if not engine.ctx.distributed:
-            raise
-        error = exc
-    with timer.stage("vae_video"):
-        for first, chunk in _timed_decode(frames, timer):  # chunk [3, n, H, W] float in [0, 1]
+    progress = progress or Progress("off")
+    tables = engine.tables(schedule, task_of(job).timesteps(schedule))
+    with timer.stage("denoise"), progress.stage(label, "denoise", schedule.forwards, "steps") as shown:
+        model_fn = _timed_steps(engine.model_fn(prepared, tables), timer)
+        video_rows, audio_rows = sampling.denoise(model_fn, prepared.video_rows, prepared.audio_rows, schedule.video,
+                                                  schedule.audio, on_step=lambda i, v, a: shown.update(1))
+    if not (torch.isfinite(video_rows).all() and torch.isfinite(audio_rows).all()):
+        raise RenderError("denoising produced non-finite latents (NaN/Inf); no video written")
+    video = unpatchify_video(video_rows, prepared.output_layout)  # [24, T, h, w]; condition rows never written
+    audio = rows_to_audio(audio_rows, prepared.output_layout).float()  # [2, 32, Ta]
+    return Latents(video=video, audio=audio, schedule=schedule, record=prepared.record)
+
+
+@torch.no_grad()
+def deliver(engine, job, latents: Latents, sink: "_Sink | None", timer: StageTimer) -> None:
+    """Decode one window's audio and video into `sink` (rank 0's writer; None on the other ranks, whose tiles go to
+    rank 0 inside the decode stream). The soundtrack goes first: the writer then spreads the AAC encoding over the
+    decode instead of running it after the last frame (0.23-0.33 s for 10 s of stereo).
+
+    Raises:
+        RenderError: non-finite audio or frames (on several ranks only after the stream is drained).
+        MediaError: the writer refused a chunk.
+    """
+    c, plan = engine.c, engine.plan
+    waveform, job_warmup = engine.decode_audio(latents.audio, timer)  # [2, samples] fp32 (None: another rank's)
+    audio_shape = (latents.audio.shape[0], latents.audio.shape[-1] * c.audio_vae.hop_length)
+    frames = plan.decode_stream(c.video_vae, latents.video, engine.settings.vae_batch)
+    waveform = plan.share_waveform(waveform, audio_shape)
+    if sink is None:
+        with timer.stage("vae_video"):
+            for _ in frames:
+                pass  # this rank's tiles go to rank 0 inside the stream
+        return
+    sink.job_warmup.update(job_warmup)
+    sink.write(waveform, frames, timer)
+
+
+class _Sink:
+    """Rank 0's side of a job's MP4: the writer (opened at the first window's decode, for all windows' frames), the
+    decode progress of the window being written, the encode progress of the whole MP4, and the frames written."""
+
+    def __init__(self, engine, mp4_path: Path, job, windows: Sequence, progress: Progress):
+        self.engine, self.mp4_path, self.job, self.progress = engine, mp4_path, job, progress
+        self.windows = [w.frames for w in windows]
+        self.writer: Mp4Writer | None = None
+        self.written = 0
+        self.job_warmup: dict[str, Any] = {}
+        self._done: list[int] = []  # first MP4 frame of each window written so far
+        self.decode = self.encode = None
+
+    def _open(self) -> None:
+        settings, total = self.engine.settings, sum(self.windows)
+        self.writer = Mp4Writer(self.mp4_path, self.job.width, self.job.height, total, crf=settings.crf,
+                                preset=settings.x264_preset, windows=self.windows)
+        self.encode = self.progress.stage(self.mp4_path.stem, "encode", total, "frames", row=1)
+
+    def write(self, waveform: torch.Tensor | None, frames: Iterator, timer: StageTimer) -> None:
+        """Soundtrack first, then every decoded chunk into the writer.
+
+        On several ranks a failure here is raised only after the stream is drained: the other ranks still decode and
+        gather this window's tiles, and must not be left waiting in a collective.
+        """
+        if self.writer is None:
+            self._open()
+        offset = self.written  # the window's first frame in the MP4
+        self.decode = self.progress.stage(self.mp4_path.stem, "decode", self.windows[len(self._done)], "frames")
+        self._done.append(offset)
+        distributed = self.engine.ctx.distributed
+        error: BaseException | None = None
+        try:
+            if not torch.isfinite(waveform).all():
+                raise RenderError("the audio VAE produced non-finite samples; no video written")
+            self.writer.write_audio(waveform.cpu())
+        except Exception as exc:
+            if not distributed:
+                raise
+            error = exc
+        with timer.stage("vae_video"):
+            for first, chunk in _timed_decode(frames, timer):  # chunk [3, n, H, W] float in [0, 1]
+                if error is not None:
+                    continue  # drain
+                t0 = timer.now()
+                try:
+                    n = self._write_chunk(offset + first, chunk)
+                    self.written += n
+                    self.decode.update(n)
+                    self.encode.update(self.writer.frames_encoded - self.encode.done)
+                except Exception as exc:
+                    if not distributed:
+                        raise
+                    error = exc
+                timer.add_interval("to_uint8_d2h", t0, timer.now())
+        if error is not None:
+            raise error
+        self.decode.close()
+
+    def _write_chunk(self, first: int, frames: torch.Tensor) -> int:
+        """Convert one decoded chunk `[3, n, H, W]` on its device and hand it to the writer; returns n."""
+        if not torch.isfinite(frames).all():
+            raise RenderError(f"the video VAE produced non-finite pixels at frame {first}")
+        if frames.is_cuda:
+            # BT.709 yuv420p planes on the GPU: half the bytes of RGB to copy, no swscale pass on the host
+            # (libswscale's own conversion within +-1 code value; docs/performance.md).
+            chunk = rgb_to_i420(frames)  # [n, H*3/2, W] uint8
+        else:
+            chunk = frames_to_uint8(frames)  # [n, H, W, 3] uint8; swscale converts on the encoder thread
+        self.writer.write_frames(self.engine.stager.stage(chunk))
+        return chunk.shape[0]
+
+    def close_progress(self) -> None:
+        for stage in (self.decode, self.encode):
+            if stage is not None:
+                if stage is self.encode and self.writer is not None:
+                    stage.update(self.writer.frames_encoded - stage.done)
+                stage.close()
+
+    def abort(self) -> None:
+        self.close_progress()
+        if self.writer is not None:
+            self.writer.abort()
+
+    def finish(self, timer: StageTimer, t_start: float, facts) -> Future:
+        """Hand the MP4's tail to the writer's thread; `facts()` writes the sidecar there once the MP4 is in place."""
+        t_close = timer.now()
+        timer.freeze_peak()
+        writer = self.writer
+
+        def done(error: BaseException | None):
+            self.close_progress()
             if error is not None:
-                continue  # drain
-            t0 = timer.now()
-            try:
-                n = _write_chunk(engine, writer, first, chunk)
-                written += n
-                shown.frames(n)
-            except Exception as exc:
-                if not engine.ctx.distributed:
-                    raise
-                error = exc
-            timer.add_interval("to_uint8_d2h", t0, timer.now())
-    if error is not None:
-        raise error
-    return written
+                return None  # the writer's Future raises it
+            timer.add_interval("encode_mux", writer.marks.get("start", t_close), writer.marks.get("end", timer.now()))
+            timer.add_interval("mp4_close_after_decode", t_close, timer.now())
+            timer.add_interval("total", t_start, timer.now())
+            return facts()
 
-
-def _write_chunk(engine, writer: Mp4Writer, first: int, frames: torch.Tensor) -> int:
-    """Convert one decoded chunk `[3, n, H, W]` on its device and hand it to the writer; returns n."""
-    if not torch.isfinite(frames).all():
-        raise RenderError(f"the video VAE produced non-finite pixels at frame {first}")
-    if frames.is_cuda:
-        # BT.709 yuv420p planes on the GPU: half the bytes of RGB to copy, no swscale pass on the host
-        # (libswscale's own conversion within +-1 code value; docs/performance.md).
-        chunk = rgb_to_i420(frames)  # [n, H*3/2, W] uint8
-    else:
-        chunk = frames_to_uint8(frames)  # [n, H, W, 3] uint8; swscale converts on the encoder thread
-    writer.write_frames(engine.stager.stage(chunk))
-    return chunk.shape[0]
+        try:
+            return writer.finish_async(then=done)
+        except BaseException:
+            self.close_progress()
+            raise
 
 
 def run_facts(engine, mp4_path: Path, started_at: str, components: dict[str, str]) -> dict[str, Any]:
@@ -247,20 +327,10 @@ def _write_sidecar(engine, job, schedule: sampling.Schedule, timer: StageTimer, 
     return data
 
 
-def _condition(engine, job, timer: StageTimer):
-    """fl2va: the job's `h3render.conditioning.Condition`, or None for a t2va job.
-
-    Raises:
-        RenderError: a keyframe changed since validation or can no longer be read.
-    """
-    if getattr(job, "task", "t2va") != "fl2va":
-        return None
-    from h3render.conditioning import prepare_condition
-
-    try:
-        return prepare_condition(engine, job, timer)
-    except ValueError as exc:
-        raise RenderError(f"job {job.output!r}: {exc}") from None
+def _save_latents(mp4_path: Path, index: int, latents: Latents) -> None:
+    """`<name>.latents.pt` (window 0) or `<name>.latents.<i>.pt`: video `[24, T, h, w]`, audio `[2, 32, Ta]`."""
+    name = mp4_path.stem + (".latents.pt" if index == 0 else f".latents.{index}.pt")
+    torch.save({"video": latents.video.float().cpu(), "audio": latents.audio.cpu()}, mp4_path.with_name(name))
 
 
 def _timed_steps(model_fn, timer: StageTimer):
@@ -283,4 +353,3 @@ def _timed_decode(it: Iterator, timer: StageTimer) -> Iterator:
             return
         timer.add_interval("vae_decode", t0, timer.now())
         yield item
-

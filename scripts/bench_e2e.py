@@ -223,15 +223,12 @@ def stage_e2e(args, bench) -> None:
 def _warm_forward(engine, job) -> None:
     """One DiT forward of `job`'s own layout, as `render` builds it (encoded prompt length, canvas, frames): its
     first-call costs (the VSA tile plan, Triton specializations of the row count) stay out of the timed render."""
-    from h3render.packing import t2va_layout
+    from h3render.tasks import task_of
+    from h3render.timing import StageTimer
 
     device = engine.device
-    text = engine.c.text_encoder.encode(job.prompt).to(device)  # [Nt, text_dim]
-    layout = t2va_layout(text.shape[0], job.height, job.width, job.frames).to(device)
+    prepared = task_of(job).prepare(engine, job, StageTimer(device))  # the job's own rows, as render builds them
     tables = engine.tables(engine.schedule(job))
-    dit = engine.c.dit
-    video = torch.zeros(layout.video_index.numel(), dit.cfg.video_patch_dim, device=device)
-    audio = torch.zeros(layout.audio_index.numel(), dit.cfg.audio_in_channels, device=device)
     t = tables.timesteps[0]
-    engine.model_fn(text, layout, tables)(video, audio, t, t)
+    engine.model_fn(prepared, tables)(prepared.video_rows, prepared.audio_rows, t, t)
     sync(device)

@@ -7,7 +7,7 @@ Jobs j0..j(N-1) write ``OUT/j<i>.mp4`` + ``.json`` through the real temp-and-ren
 files: ``renders.log`` (one "<pid> <job>" line per render), ``started-<job>`` (touched once the job's temp MP4
 exists; with ``--gate`` the render then waits for ``CTL/go``). ``--crash-before`` / ``--crash-between`` end the
 process with os._exit(9) (no cleanup, like SIGKILL) after the temp MP4 is written / after the MP4 rename, before
-the sidecar. ``--record`` writes the sidecar's MP4 record (`h3render.timing.media_record`). Exits with the
+the sidecar. ``--record`` writes the sidecar's MP4 record (`h3render.sidecar.media_record`). Exits with the
 report's exit code.
 """
 
@@ -56,7 +56,7 @@ class ProcRenderer:
             os._exit(9)
         doc = {"job": job.params()}
         if self.args.record:
-            from h3render.timing import media_record
+            from h3render.sidecar import media_record
 
             doc["mp4"] = media_record(mp4)
         tmp_json = sidecar.with_name(sidecar.name + ".tmp")

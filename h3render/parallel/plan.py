@@ -20,27 +20,33 @@ class ParallelPlan:
     """This rank's part of every job.
 
     Attributes:
-        forward: callable with `DiT.forward`'s arguments `(video_rows, audio_rows, text, layout, tables,
-            timestep_index, rope)` returning the full `(video_velocity [Nv, 96], audio_velocity [Na, 32])` on every
-            rank.
         writes: whether this rank writes the MP4 and sidecar (rank 0).
         decodes_audio: whether this rank runs the audio VAE.
         audio_rank: the rank that does.
     """
 
-    def __init__(self, ctx: ParallelContext, dit):
+    def __init__(self, ctx: ParallelContext):
         self.ctx = ctx
         self.writes = ctx.is_main
         if ctx.distributed:
-            from h3render.parallel.dit import sharded_forward
             from h3render.parallel.vae import audio_rank
 
-            self.forward = lambda *args: sharded_forward(dit, ctx, *args)
             self.audio_rank = audio_rank(ctx)
         else:
-            self.forward = dit
             self.audio_rank = 0
         self.decodes_audio = ctx.rank == self.audio_rank or not ctx.distributed
+
+    def dit_forward(self, dit):
+        """The forward of `dit` (a `models.dit.DiT`, applied once per DiT the engine holds): a callable with
+        `DiT.forward`'s arguments `(video_rows, audio_rows, text, layout, tables, timestep_index, rope)` returning
+        the full `(video_velocity [Nv, 96], audio_velocity [Na, 32])` on every rank. One rank: the model itself;
+        several: Ulysses over row shards (`parallel.dit.sharded_forward`)."""
+        if not self.ctx.distributed:
+            return dit
+        from h3render.parallel.dit import sharded_forward
+
+        ctx = self.ctx
+        return lambda *args: sharded_forward(dit, ctx, *args)
 
     def decode_stream(self, vae, latent: torch.Tensor, batch_size: int) -> Iterator[tuple[int, torch.Tensor]]:
         """`(first_frame, frames [3, n, H, W] float in [0, 1])` window by window; on several ranks only rank 0

@@ -221,7 +221,7 @@ def test_fp8_on_a_gpu_older_than_sm89_is_a_usage_error(tmp_path, monkeypatch, no
 
 
 def test_resume_names_a_precision_change():
-    from h3render.timing import rendered_with
+    from h3render.sidecar import rendered_with
 
     side = {"checkpoint": {"path": "tiny", "config_hash": "h"}, "run": {"precision": "bf16"}}
     note = rendered_with(side, {"path": "tiny", "config_hash": "h", "precision": "fp8"}, {})

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 import h3render.render as render
-from h3render.engine import Engine, EngineSettings, RenderError
+from h3render.engine import Engine, EngineSettings
+from h3render.errors import RenderError
 from h3render.jobs import Job
 from h3render.parallel.groups import ParallelContext
 

@@ -45,7 +45,7 @@ class FakeRenderer:
 
     def __init__(self, fail=(), interrupt_at=None, sigterm_at=None, sidecar_tmp=".tmp.json"):
         self.fail, self.interrupt_at, self.sigterm_at = set(fail), interrupt_at, sigterm_at
-        self.sidecar_tmp = sidecar_tmp  # ".tmp.json" -> a.tmp.json; ".json.tmp" -> a.json.tmp (timing.py)
+        self.sidecar_tmp = sidecar_tmp  # ".tmp.json" -> a.tmp.json; ".json.tmp" -> a.json.tmp (sidecar.py)
         self.rendered: list[str] = []
 
     def render(self, job, mp4: Path, sidecar: Path) -> dict:

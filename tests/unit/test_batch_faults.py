@@ -15,7 +15,7 @@ import pytest
 
 from h3render import locks, report as report_mod
 from h3render.batch import BatchUsageError, run_batch
-from h3render.timing import media_record
+from h3render.sidecar import media_record
 from tests.unit.test_batch import FakeJob, FakeRenderer, Factory, files_under, make_jobs, read_report
 from tests.e2e.test_batch_concurrency import renders, start_queue
 from tests._cli import invoke, one_error_line
@@ -178,7 +178,7 @@ def test_a_full_tmpfs_fails_jobs_by_name_and_leaves_no_running_report(tiny_tmpfs
     data = json.loads(report.path.read_text()) if report.path.exists() else None
     assert data is None or (data["state"] == "finished" and data["exit_code"] == 1)
     with pytest.raises(OSError, match=str(out / "side.json")):  # the sidecar writer names its file
-        from h3render.timing import write_sidecar
+        from h3render.sidecar import write_sidecar
 
         write_sidecar(out / "side.json", job_params={"prompt": "x" * 100_000}, checkpoint={}, sigmas={},
                       timings={}, versions={})

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 import h3render
-from h3render.timing import StageTimer, merge_intervals, versions, write_sidecar
+from h3render.sidecar import write_sidecar
+from h3render.timing import StageTimer, merge_intervals, versions
 
 
 class FakeClock:
@@ -168,7 +169,7 @@ def test_sidecar_refuses_nan_and_leaves_nothing(tmp_path):
 
 
 def test_rendered_with_names_what_changed_since_a_skipped_render():
-    from h3render.timing import rendered_with
+    from h3render.sidecar import rendered_with
 
     side = {"checkpoint": {"path": "/m/a", "config_hash": "h1"},
             "run": {"encoder": {"crf": 18, "x264_preset": "veryfast"}}}

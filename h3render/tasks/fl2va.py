@@ -1,4 +1,4 @@
-"""fl2va conditioning of one job: keyframes -> prompt presentation + text states, condition latents, layout, noise.
+"""fl2va: a first and/or last keyframe condition the clip, beside the prompt.
 
 The recipe is diffusers 0.42.1's fl2va chain (research/conditioning.md §1), each step a tested component:
 
@@ -10,7 +10,7 @@ The recipe is diffusers 0.42.1's fl2va chain (research/conditioning.md §1), eac
    its own seed-42 CPU generator): one normalized latent frame `[24, 1, H/16, W/16]`;
 4. the packed layout `[text | keyframe rows | audio | target video]` (`packing.fl2va_layout`);
 5. the job's CPU generator, seeded with the job's seed, draws the keyframe noise first (`packing.noise_keyframes`,
-   t = 0.999); the caller then draws the video and audio noise from the same generator (`sampling.draw_noise`).
+   t = 0.999), then the video and audio noise (`sampling.draw_noise`).
 
 Every rank of a parallel render runs this for the same job (the keyframe work is milliseconds next to the DiT), so
 the condition rows are just more rows of the layout that Ulysses shards like any other.
@@ -18,37 +18,31 @@ the condition rows are just more rows of the layout that Ulysses shards like any
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from h3render import spec
+from h3render.errors import RenderError
 from h3render.keyframes import keyframe_pixels, load_keyframe, prepare_keyframes
-from h3render.packing import ConditionedLayout, fl2va_layout, noise_keyframes
+from h3render.packing import fl2va_layout, noise_keyframes, patchify_video
+from h3render.sampling import Schedule, draw_noise, schedule_timesteps
+from h3render.tasks.base import BASE_PARTITION, Prepared
+
+NAME = "fl2va"
+ENCODE_STAGE = "text + keyframes encode"
+FEW_STEP = False  # the FastH3 students are t2va-only
+PARTITION = BASE_PARTITION  # official layout: the FL2VA/ partition's transformer, the same DiT as t2va
 
 
 class KeyframeChanged(ValueError):
     """A keyframe file's content differs from what the manifest validation hashed."""
 
 
-@dataclass(eq=False)
-class Condition:
-    """What an fl2va job adds to the t2va flow.
-
-    Attributes:
-        text: `[N, text_dim]` text-encoder states of the presentation, on the engine's device.
-        layout: the `ConditionedLayout` on the engine's device.
-        rows: `[Nc, 96]` float32 noised keyframe rows on the device (fixed for the whole loop).
-        generator: the job's CPU generator after the keyframe noise; draw the video and audio noise from it next.
-        record: the sidecar's `extra.fl2va`: each keyframe (path, size, sha256, how it was resized) and the prompt
-            presentation.
-    """
-
-    text: torch.Tensor
-    layout: ConditionedLayout
-    rows: torch.Tensor
-    generator: torch.Generator
-    record: dict[str, Any] = field(default_factory=dict)
+def timesteps(schedule: Schedule) -> torch.Tensor:
+    """Every distinct timestep of an fl2va job's forwards, `[K]` float32 ascending: the schedule's, plus the
+    keyframe rows' `packing.condition_timestep` of every step (0.999)."""
+    return schedule_timesteps(schedule.video, schedule.audio, keyframes=True)
 
 
 def read_job_keyframes(job) -> dict[str, Any]:
@@ -69,17 +63,20 @@ def read_job_keyframes(job) -> dict[str, Any]:
 
 
 @torch.no_grad()
-def prepare_condition(engine, job, timer) -> Condition:
-    """Run steps 1-5 of the module docstring for `job` on `engine` (`h3render.engine.Engine`), timing the prompt
+def prepare(engine, job, timer) -> Prepared:
+    """Steps 1-5 of the module docstring for `job` on `engine` (`h3render.engine.Engine`), timing the prompt
     encode (vision tower included) as stage `text_encode` and the keyframe encode as `vae_encode`.
 
     Raises:
-        KeyframeChanged, ValueError: as `read_job_keyframes`.
+        RenderError: a keyframe changed since validation or can no longer be read.
         CheckpointError: the checkpoint has no vision tower or processor config (`Engine.ensure_vision`).
     """
     c, dev = engine.c, engine.device
     engine.ensure_vision(timer)
-    loaded = read_job_keyframes(job)
+    try:
+        loaded = read_job_keyframes(job)
+    except ValueError as exc:
+        raise RenderError(f"job {job.output!r}: {exc}") from None
     limits = c.info.release
     prepared = prepare_keyframes(loaded["first"], loaded["last"], job.width, job.height,
                                  short_edge=limits.canvas_short_edge, max_pixels=limits.canvas_max_pixels)
@@ -88,9 +85,10 @@ def prepare_condition(engine, job, timer) -> Condition:
         text = text.to(dev)  # [N, text_dim]
     with timer.stage("vae_encode"):
         latents = [c.video_vae.encode_condition(keyframe_pixels(image).to(dev)) for image in prepared.images]
-    layout = fl2va_layout(presentation.tags, prepared.height, prepared.width, job.frames, prepared.anchors)
+    layout = fl2va_layout(presentation.tags, prepared.height, prepared.width, job.frames, prepared.anchors).to(dev)
     generator = torch.Generator("cpu").manual_seed(job.seed)
     rows = noise_keyframes(latents, generator)  # [Nc, 96]; drawn before the video and audio noise
+    video_noise, audio_rows = draw_noise(generator, layout)
     givens = {ref.anchor: ref.given for ref in job.keyframes}
     record = {
         "keyframes": [{**info, "given": givens[info["anchor"]]} for info in prepared.info],
@@ -99,4 +97,32 @@ def prepare_condition(engine, job, timer) -> Condition:
         "image_tokens": list(presentation.image_tokens),
         "condition_rows": layout.num_condition_rows,
     }
-    return Condition(text=text, layout=layout.to(dev), rows=rows, generator=generator, record=record)
+    return Prepared(text=text, layout=layout, output_layout=layout.target_layout(),
+                    video_rows=patchify_video(video_noise[0]).to(dev), audio_rows=audio_rows.to(dev),
+                    condition_rows=rows, record={"fl2va": record})
+
+
+@torch.no_grad()
+def warm(engine, job) -> None:
+    """One presentation encode with grey keyframes on the job's canvas, one keyframe VAE encode, and one DiT
+    forward with the job's condition rows on the shortest clip: first-call costs (vision tower load, kernel
+    selection, Triton specialization of the longer row count) stay out of the first fl2va job."""
+    from PIL import Image
+
+    c, dev = engine.c, engine.device
+    engine.ensure_vision()
+    grey = [Image.new("RGB", (job.width, job.height), (128, 128, 128))] * len(job.keyframes)
+    text, presentation = c.text_encoder.encode_presentation(job.prompt, grey)
+    latent = c.video_vae.encode_condition(keyframe_pixels(grey[0]).to(dev))
+    anchors = tuple(k.anchor for k in job.keyframes)
+    layout = fl2va_layout(presentation.tags, job.height, job.width, spec.FRAMES_REMAINDER, anchors).to(dev)
+    rows = noise_keyframes([latent] * len(anchors), torch.Generator().manual_seed(0))
+    video = torch.zeros(layout.num_target_video_rows, c.dit.cfg.video_patch_dim, device=dev)
+    audio = torch.zeros(layout.audio_index.numel(), c.dit.cfg.audio_in_channels, device=dev)
+    prepared = Prepared(text=text.to(dev), layout=layout, output_layout=layout.target_layout(), video_rows=video,
+                        audio_rows=audio, condition_rows=rows)
+    tables = engine.tables(engine.schedule(job), timesteps(engine.schedule(job)))
+    t = tables.timesteps[0]
+    engine.model_fn(prepared, tables)(video, audio, t, t)
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)

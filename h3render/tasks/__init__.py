@@ -1,0 +1,39 @@
+"""The task seam: what conditions a job's generation, one module per task.
+
+A task module has:
+
+    NAME           the `Job.task` it renders ("t2va", "fl2va")
+    ENCODE_STAGE   the progress label of its encode stage ("text encode", "text + keyframes encode")
+    FEW_STEP       whether the FastH3 few-step students can render it (they are t2va students)
+    PARTITION      the checkpoint's DiT partition it runs (`base.BASE_PARTITION`; ref2va: "transformer_ref")
+    timesteps(schedule) -> [K] float32   every distinct timestep its forwards see (the AdaLN tables' rows)
+    prepare(engine, job, timer) -> Prepared   text rows, layout, noise, condition rows, sidecar record
+    warm(engine, job)               first-call costs of its own path on the job's canvas, before the first job
+
+`render.generate` and `Engine.prepare` call these and nothing task-specific, so the next task (ref2va, windowed
+continuation) is one more module here plus its job fields; `render.py`, `engine.py` and `sampling.py` stay as they
+are (tests/e2e/test_task_seam.py adds a toy task that way).
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+from h3render.errors import RenderError
+from h3render.tasks import fl2va, t2va
+
+TASKS: dict[str, ModuleType] = {module.NAME: module for module in (t2va, fl2va)}
+
+
+def task_of(job) -> ModuleType:
+    """The task module that renders `job` (by `job.task`).
+
+    Raises:
+        RenderError: no task of that name is installed.
+    """
+    name = getattr(job, "task", "t2va")
+    try:
+        return TASKS[name]
+    except KeyError:
+        raise RenderError(f"job {getattr(job, 'output', '?')!r}: task {name!r} is not one of "
+                          f"{', '.join(sorted(TASKS))}") from None

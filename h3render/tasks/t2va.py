@@ -1,0 +1,42 @@
+"""t2va: the prompt alone conditions the clip. Text rows, then audio, then video (`packing.t2va_layout`); one CPU
+generator seeded with the job's seed draws the video noise, then the audio noise (`sampling.draw_noise`)."""
+
+from __future__ import annotations
+
+import torch
+
+from h3render.packing import patchify_video, t2va_layout
+from h3render.sampling import Schedule, draw_noise, schedule_timesteps
+from h3render.tasks.base import BASE_PARTITION, Prepared
+
+NAME = "t2va"
+ENCODE_STAGE = "text encode"  # the progress line of `prepare`
+FEW_STEP = True  # the FastH3 students (4 / 8 forwards) are t2va students
+PARTITION = BASE_PARTITION
+
+
+def timesteps(schedule: Schedule) -> torch.Tensor:
+    """Every distinct timestep a t2va job's forwards see, `[K]` float32 ascending (the AdaLN tables' rows)."""
+    return schedule_timesteps(schedule.video, schedule.audio)
+
+
+@torch.no_grad()
+def prepare(engine, job, timer) -> Prepared:
+    """Encode the prompt (stage `text_encode`), lay out the rows and draw the noise for `job` on `engine`'s device.
+
+    Args:
+        engine: `h3render.engine.Engine` (its components `c` and `device`).
+        job: `h3render.jobs.Job`.
+        timer: `h3render.timing.StageTimer` of the job.
+    """
+    dev = engine.device
+    with timer.stage("text_encode"):
+        text = engine.c.text_encoder.encode(job.prompt).to(dev)  # [Nt, text_dim]
+    layout = t2va_layout(text.shape[0], job.height, job.width, job.frames).to(dev)
+    video_noise, audio_rows = draw_noise(job.seed, layout)  # CPU generator, as released
+    return Prepared(text=text, layout=layout, output_layout=layout, video_rows=patchify_video(video_noise[0]).to(dev),
+                    audio_rows=audio_rows.to(dev))
+
+
+def warm(engine, job) -> None:
+    """Nothing beyond the engine's own warm-up, whose DiT forwards run a t2va layout (`Engine._warm_dit`)."""
