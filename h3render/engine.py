@@ -35,6 +35,7 @@ from h3render.render import render_job
 from h3render.sampling import Schedule, dit_model_fn
 from h3render.tasks import task_of
 from h3render.tasks.base import BASE_PARTITION, Prepared
+from h3render.timing import StageTimer
 
 
 # torch._scaled_mm's e4m3 GEMMs (cuBLASLt) need compute capability 8.9 or newer: Ada (8.9), Hopper (9.0), Blackwell.
@@ -416,10 +417,8 @@ class Engine:
             firsts: dict[str, Any] = {}
             for job in jobs:
                 firsts.setdefault(job.task, job)
-            for name, job in firsts.items():  # each task's own first-call costs, on its first job's canvas
-                t0 = time.perf_counter()
-                task_of(job).warm(self, job)
-                self.warmup[f"{name}_warmup_s"] = time.perf_counter() - t0
+            for job in firsts.values():  # each task's own path, once, on its first job's canvas
+                self._warm_task(job)
         if self.device.type == "cuda" and jobs:
             self._warm_vae(jobs)
             if self.plan.decodes_audio and "audio_activations" not in self.warmup:
@@ -481,6 +480,29 @@ class Engine:
     def _audio_probe(self, length: int) -> torch.Tensor:
         """A zero audio latent `[2, 32, length]` (float32, this device): the decode's input shape."""
         return torch.zeros(spec.AUDIO_CHANNELS, self.c.audio_vae.config.latent_channels, length, device=self.device)
+
+    @torch.no_grad()
+    def _warm_task(self, job) -> None:
+        """The task's own `prepare` on its `warm_job(job)` (the job's canvas, the shortest clip) and one DiT forward
+        with what it prepared: the task's first-call costs (fl2va: the vision tower's load and its kernels, the
+        keyframe encode) stay out of its first job. A failure here is recorded, never raised: the job it comes from
+        then fails alone, in the queue, with its own message."""
+        task = task_of(job)
+        t0 = time.perf_counter()
+        warm = task.warm_job(job)
+        if warm.mode == "fasth3" and self._deferred_fusion is not None:
+            warm = replace(warm, mode="t2va", steps=2)  # the student is not fused yet: a base schedule
+        try:
+            prepared = task.prepare(self, warm, StageTimer(self.device))
+            schedule = self.schedule(warm)
+            tables = self.tables(schedule, task.timesteps(schedule))
+            t = tables.timesteps[0]
+            self.model_fn(prepared, tables)(prepared.video_rows, prepared.audio_rows, t, t)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+        except Exception as exc:
+            self.warmup[f"{task.NAME}_warmup_failed"] = f"{type(exc).__name__}: {exc}"[:300]
+        self.warmup[f"{task.NAME}_warmup_s"] = time.perf_counter() - t0
 
     def _warm_dit(self, job) -> None:
         """Two short DiT forwards on the job's code path (sharded on several ranks), so the first denoising step of

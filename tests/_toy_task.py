@@ -34,10 +34,10 @@ class OffsetJob(Job):
 
 
 def prepare(engine, job, timer):
-    calls.append("prepare")
+    calls.append(f"prepare {job.frames}")
     base = Job(**{f: getattr(job, f) for f in Job.__dataclass_fields__})
     return t2va.prepare(engine, replace(base, seed=job.seed + job.seed_offset), timer)
 
 
-def warm(engine, job) -> None:
-    calls.append("warm")
+def warm_job(job):
+    return t2va.warm_job(job)

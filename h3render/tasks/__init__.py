@@ -8,7 +8,8 @@ A task module has:
     PARTITION      the checkpoint's DiT partition it runs (`base.BASE_PARTITION`; ref2va: "transformer_ref")
     timesteps(schedule) -> [K] float32   every distinct timestep its forwards see (the AdaLN tables' rows)
     prepare(engine, job, timer) -> Prepared   text rows, layout, noise, condition rows, sidecar record
-    warm(engine, job)               first-call costs of its own path on the job's canvas, before the first job
+    warm_job(job) -> Job            the cheap job (same canvas, shortest clip) the engine's warm-up runs the task's
+                                    own `prepare` and one DiT forward on, so first-call costs stay out of job timings
 
 `render.generate` and `Engine.prepare` call these and nothing task-specific, so the next task (ref2va, windowed
 continuation) is one more module here plus its job fields; `render.py`, `engine.py` and `sampling.py` stay as they

@@ -18,6 +18,7 @@ the condition rows are just more rows of the layout that Ulysses shards like any
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -102,27 +103,9 @@ def prepare(engine, job, timer) -> Prepared:
                     condition_rows=rows, record={"fl2va": record})
 
 
-@torch.no_grad()
-def warm(engine, job) -> None:
-    """One presentation encode with grey keyframes on the job's canvas, one keyframe VAE encode, and one DiT
-    forward with the job's condition rows on the shortest clip: first-call costs (vision tower load, kernel
-    selection, Triton specialization of the longer row count) stay out of the first fl2va job."""
-    from PIL import Image
-
-    c, dev = engine.c, engine.device
-    engine.ensure_vision()
-    grey = [Image.new("RGB", (job.width, job.height), (128, 128, 128))] * len(job.keyframes)
-    text, presentation = c.text_encoder.encode_presentation(job.prompt, grey)
-    latent = c.video_vae.encode_condition(keyframe_pixels(grey[0]).to(dev))
-    anchors = tuple(k.anchor for k in job.keyframes)
-    layout = fl2va_layout(presentation.tags, job.height, job.width, spec.FRAMES_REMAINDER, anchors).to(dev)
-    rows = noise_keyframes([latent] * len(anchors), torch.Generator().manual_seed(0))
-    video = torch.zeros(layout.num_target_video_rows, c.dit.cfg.video_patch_dim, device=dev)
-    audio = torch.zeros(layout.audio_index.numel(), c.dit.cfg.audio_in_channels, device=dev)
-    prepared = Prepared(text=text.to(dev), layout=layout, output_layout=layout.target_layout(), video_rows=video,
-                        audio_rows=audio, condition_rows=rows)
-    tables = engine.tables(engine.schedule(job), timesteps(engine.schedule(job)))
-    t = tables.timesteps[0]
-    engine.model_fn(prepared, tables)(video, audio, t, t)
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
+def warm_job(job):
+    """The job the engine warms this task up on before the queue (`Engine.prepare` runs `prepare` on it and one DiT
+    forward): `job` itself on the shortest clip, so the vision tower's load, the presentation encode of the job's
+    own keyframes on its canvas and the Triton specialization of the longer row count stay out of the first fl2va
+    job, at milliseconds of DiT time."""
+    return replace(job, frames=spec.FRAMES_REMAINDER)

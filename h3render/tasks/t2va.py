@@ -3,10 +3,13 @@ generator seeded with the job's seed draws the video noise, then the audio noise
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from h3render.packing import patchify_video, t2va_layout
 from h3render.sampling import Schedule, draw_noise, schedule_timesteps
+from h3render.spec import FRAMES_REMAINDER
 from h3render.tasks.base import BASE_PARTITION, Prepared
 
 NAME = "t2va"
@@ -38,5 +41,6 @@ def prepare(engine, job, timer) -> Prepared:
                     audio_rows=audio_rows.to(dev))
 
 
-def warm(engine, job) -> None:
-    """Nothing beyond the engine's own warm-up, whose DiT forwards run a t2va layout (`Engine._warm_dit`)."""
+def warm_job(job):
+    """The job the engine warms this task up on (`Engine.prepare`): `job` itself on the shortest clip."""
+    return replace(job, frames=FRAMES_REMAINDER)

@@ -71,7 +71,7 @@ def test_a_toy_task_renders_through_the_seam(engine, tmp_path, monkeypatch):
     side = engine.render(toy, tmp_path / "toy.mp4", tmp_path / "toy.json")
     engine.render(replace(JOB, seed=7, output="seven"), tmp_path / "seven.mp4", tmp_path / "seven.json")
     engine.render(JOB, tmp_path / "three.mp4", tmp_path / "three.json")
-    assert _toy_task.calls == ["warm", "prepare"]
+    assert _toy_task.calls == ["prepare 5", "prepare 22"]  # the warm-up on the shortest clip, then the job
     ours, seven, three = (_latents(tmp_path / f"{n}.mp4") for n in ("toy", "seven", "three"))
     # seed 3 + offset 4 draws seed 7's noise: the same latents bit for bit, and not seed 3's
     assert torch.equal(ours["video"], seven["video"]) and torch.equal(ours["audio"], seven["audio"])
@@ -106,3 +106,28 @@ def test_two_windows_make_one_mp4_whose_sidecar_lists_both(engine, tmp_path):
     alone_frames, _ = decode(tmp_path / "alone4.mp4")
     assert abs(frames[22:].astype(int) - alone_frames.astype(int)).mean() < abs(
         frames[:22].astype(int) - alone_frames.astype(int)).mean()
+
+
+def test_a_task_warm_up_failure_fails_its_job_alone(engine, tmp_path):
+    """The warm-up runs each task's own `prepare` (fl2va: on the job's keyframes); a keyframe edited after
+    validation must not fail the load (and with it every job of the queue): the warm-up records it, the engine is
+    usable, and the fl2va job itself fails with the reason."""
+    import numpy as np
+    from PIL import Image
+
+    from h3render.checkpoint import read_checkpoint_info
+    from h3render.errors import RenderError
+    from h3render.jobs import job_from_fields
+
+    key = tmp_path / "key.png"
+    Image.fromarray(np.full((64, 128, 3), 200, dtype=np.uint8)).save(key)
+    fl2va = job_from_fields({"prompt": "A kite", "first_frame": str(key), "frames": 22, "steps": 3, "output": "k"},
+                            read_checkpoint_info("tiny").limits())
+    Image.fromarray(np.full((64, 128, 3), 10, dtype=np.uint8)).save(key)  # edited after validation
+    engine.prepare([JOB, fl2va])
+    assert "changed since the job was validated" in engine.warmup["fl2va_warmup_failed"]
+    with pytest.raises(RenderError, match="changed since the job was validated"):
+        engine.render(fl2va, tmp_path / "k.mp4", tmp_path / "k.json")
+    assert not (tmp_path / "k.mp4").exists()
+    engine.render(JOB, tmp_path / "a.mp4", tmp_path / "a.json")  # the queue goes on
+    assert (tmp_path / "a.mp4").is_file()
