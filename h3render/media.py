@@ -38,15 +38,11 @@ __all__ = [
     "PinnedFrameStager",
     "SAMPLE_RATE",
     "StagedChunk",
-    "X264_PRESETS",
     "audio_samples_for",
     "prepare_audio",
     "temp_path_for",
 ]
 
-# libx264's speed presets, fastest first (x264 --fullhelp, "--preset"); the CLI offers exactly these.
-X264_PRESETS = ("ultrafast", "superfast", "veryfast", "faster", "fast", "medium", "slow", "slower", "veryslow",
-                "placebo")
 AUDIO_FRAME_SAMPLES = 1024  # AAC-LC frame length (32 ms at 32 kHz)
 # The audio VAE emits round(frames/24*40) latents x 800 samples, which can fall short of
 # round(frames*32000/24) by up to half a latent (400 samples); one whole latent (25 ms) of zero padding is

@@ -1,6 +1,8 @@
 """Attention backend chooser and dispatch, on CPU: auto picks SDPA, SDPA equals explicit softmax attention, and
 the FlashAttention-3 path hands [B, S, H, D] through unchanged (checked with a stand-in FA3 function)."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -92,7 +94,8 @@ def test_host_tensors_use_sdpa_whatever_gpu_backend_was_selected(monkeypatch):
     # A CPU render on a GPU host (`--device cpu`, gloo ranks): the process-wide choice was measured on the GPU
     # ("cudnn" here), and cuDNN on host tensors fails with "No viable backend" (seen on the H200 machine).
     monkeypatch.setattr(attn_mod, "_selected", "cudnn")
-    monkeypatch.setitem(attn_mod._RUNNERS, "cudnn", lambda *a: pytest.fail("GPU backend given host tensors"))
+    monkeypatch.setitem(attn_mod.REGISTRY, "cudnn", dataclasses.replace(
+        attn_mod.REGISTRY["cudnn"], run=lambda *a: pytest.fail("GPU backend given host tensors")))
     g = torch.Generator().manual_seed(1)
     q, k, v = (torch.randn(1, 29, 2, 16, generator=g) for _ in range(3))
     torch.testing.assert_close(attention(q, k, v), naive_attention(q, k, v), atol=1e-5, rtol=1e-5)
