@@ -270,8 +270,8 @@ def check_vsa_settings(sparsity: float, tile: int) -> float:
     """The VSA sparsity as a float after checking it and the tile size.
 
     Raises:
-        ValueError: sparsity outside [0, 1), or a tile other than 64 (the only tile the students were trained with
-            and the only one FastVideo runs outside Blackwell).
+        ValueError: sparsity outside [0, 1), or a tile other than `kernels.vsa.TILE` (64: the only tile the students
+            were trained with and the only one FastVideo runs outside Blackwell).
     """
     if not 0.0 <= float(sparsity) < 1.0:
         raise ValueError(f"VSA sparsity must be in [0, 1), got {sparsity}")
