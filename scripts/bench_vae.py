@@ -42,14 +42,14 @@ def stage_vae(args) -> None:
         for vb in args.vae_batches:
             peak_reset()
             t_ours = cuda_time(lambda: ours.decode(z, batch_size=vb), reps=1, warm=1)
-            rec(stage="vae", what=f"video VAE decode {t_lat} latents {w * 16}x{h * 16} (ours, batch {vb})",
+            rec(stage="vae", what=f"video VAE decode {t_lat} latents {w * cfg.spatial_ratio}x{h * cfg.spatial_ratio} (ours, batch {vb})",
                 ours_s=round(t_ours, 3), peak_gb=peak_gb())
         out = ours.decode(z, batch_size=args.vae_batches[-1])
         ref_rgb, t_ref = None, None
         if ref is not None:
             ref_rgb, t_ref = ref_vae_decode(ref, cfg, z)
             err = rel_err(out, ref_rgb)
-            rec(stage="vae", what=f"video VAE decode {t_lat} latents {w * 16}x{h * 16} (reference, bf16)",
+            rec(stage="vae", what=f"video VAE decode {t_lat} latents {w * cfg.spatial_ratio}x{h * cfg.spatial_ratio} (reference, bf16)",
                 ref_s=round(t_ref, 3), ref_peak_gb=peak_gb(), rel_err=err, ok=err <= 1e-2, frames=out.shape[1])
         if not compiled:
             t0 = time.perf_counter()
@@ -63,7 +63,7 @@ def stage_vae(args) -> None:
         t_c = cuda_time(lambda: ours.decode(z, batch_size=vb), reps=1, warm=0)
         out_c = ours.decode(z, batch_size=vb)
         err_c = rel_err(out_c, ref_rgb if ref_rgb is not None else out)
-        rec(stage="vae", what=f"video VAE decode {t_lat} latents {w * 16}x{h * 16} (ours compiled, batch {vb})",
+        rec(stage="vae", what=f"video VAE decode {t_lat} latents {w * cfg.spatial_ratio}x{h * cfg.spatial_ratio} (ours compiled, batch {vb})",
             ours_s=round(t_c, 3), ref_s=None if t_ref is None else round(t_ref, 3),
             speedup=None if t_ref is None else round(t_ref / t_c, 2), rel_err=err_c,
             vs="reference" if ref_rgb is not None else "ours eager", ok=err_c <= 1e-2, peak_gb=peak_gb())

@@ -12,12 +12,6 @@ import torch
 from h3render.models.dit import DiT, DiTConfig
 
 
-def rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
-    """||ours - ref|| / ||ref|| in float64."""
-    ours, ref = ours.double(), ref.double()
-    return float((ours - ref).norm() / ref.norm())
-
-
 @torch.no_grad()
 def random_dit(cfg: DiTConfig, seed: int = 0) -> DiT:
     """A DiT whose every parameter is random and O(1)-scaled (norm weights around 1, linears ~ 1/sqrt(fan_in),

@@ -8,7 +8,8 @@ import torch
 from h3render.models.dit import DIT_TINY
 from h3render.packing import patchify_video, rows_to_audio, t2va_layout, unpatchify_video
 from h3render.sampling import denoise, dit_model_fn, draw_noise, schedule_timesteps, sigma_schedule
-from tests._diffusers_ref import diffusers_transformer, random_dit, rel_err
+from tests._diffusers_ref import diffusers_transformer, random_dit
+from tests._numerics import rel_err
 
 TOL = 1e-5
 

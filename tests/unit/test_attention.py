@@ -8,6 +8,7 @@ import torch
 
 import h3render.models.attention as attn_mod
 from h3render.models.attention import attention, current_backend, naive_attention, select_backend
+from tests._numerics import assert_close
 
 
 @pytest.fixture(autouse=True)
@@ -17,10 +18,6 @@ def fresh_selection(monkeypatch):
     monkeypatch.setattr(attn_mod, "_selected", None)
     monkeypatch.setattr(attn_mod, "_fa3_func", None)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-
-
-def rel_err(ours, ref):
-    return ((ours.double() - ref.double()).norm() / ref.double().norm()).item()
 
 
 def test_auto_selects_sdpa_without_gpu(monkeypatch):
@@ -39,9 +36,7 @@ def test_sdpa_matches_naive_softmax_attention(shape):
     assert current_backend() == "sdpa"
     assert out.shape == shape
     ref = naive_attention(q, k, v)
-    err = rel_err(out, ref)
-    print(f"attention (sdpa) vs naive softmax {shape}: rel err {err:.2e}")
-    assert err <= 1e-5
+    assert_close(out, ref, 1e-5, f"attention (sdpa) vs naive softmax {shape}")
     # Non-causal: the first query sees the last key.
     v2 = v.clone()
     v2[:, -1] += 100.0
