@@ -17,7 +17,8 @@ Attention: an adapter is VSA when it carries the 50 `attn.to_gate_compress.set_w
 sparsity); its sparsity comes from the bundle manifest, else the v1 release value (`spec.FASTH3_V1_VSA_SPARSITY`),
 tile `kernels.vsa.TILE`. A full checkpoint is VSA when its contract's `attention_backend` is `VIDEO_SPARSE_ATTN_H3`,
 with the contract's `vsa_sparsity` / `vsa_tile_size` (V2's release values where it states none). Another tile is an
-error (the only one h3render's VSA runs, and the one the students were trained with). A gate missing or zero-filled in some blocks is an error naming the blocks.
+error (the only one h3render's VSA runs, and the one the students were trained with). A gate missing or
+zero-filled in some blocks is an error naming the blocks.
 """
 
 from __future__ import annotations

@@ -208,8 +208,8 @@ def select_backend(name: str | None = None) -> str:
     """Choose the attention backend for the rest of the process.
 
     Args:
-        name: a `REGISTRY` name ("fa3", "cudnn", "sdpa"), or None / "auto" to time every available backend on a small probe
-            and keep the fastest that matches plain SDPA (always "sdpa" without a GPU).
+        name: a `REGISTRY` name ("fa3", "cudnn", "sdpa"), or None / "auto" to time every available backend on a
+            small probe and keep the fastest that matches plain SDPA (always "sdpa" without a GPU).
 
     Returns:
         The chosen backend's name.

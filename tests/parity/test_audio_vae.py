@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from h3render.models.audio_vae import AUDIO_VAE_TINY, AudioVAE, AudioVAEConfig
+from h3render.spec import AUDIO_HOP
 from tests._numerics import assert_close
 
 diffusers = pytest.importorskip("diffusers")
@@ -46,7 +47,7 @@ def test_config_fields_equal_diffusers_init():
     assert set(fields) == set(params) - {"self"}
     for name, default in fields.items():
         assert default == params[name].default, name
-    assert AudioVAEConfig().hop_length == 800  # 32 kHz / 800 = 40 latents/s
+    assert AudioVAEConfig().hop_length == 800 == AUDIO_HOP  # 32 kHz / 800 = 40 latents/s
 
 
 def test_from_dict_roundtrip_and_errors():

@@ -10,6 +10,7 @@ import torch
 
 from h3render.models.vae_tiling import TilingConfig, split_axis
 from h3render.models.video_vae import PIXEL_MEAN, PIXEL_STD, VIDEO_VAE_TINY, VideoVAE, VideoVAEConfig
+from h3render.spec import SPATIAL_COMPRESSION
 from tests._numerics import assert_close, rel_err
 
 diffusers = pytest.importorskip("diffusers")
@@ -73,6 +74,8 @@ def test_config_fields_equal_diffusers_init():
     assert set(fields) == set(params) - {"self"}
     for name, default in fields.items():
         assert default == params[name].default, name
+    # the packing and the engine size latents by spec's ratio: the released architecture must give the same
+    assert VideoVAEConfig().spatial_ratio == SPATIAL_COMPRESSION == 16
 
 
 def test_from_dict_roundtrip_and_unknown_key():
