@@ -21,7 +21,7 @@ def rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
         The ratio; nan when either holds a nan (so `assert err <= tol` fails), inf when `ref` is all zeros and
         `ours` is not.
     """
-    ours, ref = ours.double(), ref.double()
+    ours, ref = ours.detach().double(), ref.detach().double()  # a parameter or an autograd output may come in
     return float((ours - ref).norm() / ref.norm())
 
 
