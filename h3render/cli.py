@@ -76,9 +76,9 @@ def _engine_options(f):
                           "compute capability >= 8.9, or the CPU); default bf16, or the manifest's defaults."),
         click.option("--gpus", type=int, default=None, help="GPUs to use (default: every visible GPU; with --device cpu: CPU processes, for testing)."),
         click.option("--crf", type=click.IntRange(0, 51), default=18, show_default=True, help="x264 CRF."),
-        click.option("--x264-preset", type=_LazyChoice("h3render.media", "X264_PRESETS"), default="veryfast",
+        click.option("--x264-preset", type=_LazyChoice("h3render.spec", "X264_PRESETS"), default="veryfast",
                      show_default=True, help="x264 speed preset (faster presets: bigger files at the same CRF)."),
-        click.option("--attention", type=click.Choice(["fa3", "cudnn", "sdpa"]), default=None,
+        click.option("--attention", type=_LazyChoice("h3render.spec", "ATTENTION_BACKENDS"), default=None,
                      help="Attention backend on CUDA (default: fastest available, by measurement); on CPU "
                           "torch SDPA always runs. The sidecar's run.attention says what ran."),
         click.option("--save-latents", is_flag=True, hidden=True,

@@ -561,8 +561,7 @@ def plan_lines(jobs: list[Job], out_dir: Path | None = None, *, overwrite: bool 
 
 
 # --- Encoder options, checked before load, so a typo fails in the first second rather than after denoising --------
-X264_PRESETS = ("ultrafast", "superfast", "veryfast", "faster", "fast", "medium", "slow", "slower", "veryslow",
-                "placebo")  # x264 --preset names, fastest first (x264.h `x264_preset_names`)
+from h3render.spec import X264_PRESETS  # noqa: E402 (one home: the CLI offers the same tuple)
 
 
 def check_x264_preset(name: str) -> str:

@@ -28,7 +28,7 @@ import torch
 
 from h3render.colour import MediaError
 from h3render.staging import PinnedFrameStager, StagedChunk  # noqa: F401 (re-exported: the writer takes StagedChunks)
-from h3render.spec import FPS, SAMPLE_RATE, audio_samples
+from h3render.spec import AUDIO_HOP, FPS, SAMPLE_RATE, audio_samples
 
 __all__ = [
     "AUDIO_FRAME_SAMPLES",
@@ -38,20 +38,16 @@ __all__ = [
     "PinnedFrameStager",
     "SAMPLE_RATE",
     "StagedChunk",
-    "X264_PRESETS",
     "audio_samples_for",
     "prepare_audio",
     "temp_path_for",
 ]
 
-# libx264's speed presets, fastest first (x264 --fullhelp, "--preset"); the CLI offers exactly these.
-X264_PRESETS = ("ultrafast", "superfast", "veryfast", "faster", "fast", "medium", "slow", "slower", "veryslow",
-                "placebo")
 AUDIO_FRAME_SAMPLES = 1024  # AAC-LC frame length (32 ms at 32 kHz)
-# The audio VAE emits round(frames/24*40) latents x 800 samples, which can fall short of
+# The audio VAE emits round(frames/24*40) latents x AUDIO_HOP (800) samples, which can fall short of
 # round(frames*32000/24) by up to half a latent (400 samples); one whole latent (25 ms) of zero padding is
 # accepted, anything shorter is refused.
-_MAX_AUDIO_PAD = 800
+_MAX_AUDIO_PAD = AUDIO_HOP
 
 # AVColorPrimaries / AVColorTransferCharacteristic / AVColorSpace BT709 = 1; AVColorRange MPEG (limited) = 1.
 _BT709 = 1
@@ -597,7 +593,7 @@ def prepare_audio(
         raise MediaError(f"{name}: audio contains NaN or inf (the decode diverged); refusing to write it")
     n = waveform.shape[1]
     if n < samples - _MAX_AUDIO_PAD:
-        raise MediaError(f"{name}: audio has {n} samples per channel, need {samples} (at most 800 short)")
+        raise MediaError(f"{name}: audio has {n} samples per channel, need {samples} (at most {_MAX_AUDIO_PAD} short)")
     out = np.zeros((2, samples), dtype=np.float32)
     keep = min(n, samples)
     np.clip(waveform[:, :keep], -1.0, 1.0, out=out[:, :keep])

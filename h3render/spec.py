@@ -104,3 +104,26 @@ def canvas_for_aspect(aspect_w: float, aspect_h: float, *, short_edge: int = REL
         width, height = width * scale, height * scale
     # Python's round() (half to even) as the reference does; a tie needs an axis of exactly (k + 1/2) * 32 px.
     return (max(multiple, round(width / multiple) * multiple), max(multiple, round(height / multiple) * multiple))
+
+
+# =====================================================================================================================
+# Release and interface facts (issue #22 item 5, "one home per fact, round two"). Kept torch-free like the rest of
+# this module, so the front end (cli --help, jobs, manifest, settings) reads the same names the models check against.
+
+# -- FastH3 students: video sparse attention (VSA-H3) ----------------------------------------------------------------
+# The tile size (64 rows, 4x4x4 video boxes) is not restated here: its home is the kernel, `h3render.kernels.vsa.TILE`,
+# because the Triton kernel's constexpr, the box shape and the slot arithmetic are built on it (another tile is another
+# kernel), and this module cannot import the kernels without importing torch. Everything above the kernel reads it.
+FASTH3_V1_VSA_SPARSITY = 0.9  # FastH3 v1 release notes (FastVideo blog "FastH3 preview"): fraction of tiles dropped
+FASTH3_V2_VSA_SPARSITY = 0.8  # FastH3 V2 `fastvideo_inference.json` (vLLM-Omni `FastH3CheckpointSpec`)
+
+# -- dense attention backends ----------------------------------------------------------------------------------------
+# Names, fastest first on an H200; `h3render.models.attention.REGISTRY` holds one record per name (name, available(),
+# run) and checks at import that its keys are exactly these. Here so that `--attention`'s choices need no torch.
+ATTENTION_BACKENDS = ("fa3", "cudnn", "sdpa")
+
+# -- MP4 delivery ----------------------------------------------------------------------------------------------------
+# libx264's speed presets, fastest first (x264.h `x264_preset_names`, x264 --fullhelp "--preset"); the CLI offers
+# exactly these and `h3render.jobs.check_x264_preset` checks against them.
+X264_PRESETS = ("ultrafast", "superfast", "veryfast", "faster", "fast", "medium", "slow", "slower", "veryslow",
+                "placebo")

@@ -69,6 +69,7 @@ from bench_media import stage_media
 from bench_vae import stage_audio, stage_te, stage_vae
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from h3render.spec import FASTH3_V1_VSA_SPARSITY  # noqa: E402
 
 
 # The stages held in scripts/bench_e2e.py, bench_fp8.py and bench_fl2va.py take the shared helpers' module
@@ -156,7 +157,8 @@ def main() -> None:
                    help="media stage: ';'-separated x264-params variants to compare ('default' = the writer's)")
     p.add_argument("--media-dir", default="/tmp/h3render-media", help="media stage: where the MP4s are written")
     p.add_argument("--vsa-layer-only", action="store_true", help="vsa stage: one layer only, no DiT forward")
-    p.add_argument("--vsa-sparsity", type=float, default=0.9, help="vsa stage: sparsity (FastH3 v1 0.9, V2 0.8)")
+    p.add_argument("--vsa-sparsity", type=float, default=FASTH3_V1_VSA_SPARSITY,
+                   help="vsa stage: sparsity (default FastH3 v1's; h3render.spec FASTH3_V*_VSA_SPARSITY)")
     p.add_argument("--fl2va-canvas", default="1344x768x243", help="fl2va stage: WxHxFRAMES")
     p.add_argument("--fl2va-model", default="released", choices=["released", "tiny", "small"])
     p.add_argument("--fl2va-device", default=None, choices=["cuda", "cpu"], help="default: cuda when available")

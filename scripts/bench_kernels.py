@@ -18,14 +18,11 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from bench_common import rel_err  # noqa: E402 (scripts/ is sys.path[0] when run or imported by bench.py)
 from h3render.models import attention as attn_mod  # noqa: E402
 from h3render.kernels import gated_residual, modulate, qk_norm_rope_qkv, swiglu  # noqa: E402
 
 RELEASED = dict(S=73_642, C=5376, H=56, D=128, R=96, F=14_336, K=2)
-
-
-def _rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((ours.float() - ref.float()).norm() / ref.float().norm()).item()
 
 
 def _do_bench_ms(fn, rep_ms: int = 200) -> float:
@@ -65,7 +62,7 @@ def _kernel_cases(S: int, C: int, H: int, D: int, R: int, F: int, K: int, device
 def _max_rel_err(a, b) -> float:
     a = a if isinstance(a, tuple) else (a,)
     b = b if isinstance(b, tuple) else (b,)
-    return max(_rel_err(x, y) for x, y in zip(a, b) if x is not None)
+    return max(rel_err(x, y) for x, y in zip(a, b) if x is not None)
 
 
 def check_kernels(device: str = "cuda", tol: float = 1e-2) -> list[dict]:
@@ -108,8 +105,9 @@ def bench_kernels(device: str = "cuda", dtype: torch.dtype = torch.bfloat16, **s
 
 
 def bench_attention(S: int = RELEASED["S"], H: int = RELEASED["H"], D: int = RELEASED["D"],
-                    backends=("sdpa", "cudnn", "fa3")) -> list[dict]:
-    """One attention layer ([1, S, H, D] bf16) per backend; a backend that cannot run here gets a note, not a crash.
+                    backends=("sdpa", *(n for n in attn_mod.REGISTRY if n != "sdpa"))) -> list[dict]:
+    """One attention layer ([1, S, H, D] bf16) per backend, "sdpa" (the reference) first; a backend that cannot run
+    here gets a note, not a crash.
 
     Returns:
         One row per backend: seconds, TFLOP/s (4 * S^2 * H * D flops), rel_err vs default SDPA, or a note.
@@ -128,7 +126,7 @@ def bench_attention(S: int = RELEASED["S"], H: int = RELEASED["H"], D: int = REL
                 rows.append(dict(backend=name, seconds="-", TFLOPs="-", rel_err="-", note=str(exc)[:80]))
                 continue
             ref = out if ref is None else ref
-            err = _rel_err(out, ref)
+            err = rel_err(out, ref)
             del out
             seconds = _do_bench_ms(lambda: attn_mod.attention(q, k, v), rep_ms=1000) / 1e3
             rows.append(dict(backend=name, seconds=f"{seconds:.4f}", TFLOPs=f"{flops / seconds / 1e12:.0f}",

@@ -69,8 +69,9 @@ def vae_chunk_sizes(frames: int, height: int, width: int) -> list[int]:
     from h3render.spec import latent_frames
 
     cfg = VideoVAEConfig()
-    plan = plan_decode(latent_frames(frames), height // 16, width // 16, geometry=cfg.geometry,
-                       spatial_ratio=cfg.spatial_ratio, tiling=RELEASED_TILING)
+    r = cfg.spatial_ratio
+    plan = plan_decode(latent_frames(frames), height // r, width // r, geometry=cfg.geometry, spatial_ratio=r,
+                       tiling=RELEASED_TILING)
     clip = cfg.geometry.clip_length  # as `assemble_frames` yields them
     bounds = [(w * clip, (w + 1) * clip) for w in range(plan.num_windows)]
     bounds.append((plan.num_windows * clip, plan.num_windows * clip + cfg.geometry.tail_frames))

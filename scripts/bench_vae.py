@@ -36,20 +36,21 @@ def stage_vae(args) -> None:
     vae_attention(ours, args.vae_batches[-1], "vae")
     rec(stage="vae", what="video VAE params", params=sum(p.numel() for p in ours.parameters()))
     compiled = False
+    r = cfg.spatial_ratio  # pixels per latent along each spatial axis
     for t_lat, h, w in ((72, 48, 84),):
         g = torch.Generator(device="cuda").manual_seed(2)
         z = torch.randn(24, t_lat, h, w, device="cuda", generator=g)
         for vb in args.vae_batches:
             peak_reset()
             t_ours = cuda_time(lambda: ours.decode(z, batch_size=vb), reps=1, warm=1)
-            rec(stage="vae", what=f"video VAE decode {t_lat} latents {w * 16}x{h * 16} (ours, batch {vb})",
+            rec(stage="vae", what=f"video VAE decode {t_lat} latents {w * r}x{h * r} (ours, batch {vb})",
                 ours_s=round(t_ours, 3), peak_gb=peak_gb())
         out = ours.decode(z, batch_size=args.vae_batches[-1])
         ref_rgb, t_ref = None, None
         if ref is not None:
             ref_rgb, t_ref = ref_vae_decode(ref, cfg, z)
             err = rel_err(out, ref_rgb)
-            rec(stage="vae", what=f"video VAE decode {t_lat} latents {w * 16}x{h * 16} (reference, bf16)",
+            rec(stage="vae", what=f"video VAE decode {t_lat} latents {w * r}x{h * r} (reference, bf16)",
                 ref_s=round(t_ref, 3), ref_peak_gb=peak_gb(), rel_err=err, ok=err <= 1e-2, frames=out.shape[1])
         if not compiled:
             t0 = time.perf_counter()
@@ -63,7 +64,7 @@ def stage_vae(args) -> None:
         t_c = cuda_time(lambda: ours.decode(z, batch_size=vb), reps=1, warm=0)
         out_c = ours.decode(z, batch_size=vb)
         err_c = rel_err(out_c, ref_rgb if ref_rgb is not None else out)
-        rec(stage="vae", what=f"video VAE decode {t_lat} latents {w * 16}x{h * 16} (ours compiled, batch {vb})",
+        rec(stage="vae", what=f"video VAE decode {t_lat} latents {w * r}x{h * r} (ours compiled, batch {vb})",
             ours_s=round(t_c, 3), ref_s=None if t_ref is None else round(t_ref, 3),
             speedup=None if t_ref is None else round(t_ref / t_c, 2), rel_err=err_c,
             vs="reference" if ref_rgb is not None else "ours eager", ok=err_c <= 1e-2, peak_gb=peak_gb())

@@ -10,12 +10,7 @@ import dataclasses
 import torch
 
 from h3render.models.dit import DiT, DiTConfig
-
-
-def rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
-    """||ours - ref|| / ||ref|| in float64."""
-    ours, ref = ours.double(), ref.double()
-    return float((ours - ref).norm() / ref.norm())
+from h3render.spec import SPATIAL_COMPRESSION
 
 
 @torch.no_grad()
@@ -72,8 +67,8 @@ def diffusers_layout(text_len: int, height: int, width: int, frames: int):
     out = MiniMaxH3PrepareLayoutStep.build_packed_sequence(
         text_token_tags=torch.ones(text_len, dtype=torch.long),
         num_latent_frames=video_latent_num_frames(frames, 17, 5),
-        latent_height=height // 16,
-        latent_width=width // 16,
+        latent_height=height // SPATIAL_COMPRESSION,
+        latent_width=width // SPATIAL_COMPRESSION,
         num_audio_latents=audio_latent_num_frames(frames),
         patch_size=(1, 2, 2),
         audio_channels=2,

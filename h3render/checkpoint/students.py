@@ -14,10 +14,11 @@ Published layouts (vsa.md §2; FastVideo blog "FastH3 preview"):
   and V2, their gates `transformer_blocks.{i}.attn.to_gate_compress.weight` inside the transformer.
 
 Attention: an adapter is VSA when it carries the 50 `attn.to_gate_compress.set_weight` gates (headers state no
-sparsity); its sparsity comes from the bundle manifest, else 0.9 (v1 release notes), tile 64. A full checkpoint is
-VSA when its contract's `attention_backend` is `VIDEO_SPARSE_ATTN_H3`, with the contract's `vsa_sparsity` /
-`vsa_tile_size` (V2 0.8 / 64). A tile other than 64 is an error (the only one h3render's VSA runs, and the one the
-students were trained with). A gate missing or zero-filled in some blocks is an error naming the blocks.
+sparsity); its sparsity comes from the bundle manifest, else the v1 release value (`spec.FASTH3_V1_VSA_SPARSITY`),
+tile `kernels.vsa.TILE`. A full checkpoint is VSA when its contract's `attention_backend` is `VIDEO_SPARSE_ATTN_H3`,
+with the contract's `vsa_sparsity` / `vsa_tile_size` (V2's release values where it states none). Another tile is an
+error (the only one h3render's VSA runs, and the one the students were trained with). A gate missing or
+zero-filled in some blocks is an error naming the blocks.
 """
 
 from __future__ import annotations
@@ -33,17 +34,19 @@ import torch
 
 from h3render.checkpoint.adapter import (RELEASED_BASE_MODEL, TINY_BASE_MODEL, Adapter, AdapterFusion,
                                          fasth3_schedule, read_adapter)
-from h3render.checkpoint.contract import V2_VSA, FastH3Contract, read_contract
+from h3render.checkpoint.contract import FastH3Contract, read_contract
 from h3render.checkpoint.errors import AdapterError, CheckpointError
 from h3render.checkpoint.stream import Entry
+from h3render.kernels.vsa import TILE
+from h3render.spec import FASTH3_V1_VSA_SPARSITY, FASTH3_V2_VSA_SPARSITY
 
 ADAPTER_FILE = "adapter_model.safetensors"
 BUNDLE_MANIFEST = "adapter_manifest.json"
 BUNDLE_SCHEMA = "fasth3-lora-bundle-v1"
 BUNDLE_VARIANTS = ("vsa-datafree", "vsa-synthetic-step1300", "vsa-synthetic-step1900", "dense-datafree")
-# FastH3 v1 release notes (FastVideo blog): the VSA students run sparsity 0.9 on 64-row (4x4x4) tiles.
-RELEASE_SPARSITY = 0.9
-RELEASE_TILE = 64
+# Where a student states no VSA sparsity / tile, the release's (values: h3render.spec, h3render.kernels.vsa.TILE).
+_V1_RELEASE = f"FastH3 v1 release notes (VSA {FASTH3_V1_VSA_SPARSITY}, tile {TILE})"
+_V2_RELEASE = f"V2 release ({FASTH3_V2_VSA_SPARSITY}, tile {TILE})"
 POSITION_CHOICES = ("release", "fastvideo-example")
 _GATE = re.compile(r"blocks\.(\d+)\.attn\.gate_proj\.weight")
 
@@ -204,8 +207,8 @@ def _vsa_value(value: Any, source: str, what: str) -> Any:
         if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0.0 <= value < 1.0:
             raise AdapterError(f"{source}={value!r}: VSA sparsity must be a number in [0, 1)")
         return float(value)
-    if value != RELEASE_TILE or isinstance(value, bool):
-        raise AdapterError(f"{source}={value!r}: VSA tile size must be {RELEASE_TILE} (the students' trained "
+    if value != TILE or isinstance(value, bool):
+        raise AdapterError(f"{source}={value!r}: VSA tile size must be {TILE} (the students' trained "
                            f"geometry and the only tile h3render's VSA runs)")
     return int(value)
 
@@ -219,10 +222,9 @@ def adapter_attention(adapter: Adapter, source: AdapterSource) -> StudentAttenti
     if not adapter.requires_vsa:
         return StudentAttention("dense", f"{adapter.path}: no attn.to_gate_compress gates (dense student)")
     facts = {}
-    for what, key, default in (("sparsity", "vsa_sparsity", RELEASE_SPARSITY),
-                               ("tile", "vsa_tile_size", RELEASE_TILE)):
+    for what, key, default in (("sparsity", "vsa_sparsity", FASTH3_V1_VSA_SPARSITY), ("tile", "vsa_tile_size", TILE)):
         stated = _manifest_field(source, key)
-        value, where = stated if stated else (default, "FastH3 v1 release notes (VSA 0.9, tile 64)")
+        value, where = stated if stated else (default, _V1_RELEASE)
         facts[what] = (_vsa_value(value, where, what), where)
     return StudentAttention("vsa", f"{adapter.path}: {len(adapter.gate_blocks)} attn.to_gate_compress.set_weight "
                             f"gates", facts["sparsity"][0], facts["sparsity"][1], facts["tile"][0], facts["tile"][1])
@@ -240,8 +242,8 @@ def contract_attention(contract: FastH3Contract) -> StudentAttention:
     if not contract.requires_vsa:
         stated = contract.attention_backend or "(not stated)"
         return StudentAttention("dense", f"{where} attention_backend={stated}")
-    release = ("V2 release (0.8, tile 64)" if contract.is_v2 else "FastH3 v1 release notes (VSA 0.9, tile 64)")
-    defaults = {"sparsity": V2_VSA["vsa_sparsity"] if contract.is_v2 else RELEASE_SPARSITY, "tile": RELEASE_TILE}
+    release = _V2_RELEASE if contract.is_v2 else _V1_RELEASE
+    defaults = {"sparsity": FASTH3_V2_VSA_SPARSITY if contract.is_v2 else FASTH3_V1_VSA_SPARSITY, "tile": TILE}
     facts = {}
     for what, value, key in (("sparsity", contract.vsa_sparsity, "vsa_sparsity"),
                              ("tile", contract.vsa_tile_size, "vsa_tile_size")):
@@ -405,6 +407,6 @@ def budgets(attention: StudentAttention | None, shapes: Iterable[tuple[int, int,
 
 
 __all__ = ["ADAPTER_FILE", "BUNDLE_MANIFEST", "BUNDLE_SCHEMA", "BUNDLE_VARIANTS", "POSITION_CHOICES",
-           "RELEASE_SPARSITY", "RELEASE_TILE", "AdapterSource", "StudentAttention", "StudentHook", "StudentPlan",
+           "AdapterSource", "StudentAttention", "StudentHook", "StudentPlan",
            "adapter_attention", "budgets", "bundle_variants", "contract_attention", "plan_student",
            "read_bundle_manifest", "resolve_adapter"]

@@ -6,9 +6,12 @@ Backends, fastest first on an H200 at the released size (S = 73,642, 56 heads x 
   "cudnn" torch SDPA restricted to the cuDNN kernel. Measured 0.274 s / layer (568 TFLOP/s).
   "sdpa"  torch SDPA with torch's own kernel choice; the only backend on CPU. Measured 0.431 s / layer on GPU.
 
-The backend is picked once, by `select_backend(name)` with a name from the config/CLI, or automatically on first
-use: every available backend is timed on a small probe and checked against "sdpa", and the fastest that agrees
-wins. No mask, no padding: every backend here takes any sequence length.
+Each backend is one `AttentionBackend` record (name, available(), run) in `REGISTRY`, whose keys are exactly
+`h3render.spec.ATTENTION_BACKENDS` (the torch-free name list the CLI offers); `available_backends`, `runner`,
+`fastest_for` and `select_backend` all read the registry. The backend is picked once, by `select_backend(name)` with a
+name from the config/CLI, or automatically on first use: every available backend is timed on a small probe and
+checked against "sdpa", and the fastest that agrees wins. No mask, no padding: every backend here takes any sequence
+length.
 
 `SparseAttention` is the other kind: FastH3's video sparse attention (VSA-H3, `h3render.kernels.vsa`) over one packed
 layout, called with the block's gate; `DiT.enable_vsa` builds the gates with `gate_projection`.
@@ -26,8 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from h3render.kernels.vsa import TILE, TilePlan, tile_plan, vsa_attention
-
-BACKENDS = ("fa3", "cudnn", "sdpa")
+from h3render.spec import ATTENTION_BACKENDS
 
 # Modules that provide FlashAttention-3's `flash_attn_func(q, k, v, softmax_scale=None, causal=False, ...)`
 # over [B, S, H, D]: the upstream hopper build's name first, then the PyPI `fa3-fwd` 0.0.3 wheel's.
@@ -62,17 +64,6 @@ def _load_fa3() -> Callable | None:
 
 def _cudnn_usable() -> bool:
     return torch.cuda.is_available() and torch.backends.cudnn.is_available()
-
-
-def available_backends() -> list[str]:
-    """Names of the backends that can run here, in preference order (always ends with "sdpa")."""
-    names = []
-    if _load_fa3() is not None:
-        names.append("fa3")
-    if _cudnn_usable():
-        names.append("cudnn")
-    names.append("sdpa")
-    return names
 
 
 def naive_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -111,21 +102,53 @@ def _cudnn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
 
 
 def _fa3(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    global _fa3_func
+    if _fa3_func is None:  # first call through the registry (select_backend loads it up front)
+        _fa3_func = _load_fa3()
     out = _fa3_func(q, k, v, causal=False)
     # Older upstream FA3 builds return (out, softmax_lse); fa3-fwd 0.0.3 returns out alone.
     return out[0] if isinstance(out, tuple) else out
 
 
-_RUNNERS: dict[str, Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]] = {
-    "fa3": _fa3,
-    "cudnn": _cudnn,
-    "sdpa": sdpa_attention,
-}
+Runner = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class AttentionBackend:
+    """One dense attention backend.
+
+    Attributes:
+        name: the name the CLI, manifests and the sidecar's `run.attention` use (`h3render.spec.ATTENTION_BACKENDS`).
+        available: whether it can run on this machine (checked each call: it looks at the GPU and the installed
+            providers).
+        run: `(q, k, v) -> out`, each `[B, S, H, D]`, non-causal, unmasked, scale 1/sqrt(D).
+    """
+
+    name: str
+    available: Callable[[], bool]
+    run: Runner
+
+
+# Preference order = ATTENTION_BACKENDS order (fastest first on an H200); `min()` over equal probe times keeps it.
+# The lambdas look `_load_fa3` / `_cudnn_usable` up at call time, so a test can stand in for a provider.
+REGISTRY: dict[str, AttentionBackend] = {backend.name: backend for backend in (
+    AttentionBackend("fa3", lambda: _load_fa3() is not None, _fa3),
+    AttentionBackend("cudnn", lambda: _cudnn_usable(), _cudnn),
+    AttentionBackend("sdpa", lambda: True, sdpa_attention),
+)}
+if tuple(REGISTRY) != ATTENTION_BACKENDS:  # the CLI's choices come from spec without importing torch
+    raise ImportError(f"h3render/models/attention.py: REGISTRY names {tuple(REGISTRY)} != h3render.spec."
+                      f"ATTENTION_BACKENDS {ATTENTION_BACKENDS}")
+
+
+def available_backends() -> list[str]:
+    """Names of the backends that can run here, in preference order (always ends with "sdpa")."""
+    return [name for name, backend in REGISTRY.items() if backend.available()]
 
 
 def _probe_seconds(name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ref: torch.Tensor) -> float:
     """Median seconds of one call of backend `name` on the probe, or inf if it fails or disagrees with SDPA."""
-    run = _RUNNERS[name]
+    run = REGISTRY[name].run
     try:
         out = run(q, k, v)
         torch.cuda.synchronize()
@@ -153,32 +176,26 @@ def fastest_for(shape: tuple[int, int, int, int]) -> tuple[str, dict[str, float]
     The DiT's long sequences and the video VAE decoder's short ones (8 x 1,797 tokens, head dim 64) can favour
     different kernels, so each call site may probe at its own shape.
     """
-    global _fa3_func
     candidates = available_backends()
     if candidates == ["sdpa"]:
         return "sdpa", {}
-    if _fa3_func is None:
-        _fa3_func = _load_fa3()
     gen = torch.Generator(device="cuda").manual_seed(0)
     q, k, v = (torch.randn(shape, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(3))
     ref = sdpa_attention(q, k, v)
     timings = {name: _probe_seconds(name, q, k, v, ref) for name in candidates}
-    # min() keeps the first of equal timings, i.e. the preference order of BACKENDS.
+    # min() keeps the first of equal timings, i.e. the registry's preference order.
     return min(candidates, key=lambda name: timings[name]), timings
 
 
-def runner(name: str) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
+def runner(name: str) -> Runner:
     """The attention function of backend `name` (`[B, S, H, D]` in and out), bypassing the process-wide choice.
 
     Raises:
         ValueError: unknown or unavailable backend.
     """
-    global _fa3_func
     if name not in available_backends():
         raise ValueError(f"attention backend {name!r} is not available here; available: {available_backends()}")
-    if name == "fa3" and _fa3_func is None:
-        _fa3_func = _load_fa3()
-    return _RUNNERS[name]
+    return REGISTRY[name].run
 
 
 def _auto_select() -> str:
@@ -191,8 +208,8 @@ def select_backend(name: str | None = None) -> str:
     """Choose the attention backend for the rest of the process.
 
     Args:
-        name: "fa3", "cudnn", "sdpa", or None / "auto" to time every available backend on a small probe
-            and keep the fastest that matches plain SDPA (always "sdpa" without a GPU).
+        name: a `REGISTRY` name ("fa3", "cudnn", "sdpa"), or None / "auto" to time every available backend on a
+            small probe and keep the fastest that matches plain SDPA (always "sdpa" without a GPU).
 
     Returns:
         The chosen backend's name.
@@ -201,8 +218,8 @@ def select_backend(name: str | None = None) -> str:
         ValueError: unknown name, or the named backend cannot run on this machine.
     """
     global _selected, _fa3_func
-    if name not in (*BACKENDS, None, "auto"):
-        raise ValueError(f"unknown attention backend {name!r}: choose one of {', '.join(BACKENDS)} or auto")
+    if name not in (*REGISTRY, None, "auto"):
+        raise ValueError(f"unknown attention backend {name!r}: choose one of {', '.join(REGISTRY)} or auto")
     _fa3_func = _load_fa3()
     if name in (None, "auto"):
         name = _auto_select()
@@ -242,7 +259,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor
         # The process-wide choice is measured on the GPU; a CPU render on a GPU host (`--device cpu`, gloo ranks)
         # must not run cuDNN / FA3 on host tensors.
         return sdpa_attention(q, k, v)
-    return _RUNNERS[current_backend()](q, k, v)
+    return REGISTRY[current_backend()].run(q, k, v)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -253,8 +270,8 @@ def check_vsa_settings(sparsity: float, tile: int) -> float:
     """The VSA sparsity as a float after checking it and the tile size.
 
     Raises:
-        ValueError: sparsity outside [0, 1), or a tile other than 64 (the only tile the students were trained with
-            and the only one FastVideo runs outside Blackwell).
+        ValueError: sparsity outside [0, 1), or a tile other than `kernels.vsa.TILE` (64: the only tile the students
+            were trained with and the only one FastVideo runs outside Blackwell).
     """
     if not 0.0 <= float(sparsity) < 1.0:
         raise ValueError(f"VSA sparsity must be in [0, 1), got {sparsity}")

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 import h3render.kernels.alias_free as alias_free
 from h3render.models.config_dict import config_fields
+from h3render.spec import SAMPLE_RATE
 
 
 @dataclass(frozen=True)
@@ -39,7 +40,7 @@ class AudioVAEConfig:
     decoder_kernel_sizes: tuple[int, ...] = (9, 9, 4, 4, 4, 4, 4)
     resblock_kernel_sizes: tuple[int, ...] = (3, 7, 11)
     resblock_dilation_sizes: tuple[tuple[int, ...], ...] = ((1, 3, 5), (1, 3, 5), (1, 3, 5))
-    sampling_rate: int = 32000
+    sampling_rate: int = SAMPLE_RATE  # 32000 released; the MP4 writer writes its AAC track at the same spec rate
     latents_mean: tuple[float, ...] | None = None
     latents_std: tuple[float, ...] | None = None
 

@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from h3render import kernels
+from h3render.kernels.vsa import TILE
 from h3render.models.attention import SparseAttention, check_vsa_settings, gate_projection, sdpa_attention
 from h3render.models.dit_config import DIT_SMALL, DIT_TINY, DiTConfig  # noqa: F401 (the DiT's config lives there)
 from h3render.models.fp8 import Fp8Linear, Fp8Rows
@@ -353,8 +354,9 @@ class DiT(nn.Module):
         for block in self.blocks:
             block.attn.qkv_attention = fn
 
-    def enable_vsa(self, sparsity: float, tile: int = 64) -> None:
-        """Blocks (not the token refiner) run VSA-H3 at `sparsity` (FastH3 v1 0.9, V2 0.8; 64-row tiles only) and
+    def enable_vsa(self, sparsity: float, tile: int = TILE) -> None:
+        """Blocks (not the token refiner) run VSA-H3 at `sparsity` (release values: `spec.FASTH3_V1_VSA_SPARSITY`,
+        `FASTH3_V2_VSA_SPARSITY`; `kernels.vsa.TILE`-row tiles only) and
         gain zero gates `blocks.{i}.attn.gate_proj.weight` `[heads * head_dim, hidden]` to load a student's into.
         ValueError on a sparsity outside [0, 1) or another tile (`models.attention.check_vsa_settings`)."""
         if any(isinstance(block.attn.qkv_proj, Fp8Linear) and block.attn.gate_proj is None for block in self.blocks):

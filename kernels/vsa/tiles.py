@@ -20,7 +20,11 @@ from dataclasses import dataclass
 
 import torch
 
-TILE = 64  # rows per tile: the FastH3 students' trained geometry (FastVideo `--vsa-tile-size 64`)
+# Rows per tile: the FastH3 students' trained geometry (FastVideo `--vsa-tile-size 64`). This is the one home of the
+# VSA tile size (h3render.spec points here): the kernels are the lowest layer and import nothing of h3render above
+# them, and the fact is theirs, since the Triton constexpr TILE_ROWS, VIDEO_TILE_SHAPE and the slot arithmetic are
+# all built on it. The DiT, the student loader and the contract checks import it from `h3render.kernels.vsa`.
+TILE = 64
 VIDEO_TILE_SHAPE = (4, 4, 4)  # (t, h, w) box of a 64-row video tile (FastVideo `VSA_H3_TILE_SHAPES[64]`)
 
 

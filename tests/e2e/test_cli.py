@@ -127,13 +127,15 @@ def test_bad_option_values_are_refused_by_the_parser(args, option, tmp_path):
     assert not list(tmp_path.iterdir())
 
 
-def test_x264_preset_choices_are_the_writers():
-    from h3render.media import X264_PRESETS
+def test_x264_preset_and_attention_choices_come_from_spec():
+    from h3render.models.attention import REGISTRY
+    from h3render.spec import ATTENTION_BACKENDS, X264_PRESETS
 
     r = invoke("prompt", "--help")
     assert r.exit_code == 0
     help_text = " ".join(r.output.split())
     assert "|".join(X264_PRESETS) in help_text.replace(" ", "")
+    assert "[" + "|".join(REGISTRY) + "]" in help_text.replace(" ", "") and tuple(REGISTRY) == ATTENTION_BACKENDS
     assert invoke("prompt", "hello", "-o", "x.mp4", "--x264-preset", "placebo", "--frames", "0").exit_code == 2
 
 

@@ -321,7 +321,7 @@ def _ulysses_worker(rank, port, adapter, queue):
 
 def test_loaded_vsa_student_on_two_ulysses_ranks_equals_one(tmp_path):
     """The student's gates loaded through the hook; Ulysses (gloo, 2 ranks: heads split, whole tiles) = 1 rank."""
-    from tests._diffusers_ref import rel_err
+    from tests._numerics import rel_err
 
     adapter = str(write_synthetic_adapter(tmp_path / "v.safetensors", CFG, seed=12, with_set_weight=True))
     [(v, a)] = run_ranks(_ulysses_worker, 2, (adapter,), results=1)

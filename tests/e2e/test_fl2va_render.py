@@ -20,6 +20,7 @@ from tests._mp4 import frames_of
 from tests._env import repo_pythonpath
 from tests._spawn import free_port
 from tests._cli import run_here
+from tests._numerics import rel_err
 
 REPO = Path(__file__).resolve().parents[2]
 ARGS = ("--steps", "3", "--seed", "5", "--device", "cpu", "--save-latents", "--vae-batch", "1")
@@ -46,10 +47,6 @@ def _latents(mp4: Path) -> dict:
     return torch.load(mp4.with_name(mp4.stem + ".latents.pt"))
 
 
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).norm() / b.norm())
-
-
 def test_prompt_first_frame_renders_mp4_and_sidecar(tmp_path):
     _png(tmp_path / "a.png", (128, 96), seed=0)
     _png(tmp_path / "b.png", (128, 96), seed=1)
@@ -71,11 +68,11 @@ def test_prompt_first_frame_renders_mp4_and_sidecar(tmp_path):
     other = tmp_path / "other.mp4"
     r = cli("prompt", "A red fox in the snow", "--first-frame", "b.png", "-o", str(other), *ARGS, cwd=tmp_path)
     assert r.returncode == 0, r.stderr
-    assert _rel(_latents(other)["video"], _latents(out)["video"]) > 1e-3
+    assert rel_err(_latents(other)["video"], _latents(out)["video"]) > 1e-3
     plain = tmp_path / "plain.mp4"
     r = cli("prompt", "A red fox in the snow", "--width", "160", "--height", "128", "-o", str(plain), *ARGS)
     assert r.returncode == 0, r.stderr
-    assert _rel(_latents(plain)["video"], _latents(out)["video"]) > 1e-3
+    assert rel_err(_latents(plain)["video"], _latents(out)["video"]) > 1e-3
 
 
 def test_batch_renders_fl2va_jobs_and_resumes_by_content(tmp_path):
@@ -151,6 +148,6 @@ def test_two_gloo_ranks_match_one_for_fl2va(tmp_path):
     assert r2.returncode == 0, r2.stderr
     a, b = _latents(one), _latents(two)
     for key in ("video", "audio"):
-        assert _rel(b[key], a[key]) <= 1e-5, key
+        assert rel_err(b[key], a[key]) <= 1e-5, key
     np.testing.assert_array_equal(frames_of(one), frames_of(two))
     assert json.loads(two.with_suffix(".json").read_text())["extra"]["world_size"] == 2

@@ -14,6 +14,7 @@ from h3render.errors import RenderError
 from h3render.jobs import Job
 from h3render.make_checkpoint import write_synthetic_adapter
 from h3render.parallel.groups import ParallelContext
+from tests._numerics import rel_err
 
 CTX = ParallelContext(0, 1, 0, torch.device("cpu"))
 SETTINGS = EngineSettings(progress=False, save_latents=True)
@@ -31,10 +32,6 @@ def latents(engine, job, folder):
 def adapter(tmp_path_factory):
     return str(write_synthetic_adapter(tmp_path_factory.mktemp("ad") / "adapter.safetensors",
                                        RELEASES["tiny"].dit, seed=2))
-
-
-def rel(a, b):
-    return float((a - b).norm() / b.norm())
 
 
 def test_mixed_engine_matches_base_then_fused_engines(adapter, tmp_path):
@@ -60,7 +57,7 @@ def test_mixed_engine_matches_base_then_fused_engines(adapter, tmp_path):
     base.fasth3 = fused.fasth3  # ...and far from the base weights run on the student's own schedule
     unfused = latents(base, FAST, tmp_path / "student-schedule")
     for part in ("video", "audio"):
-        err, gap = rel(got_fast[part], want_fast[part]), rel(unfused[part], want_fast[part])
+        err, gap = rel_err(got_fast[part], want_fast[part]), rel_err(unfused[part], want_fast[part])
         assert err < 1e-2 and gap > 10 * err, (part, err, gap)
 
 

@@ -26,16 +26,13 @@ from h3render.make_checkpoint import write_synthetic_adapter
 from h3render.models.fp8 import Fp8Linear
 from h3render.parallel.groups import ParallelContext
 from tests._mp4 import frames_of
+from tests._numerics import rel_err
 from tests.e2e.test_cli import check_mp4, invoke, one_error_line
 
 SMALL = ("--width", "128", "--height", "64", "--frames", "22", "--steps", "3", "--seed", "5")
 PROMPT = "Gulls over a harbour"
 CTX = ParallelContext(0, 1, 0, torch.device("cpu"))
 FP8_PREFIX = "fp8_e4m3"
-
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.float() - b.float()).norm() / b.float().norm())
 
 
 def sidecar(mp4: Path) -> dict:
@@ -89,7 +86,7 @@ def test_bf16_is_the_default_and_its_sidecar_says_so(renders):
 def test_fp8_render_differs_from_bf16_but_stays_close(renders):
     fp8, bf16 = latents(renders["fp8"]), latents(renders["bf16"])
     for part, bound in (("video", 0.013), ("audio", 0.012)):
-        err = rel(fp8[part], bf16[part])
+        err = rel_err(fp8[part], bf16[part])
         # 2 forwards, FP8 DiT blocks + FP8 text-encoder weights: measured 0.0064 (video), 0.0058 (audio)
         assert 0 < err <= bound, (part, err)
     a, b = frames_of(renders["fp8"]).astype(np.float64), frames_of(renders["bf16"]).astype(np.float64)
@@ -270,7 +267,7 @@ def test_mixed_queue_runs_base_jobs_bf16_then_the_fused_student_fp8(tmp_path, ca
         # Fused in place into bf16 parameters, or while streaming into bf16 ones: the same rounding, then the same
         # quantization, so the same FP8 codes and scales.
         assert torch.equal(w, want[name]), name
-        deltas.append(rel(base_weights[f"{name}.weight"], want[name]))
+        deltas.append(rel_err(base_weights[f"{name}.weight"], want[name]))
     assert min(deltas) > 0.015, deltas  # ...and they are the student's, not the base's: measured >= 0.0315
     (tmp_path / "fused").mkdir()
     fused.render(FAST, tmp_path / "fused" / "b.mp4", tmp_path / "fused" / "b.json")

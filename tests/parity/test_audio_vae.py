@@ -8,15 +8,13 @@ import pytest
 import torch
 
 from h3render.models.audio_vae import AUDIO_VAE_TINY, AudioVAE, AudioVAEConfig
+from h3render.spec import AUDIO_HOP
+from tests._numerics import assert_close
 
 diffusers = pytest.importorskip("diffusers")
 from diffusers import AutoencoderKLMiniMaxH3Audio  # noqa: E402
 
 TOL = 1e-5
-
-
-def rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((ours.double() - ref.double()).norm() / ref.double().norm()).item()
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +47,7 @@ def test_config_fields_equal_diffusers_init():
     assert set(fields) == set(params) - {"self"}
     for name, default in fields.items():
         assert default == params[name].default, name
-    assert AudioVAEConfig().hop_length == 800  # 32 kHz / 800 = 40 latents/s
+    assert AudioVAEConfig().hop_length == 800 == AUDIO_HOP  # 32 kHz / 800 = 40 latents/s
 
 
 def test_from_dict_roundtrip_and_errors():
@@ -73,9 +71,7 @@ def test_decode_matches_diffusers(models):
     wave = ours.decode(latent)
     assert wave.shape == expected.shape == (2, 20 * 800) and wave.dtype == torch.float32
     assert (expected.abs() == 1).float().mean() < 0.2  # not saturated
-    err = rel_err(wave, expected)
-    print(f"audio decode rel err vs diffusers: {err:.2e}")
-    assert err <= TOL
+    assert_close(wave, expected, TOL, "audio decode vs diffusers")
     assert torch.equal(ours.decode(latent, num_samples=15_000), wave[:, :15_000])
 
 
@@ -87,9 +83,7 @@ def test_encode_matches_diffusers(models):
     expected = (mode - torch.tensor(cfg.latents_mean).view(1, -1, 1)) / torch.tensor(cfg.latents_std).view(1, -1, 1)
     latent = ours.encode(wave)
     assert latent.shape == expected.shape == (2, 32, 21)
-    err = rel_err(latent, expected)
-    print(f"audio encode rel err vs diffusers: {err:.2e}")
-    assert err <= TOL
+    assert_close(latent, expected, TOL, "audio encode vs diffusers")
 
 
 def test_bad_shapes_rejected(models):

@@ -12,7 +12,8 @@ import torch
 from h3render.models.dit import DIT_SMALL, DIT_TINY, DiT, DiTConfig, timestep_sinusoid
 from h3render.packing import step_timesteps, t2va_layout
 from h3render.sampling import schedule_timesteps, sigma_schedule
-from tests._diffusers_ref import diffusers_transformer, random_dit, rel_err
+from tests._diffusers_ref import diffusers_transformer, random_dit
+from tests._numerics import assert_close, rel_err
 
 TOL = 1e-5
 
@@ -106,9 +107,7 @@ def test_token_refiner(models, request_inputs):
     with torch.no_grad():
         ours = dit.token_refiner(dit.condition_proj(text))
         theirs = ref.token_refiner(ref.context_embedder(text)[None])[0]
-    e = rel_err(ours, theirs)
-    print(f"token refiner rel err {e:.2e}")
-    assert e <= TOL
+    assert_close(ours, theirs, TOL, "token refiner")
 
 
 @pytest.mark.parametrize("video_t,audio_t", [(0.0, 0.0), (0.31, 0.62)])

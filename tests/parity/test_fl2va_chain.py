@@ -24,13 +24,16 @@ from h3render.packing import (
     unpatchify_video,
 )
 from h3render.sampling import denoise, dit_model_fn, draw_noise, schedule_timesteps, sigma_schedule, timesteps_of
-from tests._diffusers_ref import diffusers_transformer, random_dit, rel_err
+from h3render.spec import SPATIAL_COMPRESSION
+from tests._diffusers_ref import diffusers_transformer, random_dit
+from tests._numerics import assert_close, rel_err
 
 pytest.importorskip("diffusers")
 
 TOL = 1e-5
 FRAMES = 124  # diffusers accepts 5-15 s
 WIDTH, HEIGHT = 160, 96  # 2 encoder tiles wide at 128 px / 32 px overlap
+LATENT_W, LATENT_H = WIDTH // SPATIAL_COMPRESSION, HEIGHT // SPATIAL_COMPRESSION
 TILING = TilingConfig(tile_height=128, tile_width=128, overlap_height=32, overlap_width=32)
 TAGS = torch.tensor([1] * 4 + [0] * 7 + [1] * 5)  # "<Picture 1>: " + vision block + prompt
 
@@ -81,10 +84,8 @@ def test_condition_latents_match_diffusers(vaes):
         ref = _diffusers_condition_latents(ref_vae, keyframes)
         ours = [vae.encode_condition(keyframe_pixels(k)) for k in keyframes]
     for mine, theirs in zip(ours, ref):
-        assert theirs.shape == (1, 24, 1, HEIGHT // 16, WIDTH // 16) and mine.shape == theirs.shape[1:]
-        e = rel_err(mine, theirs[0])
-        print(f"condition latent rel err {e:.2e}")
-        assert e <= TOL
+        assert theirs.shape == (1, 24, 1, LATENT_H, LATENT_W) and mine.shape == theirs.shape[1:]
+        assert_close(mine, theirs[0], TOL, "condition latent")
     # the posterior is sampled with its own seed-42 generator: the two keyframes differ, a re-encode does not
     assert rel_err(ours[0], ours[1]) > 0.1
     assert torch.equal(vae.encode_condition(keyframe_pixels(keyframes[0])), ours[0])
@@ -97,7 +98,7 @@ def test_layout_matches_diffusers(anchors):
     frames = 243  # 72 latent frames: the pairwise and sequential span sums differ in the last ulp from 16 on
     layout = fl2va_layout(TAGS, HEIGHT, WIDTH, frames, anchors)
     ref = MiniMaxH3PrepareLayoutStep.build_packed_sequence(
-        text_token_tags=TAGS, num_latent_frames=72, latent_height=HEIGHT // 16, latent_width=WIDTH // 16,
+        text_token_tags=TAGS, num_latent_frames=72, latent_height=LATENT_H, latent_width=LATENT_W,
         num_audio_latents=405, patch_size=(1, 2, 2), audio_channels=2, audio_tag=2, video_tag=0,
         keyframe_anchors=anchors)
     positions, tags, video_index, audio_index, text_index, n_cond, _ = ref
@@ -215,7 +216,7 @@ def test_denoise_matches_diffusers(vaes, dits, anchors, seed):
         audio = rows_to_audio(audio_rows, target)
 
     assert torch.equal(cond, fixed)  # never written
-    assert video.shape == ref_video.shape == (1, 24, 37, HEIGHT // 16, WIDTH // 16)
+    assert video.shape == ref_video.shape == (1, 24, 37, LATENT_H, LATENT_W)
     assert audio.shape == ref_audio.shape == (2, 32, 207)
     ev, ea = rel_err(video, ref_video), rel_err(audio, ref_audio)
     print(f"fl2va chain {anchors}: video rel err {ev:.2e}, audio {ea:.2e}")

@@ -24,7 +24,7 @@ from h3render.models.text_encoder import (
     tiny_vl_tokenizer,
 )
 from h3render.checkpoint.releases import QWEN3VL_TINY
-from tests._diffusers_ref import rel_err
+from tests._numerics import rel_err
 
 pytest.importorskip("diffusers")
 

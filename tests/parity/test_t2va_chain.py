@@ -8,7 +8,9 @@ import torch
 from h3render.models.dit import DIT_TINY
 from h3render.packing import patchify_video, rows_to_audio, t2va_layout, unpatchify_video
 from h3render.sampling import denoise, dit_model_fn, draw_noise, schedule_timesteps, sigma_schedule
-from tests._diffusers_ref import diffusers_transformer, random_dit, rel_err
+from h3render.spec import SPATIAL_COMPRESSION
+from tests._diffusers_ref import diffusers_transformer, random_dit
+from tests._numerics import rel_err
 
 TOL = 1e-5
 
@@ -58,7 +60,7 @@ def test_t2va_chain_matches_diffusers(height, width, seed):
         video = unpatchify_video(video_rows, layout)[None]
         audio = rows_to_audio(audio_rows, layout)
 
-    assert video.shape == ref_video.shape == (1, 24, 37, height // 16, width // 16)
+    assert video.shape == ref_video.shape == (1, 24, 37, height // SPATIAL_COMPRESSION, width // SPATIAL_COMPRESSION)
     assert audio.shape == ref_audio.shape == (2, 32, 207)
     ev, ea = rel_err(video, ref_video), rel_err(audio, ref_audio)
     print(f"t2va chain {width}x{height}x{frames}, {steps} points: video rel err {ev:.2e}, audio rel err {ea:.2e}")

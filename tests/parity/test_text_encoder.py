@@ -8,14 +8,10 @@ from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
 from h3render.checkpoint import QWEN3VL_TINY
 from h3render.make_checkpoint import tiny_tokenizer
 from h3render.models.text_encoder import TEXT_TAG, TextEncoder
+from tests._numerics import rel_err
 
 TOL = 1e-5
 DEPTH = 5  # more layers than any read depth below
-
-
-def rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
-    ours, ref = ours.double(), ref.double()
-    return float((ours - ref).norm() / ref.norm())
 
 
 def _config(num_layers: int) -> Qwen3VLConfig:

@@ -10,6 +10,8 @@ import torch
 
 from h3render.models.vae_tiling import TilingConfig, split_axis
 from h3render.models.video_vae import PIXEL_MEAN, PIXEL_STD, VIDEO_VAE_TINY, VideoVAE, VideoVAEConfig
+from h3render.spec import SPATIAL_COMPRESSION
+from tests._numerics import assert_close, rel_err
 
 diffusers = pytest.importorskip("diffusers")
 from diffusers import AutoencoderKLMiniMaxH3  # noqa: E402
@@ -18,10 +20,6 @@ from diffusers.modular_pipelines.minimax_h3.encoders import encode_vae_condition
 # 96 px tiles / 32 px overlap on a 128 x 160 canvas: 2 x 2 tiles with different row (64) and column (32) overlaps.
 TILING = TilingConfig(tile_height=96, tile_width=96, overlap_height=32, overlap_width=32)
 TOL = 1e-5
-
-
-def rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((ours.double() - ref.double()).norm() / ref.double().norm()).item()
 
 
 @pytest.fixture(scope="module")
@@ -76,6 +74,8 @@ def test_config_fields_equal_diffusers_init():
     assert set(fields) == set(params) - {"self"}
     for name, default in fields.items():
         assert default == params[name].default, name
+    # the packing and the engine size latents by spec's ratio: the released architecture must give the same
+    assert VideoVAEConfig().spatial_ratio == SPATIAL_COMPRESSION == 16
 
 
 def test_from_dict_roundtrip_and_unknown_key():
@@ -95,9 +95,7 @@ def test_decode_matches_diffusers_two_windows_2x2_tiles(models, decoded):
     assert video.shape == ref.shape == (3, 39, 128, 160)
     clamped = ((ref == 0) | (ref == 1)).float().mean().item()
     assert clamped < 0.2, f"test weights saturate the output ({clamped:.0%} clamped)"
-    err = rel_err(video, ref)
-    print(f"video decode rel err vs diffusers: {err:.2e}")
-    assert err <= TOL
+    assert_close(video, ref, TOL, "video decode vs diffusers")
 
 
 def test_decode_stream_concatenates_to_decode(models, decoded):
@@ -107,9 +105,7 @@ def test_decode_stream_concatenates_to_decode(models, decoded):
     firsts = [first for first, _ in chunks]
     sizes = [frames.shape[1] for _, frames in chunks]
     assert firsts == [0, 17, 34] and sizes == [17, 17, 5]
-    err = rel_err(torch.cat([frames for _, frames in chunks], dim=1), video)
-    print(f"stream vs decode rel err: {err:.2e}")
-    assert err <= 1e-6
+    assert_close(torch.cat([frames for _, frames in chunks], dim=1), video, 1e-6, "stream vs decode")
 
 
 def test_blend_of_shuffled_items_equals_decode(models, decoded):
@@ -121,9 +117,7 @@ def test_blend_of_shuffled_items_equals_decode(models, decoded):
     outputs = ours.decode_items(latent, items, batch_size=3)
     assert outputs[0].shape == (3, 22, 96, 96)
     blended = ours.blend(plan, {item.index: out for item, out in zip(items, outputs)})
-    err = rel_err(blended, video)
-    print(f"blend(shuffled items) vs decode rel err: {err:.2e}")
-    assert err <= 1e-6
+    assert_close(blended, video, 1e-6, "blend(shuffled items) vs decode")
 
 
 def test_decode_unaligned_latent_count_single_tile(models):
@@ -133,9 +127,7 @@ def test_decode_unaligned_latent_count_single_tile(models):
     expected = ref_decode(ref, cfg, latent)
     video = ours.decode(latent, batch_size=4)
     assert video.shape == expected.shape
-    err = rel_err(video, expected)
-    print(f"T=10 decode: {video.shape[1]} frames, rel err {err:.2e}")
-    assert err <= TOL
+    assert_close(video, expected, TOL, f"T=10 decode: {video.shape[1]} frames")
 
 
 def test_too_few_latent_frames_rejected(models):
@@ -188,9 +180,7 @@ def test_keyframe_condition_matches_diffusers(models):
     expected = encode_vae_condition(ref, pixels, PIXEL_MEAN, PIXEL_STD, 42)[0]
     latent = ours.encode_condition(pixels[0].float() / 255.0, seed=42)
     assert latent.shape == expected.shape == (24, 1, 8, 10)
-    err = rel_err(latent, expected)
-    print(f"keyframe condition rel err: {err:.2e}")
-    assert err <= TOL
+    assert_close(latent, expected, TOL, "keyframe condition")
 
 
 def test_bf16_precision_split(models, decoded):
@@ -216,9 +206,7 @@ def test_fused_qkv_decode_matches_diffusers(models, decoded):
     fused = copy.deepcopy(ours).fuse_qkv_()
     block = fused.decoder.transformer_blocks[0].attn
     assert not hasattr(block, "to_q") and block.to_qkv.weight.shape[0] == 3 * block.to_out[0].in_features
-    err = rel_err(fused.decode(latent, batch_size=3), expected)
-    print(f"fused-qkv decode rel err vs diffusers: {err:.2e}")
-    assert err <= TOL
+    assert_close(fused.decode(latent, batch_size=3), expected, TOL, "fused-qkv decode vs diffusers")
     # the bf16 precision split still reaches the fused projection
     fused.apply_precision_(torch.bfloat16)
     assert block.to_qkv.weight.dtype == torch.bfloat16 and block.to_out[0].weight.dtype == torch.bfloat16

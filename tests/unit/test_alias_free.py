@@ -12,16 +12,13 @@ import torch
 
 from h3render.models.audio_vae import AUDIO_VAE_TINY, AudioVAE, kaiser_sinc_filter
 from h3render.kernels.alias_free import alias_free_activation, lowpass_downsample, upsample_snake
+from tests._numerics import rel_err
 
 # CPU tensors reach the Triton code only through the interpreter (conftest.py turns it on unless TRITON_INTERPRET=0,
 # which a GPU run sets so that the CUDA cases compile the real kernels).
 DEVICES = [pytest.param("cpu", marks=pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                                                         reason="needs TRITON_INTERPRET=1")),
            pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA"))]
-
-
-def rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((ours.double() - ref.double()).norm() / ref.double().norm()).item()
 
 
 def inputs(b, c, length, device, seed=0):

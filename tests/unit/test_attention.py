@@ -1,11 +1,14 @@
 """Attention backend chooser and dispatch, on CPU: auto picks SDPA, SDPA equals explicit softmax attention, and
 the FlashAttention-3 path hands [B, S, H, D] through unchanged (checked with a stand-in FA3 function)."""
 
+import dataclasses
+
 import pytest
 import torch
 
 import h3render.models.attention as attn_mod
 from h3render.models.attention import attention, current_backend, naive_attention, select_backend
+from tests._numerics import assert_close
 
 
 @pytest.fixture(autouse=True)
@@ -15,10 +18,6 @@ def fresh_selection(monkeypatch):
     monkeypatch.setattr(attn_mod, "_selected", None)
     monkeypatch.setattr(attn_mod, "_fa3_func", None)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-
-
-def rel_err(ours, ref):
-    return ((ours.double() - ref.double()).norm() / ref.double().norm()).item()
 
 
 def test_auto_selects_sdpa_without_gpu(monkeypatch):
@@ -37,9 +36,7 @@ def test_sdpa_matches_naive_softmax_attention(shape):
     assert current_backend() == "sdpa"
     assert out.shape == shape
     ref = naive_attention(q, k, v)
-    err = rel_err(out, ref)
-    print(f"attention (sdpa) vs naive softmax {shape}: rel err {err:.2e}")
-    assert err <= 1e-5
+    assert_close(out, ref, 1e-5, f"attention (sdpa) vs naive softmax {shape}")
     # Non-causal: the first query sees the last key.
     v2 = v.clone()
     v2[:, -1] += 100.0
@@ -92,7 +89,8 @@ def test_host_tensors_use_sdpa_whatever_gpu_backend_was_selected(monkeypatch):
     # A CPU render on a GPU host (`--device cpu`, gloo ranks): the process-wide choice was measured on the GPU
     # ("cudnn" here), and cuDNN on host tensors fails with "No viable backend" (seen on the H200 machine).
     monkeypatch.setattr(attn_mod, "_selected", "cudnn")
-    monkeypatch.setitem(attn_mod._RUNNERS, "cudnn", lambda *a: pytest.fail("GPU backend given host tensors"))
+    monkeypatch.setitem(attn_mod.REGISTRY, "cudnn", dataclasses.replace(
+        attn_mod.REGISTRY["cudnn"], run=lambda *a: pytest.fail("GPU backend given host tensors")))
     g = torch.Generator().manual_seed(1)
     q, k, v = (torch.randn(1, 29, 2, 16, generator=g) for _ in range(3))
     torch.testing.assert_close(attention(q, k, v), naive_attention(q, k, v), atol=1e-5, rtol=1e-5)

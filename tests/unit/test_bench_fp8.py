@@ -18,7 +18,8 @@ import torch
 
 from h3render.models.dit import DIT_TINY
 from h3render.models.fp8 import Fp8Linear, quantize_dit_fp8_
-from tests._diffusers_ref import random_dit, rel_err
+from tests._diffusers_ref import random_dit
+from tests._numerics import rel_err
 
 SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
 CANVAS = "160x128x22"  # 4 video tiles of 4x4x4 with 6 text + 74 audio rows: VSA has tiles to drop at 0.75

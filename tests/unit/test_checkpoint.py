@@ -18,17 +18,13 @@ from h3render.checkpoint import (RELEASES, CheckpointError, dit_state_dict_to_di
                                  read_checkpoint_info)
 from h3render.make_checkpoint import build_tiny, make_checkpoint
 from h3render.packing import step_timesteps, t2va_layout
+from tests._numerics import rel_err
 
 TOL = 1e-5
 PARTS = ("dit", "video_vae", "audio_vae", "text_encoder")
 SHARD1 = "diffusion_pytorch_model-00001-of-00002.safetensors"
 SHARD2 = "diffusion_pytorch_model-00002-of-00002.safetensors"
 INDEX = "diffusion_pytorch_model.safetensors.index.json"
-
-
-def rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
-    ours, ref = ours.double(), ref.double()
-    return float((ours - ref).norm() / ref.norm())
 
 
 @pytest.fixture(scope="module")

@@ -14,6 +14,7 @@ from h3render.checkpoint import (RELEASES, AdapterError, AdapterFusion, Checkpoi
 from h3render.checkpoint.load import assemble_components
 from h3render.make_checkpoint import write_synthetic_adapter
 from h3render.models.dit import DIT_TINY, DiT
+from tests._numerics import rel_err
 
 CFG = DIT_TINY
 H, D = CFG.num_attention_heads, CFG.attention_head_dim
@@ -100,10 +101,6 @@ def base_state():
 @pytest.fixture
 def adapter_path(tmp_path):
     return write_synthetic_adapter(tmp_path / "adapter_model.safetensors", CFG, seed=3, rank=4)
-
-
-def rel_err(a, b):
-    return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
 def rewrite(path, tensors_fn=None, meta_fn=None, recount=True):

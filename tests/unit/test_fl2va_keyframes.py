@@ -9,6 +9,7 @@ import torch
 from PIL import Image
 
 from h3render.keyframes import cover_crop_box, keyframe_pixels, load_keyframe, prepare_keyframes
+from h3render.spec import SPATIAL_COMPRESSION
 
 pytest.importorskip("diffusers")
 
@@ -77,7 +78,8 @@ def test_both_follower_cover_crop_where_the_library_crop_is_one_pixel_off(tmp_pa
     assert ours.info[1]["resize"] == "cover-crop"
     # s = 1344/999: 1001 * s = 1346.69 rounds to 1347 rows; the library floors to 1346 and so crops 1 px elsewhere.
     assert ours.info[1]["resized_to"] == [1344, 1347] and ours.info[1]["crop_box"] == [0, 289, 1344, 1057]
-    library = VaeImageProcessor(vae_scale_factor=16).resize(last.image, height=768, width=1344, resize_mode="crop")
+    library = VaeImageProcessor(vae_scale_factor=SPATIAL_COMPRESSION).resize(last.image, height=768, width=1344,
+                                                                            resize_mode="crop")
     assert not np.array_equal(np.asarray(library), np.asarray(ours.images[1]))
 
 

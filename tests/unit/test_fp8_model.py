@@ -21,7 +21,8 @@ from h3render.models import fp8
 from h3render.models.dit import DIT_TINY
 from h3render.models.fp8 import (Fp8Linear, Fp8WeightLinear, precision_report, quantize_dit_fp8_,
                                  quantize_text_encoder_fp8_, quantize_weight)
-from tests._diffusers_ref import random_dit, rel_err
+from tests._diffusers_ref import random_dit
+from tests._numerics import rel_err
 from tests._spawn import cpu_rank, put_result, run_ranks
 from tests.unit.test_vsa_dit import _forward, _vsa_dit
 from tests._markers import compiled_cuda

@@ -20,6 +20,7 @@ from h3render.kernels.swiglu import swiglu_naive
 from h3render.kernels.swiglu.triton_impl import swiglu_triton
 from h3render.kernels.utils import calculate_settings
 from tests._markers import compiled_cuda, interpreted
+from tests._numerics import rel_err
 
 # fp32: both sides do the same fp32 math in a different order. bf16: both round an fp32 result once, so they can
 # differ by one bf16 ulp (2**-8 relative) where the fp32 values straddle a rounding boundary.
@@ -27,10 +28,6 @@ TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=1e-2
 DTYPES = [torch.float32, torch.bfloat16]
 # `interpreted` cases: CPU tensors through the interpreter; a GPU run with TRITON_INTERPRET=0 skips them and runs
 # the compiled kernels on CUDA tensors instead (test_kernels_on_cuda_match_naive).
-
-
-def rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((ours.double() - ref.double()).norm() / ref.double().norm()).item()
 
 
 def poisoned(shape, dtype) -> torch.Tensor:

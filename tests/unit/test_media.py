@@ -20,11 +20,11 @@ from h3render.media import (
     prepare_audio,
     temp_path_for,
 )
+from h3render.spec import FPS, SAMPLE_RATE as SR
 from tests._mp4 import decode as decode_mp4
 from tests._mp4 import write_mp4
 
 F, H, W = 39, 96, 128
-SR, FPS = 32_000, 24
 
 
 def smooth_video(frames: int = F, seed: int = 0) -> torch.Tensor:

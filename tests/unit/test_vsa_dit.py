@@ -10,7 +10,8 @@ from h3render.models.attention import SparseAttention
 from h3render.models.dit import DIT_TINY, DiT
 from h3render.packing import t2va_layout
 from h3render.sampling import schedule_timesteps, sigma_schedule
-from tests._diffusers_ref import random_dit, rel_err
+from tests._diffusers_ref import random_dit
+from tests._numerics import rel_err
 from tests._spawn import cpu_rank, put_result, run_ranks
 
 WORLD = 2
