@@ -442,7 +442,8 @@ class Engine:
         if self.settings.attention in (None, "auto"):
             # The decoder's attention (short sequences, head dim 64) gets its own measured backend.
             job = jobs[0]
-            plan = vae.plan_decode(vae.config.geometry.window_latents, job.height // 16, job.width // 16)
+            plan = vae.plan_decode(vae.config.geometry.window_latents, job.height // vae.config.spatial_ratio,
+                                   job.width // vae.config.spatial_ratio)
             name, probe = fastest_for(vae.attention_shape(plan, self.settings.vae_batch))
             vae.set_attention(_heads_first(attention_runner(name)))
             self.warmup["vae_attention_backend"] = name
@@ -452,7 +453,8 @@ class Engine:
             vae.compile_blocks_(dynamic=False)
         for width, height in sorted({(j.width, j.height) for j in jobs}):
             # one decoder batch of one window of the canvas: every item of a plan shares one tile shape
-            plan = vae.plan_decode(vae.config.geometry.window_latents, height // 16, width // 16)
+            ratio = vae.config.spatial_ratio  # pixels per latent (16 at release)
+            plan = vae.plan_decode(vae.config.geometry.window_latents, height // ratio, width // ratio)
             z = torch.zeros(vae.config.latent_channels, plan.latent_frames, plan.latent_height, plan.latent_width,
                             device=self.device)
             vae.decode_items(z, plan.items[: self.settings.vae_batch], self.settings.vae_batch)
