@@ -55,6 +55,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from h3render import locks
+from h3render.sidecar import SidecarUnreadable, read_sidecar, rendered_with
 from h3render.report import (ELSEWHERE, EXIT_FAILED, EXIT_OK, FAILED, INTERRUPTED, PENDING, SKIPPED, STATUSES,  # noqa: F401
                              SUCCEEDED, BatchReport, JobOutcome, QueueLog, _name, claim_report, remove_files,
                              report_name)
@@ -205,12 +206,10 @@ class _Queue:
         """A skipped job rendered with another checkpoint or encoder setting than this run's says so."""
         if self.settings is None:
             return
-        from h3render.sidecar import rendered_with
-
         try:
-            note = rendered_with(json.loads(self.targets[i][1].read_text(encoding="utf-8")),
-                                 self.settings["checkpoint"], self.settings["encoder"])
-        except (OSError, ValueError):
+            note = rendered_with(read_sidecar(self.targets[i][1]), self.settings["checkpoint"],
+                                 self.settings["encoder"])
+        except SidecarUnreadable:
             return
         if note:
             self.log.line(f"job {i + 1}/{len(self.jobs)} {_name(self.report.jobs[i])} skipped: {note}")
