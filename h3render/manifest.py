@@ -2,7 +2,7 @@
 
 Schema and error forms: docs/manifest.md. Each problem is one line `file:line: field: problem` (in YAML the field's
 own line); the whole file is checked against the checkpoint's `Limits` before anything loads. `Job`, the canvas and
-time rules and output names are in `h3render.jobs`.
+output names are in `h3render.jobs`, the canvas and time rules in `h3render.spec`.
 """
 
 from __future__ import annotations
@@ -17,12 +17,11 @@ from typing import Any, Iterable, Mapping, NamedTuple
 import yaml
 
 from h3render.job_keyframes import KEYFRAME_FIELDS
-from h3render.jobs import (DEFAULT_MODE, DEFAULT_SEED, Job, Limits, Preset, Requested, Source, _one_line,
-                           canvas_for_aspect, check_canvas, load_presets, output_key, output_name, output_path_problem,
-                           parse_aspect, prompt_slug, snap_frames)
-from h3render.manifest_fields import (MAX_INT_DIGITS as _MAX_INT_DIGITS, STRING_FIELDS as _STRING_FIELDS,
-                                      TooLong as _TooLong, engine_choices, field_problem as _field_problem,
-                                      keyframe_canvas, resolve_keyframes, strip_mp4 as _strip_mp4)
+from h3render.jobs import (DEFAULT_MODE, DEFAULT_SEED, Job, Preset, Requested, Source, load_presets, one_line,
+                           output_key, output_name, output_path_problem, prompt_slug)
+from h3render.manifest_fields import (MAX_INT_DIGITS, STRING_FIELDS, TooLong, engine_choices, field_problem,
+                                      keyframe_canvas, resolve_keyframes, strip_mp4)
+from h3render.spec import Limits, canvas_for_aspect, check_canvas, parse_aspect, snap_frames
 
 JOB_FIELDS = ("id", "prompt", "preset", "aspect", "width", "height", "duration", "frames", "seed", "steps", "mode",
               "output", *KEYFRAME_FIELDS)
@@ -141,7 +140,7 @@ def read_manifest(path: str | Path, limits: Limits, defaults_overrides: Mapping[
     except FileNotFoundError:
         raise ManifestError([f"{path}: manifest not found"]) from None
     except (OSError, UnicodeDecodeError) as exc:
-        raise ManifestError([f"{path}: cannot read manifest: {_one_line(exc)}"]) from None
+        raise ManifestError([f"{path}: cannot read manifest: {one_line(exc)}"]) from None
     reader = _read_jsonl if suffix in (".jsonl", ".ndjson") else _read_yaml
     defaults, job_layers = reader(text, str(path), errors)
     overrides = _Layer(_COMMAND_LINE, 0, {k: _Value(v, 0) for k, v in (defaults_overrides or {}).items()
@@ -262,9 +261,9 @@ def _read_jsonl(text: str, file: str, errors: _Errors) -> tuple[_Layer, list[_La
     return defaults, jobs
 
 
-def _parse_int(text: str) -> int | _TooLong:
+def _parse_int(text: str) -> int | TooLong:
     digits = len(text.lstrip("-"))
-    return _TooLong(digits) if digits > _MAX_INT_DIGITS else int(text)
+    return TooLong(digits) if digits > MAX_INT_DIGITS else int(text)
 
 
 def _too_deep(text: str) -> int:
@@ -293,7 +292,7 @@ def _read_yaml(text: str, file: str, errors: _Errors) -> tuple[_Layer, list[_Lay
         errors.add(_Where(file, line), f"not valid YAML: {exc.problem or exc.context}")
         return defaults, []
     except yaml.YAMLError as exc:
-        errors.add(_Where(file), f"not valid YAML: {_one_line(exc)}")
+        errors.add(_Where(file), f"not valid YAML: {one_line(exc)}")
         return defaults, []
     loader = yaml.SafeLoader("")
     if root is None:
@@ -341,7 +340,7 @@ def _yaml_pairs(node: yaml.MappingNode, loader: yaml.SafeLoader, file: str, erro
     try:
         loader.flatten_mapping(node)
     except yaml.YAMLError as exc:
-        errors.add(_Where(file, _line(node)), f"bad YAML merge: {_one_line(exc)}")
+        errors.add(_Where(file, _line(node)), f"bad YAML merge: {one_line(exc)}")
     return [(k, v) for k, v in node.value if isinstance(k, yaml.ScalarNode)]
 
 
@@ -355,16 +354,16 @@ def _yaml_layer(node: yaml.MappingNode, loader: yaml.SafeLoader, file: str, erro
 def _yaml_value(name: str, node: yaml.Node, loader: yaml.SafeLoader, file: str, errors: _Errors) -> Any:
     # Text fields take the scalar's own text: YAML 1.1 would read `aspect: 16:9` as the base-60 integer 969 and
     # `id: 007` as 7.
-    if name in _STRING_FIELDS and isinstance(node, yaml.ScalarNode) and not _is_null(node):
+    if name in STRING_FIELDS and isinstance(node, yaml.ScalarNode) and not _is_null(node):
         return node.value
     if node.tag == "tag:yaml.org,2002:int" and isinstance(node, yaml.ScalarNode):
         digits = sum(c.isdigit() for c in node.value)  # YAML ints may hold "_" and a sign
-        if digits > _MAX_INT_DIGITS:
-            return _TooLong(digits)
+        if digits > MAX_INT_DIGITS:
+            return TooLong(digits)
     try:
         return loader.construct_document(node)
     except yaml.YAMLError as exc:
-        errors.add(_Where(file, _line(node), name), f"bad value: {_one_line(exc)}")
+        errors.add(_Where(file, _line(node), name), f"bad value: {one_line(exc)}")
         return None
 
 
@@ -397,7 +396,7 @@ def _check_layer(layer: _Layer, presets: Mapping[str, Preset], limits: Limits, e
             errors.add(where, "may only be set in the manifest's defaults" +
                        (f" (on the command line: {flag})" if layer.file == _COMMAND_LINE else ""))
             continue
-        problem = _field_problem(name, value, presets, limits)
+        problem = field_problem(name, value, presets, limits)
         if problem:
             errors.add(where, problem)
     if "preset" in layer.fields and any(f in layer.fields for f in ("aspect", "width", "height")):
@@ -409,7 +408,7 @@ def _check_layer(layer: _Layer, presets: Mapping[str, Preset], limits: Limits, e
         missing = "height" if "width" in layer.fields else "width"
         present = "width" if missing == "height" else "height"
         errors.add(layer.where(present), f"needs {missing} as well")
-    elif "width" in layer.fields and not any(_field_problem(f, layer.get(f), presets, limits)
+    elif "width" in layer.fields and not any(field_problem(f, layer.get(f), presets, limits)
                                              for f in ("width", "height")):
         try:
             check_canvas(layer.get("width"), layer.get("height"))
@@ -557,7 +556,7 @@ def _assign_outputs(resolved: list[tuple[_Layer, dict[str, Any]]], repeated_ids:
         if name_field is None:
             names.append(None)
             continue
-        name = output_name(_strip_mp4(layer.get(name_field)))
+        name = output_name(strip_mp4(layer.get(name_field)))
         problem = output_path_problem(name)
         if problem:  # an output's own problems were reported by _check_layer; an id used as a name is checked here
             if name_field == "id":

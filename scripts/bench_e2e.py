@@ -61,10 +61,11 @@ def random_components(name: str, device: torch.device, dtype: torch.dtype, preci
     from h3render.checkpoint.load import assemble_components
     from h3render.checkpoint.releases import RELEASES
     from h3render.checkpoint.stream import Entry, parameters_on_meta
-    from h3render.make_checkpoint.random_model import STORAGE_DTYPES
+    from h3render.checkpoint.builtin import STORAGE_DTYPES
     from h3render.models.audio_vae import AudioVAE
     from h3render.models.dit import DiT
-    from h3render.models.text_encoder import TextEncoder, tiny_vl_tokenizer
+    from h3render.checkpoint.builtin import tiny_vl_tokenizer
+    from h3render.models.text_encoder import TextEncoder
     from h3render.models.video_vae import VideoVAE
 
     release = RELEASES[name]

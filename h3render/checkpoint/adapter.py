@@ -56,7 +56,7 @@ from h3render.checkpoint.errors import AdapterError
 from h3render.checkpoint.names import (GATE_VALUE, QKV, STACKS, VSA_GATE_NATIVE, Target, dit_shapes,
                                        native_module, qkv_slot, swap_halves)
 from h3render.checkpoint.stream import Entry
-from h3render.models.dit import DiTConfig
+from h3render.models.dit_config import DiTConfig
 
 # Format tag FastVideo's writer stamps into the header (generic container, not FastH3-specific).
 ADAPTER_FORMAT = "fastvideo-lora-v2"

@@ -285,7 +285,7 @@ def test_single_file_transformer_replaces_the_checkpoint_dit(official_ckpt, tmp_
 def test_make_checkpoint_single_file_must_end_in_safetensors(tmp_path):
     """`--layout single-file` wrote `sf`, which `--transformer sf` could not load (a single file is told from a
     checkpoint folder by its suffix): refused before anything is written."""
-    from h3render.make_checkpoint import make_checkpoint
+    from h3render.make_checkpoint.writer import make_checkpoint
 
     out = tmp_path / "sf"
     line = one_error_line(invoke("make-checkpoint", str(out), "--config", "tiny", "--layout", "single-file"))
@@ -307,7 +307,7 @@ def test_an_unusable_transformer_file_is_a_usage_error_before_the_plan(kind, off
     import torch
     from safetensors.torch import save_file
 
-    from h3render.checkpoint import RELEASES
+    from h3render.checkpoint.releases import RELEASES
 
     path = tmp_path / {"no suffix": "sf", "folder": "dit", "missing": "nope.safetensors"}.get(kind, "dit.safetensors")
     if kind == "no suffix":

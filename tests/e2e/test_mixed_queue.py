@@ -8,10 +8,10 @@ from dataclasses import replace
 import pytest
 import torch
 
-from h3render.checkpoint import RELEASES
+from h3render.checkpoint.releases import RELEASES
 from h3render.engine import Engine, EngineSettings, RenderError
 from h3render.jobs import Job
-from h3render.make_checkpoint import write_synthetic_adapter
+from h3render.make_checkpoint.synthetic_adapter import write_synthetic_adapter
 from h3render.parallel.groups import ParallelContext
 
 CTX = ParallelContext(0, 1, 0, torch.device("cpu"))

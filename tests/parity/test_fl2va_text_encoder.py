@@ -11,18 +11,9 @@ import torch
 from PIL import Image
 from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration, Qwen3VLProcessor
 
-from h3render.models.text_encoder import (
-    IMAGE_PAD,
-    TEXT_TAG,
-    VIDEO_PAD,
-    VIDEO_TAG,
-    VISION_END,
-    VISION_START,
-    TextEncoder,
-    image_processor_from_dict,
-    mrope_position_ids,
-    tiny_vl_tokenizer,
-)
+from h3render.checkpoint.builtin import tiny_vl_tokenizer
+from h3render.models.text_encoder import (IMAGE_PAD, TEXT_TAG, VIDEO_PAD, VIDEO_TAG, VISION_END, VISION_START,
+                                          TextEncoder, image_processor_from_dict, mrope_position_ids)
 from h3render.checkpoint.releases import QWEN3VL_TINY
 from tests._diffusers_ref import rel_err
 
@@ -173,7 +164,7 @@ def test_errors(setup):
     no_vision = TextEncoder(full.config.text_config, READ, tokenizer=ours.tokenizer)
     with pytest.raises(ValueError, match="no vision tower"):
         no_vision.encode_with_images(PROMPT, _images((64, 64)))
-    from h3render.make_checkpoint import tiny_tokenizer
+    from h3render.checkpoint.builtin import tiny_tokenizer
 
     plain = TextEncoder(full.config.text_config, READ, tokenizer=tiny_tokenizer())
     with pytest.raises(ValueError, match=r"no <\|vision_start\|> token"):

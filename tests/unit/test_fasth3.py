@@ -9,11 +9,16 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from h3render.checkpoint import adapter as fasth3
-from h3render.checkpoint import (RELEASES, AdapterError, AdapterFusion, CheckpointError, CheckpointInfo, Entry,
-                                 fasth3_schedule, read_adapter)
+from h3render.checkpoint.adapter import AdapterFusion, read_adapter
+from h3render.checkpoint.contract import fasth3_schedule
+from h3render.checkpoint.errors import AdapterError, CheckpointError
+from h3render.checkpoint.layouts import CheckpointInfo
+from h3render.checkpoint.releases import RELEASES
+from h3render.checkpoint.stream import Entry
 from h3render.checkpoint.load import assemble_components
-from h3render.make_checkpoint import write_synthetic_adapter
-from h3render.models.dit import DIT_TINY, DiT
+from h3render.make_checkpoint.synthetic_adapter import write_synthetic_adapter
+from h3render.models.dit import DiT
+from h3render.models.dit_config import DIT_TINY
 
 CFG = DIT_TINY
 H, D = CFG.num_attention_heads, CFG.attention_head_dim
