@@ -61,14 +61,13 @@ from pathlib import Path
 
 import torch
 
-import bench_common  # scripts/ is sys.path[0] when run as a script
+import _bootstrap  # noqa: F401  (h3render from this checkout when it is not installed; scripts/ is sys.path[0])
+import bench_common
 from bench_common import RESULTS, rec
 from bench_dit import stage_attn, stage_ceil, stage_dit, stage_kernels, stage_prof, stage_ulysses, stage_vsa
 from bench_engine import stage_batch, stage_compare
 from bench_media import stage_media
 from bench_vae import stage_audio, stage_te, stage_vae
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 # The stages held in scripts/bench_e2e.py, bench_fp8.py and bench_fl2va.py take the shared helpers' module
