@@ -14,6 +14,7 @@ from typing import NoReturn
 import click
 
 from h3render import jobs as jobs_mod, manifest as manifest_mod, shards
+from h3render.manifest_formats import ManifestError
 
 EXIT_USAGE = 2
 TINY_NOTICE = ("h3render: no checkpoint given (--checkpoint / H3RENDER_CHECKPOINT): using the built-in tiny model "
@@ -257,7 +258,7 @@ def _exit(code: int) -> NoReturn:
 
 
 def _main_guard(fn, *args) -> int:
-    from h3render.batch import BatchUsageError
+    from h3render.outputs import BatchUsageError
     from h3render.signals import exit_code_for, signal_name, signum_of
 
     try:
@@ -268,7 +269,7 @@ def _main_guard(fn, *args) -> int:
     except (UsageError, BatchUsageError) as exc:
         _say(f"h3render: error: {exc}")
         return EXIT_USAGE
-    except manifest_mod.ManifestError as exc:
+    except ManifestError as exc:
         for line in getattr(exc, "errors", [str(exc)]):
             _say(f"h3render: error: {line}")
         return EXIT_USAGE
@@ -389,7 +390,7 @@ def _batch(manifest, out_dir, shard, skip_existing, fail_fast, dry_run, quiet, o
             "checkpoint": checkpoint, "precision": opts["precision"], "adapter": opts["adapter"]})))
         return 0
     _check_writable(Path(out_dir))
-    from h3render.batch import prepare_out_dir
+    from h3render.outputs import prepare_out_dir
 
     prepare_out_dir(out_dir)  # a file or a broken/looping symlink in the way: exit 2 before any rank starts
     return _run(checkpoint, info, jobs, opts, out_dir=out_dir, shard=shard_spec, overwrite=not skip_existing,
@@ -506,7 +507,8 @@ def _render_single(factory, job, mp4: Path, sidecar: Path) -> int:
     success; on failure or Ctrl-C nothing is left under either name."""
     import time
 
-    from h3render.batch import remove_files, temp_paths
+    from h3render.outputs import temp_paths
+    from h3render.report import remove_files
 
     mp4.parent.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()

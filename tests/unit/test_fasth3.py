@@ -10,7 +10,7 @@ from safetensors.torch import load_file, save_file
 
 from h3render.checkpoint import adapter as fasth3
 from h3render.checkpoint.adapter import AdapterFusion, read_adapter
-from h3render.checkpoint.contract import fasth3_schedule
+from h3render.checkpoint.contract import fasth3_schedule, is_fasth3_v2
 from h3render.checkpoint.errors import AdapterError, CheckpointError
 from h3render.checkpoint.layouts import CheckpointInfo
 from h3render.checkpoint.releases import RELEASES
@@ -312,7 +312,7 @@ V2_CONTRACT = {
 
 
 def test_v2_schedule_from_its_contract():
-    assert fasth3.is_fasth3_v2(V2_CONTRACT) and not fasth3.is_fasth3_v2({"dmd_denoising_steps": [999]})
+    assert is_fasth3_v2(V2_CONTRACT) and not is_fasth3_v2({"dmd_denoising_steps": [999]})
     s = fasth3_schedule(json.loads(json.dumps(V2_CONTRACT)), video_shift=12.0, audio_shift=3.0)
     assert s.source == "FastH3 V2 contract" and s.forwards == 8 and len(s.video) == 9
     assert s.video_shift == 10.0

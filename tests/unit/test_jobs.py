@@ -11,7 +11,8 @@ from h3render import manifest as M
 from h3render import shards as SH
 from h3render import spec as S
 from h3render.jobs import Job
-from h3render.manifest import MAX_NESTING, ManifestError, load_manifest
+from h3render.manifest import load_manifest
+from h3render.manifest_formats import MAX_NESTING, ManifestError
 from h3render.spec import Limits
 
 REPO = Path(__file__).resolve().parents[2]

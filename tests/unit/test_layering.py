@@ -7,8 +7,8 @@ functions count the same as top-level ones (a function-level import does not mak
 =====  ==============  =============================================================================================
 layer  name            modules (and why they sit there)
 =====  ==============  =============================================================================================
-  7    front end       cli, cli_*, settings, manifest, manifest_fields, jobs, shards, job_keyframes, outputs, batch,
-                       report, locks, signals: torch-free on import (manifest lines to `Job`s and run settings, the
+  7    front end       cli, cli_*, settings, manifest, manifest_formats, manifest_fields, jobs, shards, job_keyframes,
+                       outputs, batch, report, locks, signals: torch-free on import (manifest lines to `Job`s and run settings, the
                        batch loop, resume checks); they reach the job path only inside functions.
   6    job path        engine, render, tasks/, sidecar, conditioning, keyframes, media, staging, colour, graphs,
                        timing, progress, parallel/: what renders one job (torch, PyAV, process groups; progress is
@@ -44,7 +44,8 @@ REPO = Path(__file__).resolve().parents[2]
 SOURCES = {"h3render": REPO / "h3render", "h3render.kernels": REPO / "kernels"}
 
 LAYERS: dict[int, tuple[str, ...]] = {
-    7: ("h3render.cli", "h3render.cli_*", "h3render.settings", "h3render.manifest", "h3render.manifest_fields",
+    7: ("h3render.cli", "h3render.cli_*", "h3render.settings", "h3render.manifest", "h3render.manifest_formats",
+        "h3render.manifest_fields",
         "h3render.jobs", "h3render.shards", "h3render.job_keyframes", "h3render.outputs", "h3render.batch",
         "h3render.report", "h3render.locks", "h3render.signals"),
     6: ("h3render.engine", "h3render.render", "h3render.tasks", "h3render.tasks.*", "h3render.sidecar",
@@ -60,7 +61,8 @@ LAYERS: dict[int, tuple[str, ...]] = {
 LAYER_NAMES = {7: "front end", 6: "job path", 5: "writers", 4: "checkpoint", 3: "schedules", 2: "models",
                1: "kernels", 0: "foundation"}
 # The front end's modules that must import without torch (a manifest is checked before anything heavy loads).
-TORCH_FREE = ("h3render.spec", "h3render.jobs", "h3render.manifest", "h3render.manifest_fields", "h3render.shards",
+TORCH_FREE = ("h3render.spec", "h3render.jobs", "h3render.manifest", "h3render.manifest_formats",
+              "h3render.manifest_fields", "h3render.shards",
               "h3render.job_keyframes", "h3render.outputs", "h3render.settings", "h3render.batch", "h3render.report",
               "h3render.locks", "h3render.progress", "h3render.signals", "h3render.cli")
 
