@@ -307,7 +307,8 @@ def preset_lines(limits: Limits | None = None, presets_dir: str | Path | None = 
     width = max([len(i.name) for i in infos] + [6])
     lines = [f"{'preset':<{width}}  {'canvas':>9}  {'frames':>13}  {'video rows':>10}  {'audio rows':>10}  description"]
     for i in infos:
-        lines.append(f"{i.name:<{width}}  {f'{i.width}x{i.height}':>9}  {f'{i.frames} ({seconds_text(i.frames)} s)':>13}  "
+        frames = f"{i.frames} ({seconds_text(i.frames)} s)"
+        lines.append(f"{i.name:<{width}}  {f'{i.width}x{i.height}':>9}  {frames:>13}  "
                      f"{i.video_rows:>10,}  {i.audio_rows:>10,}  {i.description}")
     return lines
 

@@ -3,8 +3,8 @@ the rules a request meets before anything loads: a checkpoint's `Limits`, `parse
 `snap_frames`.
 
 Every other module imports these; none restates them. Torch-free and importing nothing of h3render, so every layer
-(front end, job path, checkpoint, models) can use it (the layer map: tests/unit/test_layering.py). Sources: diffusers 0.42.1 `pipelines/minimax_h3` and
-`modular_pipelines/minimax_h3` (the numerical oracle), ../shared/DESIGN.md §1.
+(front end, job path, checkpoint, models) can use it (the layer map: tests/unit/test_layering.py). Sources: diffusers
+0.42.1 `pipelines/minimax_h3` and `modular_pipelines/minimax_h3` (the numerical oracle), ../shared/DESIGN.md §1.
 """
 
 from __future__ import annotations

@@ -384,9 +384,9 @@ def build_random(
 ) -> Components:
     """A built-in random model ("tiny" or "small") in memory, from a fixed seed; no files, no downloads.
 
-    Same weights as `make_checkpoint.writer.make_checkpoint(out, name, seed=seed)` writes (values rounded to the release storage
-    dtypes), loaded through the same strict streaming path (`assemble_components`), `precision` ("bf16" / "fp8")
-    included.
+    Same weights as `make_checkpoint.writer.make_checkpoint(out, name, seed=seed)` writes (values rounded to the
+    release storage dtypes), loaded through the same strict streaming path (`assemble_components`), `precision`
+    ("bf16" / "fp8") included.
 
     Raises:
         CheckpointError: an unknown name.

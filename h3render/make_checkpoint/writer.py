@@ -1,9 +1,9 @@
 """Write a random MiniMax-H3 checkpoint ("tiny" or "small") in a real on-disk layout (`make_checkpoint`), or a full
 FastH3 student checkpoint built on one (`write_synthetic_full_student`).
 
-The weights are the built-in random model's (`h3render.checkpoint.builtin.random_entries`: `checkpoint.load.
-build_random` with the same seed gives the same values), stored with the release's dtypes: DiT bf16 except its fp32 islands (patch projections, time embedder,
-output heads), text encoder bf16, both VAEs fp32. Layouts:
+The weights are the built-in random model's (`h3render.checkpoint.builtin.random_entries`; `checkpoint.load.
+build_random` with the same seed gives the same values), stored with the release's dtypes: DiT bf16 except its fp32
+islands (patch projections, time embedder, output heads), text encoder bf16, both VAEs fp32. Layouts:
 
 * "official": `OUT/FL2VA/` with `model_index.json` (`_minimax_h3.sigma_shift_scales`, text-encoder read layer,
   frame limits), `transformer/` (>= 2 shards + `diffusion_pytorch_model.safetensors.index.json`, native names),

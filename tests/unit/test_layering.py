@@ -8,8 +8,8 @@ functions count the same as top-level ones (a function-level import does not mak
 layer  name            modules (and why they sit there)
 =====  ==============  =============================================================================================
   7    front end       cli, cli_*, settings, manifest, manifest_formats, manifest_fields, jobs, shards, job_keyframes,
-                       outputs, batch, report, locks, signals: torch-free on import (manifest lines to `Job`s and run settings, the
-                       batch loop, resume checks); they reach the job path only inside functions.
+                       outputs, batch, report, locks, signals: torch-free on import (manifest lines to `Job`s and
+                       run settings, the batch loop, resume checks); they reach the job path only inside functions.
   6    job path        engine, render, tasks/, sidecar, conditioning, keyframes, media, staging, colour, graphs,
                        timing, progress, parallel/: what renders one job (torch, PyAV, process groups; progress is
                        the denoise loop's step display, torch-free itself).
