@@ -28,6 +28,8 @@ from typing import Any, Iterator, Mapping, Union
 
 import torch
 
+import h3render
+
 __all__ = ["SIDECAR_SCHEMA", "STAGES", "StageTimer", "device_name", "media_mismatch", "media_record", "merge_intervals",
            "rendered_with", "utc_now", "versions", "write_sidecar"]
 
@@ -287,8 +289,6 @@ def device_name(device: Union[torch.device, str]) -> str:
 def versions() -> dict[str, Any]:
     """Software and hardware this job ran on: h3render, Python, torch, CUDA runtime (None on a CPU build),
     cuDNN, NVIDIA driver (from ``nvidia-smi``; None without it), GPU names, PyAV and its FFmpeg."""
-    import h3render
-
     try:
         import av
 

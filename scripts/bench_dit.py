@@ -295,8 +295,8 @@ def stage_prof(args) -> None:
     peak_reset()
     if ctx.distributed:
         return
-    from h3render.models.video_vae import VideoVAE
     from h3render.checkpoint.releases import RELEASES
+    from h3render.models.video_vae import VideoVAE
 
     release = RELEASES["released"]
     vae = build_on_gpu(lambda: VideoVAE(release.video_vae, release.vae_tiling), torch.float32)

@@ -22,8 +22,6 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from h3render.models.video_vae_config import VideoVAEConfig
-from h3render.models.video_vae_encoder import Encoder3d
 from h3render.models.vae_tiling import (
     RELEASED_TILING,
     DecodeItem,
@@ -35,6 +33,8 @@ from h3render.models.vae_tiling import (
     stitch_tiles,
     stitch_window,
 )
+from h3render.models.video_vae_config import VideoVAEConfig
+from h3render.models.video_vae_encoder import Encoder3d
 
 # ImageNet statistics: the video VAE's pixel convention (diffusers `MiniMaxH3ModularPipeline.pixel_mean/pixel_std`).
 PIXEL_MEAN = (0.485, 0.456, 0.406)

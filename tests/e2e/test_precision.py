@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 import torch
 
-from h3render.checkpoint.releases import RELEASES
 from h3render.checkpoint.load import PRECISIONS
+from h3render.checkpoint.releases import RELEASES
 from h3render.engine import Engine, EngineSettings, precision_problem
 from h3render.jobs import Job
 from h3render.make_checkpoint.synthetic_adapter import write_synthetic_adapter

@@ -12,9 +12,9 @@ from PIL import Image
 from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration, Qwen3VLProcessor
 
 from h3render.checkpoint.builtin import tiny_vl_tokenizer
+from h3render.checkpoint.releases import QWEN3VL_TINY
 from h3render.models.text_encoder import (IMAGE_PAD, TEXT_TAG, VIDEO_PAD, VIDEO_TAG, VISION_END, VISION_START,
                                           TextEncoder, image_processor_from_dict, mrope_position_ids)
-from h3render.checkpoint.releases import QWEN3VL_TINY
 from tests._diffusers_ref import rel_err
 
 pytest.importorskip("diffusers")
@@ -176,8 +176,8 @@ def test_tiny_release_vision_tower_builds_on_meta_and_encodes():
     224 x 128 canvas is upsized by min_pixels 65536 to 352 x 208 (smart_resize, factor 16) -> 22 x 13 merged pads."""
     import math
 
-    from h3render.checkpoint.stream import parameters_on_meta
     from h3render.checkpoint.releases import RELEASES
+    from h3render.checkpoint.stream import parameters_on_meta
 
     release = RELEASES["tiny"]
     processor = image_processor_from_dict(PROCESSOR)

@@ -13,9 +13,9 @@ from h3render.checkpoint.adapter import AdapterFusion, read_adapter
 from h3render.checkpoint.contract import fasth3_schedule, is_fasth3_v2
 from h3render.checkpoint.errors import AdapterError, CheckpointError
 from h3render.checkpoint.layouts import CheckpointInfo
+from h3render.checkpoint.load import assemble_components
 from h3render.checkpoint.releases import RELEASES
 from h3render.checkpoint.stream import Entry
-from h3render.checkpoint.load import assemble_components
 from h3render.make_checkpoint.synthetic_adapter import write_synthetic_adapter
 from h3render.models.dit import DiT
 from h3render.models.dit_config import DIT_TINY

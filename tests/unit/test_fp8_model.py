@@ -15,8 +15,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from h3render.checkpoint.load import load_components
-from h3render.kernels.fp8 import Fp8Rows, quantize_rows
 from h3render.checkpoint.load import build_random
+from h3render.kernels.fp8 import Fp8Rows, quantize_rows
 from h3render.models import fp8
 from h3render.models.dit_config import DIT_TINY
 from h3render.models.fp8 import (Fp8Linear, Fp8WeightLinear, precision_report, quantize_dit_fp8_,
