@@ -51,8 +51,8 @@ QWEN3VL_PROCESSOR_RELEASED: Mapping[str, Any] = {
 }
 # The built-in models' processor: the released budget with the tiny towers' 8 px patches.
 QWEN3VL_PROCESSOR_TINY: Mapping[str, Any] = {**QWEN3VL_PROCESSOR_RELEASED, "patch_size": 8}
-# The ids of Qwen3-VL's vision special tokens in the built-in tokenizer (`text_encoder.tiny_vl_tokenizer(512)`: BPE
-# ids 0..507, then <|vision_start|>, <|vision_end|>, <|image_pad|>, <|video_pad|>).
+# The ids of Qwen3-VL's vision special tokens in the built-in tokenizer (`checkpoint.builtin.tiny_vl_tokenizer(512)`:
+# BPE ids 0..507, then <|vision_start|>, <|vision_end|>, <|image_pad|>, <|video_pad|>).
 _TINY_VISION_TOKEN_IDS = {"vision_start_token_id": 508, "vision_end_token_id": 509, "image_token_id": 510,
                           "video_token_id": 511}
 
