@@ -13,8 +13,7 @@ from typing import NoReturn
 
 import click
 
-from h3render import jobs as jobs_mod, manifest as manifest_mod, shards
-from h3render.manifest_formats import ManifestError
+from h3render import jobs as jobs_mod, manifest as manifest_mod, manifest_formats, shards
 
 EXIT_USAGE = 2
 TINY_NOTICE = ("h3render: no checkpoint given (--checkpoint / H3RENDER_CHECKPOINT): using the built-in tiny model "
@@ -269,7 +268,7 @@ def _main_guard(fn, *args) -> int:
     except (UsageError, BatchUsageError) as exc:
         _say(f"h3render: error: {exc}")
         return EXIT_USAGE
-    except ManifestError as exc:
+    except manifest_formats.ManifestError as exc:
         for line in getattr(exc, "errors", [str(exc)]):
             _say(f"h3render: error: {line}")
         return EXIT_USAGE
@@ -567,15 +566,12 @@ def make_checkpoint_command(out, config, layout, seed, adapter) -> None:
     """Write a random checkpoint in the real on-disk format (no downloads)."""
 
     def run() -> int:
-        from h3render.checkpoint.releases import RELEASES
-        from h3render.make_checkpoint.synthetic_adapter import write_synthetic_adapter
         from h3render.make_checkpoint.writer import check_output, make_checkpoint
 
         _usage(check_output, out, layout)  # before anything is written (make_checkpoint checks it again)
-        path = make_checkpoint(out, config=config, layout=layout, seed=seed)
+        path = make_checkpoint(out, config=config, layout=layout, seed=seed, adapter=adapter or None)
         print(f"h3render: wrote a random {config} checkpoint ({layout} layout) to {path}", file=sys.stderr)
         if adapter:
-            write_synthetic_adapter(adapter, RELEASES[config].dit, seed)
             print(f"h3render: wrote a synthetic FastH3 adapter to {adapter}", file=sys.stderr)
         return 0
 
