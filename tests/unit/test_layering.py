@@ -8,11 +8,12 @@ functions count the same as top-level ones (a function-level import does not mak
 layer  name            modules (and why they sit there)
 =====  ==============  =============================================================================================
   7    front end       cli, cli_*, settings, manifest, manifest_formats, manifest_fields, jobs, shards, job_keyframes,
-                       outputs, batch, report, locks, signals: torch-free on import (manifest lines to `Job`s and
-                       run settings, the batch loop, resume checks); they reach the job path only inside functions.
+                       batch, report, locks, signals: torch-free on import (manifest lines to `Job`s and run
+                       settings, the batch loop); they reach the job path's torch modules only inside functions.
   6    job path        engine, render, tasks/, sidecar, conditioning, keyframes, media, staging, colour, graphs,
-                       timing, progress, parallel/: what renders one job (torch, PyAV, process groups; progress is
-                       the denoise loop's step display, torch-free itself).
+                       timing, outputs, progress, parallel/: what renders one job (torch, PyAV, process groups).
+                       outputs (a job's file paths, the resume check) and progress (the denoise loop's step display)
+                       are torch-free themselves: the front end imports them at load, and the job path may too.
   5    writers         make_checkpoint/: the on-disk checkpoint writers of `h3render make-checkpoint`; they read
                        checkpoint/ (registry, names, built-in weights), which never reads them.
   4    checkpoint      checkpoint/: layouts, streaming, the built-in random models (`builtin`), the release
@@ -46,11 +47,12 @@ SOURCES = {"h3render": REPO / "h3render", "h3render.kernels": REPO / "kernels"}
 LAYERS: dict[int, tuple[str, ...]] = {
     7: ("h3render.cli", "h3render.cli_*", "h3render.settings", "h3render.manifest", "h3render.manifest_formats",
         "h3render.manifest_fields",
-        "h3render.jobs", "h3render.shards", "h3render.job_keyframes", "h3render.outputs", "h3render.batch",
-        "h3render.report", "h3render.locks", "h3render.signals"),
+        "h3render.jobs", "h3render.shards", "h3render.job_keyframes", "h3render.batch", "h3render.report",
+        "h3render.locks", "h3render.signals"),
     6: ("h3render.engine", "h3render.render", "h3render.tasks", "h3render.tasks.*", "h3render.sidecar",
         "h3render.conditioning", "h3render.keyframes", "h3render.media", "h3render.staging", "h3render.colour",
-        "h3render.graphs", "h3render.timing", "h3render.progress", "h3render.parallel", "h3render.parallel.*"),
+        "h3render.graphs", "h3render.timing", "h3render.outputs", "h3render.progress", "h3render.parallel",
+        "h3render.parallel.*"),
     5: ("h3render.make_checkpoint", "h3render.make_checkpoint.*"),
     4: ("h3render.checkpoint", "h3render.checkpoint.*"),
     3: ("h3render.sampling",),
