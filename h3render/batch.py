@@ -56,16 +56,14 @@ from typing import Any, Callable, Sequence
 
 from h3render import locks
 from h3render.sidecar import SidecarUnreadable, read_sidecar, rendered_with
-from h3render.report import (ELSEWHERE, EXIT_FAILED, EXIT_OK, FAILED, INTERRUPTED, PENDING, SKIPPED, STATUSES,  # noqa: F401
-                             SUCCEEDED, BatchReport, JobOutcome, QueueLog, _name, claim_report, remove_files,
-                             report_name)
-from h3render.signals import (EXIT_INTERRUPTED, EXIT_REQUEUE, REQUEUE_SIGNALS, InterruptGuard, settle,  # noqa: F401
-                              signal_name, signum_of)
+from h3render.report import (ELSEWHERE, FAILED, INTERRUPTED, PENDING, SKIPPED, SUCCEEDED, BatchReport, JobOutcome,
+                             QueueLog, _name, claim_report, remove_files)
+from h3render.signals import REQUEUE_SIGNALS, InterruptGuard, settle, signal_name, signum_of
 
 EXIT_USAGE = 2
 
 
-from h3render.outputs import (BatchUsageError, JobPathError, blocker, lock_path, output_paths, prepare_out_dir,  # noqa: F401
+from h3render.outputs import (BatchUsageError, JobPathError, blocker, lock_path, output_paths, prepare_out_dir,
                               render_reason, temp_paths)
 
 

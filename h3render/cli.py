@@ -13,7 +13,7 @@ from typing import NoReturn
 
 import click
 
-from h3render import jobs as jobs_mod
+from h3render import jobs as jobs_mod, manifest as manifest_mod, manifest_formats, shards
 
 EXIT_USAGE = 2
 TINY_NOTICE = ("h3render: no checkpoint given (--checkpoint / H3RENDER_CHECKPOINT): using the built-in tiny model "
@@ -137,7 +137,7 @@ def _usage(fn, *args, prefix: str = ""):
 
 
 def _checkpoint_info(checkpoint: str):
-    from h3render.checkpoint import read_checkpoint_info
+    from h3render.checkpoint.layouts import read_checkpoint_info
 
     return _usage(read_checkpoint_info, checkpoint)
 
@@ -172,7 +172,7 @@ def _check_precision(opts: dict, device: str, world: int, source: str | None = N
 
 
 def _check_mode(mode: str | None, adapter: str | None, checkpoint: str) -> None:
-    from h3render.checkpoint import read_v2_contract
+    from h3render.checkpoint.contract import read_v2_contract
 
     if mode == "fasth3" and adapter is None:
         try:
@@ -187,7 +187,7 @@ def _check_mode(mode: str | None, adapter: str | None, checkpoint: str) -> None:
 
 def _has_contract(checkpoint: str) -> bool:
     """Whether the checkpoint is a full FastH3 student (it carries its own `fastvideo_inference.json`)."""
-    from h3render.checkpoint import read_v2_contract
+    from h3render.checkpoint.contract import read_v2_contract
 
     try:
         return checkpoint not in ("tiny", "small") and read_v2_contract(checkpoint) is not None
@@ -230,7 +230,7 @@ def _check_transformer(transformer: str | None, info) -> None:
     if info.layout == "builtin":
         _fail(f"--transformer {transformer} replaces a checkpoint folder's DiT: it needs --checkpoint DIR (the text "
               f"encoder and VAEs come from there); the built-in {info.path} model takes none")
-    from h3render.checkpoint import with_transformer_file
+    from h3render.checkpoint.layouts import with_transformer_file
 
     _usage(with_transformer_file, info, transformer, prefix="--transformer ")  # its messages start with the file
 
@@ -257,7 +257,7 @@ def _exit(code: int) -> NoReturn:
 
 
 def _main_guard(fn, *args) -> int:
-    from h3render.batch import BatchUsageError
+    from h3render.outputs import BatchUsageError
     from h3render.signals import exit_code_for, signal_name, signum_of
 
     try:
@@ -268,7 +268,7 @@ def _main_guard(fn, *args) -> int:
     except (UsageError, BatchUsageError) as exc:
         _say(f"h3render: error: {exc}")
         return EXIT_USAGE
-    except jobs_mod.ManifestError as exc:
+    except manifest_formats.ManifestError as exc:
         for line in getattr(exc, "errors", [str(exc)]):
             _say(f"h3render: error: {line}")
         return EXIT_USAGE
@@ -313,8 +313,8 @@ def _prompt(text: str, output: str, opts: dict) -> int:
     fields = {k: opts[k] for k in ("preset", "aspect", "width", "height", "duration", "frames", "steps", "seed",
                                    "mode", "first_frame", "last_frame")}
     fields.update(prompt=text, output=out.stem)
-    job = jobs_mod.job_from_fields(fields, info.limits())
-    opts["precision"] = opts["precision"] or jobs_mod.DEFAULT_PRECISION
+    job = manifest_mod.job_from_fields(fields, info.limits())
+    opts["precision"] = opts["precision"] or manifest_mod.DEFAULT_PRECISION
     _say(f"h3render: {job.canvas_note()}, {job.time_note()}")
     if job.task == "fl2va":
         _say("h3render: fl2va: " + "; ".join(k.describe() for k in job.keyframes))
@@ -364,7 +364,7 @@ def _batch(manifest, out_dir, shard, skip_existing, fail_fast, dry_run, quiet, o
     # Command-line defaults, passed like --mode: read_manifest applies them below each job's own fields.
     overrides = {k: opts[k] for k in ("mode", "seed", "steps", "preset")}
     student = opts["adapter"] is not None or _has_contract(checkpoint)
-    m = jobs_mod.read_manifest(manifest, info.limits(), overrides, adapter_available=student,
+    m = manifest_mod.read_manifest(manifest, info.limits(), overrides, adapter_available=student,
                                precision=opts["precision"])
     if opts["adapter"] is None and m.adapter is not None:
         opts["adapter"] = str(m.adapter)  # named in the manifest's defaults; --adapter wins
@@ -375,10 +375,10 @@ def _batch(manifest, out_dir, shard, skip_existing, fail_fast, dry_run, quiet, o
     opts["adapter_variant"] = opts["adapter_variant"] or m.adapter_variant
     opts["fasth3_positions"] = opts["fasth3_positions"] or m.fasth3_positions
     try:
-        shard_spec = jobs_mod.parse_shard(shard) if shard else jobs_mod.shard_from_slurm(os.environ)
+        shard_spec = shards.parse_shard(shard) if shard else shards.shard_from_slurm(os.environ)
     except ValueError as exc:
         _fail(str(exc))
-    jobs = m.jobs if shard_spec is None else jobs_mod.shard_jobs(m.jobs, *shard_spec)
+    jobs = m.jobs if shard_spec is None else shards.shard_jobs(m.jobs, *shard_spec)
     # This run's checkpoint and encoder, for resume's "skipped: rendered earlier with ..." lines.
     current = {"checkpoint": {"path": info.recorded_path, "config_hash": info.config_hash,
                               "transformer": opts["transformer"] and str(Path(opts["transformer"]).resolve()),
@@ -389,7 +389,7 @@ def _batch(manifest, out_dir, shard, skip_existing, fail_fast, dry_run, quiet, o
             "checkpoint": checkpoint, "precision": opts["precision"], "adapter": opts["adapter"]})))
         return 0
     _check_writable(Path(out_dir))
-    from h3render.batch import prepare_out_dir
+    from h3render.outputs import prepare_out_dir
 
     prepare_out_dir(out_dir)  # a file or a broken/looping symlink in the way: exit 2 before any rank starts
     return _run(checkpoint, info, jobs, opts, out_dir=out_dir, shard=shard_spec, overwrite=not skip_existing,
@@ -506,7 +506,8 @@ def _render_single(factory, job, mp4: Path, sidecar: Path) -> int:
     success; on failure or Ctrl-C nothing is left under either name."""
     import time
 
-    from h3render.batch import remove_files, temp_paths
+    from h3render.outputs import temp_paths
+    from h3render.report import remove_files
 
     mp4.parent.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
@@ -565,14 +566,12 @@ def make_checkpoint_command(out, config, layout, seed, adapter) -> None:
     """Write a random checkpoint in the real on-disk format (no downloads)."""
 
     def run() -> int:
-        from h3render.checkpoint import RELEASES
-        from h3render.make_checkpoint import check_output, make_checkpoint, write_synthetic_adapter
+        from h3render.make_checkpoint.writer import check_output, make_checkpoint
 
         _usage(check_output, out, layout)  # before anything is written (make_checkpoint checks it again)
-        path = make_checkpoint(out, config=config, layout=layout, seed=seed)
+        path = make_checkpoint(out, config=config, layout=layout, seed=seed, adapter=adapter or None)
         print(f"h3render: wrote a random {config} checkpoint ({layout} layout) to {path}", file=sys.stderr)
         if adapter:
-            write_synthetic_adapter(adapter, RELEASES[config].dit, seed)
             print(f"h3render: wrote a synthetic FastH3 adapter to {adapter}", file=sys.stderr)
         return 0
 

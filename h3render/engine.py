@@ -191,11 +191,12 @@ class Engine:
         problem = precision_problem(precision, dtype, [ctx.device])
         if problem is not None:
             raise ValueError(problem)
-        from h3render import checkpoint as ckpt
         from h3render.checkpoint import students
+        from h3render.checkpoint.layouts import read_checkpoint_info
+        from h3render.checkpoint.load import PARTS, load_components
 
         t0 = time.perf_counter()
-        info = ckpt.read_checkpoint_info(checkpoint)
+        info = read_checkpoint_info(checkpoint)
         plan = students.plan_student(checkpoint, info, adapter, variant=adapter_variant, positions=fasth3_positions,
                                      device=ctx.device)
         if ctx.is_main:
@@ -209,13 +210,13 @@ class Engine:
                 print("h3render: warning: --precision fp8 with a mixed queue: its t2va jobs run the DiT in bf16 "
                       "(the FastH3 student is fused into bf16 weights, then quantized for the fasth3 jobs)",
                       file=sys.stderr)
-            dit = ckpt.load_components(checkpoint, ctx.device, dtype, parts=("dit",),
+            dit = load_components(checkpoint, ctx.device, dtype, parts=("dit",),
                                        transformer_file=transformer_file).dit
-            rest = tuple(p for p in ckpt.PARTS if p != "dit")
-            components = ckpt.load_components(checkpoint, ctx.device, dtype, parts=rest, precision=precision)
+            rest = tuple(p for p in PARTS if p != "dit")
+            components = load_components(checkpoint, ctx.device, dtype, parts=rest, precision=precision)
             components.dit = dit
         else:
-            components = ckpt.load_components(checkpoint, ctx.device, dtype, transformer_file=transformer_file,
+            components = load_components(checkpoint, ctx.device, dtype, transformer_file=transformer_file,
                                               tensor_hook=None if deferred else plan.hook, precision=precision)
         if ctx.device.type == "cuda":
             torch.cuda.synchronize(ctx.device)
@@ -346,7 +347,7 @@ class Engine:
             return
         from contextlib import nullcontext
 
-        from h3render.checkpoint import load_vision
+        from h3render.checkpoint.load import load_vision
 
         t0 = time.perf_counter()
         with timer.warmup("vision_load") if timer is not None else nullcontext():

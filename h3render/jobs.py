@@ -1,15 +1,11 @@
 """Render jobs: the frozen `Job` a manifest line becomes, and the rules that resolve it before anything loads.
 
 A job reads top to bottom: manifest line → `Job` → encode → pack → denoise → decode → write. This module owns the
-job side of the first arrow: `Job` and the checkpoint's `Limits`, the canvas and time requests (`parse_aspect`,
-`check_canvas`, `snap_frames`), the canvas presets in the repository's `presets/` folder, output names, the
-`--dry-run` plan and the encoder options checked up front; the split of a batch into shards (`--shard i/n`, SLURM
-arrays) is `h3render.shards`, re-exported here; fl2va keyframe files are checked by `h3render.job_keyframes`. The
-manifest formats (JSONL and YAML) and their `file:line: field: problem` errors are in `h3render.manifest`;
-`load_manifest`, `read_manifest`, `job_from_fields`, `Manifest` and `ManifestError` are also importable from here.
-
-The frame grid, latent rates and canvas rule live in `h3render.spec`; the names callers took from this module
-(`FPS`, `canvas_for_aspect`, `latent_frames`, …) are re-exported from there.
+job side of the first arrow: `Job`, the canvas presets in the repository's `presets/` folder, output names, the
+`--dry-run` plan and the encoder options checked up front. A checkpoint's `Limits` and the canvas and time rules
+(`parse_aspect`, `check_canvas`, `snap_frames`) are `h3render.spec`'s; the split of a batch into shards is
+`h3render.shards`; fl2va keyframe files are checked by `h3render.job_keyframes`; the manifest formats (JSONL and
+YAML) and their `file:line: field: problem` errors are `h3render.manifest`'s.
 
 Units: canvas in pixels (width × height, both multiples of 32), time in frames at the fixed 24 fps or in seconds,
 `steps` in sigma points of the schedule (N points → N − 1 forwards).
@@ -20,22 +16,19 @@ from __future__ import annotations
 import difflib
 import hashlib
 import json
-import math
 import re
 import unicodedata
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping, NamedTuple
+from typing import Any, NamedTuple
 
 import yaml
 
 import h3render.presets
 from h3render.job_keyframes import KeyframeRef
-from h3render.shards import parse_shard, shard_from_slurm, shard_jobs  # noqa: F401  (re-exported)
-from h3render.spec import (  # noqa: F401  (re-exported: callers import these names from h3render.jobs)
-    AUDIO_CHANNELS, AUDIO_LATENTS_PER_SECOND, CANVAS_MULTIPLE, FPS, FRAMES_PER_CHUNK, FRAMES_REMAINDER, MAX_ASPECT,
-    MIN_ASPECT, RELEASED_MAX_PIXELS, RELEASED_SHORT_EDGE, audio_rows, canvas_for_aspect, is_snapped, latent_frames,
-    snap_frames_up, video_rows)
+from h3render.outputs import output_paths, render_reason
+from h3render.spec import (FPS, RELEASED_MAX_PIXELS, RELEASED_SHORT_EDGE, Limits, audio_rows, canvas_for_aspect,
+                           check_canvas, is_snapped, latent_frames, parse_aspect, seconds_text, snap_frames, video_rows)
 
 # --- h3render choices (docs/manifest.md) ---------------------------------------------------------------------------
 MODES = ("t2va", "fasth3")  # the sampler: base model or distilled FastH3 student (t2va-only)
@@ -46,12 +39,6 @@ MAX_SEED = 2**64 - 1  # torch.Generator.manual_seed accepts 0 … 2**64 − 1
 MAX_AUTO_NAME_BYTES = 120  # automatic output names (prompt slug + seed) stay at most this long
 MAX_NAME_COMPONENT_BYTES = 200  # a path component of an explicit output; leaves room for ".tmp.json" under 255
 REPORT_STEM = "batch-report"  # batch.py writes <out_dir>/batch-report*.json: no job may own that name
-# Input bounds, checked before load (docs/manifest.md "Limits"). Sigma points: a schedule of N points holds N floats
-# per modality and runs N - 1 forwards; 1,000 is 20x the released 50 and keeps a typo (1e9) from allocating GiBs.
-DEFAULT_MAX_SIGMA_POINTS = 1000
-# Prompt characters: a guard against runaway input (a pasted file), far above any real prompt (about 5,000 tokens of
-# English at ~4 characters per token); the model's own token limit is checked by the engine after tokenizing.
-DEFAULT_MAX_PROMPT_CHARS = 20_000
 
 # The repository's presets/ folder, shipped in the wheel as the data package h3render.presets (pyproject.toml).
 PRESETS_DIR = Path(h3render.presets.__file__).resolve().parent
@@ -71,53 +58,6 @@ class Source(NamedTuple):
 
     def __str__(self) -> str:
         return f"{self.file}:{self.line}" if self.line else self.file
-
-
-@dataclass(frozen=True)
-class Limits:
-    """What a checkpoint accepts, given by the caller from the checkpoint config (h3render never guesses it).
-
-    Released MiniMax-H3: frames 107–362 (4–15 s requested, model card and vLLM-Omni; diffusers takes 124–345),
-    default canvas 16:9 → (1344, 768), 50 sigma points. The tiny test model has its own frames 22–362 and a small
-    canvas.
-
-    Attributes:
-        min_frames, max_frames: inclusive range of snapped frame counts.
-        default_canvas: (width, height) in px for jobs that name no canvas; multiples of 32.
-        default_frames: frame count (17n + 5) for jobs that name no duration.
-        default_steps: sigma points of the base sampler for jobs that name none (released: 50 → 49 forwards).
-        canvas_short_edge, canvas_max_pixels: the aspect-ratio canvas rule (released: 768, 768 × 1344).
-        max_sigma_points: the most sigma points a job may ask for (default 1,000 = 20× the released 50).
-        max_prompt_chars: the longest prompt in characters (default 20,000); the checkpoint's token limit is
-            checked by the engine once the tokenizer is loaded.
-
-    Raises:
-        ValueError: inconsistent limits.
-    """
-
-    min_frames: int
-    max_frames: int
-    default_canvas: tuple[int, int]
-    default_frames: int
-    default_steps: int
-    canvas_short_edge: int = RELEASED_SHORT_EDGE
-    canvas_max_pixels: int = RELEASED_MAX_PIXELS
-    max_sigma_points: int = DEFAULT_MAX_SIGMA_POINTS
-    max_prompt_chars: int = DEFAULT_MAX_PROMPT_CHARS
-
-    def __post_init__(self) -> None:
-        if not 1 <= self.min_frames <= self.max_frames:
-            raise ValueError(f"Limits: bad frame range {self.min_frames}–{self.max_frames}")
-        if not self.min_frames <= self.default_frames <= self.max_frames or not is_snapped(self.default_frames):
-            raise ValueError(f"Limits: default_frames {self.default_frames} must be 17n+5 within "
-                             f"{self.min_frames}–{self.max_frames}")
-        width, height = self.default_canvas
-        check_canvas(width, height)
-        if not 2 <= self.default_steps <= self.max_sigma_points:
-            raise ValueError(f"Limits: default_steps {self.default_steps} must be within 2–{self.max_sigma_points} "
-                             "sigma points (a schedule needs at least 2)")
-        if self.max_prompt_chars < 1:
-            raise ValueError("Limits: max_prompt_chars must be positive")
 
 
 @dataclass(frozen=True)
@@ -232,7 +172,7 @@ class Job:
 
     def time_note(self) -> str:
         """How the frame count came about, e.g. "10 s → 243 frames = 10.125 s"."""
-        result = f"{self.frames} frames = {_secs(self.frames)} s"
+        result = f"{self.frames} frames = {seconds_text(self.frames)} s"
         if self.requested.duration is not None:
             return f"{self.requested.duration:g} s → {result}"
         if self.requested.frames is not None and self.requested.frames != self.frames:
@@ -253,78 +193,6 @@ class Job:
         if self.requested.width is not None:
             return canvas
         return f"{canvas} (default)"
-
-
-# --- Canvas and time rules -------------------------------------------------------------------------------------------
-
-def parse_aspect(text: str) -> tuple[float, float]:
-    """Parse "W:H" (e.g. "16:9", "2.39:1") into its two positive terms.
-
-    Raises:
-        ValueError: not of the form W:H with positive numbers.
-    """
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*:\s*(\d+(?:\.\d+)?)\s*", text)
-    if not match or float(match[1]) <= 0 or float(match[2]) <= 0:
-        raise ValueError(f'aspect {text!r} must look like "16:9" (two positive numbers joined by ":")')
-    return float(match[1]), float(match[2])
-
-
-def check_canvas(width: int, height: int) -> None:
-    """Check an explicit canvas: positive multiples of 32 px with an aspect ratio within 1:4 … 4:1.
-
-    Raises:
-        ValueError: naming the offending axis or ratio.
-    """
-    for name, value in (("width", width), ("height", height)):
-        if isinstance(value, bool) or not isinstance(value, int) or value <= 0 or value % CANVAS_MULTIPLE:
-            raise ValueError(f"{name} {value!r} must be a positive multiple of {CANVAS_MULTIPLE} px")
-    if not MIN_ASPECT <= width / height <= MAX_ASPECT:
-        raise ValueError(f"canvas {width}x{height} has an aspect ratio outside the supported 1:4 … 4:1")
-
-
-def snap_frames(frames: int | None = None, duration: float | None = None, limits: Limits | None = None) -> int:
-    """The frame count a request renders: the smallest 17n + 5 at or above the requested count.
-
-    A duration (s) first becomes a whole number of frames at 24 fps, rounded to the nearest frame, so a duration
-    quoted to two decimals maps back to its count: 10 s → 240 → 243 frames (10.125 s); 15 s → 360 → 362;
-    4.46 s → 107.04 → 107 (4.458 s).
-
-    Args:
-        frames: requested frame count (int > 0), or
-        duration: requested duration in s (> 0); exactly one of the two.
-        limits: when given, the snapped count must lie within `limits.min_frames … limits.max_frames`.
-
-    Raises:
-        ValueError: neither or both given, a non-positive request, or a result outside the limits (the message
-            states the range in frames and seconds).
-    """
-    if (frames is None) == (duration is None):
-        raise ValueError("give exactly one of frames and duration")
-    if duration is not None:
-        if isinstance(duration, bool) or not isinstance(duration, (int, float)) or duration <= 0 \
-                or not math.isfinite(duration * FPS):  # 1e308 s is finite, but its frame count is not
-            raise ValueError(f"duration {duration!r} must be a positive, finite number of seconds")
-        wanted = max(1, round(duration * FPS))
-        asked = f"duration {duration:g} s ({wanted} frames)"
-    else:
-        if isinstance(frames, bool) or not isinstance(frames, int) or frames <= 0:
-            raise ValueError(f"frames {frames!r} must be a positive integer")
-        wanted = frames
-        asked = f"frames {frames}"
-    snapped = snap_frames_up(wanted)
-    if limits is not None and not limits.min_frames <= snapped <= limits.max_frames:
-        raise ValueError(f"{asked} snaps to {snapped} frames, outside this checkpoint's range "
-                         f"{limits.min_frames}–{limits.max_frames} frames "
-                         f"({_secs(limits.min_frames)}–{_secs(limits.max_frames)} s)")
-    return snapped
-
-
-def _secs(frames: int) -> str:
-    return f"{round(frames / FPS, 3):g}"
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 # --- Presets ---------------------------------------------------------------------------------------------------------
@@ -391,7 +259,7 @@ def _read_preset(path: Path) -> Preset:
     try:
         data = yaml.safe_load(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
-        raise ValueError(f"{path}: cannot read preset: {_one_line(exc)}") from None
+        raise ValueError(f"{path}: cannot read preset: {one_line(exc)}") from None
     if not isinstance(data, dict):
         raise ValueError(f"{path}: a preset must be a mapping of {', '.join(_PRESET_FIELDS)}")
     if not re.fullmatch(r"[a-z0-9][a-z0-9-]*", path.stem):
@@ -439,7 +307,8 @@ def preset_lines(limits: Limits | None = None, presets_dir: str | Path | None = 
     width = max([len(i.name) for i in infos] + [6])
     lines = [f"{'preset':<{width}}  {'canvas':>9}  {'frames':>13}  {'video rows':>10}  {'audio rows':>10}  description"]
     for i in infos:
-        lines.append(f"{i.name:<{width}}  {f'{i.width}x{i.height}':>9}  {f'{i.frames} ({_secs(i.frames)} s)':>13}  "
+        frames = f"{i.frames} ({seconds_text(i.frames)} s)"
+        lines.append(f"{i.name:<{width}}  {f'{i.width}x{i.height}':>9}  {frames:>13}  "
                      f"{i.video_rows:>10,}  {i.audio_rows:>10,}  {i.description}")
     return lines
 
@@ -517,7 +386,8 @@ def prompt_slug(prompt: str, seed: int, *, counter: int = 1, max_bytes: int = MA
     return base + tail
 
 
-def _one_line(exc: BaseException) -> str:
+def one_line(exc: BaseException) -> str:
+    """An exception's message on one line (YAML and OS errors span several), for `file: problem` messages."""
     return " ".join(str(exc).split())
 
 
@@ -533,8 +403,6 @@ def plan_lines(jobs: list[Job], out_dir: Path | None = None, *, overwrite: bool 
     that differs (`sidecar.rendered_with`), as the real run's log does. `run` (checkpoint, precision, adapter)
     comes first as one line of `key value` pairs, the ones that are None left out.
     """
-    from h3render.outputs import output_paths, render_reason
-
     def skip_note(sidecar: Path) -> str:
         if current is None:
             return "skip: done"
@@ -575,16 +443,3 @@ def check_x264_preset(name: str) -> str:
     close = difflib.get_close_matches(str(name), X264_PRESETS, n=1)
     hint = f" (did you mean {close[0]}?)" if close else ""
     raise ValueError(f"--x264-preset {name!r} is not an x264 preset{hint}; one of {', '.join(X264_PRESETS)}")
-
-
-# The manifest readers live in h3render.manifest, which imports this module; these names stay importable from here
-# (`from h3render.jobs import load_manifest`) through a lazy lookup, so neither module imports the other at load.
-_FROM_MANIFEST = ("DEFAULT_PRECISION", "Manifest", "ManifestError", "job_from_fields", "load_manifest", "read_manifest")
-
-
-def __getattr__(name: str) -> Any:
-    if name in _FROM_MANIFEST:
-        from h3render import manifest
-
-        return getattr(manifest, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,28 +1,25 @@
-"""Manifests: JSONL and YAML files of render jobs read into resolved `Job`s, every problem reported at once.
+"""Manifests: the field layers of a JSONL or YAML file resolved into `Job`s, every problem reported at once.
 
 Schema and error forms: docs/manifest.md. Each problem is one line `file:line: field: problem` (in YAML the field's
-own line); the whole file is checked against the checkpoint's `Limits` before anything loads. `Job`, the canvas and
-time rules and output names are in `h3render.jobs`.
+own line); the whole file is checked against the checkpoint's `Limits` before anything loads. Reading the two file
+formats into layers is `h3render.manifest_formats` (with `ManifestError`); `Job` and output names are in
+`h3render.jobs`, the canvas and time rules in `h3render.spec`.
 """
 
 from __future__ import annotations
 
 import difflib
-import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Mapping, NamedTuple
-
-import yaml
+from typing import Any, Iterable, Mapping
 
 from h3render.job_keyframes import KEYFRAME_FIELDS
-from h3render.jobs import (DEFAULT_MODE, DEFAULT_SEED, Job, Limits, Preset, Requested, Source, _one_line,
-                           canvas_for_aspect, check_canvas, load_presets, output_key, output_name, output_path_problem,
-                           parse_aspect, prompt_slug, snap_frames)
-from h3render.manifest_fields import (MAX_INT_DIGITS as _MAX_INT_DIGITS, STRING_FIELDS as _STRING_FIELDS,
-                                      TooLong as _TooLong, engine_choices, field_problem as _field_problem,
-                                      keyframe_canvas, resolve_keyframes, strip_mp4 as _strip_mp4)
+from h3render.jobs import (DEFAULT_MODE, DEFAULT_SEED, Job, Preset, Requested, Source, load_presets, one_line,
+                           output_key, output_name, output_path_problem, prompt_slug)
+from h3render.manifest_fields import engine_choices, field_problem, keyframe_canvas, resolve_keyframes, strip_mp4
+from h3render.manifest_formats import Errors, Layer, ManifestError, Value, Where, read_jsonl, read_yaml
+from h3render.spec import Limits, canvas_for_aspect, check_canvas, parse_aspect, snap_frames
 
 JOB_FIELDS = ("id", "prompt", "preset", "aspect", "width", "height", "duration", "frames", "seed", "steps", "mode",
               "output", *KEYFRAME_FIELDS)
@@ -37,16 +34,6 @@ DEFAULT_PRECISION = "bf16"  # = `checkpoint.load.PRECISIONS[0]` (tests/e2e/test_
 _CANVAS_FIELDS = ("preset", "aspect", "width", "height")
 _TIME_FIELDS = ("duration", "frames")
 _COMMAND_LINE = "<command line>"
-MAX_NESTING = 64  # YAML levels; a manifest needs 3. PyYAML composes recursively: 100,000 levels overflow the stack
-
-
-class ManifestError(ValueError):
-    """Every problem found in one manifest; `errors` holds the message lines in file order, each of the form
-    `file:line: field: problem`."""
-
-    def __init__(self, errors: list[str]):
-        self.errors = list(errors)
-        super().__init__("\n".join(self.errors))
 
 
 @dataclass(frozen=True)
@@ -62,53 +49,6 @@ class Manifest:
     precision: str = DEFAULT_PRECISION
     adapter_variant: str | None = None
     fasth3_positions: str | None = None
-
-
-class _Value(NamedTuple):
-    value: Any
-    line: int  # 1-based line of the field; 0 when not from a file
-
-
-@dataclass
-class _Layer:
-    """The fields set at one level (a job line, manifest defaults, command-line defaults), with their lines."""
-
-    file: str
-    line: int
-    fields: dict[str, _Value] = field(default_factory=dict)
-
-    def where(self, name: str | None = None) -> _Where:
-        """The place to blame: the field's own line when it has one, else the job's."""
-        line = self.fields[name].line if name in self.fields and self.fields[name].line else self.line
-        return _Where(self.file, line, name)
-
-    def get(self, name: str) -> Any:
-        return self.fields[name].value if name in self.fields else None
-
-
-class _Where(NamedTuple):
-    file: str
-    line: int = 0
-    field: str | None = None
-
-    def __str__(self) -> str:
-        location = f"{self.file}:{self.line}" if self.line else self.file
-        return f"{location}: {self.field}" if self.field else location
-
-
-class _Errors:
-    """Collects problems from every pass; reports them in file order (command-line defaults first)."""
-
-    def __init__(self) -> None:
-        self.found: list[tuple[_Where, str]] = []
-
-    def add(self, where: _Where, message: str) -> None:
-        self.found.append((where, message))
-
-    def raise_if_any(self) -> None:
-        if self.found:  # sorted by line; the sort is stable, so same-line problems keep pass order
-            raise ManifestError([f"{where}: {message}" for where, message in
-                                 sorted(self.found, key=lambda item: item[0].line)])
 
 
 def read_manifest(path: str | Path, limits: Limits, defaults_overrides: Mapping[str, Any] | None = None, *,
@@ -131,7 +71,7 @@ def read_manifest(path: str | Path, limits: Limits, defaults_overrides: Mapping[
         ManifestError: every problem found, one line each, naming file, line and field.
     """
     path = Path(path)
-    errors = _Errors()
+    errors = Errors()
     presets = _load_presets_for(errors, str(path), presets_dir)
     suffix = path.suffix.lower()
     if suffix not in (".jsonl", ".ndjson", ".yaml", ".yml"):
@@ -141,10 +81,10 @@ def read_manifest(path: str | Path, limits: Limits, defaults_overrides: Mapping[
     except FileNotFoundError:
         raise ManifestError([f"{path}: manifest not found"]) from None
     except (OSError, UnicodeDecodeError) as exc:
-        raise ManifestError([f"{path}: cannot read manifest: {_one_line(exc)}"]) from None
-    reader = _read_jsonl if suffix in (".jsonl", ".ndjson") else _read_yaml
+        raise ManifestError([f"{path}: cannot read manifest: {one_line(exc)}"]) from None
+    reader = read_jsonl if suffix in (".jsonl", ".ndjson") else read_yaml
     defaults, job_layers = reader(text, str(path), errors)
-    overrides = _Layer(_COMMAND_LINE, 0, {k: _Value(v, 0) for k, v in (defaults_overrides or {}).items()
+    overrides = Layer(_COMMAND_LINE, 0, {k: Value(v, 0) for k, v in (defaults_overrides or {}).items()
                                           if v is not None})
     adapter = _manifest_adapter(defaults, path, errors)
     if adapter_available is not None:
@@ -152,7 +92,7 @@ def read_manifest(path: str | Path, limits: Limits, defaults_overrides: Mapping[
     jobs = _resolve_all(job_layers, [overrides, defaults], limits, presets, errors, adapter_available)
     run_precision = _run_precision(precision, defaults, job_layers, errors)
     if not job_layers and not errors.found:
-        errors.add(_Where(str(path)), "the manifest has no jobs")
+        errors.add(Where(str(path)), "the manifest has no jobs")
     errors.raise_if_any()
     return Manifest(path, jobs, adapter, run_precision, defaults.get("adapter_variant"),
                     defaults.get("fasth3_positions"))
@@ -173,15 +113,15 @@ def job_from_fields(fields: Mapping[str, Any], limits: Limits, *, source: str = 
     Raises:
         ManifestError: as `read_manifest`, with `source` in place of the file name.
     """
-    errors = _Errors()
+    errors = Errors()
     presets = _load_presets_for(errors, source, presets_dir)
-    layer = _Layer(source, 0, {k: _Value(v, 0) for k, v in fields.items() if v is not None})
+    layer = Layer(source, 0, {k: Value(v, 0) for k, v in fields.items() if v is not None})
     jobs = _resolve_all([layer], [], limits, presets, errors, adapter_available)
     errors.raise_if_any()
     return jobs[0]
 
 
-def _run_precision(cli: str | None, defaults: _Layer, job_layers: list[_Layer], errors: _Errors) -> str:
+def _run_precision(cli: str | None, defaults: Layer, job_layers: list[Layer], errors: Errors) -> str:
     """The run's precision (`--precision`, else the defaults', else "bf16"); a job that sets another one is an error
     naming where the run's came from (a job repeating the run's value is fine; a bad value is _check_layer's)."""
     if cli is None and "precision" not in defaults.fields and not any("precision" in j.fields for j in job_layers):
@@ -199,7 +139,7 @@ def _run_precision(cli: str | None, defaults: _Layer, job_layers: list[_Layer], 
     return run
 
 
-def _manifest_adapter(defaults: _Layer, manifest: Path, errors: _Errors) -> Path | None:
+def _manifest_adapter(defaults: Layer, manifest: Path, errors: Errors) -> Path | None:
     """`defaults: adapter:` relative to the manifest's folder (a file, a variant folder or a LoRA bundle root, as
     --adapter); missing is an error now, not after the t2va jobs."""
     value = defaults.get("adapter")
@@ -212,171 +152,15 @@ def _manifest_adapter(defaults: _Layer, manifest: Path, errors: _Errors) -> Path
     return adapter
 
 
-def _load_presets_for(errors: _Errors, where: str, presets_dir: str | Path | None) -> dict[str, Preset]:
+def _load_presets_for(errors: Errors, where: str, presets_dir: str | Path | None) -> dict[str, Preset]:
     try:
         return load_presets(presets_dir)
     except ValueError as exc:  # reported with the manifest's other problems; jobs naming a preset fail as unknown
-        errors.add(_Where(where), str(exc))
+        errors.add(Where(where), str(exc))
     return {}
 
 
-def _read_jsonl(text: str, file: str, errors: _Errors) -> tuple[_Layer, list[_Layer]]:
-    defaults = _Layer(file, 0)
-    jobs: list[_Layer] = []
-    # split on "\n" only: str.splitlines() also breaks at U+2028, which json.dumps(ensure_ascii=False) leaves raw
-    for number, raw in enumerate(text.split("\n"), start=1):
-        stripped = raw.strip()
-        if not stripped or stripped.startswith("#"):
-            continue
-        duplicates: list[str] = []
-
-        def pairs(items: list[tuple[str, Any]]) -> dict[str, Any]:
-            seen: dict[str, Any] = {}
-            for key, value in items:
-                if key in seen:
-                    duplicates.append(key)
-                seen[key] = value
-            return seen
-
-        try:
-            obj = json.loads(stripped, object_pairs_hook=pairs, parse_int=_parse_int)
-        except json.JSONDecodeError as exc:
-            errors.add(_Where(file, number), f"not valid JSON: {exc.msg} (column {exc.colno})")
-            continue
-        except RecursionError:  # the decoder recurses per level: 100,000 nested brackets exhaust the stack
-            errors.add(_Where(file, number), "nested too deeply to read (a job is one flat object)")
-            continue
-        for key in duplicates:
-            errors.add(_Where(file, number, key), "field given twice")
-        if not isinstance(obj, dict):
-            errors.add(_Where(file, number), "each line must be a JSON object (one job)")
-            continue
-        if "defaults" in obj:
-            if jobs or defaults.line or len(obj) != 1 or not isinstance(obj["defaults"], dict):
-                errors.add(_Where(file, number, "defaults"),
-                           'a defaults line is {"defaults": {...}} alone on a line, before the first job')
-                continue
-            defaults = _Layer(file, number, {k: _Value(v, number) for k, v in obj["defaults"].items()})
-            continue
-        jobs.append(_Layer(file, number, {k: _Value(v, number) for k, v in obj.items()}))
-    return defaults, jobs
-
-
-def _parse_int(text: str) -> int | _TooLong:
-    digits = len(text.lstrip("-"))
-    return _TooLong(digits) if digits > _MAX_INT_DIGITS else int(text)
-
-
-def _too_deep(text: str) -> int:
-    """The line where the YAML nests deeper than `MAX_NESTING`, or 0 (the event parser keeps its own stack)."""
-    depth = 0
-    for event in yaml.parse(text, Loader=yaml.SafeLoader):
-        if isinstance(event, yaml.CollectionStartEvent):
-            depth += 1
-            if depth > MAX_NESTING:
-                return event.start_mark.line + 1
-        elif isinstance(event, yaml.CollectionEndEvent):
-            depth -= 1
-    return 0
-
-
-def _read_yaml(text: str, file: str, errors: _Errors) -> tuple[_Layer, list[_Layer]]:
-    defaults = _Layer(file, 0)
-    try:
-        deep_line = _too_deep(text)
-        if deep_line:
-            errors.add(_Where(file, deep_line), f"nested more than {MAX_NESTING} levels deep (a manifest needs 3)")
-            return defaults, []
-        root = yaml.compose(text, Loader=yaml.SafeLoader)
-    except yaml.MarkedYAMLError as exc:
-        line = exc.problem_mark.line + 1 if exc.problem_mark else 0
-        errors.add(_Where(file, line), f"not valid YAML: {exc.problem or exc.context}")
-        return defaults, []
-    except yaml.YAMLError as exc:
-        errors.add(_Where(file), f"not valid YAML: {_one_line(exc)}")
-        return defaults, []
-    loader = yaml.SafeLoader("")
-    if root is None:
-        return defaults, []
-    if isinstance(root, yaml.SequenceNode):
-        job_nodes = root
-    elif isinstance(root, yaml.MappingNode):
-        job_nodes = None
-        for key, value in _yaml_pairs(root, loader, file, errors):
-            if key.value == "defaults":
-                if isinstance(value, yaml.MappingNode):
-                    defaults = _yaml_layer(value, loader, file, errors)
-                elif not _is_null(value):
-                    errors.add(_Where(file, _line(value), "defaults"), "must be a mapping of fields")
-            elif key.value == "jobs":
-                job_nodes = value
-            elif not str(key.value).startswith("x-"):  # x-… keys hold YAML anchors for `<<` merges
-                errors.add(_Where(file, _line(key), key.value), "unknown top-level key; expected defaults and jobs")
-        if job_nodes is None:
-            errors.add(_Where(file, _line(root)), "missing the jobs: list")
-            return defaults, []
-        if not isinstance(job_nodes, yaml.SequenceNode):
-            errors.add(_Where(file, _line(job_nodes), "jobs"), "must be a list of jobs")
-            return defaults, []
-    else:
-        errors.add(_Where(file, _line(root)), "a YAML manifest is a mapping with defaults: and jobs:")
-        return defaults, []
-    jobs = []
-    for node in job_nodes.value:
-        if isinstance(node, yaml.MappingNode):
-            jobs.append(_yaml_layer(node, loader, file, errors))
-        else:
-            errors.add(_Where(file, _line(node)), "each job must be a mapping of fields")
-    return defaults, jobs
-
-
-def _yaml_pairs(node: yaml.MappingNode, loader: yaml.SafeLoader, file: str, errors: _Errors):
-    """A mapping's (key, value) nodes with `<<` merges applied; keys given twice on the mapping itself are errors
-    (PyYAML would silently keep the last)."""
-    seen: set[str] = set()
-    for key, _ in node.value:
-        if key.tag != "tag:yaml.org,2002:merge" and key.value in seen:
-            errors.add(_Where(file, _line(key), key.value), "field given twice")
-        seen.add(key.value)
-    try:
-        loader.flatten_mapping(node)
-    except yaml.YAMLError as exc:
-        errors.add(_Where(file, _line(node)), f"bad YAML merge: {_one_line(exc)}")
-    return [(k, v) for k, v in node.value if isinstance(k, yaml.ScalarNode)]
-
-
-def _yaml_layer(node: yaml.MappingNode, loader: yaml.SafeLoader, file: str, errors: _Errors) -> _Layer:
-    layer = _Layer(file, _line(node))
-    for key, value in _yaml_pairs(node, loader, file, errors):
-        layer.fields[key.value] = _Value(_yaml_value(key.value, value, loader, file, errors), _line(key))
-    return layer
-
-
-def _yaml_value(name: str, node: yaml.Node, loader: yaml.SafeLoader, file: str, errors: _Errors) -> Any:
-    # Text fields take the scalar's own text: YAML 1.1 would read `aspect: 16:9` as the base-60 integer 969 and
-    # `id: 007` as 7.
-    if name in _STRING_FIELDS and isinstance(node, yaml.ScalarNode) and not _is_null(node):
-        return node.value
-    if node.tag == "tag:yaml.org,2002:int" and isinstance(node, yaml.ScalarNode):
-        digits = sum(c.isdigit() for c in node.value)  # YAML ints may hold "_" and a sign
-        if digits > _MAX_INT_DIGITS:
-            return _TooLong(digits)
-    try:
-        return loader.construct_document(node)
-    except yaml.YAMLError as exc:
-        errors.add(_Where(file, _line(node), name), f"bad value: {_one_line(exc)}")
-        return None
-
-
-def _is_null(node: yaml.Node) -> bool:
-    return node.tag == "tag:yaml.org,2002:null"
-
-
-def _line(node: yaml.Node) -> int:
-    return node.start_mark.line + 1
-
-
-def _check_layer(layer: _Layer, presets: Mapping[str, Preset], limits: Limits, errors: _Errors, *,
+def _check_layer(layer: Layer, presets: Mapping[str, Preset], limits: Limits, errors: Errors, *,
                  is_job: bool) -> bool:
     """Type- and value-check one level's fields; returns False when anything was wrong (the job is dropped)."""
     before = len(errors.found)
@@ -397,7 +181,7 @@ def _check_layer(layer: _Layer, presets: Mapping[str, Preset], limits: Limits, e
             errors.add(where, "may only be set in the manifest's defaults" +
                        (f" (on the command line: {flag})" if layer.file == _COMMAND_LINE else ""))
             continue
-        problem = _field_problem(name, value, presets, limits)
+        problem = field_problem(name, value, presets, limits)
         if problem:
             errors.add(where, problem)
     if "preset" in layer.fields and any(f in layer.fields for f in ("aspect", "width", "height")):
@@ -409,7 +193,7 @@ def _check_layer(layer: _Layer, presets: Mapping[str, Preset], limits: Limits, e
         missing = "height" if "width" in layer.fields else "width"
         present = "width" if missing == "height" else "height"
         errors.add(layer.where(present), f"needs {missing} as well")
-    elif "width" in layer.fields and not any(_field_problem(f, layer.get(f), presets, limits)
+    elif "width" in layer.fields and not any(field_problem(f, layer.get(f), presets, limits)
                                              for f in ("width", "height")):
         try:
             check_canvas(layer.get("width"), layer.get("height"))
@@ -422,15 +206,15 @@ def _check_layer(layer: _Layer, presets: Mapping[str, Preset], limits: Limits, e
     return len(errors.found) == before
 
 
-def _first(layers: Iterable[_Layer], names: Iterable[str]) -> _Layer | None:
+def _first(layers: Iterable[Layer], names: Iterable[str]) -> Layer | None:
     names = tuple(names)
     return next((layer for layer in layers if any(n in layer.fields for n in names)), None)
 
 
-def _resolve_all(job_layers: list[_Layer], default_layers: list[_Layer], limits: Limits,
-                 presets: Mapping[str, Preset], errors: _Errors, adapter_available: bool | None) -> list[Job]:
+def _resolve_all(job_layers: list[Layer], default_layers: list[Layer], limits: Limits,
+                 presets: Mapping[str, Preset], errors: Errors, adapter_available: bool | None) -> list[Job]:
     defaults_ok = all([_check_layer(layer, presets, limits, errors, is_job=False) for layer in default_layers])
-    resolved: list[tuple[_Layer, dict[str, Any]]] = []
+    resolved: list[tuple[Layer, dict[str, Any]]] = []
     for layer in job_layers:
         # Every job is checked even when the defaults are bad, so one run reports every problem.
         if not _check_layer(layer, presets, limits, errors, is_job=True) or not defaults_ok:
@@ -446,8 +230,8 @@ def _resolve_all(job_layers: list[_Layer], default_layers: list[_Layer], limits:
             for (layer, values), name in zip(resolved, names)]
 
 
-def _resolve_job(job: _Layer, layers: list[_Layer], limits: Limits, presets: Mapping[str, Preset],
-                 errors: _Errors, adapter_available: bool | None) -> dict[str, Any] | None:
+def _resolve_job(job: Layer, layers: list[Layer], limits: Limits, presets: Mapping[str, Preset],
+                 errors: Errors, adapter_available: bool | None) -> dict[str, Any] | None:
     """Apply precedence to one checked job; returns Job keyword arguments (without output/source) or None."""
     requested: dict[str, Any] = {}
     # fl2va: keyframe files are read now (relative to the manifest's folder), before anything loads.
@@ -523,10 +307,10 @@ def _resolve_job(job: _Layer, layers: list[_Layer], limits: Limits, presets: Map
                 requested=Requested(**requested), **keyframes)
 
 
-def _check_ids(job_layers: list[_Layer], errors: _Errors) -> set[int]:
+def _check_ids(job_layers: list[Layer], errors: Errors) -> set[int]:
     """Report repeated ids, compared in Unicode NFC (NFC "café" and NFD "café" look alike and are one id);
     returns the `id()` of each repeating layer."""
-    first_line: dict[str, _Where] = {}
+    first_line: dict[str, Where] = {}
     repeats = set()
     for layer in job_layers:
         job_id = layer.get("id")
@@ -542,8 +326,8 @@ def _check_ids(job_layers: list[_Layer], errors: _Errors) -> set[int]:
     return repeats
 
 
-def _assign_outputs(resolved: list[tuple[_Layer, dict[str, Any]]], repeated_ids: set[int],
-                    errors: _Errors) -> list[str]:
+def _assign_outputs(resolved: list[tuple[Layer, dict[str, Any]]], repeated_ids: set[int],
+                    errors: Errors) -> list[str]:
     """Output names: explicit `output`, else the id, else a prompt slug made unique with -2, -3, …
 
     Names are written in Unicode NFC and compared by `output_key` (NFC, case-folded: macOS and Windows file
@@ -557,7 +341,7 @@ def _assign_outputs(resolved: list[tuple[_Layer, dict[str, Any]]], repeated_ids:
         if name_field is None:
             names.append(None)
             continue
-        name = output_name(_strip_mp4(layer.get(name_field)))
+        name = output_name(strip_mp4(layer.get(name_field)))
         problem = output_path_problem(name)
         if problem:  # an output's own problems were reported by _check_layer; an id used as a name is checked here
             if name_field == "id":

@@ -10,8 +10,8 @@ from pathlib import Path
 from typing import Any, Mapping, NamedTuple
 
 from h3render.job_keyframes import ANCHOR_OF_FIELD, KEYFRAME_FIELDS, KeyframeRef, read_keyframe_ref
-from h3render.jobs import (CANVAS_MULTIPLE, MAX_SEED, MODES, Limits, Preset, _is_int, canvas_for_aspect,
-                           output_path_problem, parse_aspect)
+from h3render.jobs import MAX_SEED, MODES, Preset, output_path_problem
+from h3render.spec import CANVAS_MULTIPLE, Limits, canvas_for_aspect, is_int, parse_aspect
 
 STRING_FIELDS = ("id", "prompt", "preset", "aspect", "mode", "output", "adapter", "adapter_variant",
                  "fasth3_positions", "precision", *KEYFRAME_FIELDS)
@@ -52,7 +52,7 @@ def field_problem(name: str, value: Any, presets: Mapping[str, Preset], limits: 
         except ValueError as exc:
             return str(exc)
     if name in ("width", "height"):
-        if not _is_int(value):
+        if not is_int(value):
             return f"must be an integer number of px, got {type_name(value)}"
         if value <= 0 or value % CANVAS_MULTIPLE:
             return f"{value} is not a positive multiple of {CANVAS_MULTIPLE}"
@@ -61,7 +61,7 @@ def field_problem(name: str, value: Any, presets: Mapping[str, Preset], limits: 
             return f"must be a number of seconds, got {type_name(value)}"
         if not math.isfinite(value) or value <= 0:
             return f"{value} must be a positive number of seconds"
-    if name in ("frames", "seed", "steps") and not _is_int(value):
+    if name in ("frames", "seed", "steps") and not is_int(value):
         return f"must be an integer{' number of sigma points' * (name == 'steps')}, got {type_name(value)}"
     if name == "frames" and value <= 0:
         return f"{value} must be positive"

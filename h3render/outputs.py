@@ -1,6 +1,7 @@
 """Where a job's files go and whether they are current: output, temp and lock paths, the resume check, the out dir.
 
-Split from h3render/batch.py, which re-exports these names.
+Torch-free (the front end's `--dry-run` plan uses it); the MP4 record check imports `h3render.timing` when a record
+is there to check.
 """
 
 from __future__ import annotations

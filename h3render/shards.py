@@ -1,16 +1,11 @@
-"""Shards of a batch: `--shard i/n` and SLURM job arrays split one manifest's jobs between tasks.
-
-Re-exported from `h3render.jobs` (`shard_jobs`, `parse_shard`, `shard_from_slurm`).
-"""
+"""Shards of a batch: `--shard i/n` and SLURM job arrays split one manifest's jobs between tasks."""
 
 from __future__ import annotations
 
 import re
 from typing import Any, Mapping
 
-
-def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+from h3render.spec import is_int
 
 
 def shard_jobs(jobs: list[Any], index: int, count: int) -> list[Any]:
@@ -25,9 +20,9 @@ def shard_jobs(jobs: list[Any], index: int, count: int) -> list[Any]:
 
 
 def _check_shard(index: int, count: int) -> None:
-    if not _is_int(count) or count < 1:
+    if not is_int(count) or count < 1:
         raise ValueError(f"shard count {count!r} must be a positive integer")
-    if not _is_int(index) or not 0 <= index < count:
+    if not is_int(index) or not 0 <= index < count:
         raise ValueError(f"shard index {index!r} must be within 0 … {count - 1} (shards are numbered from 0)")
 
 

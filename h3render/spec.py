@@ -1,12 +1,18 @@
-"""MiniMax-H3's fixed geometry: the one home of the frame grid, latent rates, canvas rule and released shifts.
+"""MiniMax-H3's fixed geometry: the one home of the frame grid, latent rates, canvas rule and released shifts, and of
+the rules a request meets before anything loads: a checkpoint's `Limits`, `parse_aspect`, `check_canvas`,
+`snap_frames`.
 
-Every other module imports these; none restates them. Sources: diffusers 0.42.1 `pipelines/minimax_h3` and
-`modular_pipelines/minimax_h3` (the numerical oracle), ../shared/DESIGN.md §1.
+Every other module imports these; none restates them. Torch-free and importing nothing of h3render, so every layer
+(front end, job path, checkpoint, models) can use it (the layer map: tests/unit/test_layering.py). Sources: diffusers
+0.42.1 `pipelines/minimax_h3` and `modular_pipelines/minimax_h3` (the numerical oracle), ../shared/DESIGN.md §1.
 """
 
 from __future__ import annotations
 
 import math
+import re
+from dataclasses import dataclass
+from typing import Any
 
 # -- time -------------------------------------------------------------------------------------------------------------
 FPS = 24  # fixed frame rate (diffusers `MINIMAX_H3_FPS`)
@@ -80,6 +86,136 @@ def video_rows(width: int, height: int, frames: int) -> int:
 def audio_rows(frames: int) -> int:
     """Packed audio rows: 2 channels x audio latents (243 frames -> 810)."""
     return AUDIO_CHANNELS * audio_latents(frames)
+
+
+# -- a checkpoint's limits --------------------------------------------------------------------------------------------
+# Input bounds, checked before load (docs/manifest.md "Limits"). Sigma points: a schedule of N points holds N floats
+# per modality and runs N - 1 forwards; 1,000 is 20x the released 50 and keeps a typo (1e9) from allocating GiBs.
+DEFAULT_MAX_SIGMA_POINTS = 1000
+# Prompt characters: a guard against runaway input (a pasted file), far above any real prompt (about 5,000 tokens of
+# English at ~4 characters per token); the model's own token limit is checked by the engine after tokenizing.
+DEFAULT_MAX_PROMPT_CHARS = 20_000
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What a checkpoint accepts, given by the caller from the checkpoint config (h3render never guesses it).
+
+    Released MiniMax-H3: frames 107–362 (4–15 s requested, model card and vLLM-Omni; diffusers takes 124–345),
+    default canvas 16:9 → (1344, 768), 50 sigma points. The tiny test model has its own frames 22–362 and a small
+    canvas.
+
+    Attributes:
+        min_frames, max_frames: inclusive range of snapped frame counts.
+        default_canvas: (width, height) in px for jobs that name no canvas; multiples of 32.
+        default_frames: frame count (17n + 5) for jobs that name no duration.
+        default_steps: sigma points of the base sampler for jobs that name none (released: 50 → 49 forwards).
+        canvas_short_edge, canvas_max_pixels: the aspect-ratio canvas rule (released: 768, 768 × 1344).
+        max_sigma_points: the most sigma points a job may ask for (default 1,000 = 20× the released 50).
+        max_prompt_chars: the longest prompt in characters (default 20,000); the checkpoint's token limit is
+            checked by the engine once the tokenizer is loaded.
+
+    Raises:
+        ValueError: inconsistent limits.
+    """
+
+    min_frames: int
+    max_frames: int
+    default_canvas: tuple[int, int]
+    default_frames: int
+    default_steps: int
+    canvas_short_edge: int = RELEASED_SHORT_EDGE
+    canvas_max_pixels: int = RELEASED_MAX_PIXELS
+    max_sigma_points: int = DEFAULT_MAX_SIGMA_POINTS
+    max_prompt_chars: int = DEFAULT_MAX_PROMPT_CHARS
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.min_frames <= self.max_frames:
+            raise ValueError(f"Limits: bad frame range {self.min_frames}–{self.max_frames}")
+        if not self.min_frames <= self.default_frames <= self.max_frames or not is_snapped(self.default_frames):
+            raise ValueError(f"Limits: default_frames {self.default_frames} must be 17n+5 within "
+                             f"{self.min_frames}–{self.max_frames}")
+        width, height = self.default_canvas
+        check_canvas(width, height)
+        if not 2 <= self.default_steps <= self.max_sigma_points:
+            raise ValueError(f"Limits: default_steps {self.default_steps} must be within 2–{self.max_sigma_points} "
+                             "sigma points (a schedule needs at least 2)")
+        if self.max_prompt_chars < 1:
+            raise ValueError("Limits: max_prompt_chars must be positive")
+
+
+# -- canvas and time rules -------------------------------------------------------------------------------------------
+
+def parse_aspect(text: str) -> tuple[float, float]:
+    """Parse "W:H" (e.g. "16:9", "2.39:1") into its two positive terms.
+
+    Raises:
+        ValueError: not of the form W:H with positive numbers.
+    """
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*:\s*(\d+(?:\.\d+)?)\s*", text)
+    if not match or float(match[1]) <= 0 or float(match[2]) <= 0:
+        raise ValueError(f'aspect {text!r} must look like "16:9" (two positive numbers joined by ":")')
+    return float(match[1]), float(match[2])
+
+
+def check_canvas(width: int, height: int) -> None:
+    """Check an explicit canvas: positive multiples of 32 px with an aspect ratio within 1:4 … 4:1.
+
+    Raises:
+        ValueError: naming the offending axis or ratio.
+    """
+    for name, value in (("width", width), ("height", height)):
+        if not is_int(value) or value <= 0 or value % CANVAS_MULTIPLE:
+            raise ValueError(f"{name} {value!r} must be a positive multiple of {CANVAS_MULTIPLE} px")
+    if not MIN_ASPECT <= width / height <= MAX_ASPECT:
+        raise ValueError(f"canvas {width}x{height} has an aspect ratio outside the supported 1:4 … 4:1")
+
+
+def snap_frames(frames: int | None = None, duration: float | None = None, limits: Limits | None = None) -> int:
+    """The frame count a request renders: the smallest 17n + 5 at or above the requested count.
+
+    A duration (s) first becomes a whole number of frames at 24 fps, rounded to the nearest frame, so a duration
+    quoted to two decimals maps back to its count: 10 s → 240 → 243 frames (10.125 s); 15 s → 360 → 362;
+    4.46 s → 107.04 → 107 (4.458 s).
+
+    Args:
+        frames: requested frame count (int > 0), or
+        duration: requested duration in s (> 0); exactly one of the two.
+        limits: when given, the snapped count must lie within `limits.min_frames … limits.max_frames`.
+
+    Raises:
+        ValueError: neither or both given, a non-positive request, or a result outside the limits (the message
+            states the range in frames and seconds).
+    """
+    if (frames is None) == (duration is None):
+        raise ValueError("give exactly one of frames and duration")
+    if duration is not None:
+        if isinstance(duration, bool) or not isinstance(duration, (int, float)) or duration <= 0 \
+                or not math.isfinite(duration * FPS):  # 1e308 s is finite, but its frame count is not
+            raise ValueError(f"duration {duration!r} must be a positive, finite number of seconds")
+        wanted = max(1, round(duration * FPS))
+        asked = f"duration {duration:g} s ({wanted} frames)"
+    else:
+        if not is_int(frames) or frames <= 0:
+            raise ValueError(f"frames {frames!r} must be a positive integer")
+        wanted = frames
+        asked = f"frames {frames}"
+    snapped = snap_frames_up(wanted)
+    if limits is not None and not limits.min_frames <= snapped <= limits.max_frames:
+        raise ValueError(f"{asked} snaps to {snapped} frames, outside this checkpoint's range "
+                         f"{limits.min_frames}–{limits.max_frames} frames "
+                         f"({seconds_text(limits.min_frames)}–{seconds_text(limits.max_frames)} s)")
+    return snapped
+
+
+def seconds_text(frames: int) -> str:
+    """A frame count as seconds at 24 fps, to 3 decimals, for messages (243 -> "10.125")."""
+    return f"{round(frames / FPS, 3):g}"
+
+
+def is_int(value: Any) -> bool:
+    """Whether `value` is an int and not a bool (JSON and YAML `true` would pass `isinstance(value, int)`)."""
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def canvas_for_aspect(aspect_w: float, aspect_h: float, *, short_edge: int = RELEASED_SHORT_EDGE,

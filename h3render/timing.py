@@ -24,6 +24,8 @@ from typing import Any, Iterator, Union
 
 import torch
 
+import h3render
+
 __all__ = ["STAGES", "StageTimer", "device_name", "merge_intervals", "utc_now", "versions"]
 
 STAGES = ("load", "text_encode", "denoise", "vae_video", "vae_audio", "to_uint8_d2h", "encode_mux", "total")
@@ -277,8 +279,6 @@ def device_name(device: Union[torch.device, str]) -> str:
 def versions() -> dict[str, Any]:
     """Software and hardware this job ran on: h3render, Python, torch, CUDA runtime (None on a CPU build),
     cuDNN, NVIDIA driver (from ``nvidia-smi``; None without it), GPU names, PyAV and its FFmpeg."""
-    import h3render
-
     try:
         import av
 

@@ -61,14 +61,14 @@ from pathlib import Path
 
 import torch
 
-import bench_common  # scripts/ is sys.path[0] when run as a script
+import _bootstrap  # noqa: F401  (h3render from this checkout when it is not installed; scripts/ is sys.path[0])
+import bench_common
 from bench_common import RESULTS, rec
 from bench_dit import stage_attn, stage_ceil, stage_dit, stage_kernels, stage_prof, stage_ulysses, stage_vsa
 from bench_engine import stage_batch, stage_compare
 from bench_media import stage_media
 from bench_vae import stage_audio, stage_te, stage_vae
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from h3render.spec import FASTH3_V1_VSA_SPARSITY  # noqa: E402
 
 

@@ -101,7 +101,8 @@ def build_on_gpu(factory, dtype=torch.bfloat16):
 
 
 def released_dit(num_layers: int = 50, seed: int = 0):
-    from h3render.models.dit import DiT, DiTConfig
+    from h3render.models.dit import DiT
+    from h3render.models.dit_config import DiTConfig
 
     cfg = dataclasses.replace(DiTConfig(), num_layers=num_layers)
     dit = build_on_gpu(lambda: DiT(cfg))

@@ -114,7 +114,7 @@ def stage_dit(args) -> None:
 def diffusers_dit(dit):
     from diffusers import MiniMaxH3Transformer3DModel
 
-    from h3render.checkpoint import dit_state_dict_to_diffusers
+    from h3render.checkpoint.names import dit_state_dict_to_diffusers
 
     config = dataclasses.asdict(dit.cfg)
     config["patch_size"] = tuple(config["patch_size"])
@@ -295,8 +295,8 @@ def stage_prof(args) -> None:
     peak_reset()
     if ctx.distributed:
         return
+    from h3render.checkpoint.releases import RELEASES
     from h3render.models.video_vae import VideoVAE
-    from h3render.checkpoint import RELEASES
 
     release = RELEASES["released"]
     vae = build_on_gpu(lambda: VideoVAE(release.video_vae, release.vae_tiling), torch.float32)

@@ -57,14 +57,15 @@ def _random_tensor(name: str, shape: tuple[int, ...], dtype: torch.dtype, device
 def random_components(name: str, device: torch.device, dtype: torch.dtype, precision: str, seed: int = 0):
     """All four components of release `name` with random weights made on `device`, loaded by
     `checkpoint.load.assemble_components` (the function `Engine.load` reaches) with `precision`."""
+    from h3render.checkpoint.builtin import STORAGE_DTYPES
+    from h3render.checkpoint.builtin import tiny_vl_tokenizer
     from h3render.checkpoint.layouts import CheckpointInfo
     from h3render.checkpoint.load import assemble_components
     from h3render.checkpoint.releases import RELEASES
     from h3render.checkpoint.stream import Entry, parameters_on_meta
-    from h3render.make_checkpoint.random_model import STORAGE_DTYPES
     from h3render.models.audio_vae import AudioVAE
     from h3render.models.dit import DiT
-    from h3render.models.text_encoder import TextEncoder, tiny_vl_tokenizer
+    from h3render.models.text_encoder import TextEncoder
     from h3render.models.video_vae import VideoVAE
 
     release = RELEASES[name]

@@ -14,12 +14,14 @@ from bench_common import PROMPT, build_on_gpu, gb, parse_canvas, random_, rec, r
 
 def released_engine(args, ctx):
     """The real Engine over random real-size components (text encoder 50 layers, DiT, both VAEs), all resident."""
-    from h3render.checkpoint import QWEN3VL_RELEASED, RELEASES, CheckpointInfo, Components
-    from h3render.make_checkpoint import tiny_tokenizer
+    from h3render.checkpoint.builtin import tiny_tokenizer
+    from h3render.checkpoint.layouts import CheckpointInfo
+    from h3render.checkpoint.load import Components
+    from h3render.checkpoint.releases import QWEN3VL_RELEASED, RELEASES
+    from h3render.engine import Engine, EngineSettings
     from h3render.models.audio_vae import AudioVAE
     from h3render.models.text_encoder import TextEncoder
     from h3render.models.video_vae import VideoVAE
-    from h3render.engine import Engine, EngineSettings
 
     release = RELEASES["released"]
     t0 = time.perf_counter()

@@ -11,16 +11,13 @@ kernel must read and write once (its minimum traffic); attention TFLOP/s counts 
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-
-from bench_common import rel_err  # noqa: E402 (scripts/ is sys.path[0] when run or imported by bench.py)
-from h3render.models import attention as attn_mod  # noqa: E402
-from h3render.kernels import gated_residual, modulate, qk_norm_rope_qkv, swiglu  # noqa: E402
+import _bootstrap  # noqa: F401  (h3render from this checkout when it is not installed; scripts/ is sys.path[0])
+from bench_common import rel_err
+from h3render.kernels import gated_residual, modulate, qk_norm_rope_qkv, swiglu
+from h3render.models import attention as attn_mod
 
 RELEASED = dict(S=73_642, C=5376, H=56, D=128, R=96, F=14_336, K=2)
 

@@ -65,7 +65,7 @@ def vae_chunk_sizes(frames: int, height: int, width: int) -> list[int]:
     """Frames per chunk as the released video VAE's stream emits them (one temporal window's clip each, the last
     window's tail after it: 14 x 17 + 5 for 243 frames)."""
     from h3render.models.vae_tiling import RELEASED_TILING, plan_decode
-    from h3render.models.video_vae import VideoVAEConfig
+    from h3render.models.video_vae_config import VideoVAEConfig
     from h3render.spec import latent_frames
 
     cfg = VideoVAEConfig()

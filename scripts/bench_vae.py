@@ -19,7 +19,8 @@ def stage_vae(args) -> None:
         AutoencoderKLMiniMaxH3 = None
 
     from h3render.models.attention import select_backend
-    from h3render.models.video_vae import VideoVAE, VideoVAEConfig
+    from h3render.models.video_vae import VideoVAE
+    from h3render.models.video_vae_config import VideoVAEConfig
 
     select_backend(args.attention)
     cfg = VideoVAEConfig()
@@ -238,7 +239,7 @@ def stage_audio(args) -> None:
 
 @torch.no_grad()
 def stage_te(args) -> None:
-    from h3render.checkpoint import QWEN3VL_RELEASED
+    from h3render.checkpoint.releases import QWEN3VL_RELEASED
     from h3render.models.text_encoder import TextEncoder
 
     te = build_on_gpu(lambda: TextEncoder(dict(QWEN3VL_RELEASED["text_config"]), read_layer=50))

@@ -9,7 +9,8 @@ import dataclasses
 
 import torch
 
-from h3render.models.dit import DiT, DiTConfig
+from h3render.models.dit import DiT
+from h3render.models.dit_config import DiTConfig
 from h3render.spec import SPATIAL_COMPRESSION
 
 

@@ -47,16 +47,12 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-# Re-exported: the schedules and contracts moved to `contract` (callers import them from here too).
-from h3render.checkpoint.contract import (CONTRACT_FILE, POSITION_SETS, RELEASE_DMD_STEPS, V2_MODEL_ID,  # noqa: F401
-                                          V2_SCHEMA, FastH3Contract, fasth3_schedule, is_fasth3_contract,
-                                          is_fasth3_v2, parse_steps, positions_from_steps, read_contract,
-                                          read_v2_contract)
+from h3render.checkpoint.contract import CONTRACT_FILE
 from h3render.checkpoint.errors import AdapterError
 from h3render.checkpoint.names import (GATE_VALUE, QKV, STACKS, VSA_GATE_NATIVE, Target, dit_shapes,
                                        native_module, qkv_slot, swap_halves)
 from h3render.checkpoint.stream import Entry
-from h3render.models.dit import DiTConfig
+from h3render.models.dit_config import DiTConfig
 
 # Format tag FastVideo's writer stamps into the header (generic container, not FastH3-specific).
 ADAPTER_FORMAT = "fastvideo-lora-v2"

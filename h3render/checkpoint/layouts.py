@@ -32,8 +32,8 @@ from h3render.checkpoint.names import (FC1_NATIVE, IGNORED_DIT_TENSORS, QKV_DIFF
 from h3render.checkpoint.releases import BUILTIN, RELEASES, Release
 from h3render.checkpoint.stream import Entry, file_entries, open_safetensors, read_json, safetensors_entries
 from h3render.models.audio_vae import AudioVAEConfig
-from h3render.models.dit import DiTConfig
-from h3render.models.video_vae import VideoVAEConfig
+from h3render.models.dit_config import DiTConfig
+from h3render.models.video_vae_config import VideoVAEConfig
 
 # ---------------------------------------------------------------------------------------------------------------------
 # Checkpoint info (configs only, no weights).
@@ -98,7 +98,7 @@ class CheckpointInfo:
         return self.release.max_frames
 
     def limits(self):
-        """`h3render.jobs.Limits` of this checkpoint."""
+        """`h3render.spec.Limits` of this checkpoint."""
         return self.release.limits()
 
 

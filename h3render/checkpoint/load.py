@@ -3,7 +3,7 @@
 Every module is built with its parameters on the meta device (buffers computed normally), then its tensors stream
 straight to the target device through `stream_into`, cast to the dtype the module's precision policy gives them.
 The DiT goes through an optional per-tensor hook on the way (FastH3 fusion). The built-in random models ("tiny",
-"small") come from `h3render.make_checkpoint` and load through the same path.
+"small") are a source of entries like any layout (`h3render.checkpoint.builtin`) and load through the same path.
 
 `precision="fp8"` (issue #18, `h3render.models.fp8`): the DiT block linears are empty `Fp8Linear` modules from the
 start (after a FastH3 hook's `prepare` has added any VSA gates) and each weight is quantized as it streams, after
@@ -21,15 +21,17 @@ from typing import Any, Callable, Collection, Iterable, Iterator
 
 import torch
 
+from h3render.checkpoint.builtin import random_entries, tiny_vl_tokenizer
 from h3render.checkpoint.errors import CheckpointError
 from h3render.checkpoint.layouts import CheckpointInfo, dit_entries, read_checkpoint_info, with_transformer_file
-from h3render.checkpoint.releases import Release
+from h3render.checkpoint.releases import BUILTIN, RELEASES, Release
 from h3render.checkpoint.stream import (Entry, TensorHook, cast_parameters_, finish_hook, parameters_on_meta,
                                         safetensors_entries, stream_into, weights_where)
 from h3render.models.audio_vae import AudioVAE
-from h3render.models.dit import AdaLNProj, DiT, DiTConfig
+from h3render.models.dit import AdaLNProj, DiT
+from h3render.models.dit_config import DiTConfig
 from h3render.models.fp8 import Fp8Linear, Fp8WeightLinear, empty_dit_fp8_, quantize_text_encoder_fp8_, quantize_weight
-from h3render.models.text_encoder import TextEncoder
+from h3render.models.text_encoder import TextEncoder, build_vision_tower, image_processor_from_dict
 from h3render.models.video_vae import VideoVAE
 
 PARTS = ("dit", "video_vae", "audio_vae", "text_encoder")
@@ -360,8 +362,6 @@ def load_components(
     if info.layout == "builtin":
         if transformer_file is not None:
             raise CheckpointError(f"{transformer_file}: a built-in model takes no transformer file")
-        from h3render.make_checkpoint import build_random  # the random models build on this module
-
         return build_random(info.path, seed=seed, device=device, dtype=dtype, parts=parts, tensor_hook=tensor_hook,
                             precision=precision)
     if info.layout == "single-file" and set(parts) - {"dit"}:
@@ -370,6 +370,42 @@ def load_components(
     if transformer_file is not None:
         info = with_transformer_file(info, transformer_file)
     return _from_disk(info, device, dtype, parts, tensor_hook, precision)
+
+
+def build_random(
+    name: str = "tiny",
+    seed: int = 0,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+    *,
+    parts: Collection[str] = PARTS,
+    tensor_hook: TensorHook | None = None,
+    precision: str = "bf16",
+) -> Components:
+    """A built-in random model ("tiny" or "small") in memory, from a fixed seed; no files, no downloads.
+
+    Same weights as `make_checkpoint.writer.make_checkpoint(out, name, seed=seed)` writes (values rounded to the
+    release storage dtypes), loaded through the same strict streaming path (`assemble_components`), `precision`
+    ("bf16" / "fp8") included.
+
+    Raises:
+        CheckpointError: an unknown name.
+    """
+    if name not in BUILTIN:
+        raise CheckpointError(f"no built-in model {name!r} (choose from {', '.join(BUILTIN)})")
+    release = RELEASES[name]
+    info = CheckpointInfo(path=name, layout="builtin", release=release, random_model=name)
+    return assemble_components(info, source=lambda part: random_entries(part, release, seed),
+                               where=lambda part: f"<builtin {name}>",
+                               tokenizer=lambda: tiny_vl_tokenizer(release.text_config.vocab_size),
+                               device=device, dtype=dtype, parts=parts, tensor_hook=tensor_hook,
+                               precision=precision)
+
+
+def build_tiny(seed: int = 0, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
+               **kwargs: Any) -> Components:
+    """The built-in tiny random model; see `build_random`."""
+    return build_random("tiny", seed=seed, device=device, dtype=dtype, **kwargs)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -403,8 +439,6 @@ def load_vision(info: CheckpointInfo, device: torch.device | str = "cpu", dtype:
     Raises:
         CheckpointError: no `vision_config` or no processor config (a t2va-only checkpoint), or as `stream_into`.
     """
-    from h3render.models.text_encoder import build_vision_tower, image_processor_from_dict
-
     release = info.release
     vision_config = release.text_encoder.get("vision_config")
     where = weights_where(info.text_encoder) if info.text_encoder else f"<builtin {info.path}>"
@@ -418,8 +452,6 @@ def load_vision(info: CheckpointInfo, device: torch.device | str = "cpu", dtype:
         tower = build_vision_tower(vision_config)
     cast_parameters_(tower, dtype)
     if info.layout == "builtin":
-        from h3render.make_checkpoint.random_model import random_entries
-
         entries = random_entries("text_encoder", release, seed)
     else:
         entries = safetensors_entries(Path(info.text_encoder), device)

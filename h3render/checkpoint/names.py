@@ -16,7 +16,8 @@ import torch
 from torch import Tensor
 
 from h3render.checkpoint.errors import CheckpointError
-from h3render.models.dit import DiT, DiTConfig
+from h3render.models.dit import DiT
+from h3render.models.dit_config import DiTConfig
 
 # How a diffusers module's rows enter its native parameter.
 PLAIN = "plain"

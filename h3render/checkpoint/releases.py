@@ -15,11 +15,11 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from h3render.models.audio_vae import AUDIO_VAE_SMALL, AUDIO_VAE_TINY, AudioVAEConfig
-from h3render.models.dit import DIT_SMALL, DIT_TINY, DiTConfig
+from h3render.models.dit_config import DIT_SMALL, DIT_TINY, DiTConfig
 from h3render.models.vae_tiling import RELEASED_TILING, TilingConfig
-from h3render.models.video_vae import VIDEO_VAE_SMALL, VIDEO_VAE_TINY, VideoVAEConfig
+from h3render.models.video_vae_config import VIDEO_VAE_SMALL, VIDEO_VAE_TINY, VideoVAEConfig
 from h3render.spec import (FPS, RELEASED_AUDIO_SHIFT, RELEASED_MAX_PIXELS, RELEASED_SHORT_EDGE, RELEASED_SIGMA_POINTS,
-                           RELEASED_VIDEO_SHIFT, canvas_for_aspect, snap_frames_up)
+                           RELEASED_VIDEO_SHIFT, Limits, canvas_for_aspect, snap_frames_up)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -51,8 +51,8 @@ QWEN3VL_PROCESSOR_RELEASED: Mapping[str, Any] = {
 }
 # The built-in models' processor: the released budget with the tiny towers' 8 px patches.
 QWEN3VL_PROCESSOR_TINY: Mapping[str, Any] = {**QWEN3VL_PROCESSOR_RELEASED, "patch_size": 8}
-# The ids of Qwen3-VL's vision special tokens in the built-in tokenizer (`text_encoder.tiny_vl_tokenizer(512)`: BPE
-# ids 0..507, then <|vision_start|>, <|vision_end|>, <|image_pad|>, <|video_pad|>).
+# The ids of Qwen3-VL's vision special tokens in the built-in tokenizer (`checkpoint.builtin.tiny_vl_tokenizer(512)`:
+# BPE ids 0..507, then <|vision_start|>, <|vision_end|>, <|image_pad|>, <|video_pad|>).
 _TINY_VISION_TOKEN_IDS = {"vision_start_token_id": 508, "vision_end_token_id": 509, "image_token_id": 510,
                           "video_token_id": 511}
 
@@ -136,10 +136,8 @@ class Release:
 
         return Qwen3VLConfig.from_dict(dict(self.text_encoder)).text_config
 
-    def limits(self):
-        """This release's `h3render.jobs.Limits` (frame range, defaults, canvas rule)."""
-        from h3render.jobs import Limits
-
+    def limits(self) -> Limits:
+        """This release's `h3render.spec.Limits` (frame range, defaults, canvas rule)."""
         return Limits(min_frames=self.min_frames, max_frames=self.max_frames, default_canvas=self.default_canvas,
                       default_frames=self.default_frames, default_steps=self.sigma_points,
                       canvas_short_edge=self.canvas_short_edge, canvas_max_pixels=self.canvas_max_pixels)

@@ -1,19 +1,10 @@
-"""Synthetic MiniMax-H3 models: the built-in random "tiny" / "small" models, the checkpoint writer of the
-`h3render make-checkpoint` command (every on-disk layout), and a synthetic FastH3 adapter. Nothing here loads a real
-checkpoint: that is `h3render.checkpoint`.
+"""Synthetic MiniMax-H3 checkpoints on disk: the writer of the `h3render make-checkpoint` command (every layout) and
+synthetic FastH3 adapters and students. The built-in random weights they store are a checkpoint source
+(`h3render.checkpoint.builtin`); this package imports `h3render.checkpoint`, never the reverse.
 
-* `random_model`: deterministic per-tensor random weights (`random_entries`), `build_random` / `build_tiny`, and the
-  in-memory byte-level tokenizer.
-* `writer`: `make_checkpoint` (official, diffusers and single-file layouts), `check_output` (its target path).
-* `synthetic_adapter`: `write_synthetic_adapter` (`fastvideo-lora-v2` layout).
+* `writer`: `make_checkpoint` (official, diffusers and single-file layouts), `check_output` (its target path),
+  `write_synthetic_full_student` (a full FastH3 student checkpoint, v1 or V2).
+* `synthetic_adapter`: `write_synthetic_adapter` (`fastvideo-lora-v2` layout), `write_synthetic_bundle` (the v1
+  LoRA bundle), `FULL_STUDENTS` (the students' contracts).
+* `files`: `save_tensors`.
 """
-
-from h3render.make_checkpoint.random_model import (STORAGE_DTYPES, build_random, build_tiny, dit_storage_dtype,
-                                                   random_entries, random_tensor, tiny_tokenizer)
-from h3render.make_checkpoint.synthetic_adapter import write_synthetic_adapter
-from h3render.make_checkpoint.writer import LAYOUTS, check_output, make_checkpoint
-
-__all__ = [
-    "LAYOUTS", "STORAGE_DTYPES", "build_random", "build_tiny", "check_output", "dit_storage_dtype", "make_checkpoint",
-    "random_entries", "random_tensor", "tiny_tokenizer", "write_synthetic_adapter",
-]

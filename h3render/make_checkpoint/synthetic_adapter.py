@@ -3,8 +3,8 @@
 
 * `write_synthetic_adapter`: one `fastvideo-lora-v2` adapter file (VSA gates optional);
 * `write_synthetic_bundle`: the v1 LoRA bundle root (four variant folders + `adapter_manifest.json`);
-* `write_synthetic_full_student`: a full student checkpoint (`make_checkpoint` + VSA gates in the transformer +
-  `fastvideo_inference.json`), v1 or V2.
+* `FULL_STUDENTS`: the contracts (`fastvideo_inference.json`) of the full student checkpoints, v1 and V2, which
+  `h3render.make_checkpoint.writer.write_synthetic_full_student` writes.
 """
 
 from __future__ import annotations
@@ -17,11 +17,10 @@ import torch
 
 from h3render.checkpoint.adapter import (ADAPTER_FORMAT, APPLICATION, TINY_BASE_MODEL, native_shapes,
                                          split_adapter_key)
-from h3render.checkpoint.contract import (CONTRACT_FILE, CONTRACT_SCHEMA, V2_MODEL_ID, V2_REQUIRED, V2_VSA,
-                                          VSA_BACKEND)
-from h3render.checkpoint.names import STACKS, VSA_GATE, diffusers_modules
+from h3render.checkpoint.contract import CONTRACT_SCHEMA, V2_MODEL_ID, V2_REQUIRED, V2_VSA, VSA_BACKEND
+from h3render.checkpoint.names import STACKS, diffusers_modules
 from h3render.make_checkpoint.files import save_tensors
-from h3render.models.dit import DiTConfig
+from h3render.models.dit_config import DiTConfig
 
 
 def write_synthetic_adapter(path: str | Path, dit_config: DiTConfig, seed: int, rank: int = 4,
@@ -157,45 +156,3 @@ FULL_STUDENTS = {
     "v1-vsa-synthetic-step1900": _v1_contract("VSA-Synthetic-Step1900", True),
     "v1-dense-datafree": _v1_contract("Dense-DataFree", False),
 }
-
-
-def write_synthetic_full_student(out: str | Path, student: str = "v2", config: str = "tiny",
-                                 layout: str = "diffusers", seed: int = 0, *, contract: dict | None = None,
-                                 gate_blocks: Sequence[int] | None = None, zero_gates: Sequence[int] = ()) -> Path:
-    """A full FastH3 student checkpoint: `make_checkpoint(out, config, layout, seed)` (2 transformer shards), a
-    third shard with the VSA gates (bf16 [H·D, hidden] per block, named as FastVideo's export:
-    `transformer_blocks.{i}.attn.to_gate_compress.weight` in the diffusers layout, `blocks.{i}.attn.
-    to_gate_compress.weight` in the official one) added to the index, and `fastvideo_inference.json` at the root.
-
-    Args:
-        student: a `FULL_STUDENTS` name (the dense one gets no gates).
-        contract: written in place of the student's own.
-        gate_blocks: blocks that get a gate (default all, for a VSA student); zero_gates: blocks whose gate is 0.
-
-    Returns: the checkpoint root.
-    """
-    from h3render.checkpoint.releases import RELEASES
-    from h3render.make_checkpoint.writer import make_checkpoint
-
-    out = make_checkpoint(out, config, layout, seed)
-    contract = dict(FULL_STUDENTS[student] if contract is None else contract)
-    dit = RELEASES[config].dit
-    vsa = contract.get("attention_backend") == VSA_BACKEND
-    blocks = range(dit.num_layers) if gate_blocks is None and vsa else (gate_blocks or ())
-    prefix = "transformer_blocks" if layout == "diffusers" else "blocks"
-    inner, hidden = dit.num_attention_heads * dit.attention_head_dim, dit.hidden_size
-    generator = torch.Generator().manual_seed(seed + 7)
-    gates = {}
-    for i in blocks:
-        gate = torch.randn(inner, hidden, generator=generator) * hidden ** -0.5
-        gates[f"{prefix}.{i}.{VSA_GATE}.weight"] = (gate * (i not in zero_gates)).to(torch.bfloat16)
-    transformer = out / ("FL2VA" if layout == "official" else "") / "transformer"
-    if gates:
-        shard = "diffusion_pytorch_model-gates.safetensors"
-        save_tensors(gates, str(transformer / shard), metadata={"format": "pt"})
-        index_path = transformer / "diffusion_pytorch_model.safetensors.index.json"
-        index = json.loads(index_path.read_text())
-        index["weight_map"].update(dict.fromkeys(gates, shard))
-        index_path.write_text(json.dumps(index, indent=2) + "\n")
-    (out / CONTRACT_FILE).write_text(json.dumps(contract, indent=2) + "\n")
-    return out

@@ -1,8 +1,9 @@
-"""Write a random MiniMax-H3 checkpoint ("tiny" or "small") in a real on-disk layout.
+"""Write a random MiniMax-H3 checkpoint ("tiny" or "small") in a real on-disk layout (`make_checkpoint`), or a full
+FastH3 student checkpoint built on one (`write_synthetic_full_student`).
 
-The weights are the built-in random model's (`h3render.make_checkpoint.build_random` with the same seed gives the same
-values), stored with the release's dtypes: DiT bf16 except its fp32 islands (patch projections, time embedder,
-output heads), text encoder bf16, both VAEs fp32. Layouts:
+The weights are the built-in random model's (`h3render.checkpoint.builtin.random_entries`; `checkpoint.load.
+build_random` with the same seed gives the same values), stored with the release's dtypes: DiT bf16 except its fp32
+islands (patch projections, time embedder, output heads), text encoder bf16, both VAEs fp32. Layouts:
 
 * "official": `OUT/FL2VA/` with `model_index.json` (`_minimax_h3.sigma_shift_scales`, text-encoder read layer,
   frame limits), `transformer/` (>= 2 shards + `diffusion_pytorch_model.safetensors.index.json`, native names),
@@ -19,16 +20,17 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import torch
 from torch import Tensor
 
-from h3render.checkpoint.names import QKV_NATIVE, deinterleave_qkv, dit_state_dict_to_diffusers
+from h3render.checkpoint.builtin import random_entries, tiny_vl_tokenizer
+from h3render.checkpoint.contract import CONTRACT_FILE, VSA_BACKEND
+from h3render.checkpoint.names import QKV_NATIVE, VSA_GATE, deinterleave_qkv, dit_state_dict_to_diffusers
 from h3render.checkpoint.releases import BUILTIN, RELEASES, Release
 from h3render.make_checkpoint.files import save_tensors
-from h3render.make_checkpoint.random_model import random_entries
-from h3render.make_checkpoint.synthetic_adapter import write_synthetic_adapter
+from h3render.make_checkpoint.synthetic_adapter import FULL_STUDENTS, write_synthetic_adapter
 
 LAYOUTS = ("official", "diffusers", "single-file")
 DIFFUSERS_VERSION = "0.42.1"
@@ -139,7 +141,6 @@ def _save_sharded(folder: Path, tensors: Mapping[str, Tensor], stem: str, shards
 def _write_partition(part: Path, release: Release, seed: int, layout: str, shards: int) -> None:
     from transformers import Qwen3VLConfig
 
-    from h3render.models.text_encoder import tiny_vl_tokenizer
 
     official = layout == "official"
     meta: dict[str, Any] = {
@@ -219,3 +220,42 @@ def _write_single_file(path: Path, release: Release, seed: int) -> None:
     metadata = {"format": "pt", "config": json.dumps(dataclasses.asdict(cfg)),
                 "h3render_random": release.name}
     save_tensors(tensors, str(path), metadata=metadata)
+
+
+def write_synthetic_full_student(out: str | Path, student: str = "v2", config: str = "tiny",
+                                 layout: str = "diffusers", seed: int = 0, *, contract: dict | None = None,
+                                 gate_blocks: Sequence[int] | None = None, zero_gates: Sequence[int] = ()) -> Path:
+    """A full FastH3 student checkpoint: `make_checkpoint(out, config, layout, seed)` (2 transformer shards), a
+    third shard with the VSA gates (bf16 [H·D, hidden] per block, named as FastVideo's export:
+    `transformer_blocks.{i}.attn.to_gate_compress.weight` in the diffusers layout, `blocks.{i}.attn.
+    to_gate_compress.weight` in the official one) added to the index, and `fastvideo_inference.json` at the root.
+
+    Args:
+        student: a `FULL_STUDENTS` name (the dense one gets no gates).
+        contract: written in place of the student's own.
+        gate_blocks: blocks that get a gate (default all, for a VSA student); zero_gates: blocks whose gate is 0.
+
+    Returns: the checkpoint root.
+    """
+    out = make_checkpoint(out, config, layout, seed)
+    contract = dict(FULL_STUDENTS[student] if contract is None else contract)
+    dit = RELEASES[config].dit
+    vsa = contract.get("attention_backend") == VSA_BACKEND
+    blocks = range(dit.num_layers) if gate_blocks is None and vsa else (gate_blocks or ())
+    prefix = "transformer_blocks" if layout == "diffusers" else "blocks"
+    inner, hidden = dit.num_attention_heads * dit.attention_head_dim, dit.hidden_size
+    generator = torch.Generator().manual_seed(seed + 7)
+    gates = {}
+    for i in blocks:
+        gate = torch.randn(inner, hidden, generator=generator) * hidden ** -0.5
+        gates[f"{prefix}.{i}.{VSA_GATE}.weight"] = (gate * (i not in zero_gates)).to(torch.bfloat16)
+    transformer = out / ("FL2VA" if layout == "official" else "") / "transformer"
+    if gates:
+        shard = "diffusion_pytorch_model-gates.safetensors"
+        save_tensors(gates, str(transformer / shard), metadata={"format": "pt"})
+        index_path = transformer / "diffusion_pytorch_model.safetensors.index.json"
+        index = json.loads(index_path.read_text())
+        index["weight_map"].update(dict.fromkeys(gates, shard))
+        index_path.write_text(json.dumps(index, indent=2) + "\n")
+    (out / CONTRACT_FILE).write_text(json.dumps(contract, indent=2) + "\n")
+    return out

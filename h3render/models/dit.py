@@ -33,7 +33,7 @@ from torch import nn
 from h3render import kernels
 from h3render.kernels.vsa import TILE
 from h3render.models.attention import SparseAttention, check_vsa_settings, gate_projection, sdpa_attention
-from h3render.models.dit_config import DIT_SMALL, DIT_TINY, DiTConfig  # noqa: F401 (the DiT's config lives there)
+from h3render.models.dit_config import DiTConfig
 from h3render.models.fp8 import Fp8Linear, Fp8Rows
 from h3render.packing import PackedLayout
 

@@ -1,6 +1,6 @@
 """The DiT's architecture as a small typed dataclass, and the registry's built-in sizes (released, tiny, small).
 
-Split from h3render/models/dit.py, which re-exports `DiTConfig`, `DIT_TINY` and `DIT_SMALL`.
+Its own module, so the checkpoint registry and loaders read an architecture without the model's code.
 """
 
 from __future__ import annotations

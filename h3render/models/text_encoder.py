@@ -406,14 +406,3 @@ def add_vision_tokens(tokenizer):
     if missing:
         tokenizer.add_special_tokens({"additional_special_tokens": missing})
     return tokenizer
-
-
-def tiny_vl_tokenizer(vocab_size: int = 512):
-    """The built-in tiny models' tokenizer with the vision tokens: `h3render.make_checkpoint.tiny_tokenizer` trained to
-    `vocab_size - 4` ids, plus the four vision special tokens, so every id stays below `vocab_size`."""
-    from h3render.make_checkpoint.random_model import tiny_tokenizer
-
-    tokenizer = add_vision_tokens(tiny_tokenizer(vocab_size - len(VISION_TOKENS)))
-    if len(tokenizer) > vocab_size:
-        raise ValueError(f"tiny tokenizer has {len(tokenizer)} ids for a vocabulary of {vocab_size}")
-    return tokenizer

@@ -3,14 +3,11 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-if TYPE_CHECKING:
-    from h3render.models.video_vae import VideoVAEConfig
+from h3render.models.video_vae_config import VideoVAEConfig
 
 
 class CausalConv3d(nn.Conv3d):

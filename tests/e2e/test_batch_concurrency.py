@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 
 from h3render import locks
-from h3render.batch import lock_path, run_batch
+from h3render.batch import run_batch
+from h3render.outputs import lock_path
 from tests.unit.test_batch import FakeRenderer, Factory, files_under, make_jobs, read_report
 from tests._env import repo_pythonpath
 

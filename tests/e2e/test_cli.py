@@ -270,7 +270,7 @@ def test_single_file_transformer_replaces_the_checkpoint_dit(official_ckpt, tmp_
     from equal weights (issue #29: 87.7 % of pixels off). The loaded tensors are compared on every device."""
     import torch
 
-    from h3render.checkpoint import load_components
+    from h3render.checkpoint.load import load_components
 
     single = tmp_path / "dit.safetensors"
     r = run_here("make-checkpoint", str(single), "--config", "tiny", "--layout", "single-file")
@@ -306,7 +306,7 @@ def test_single_file_transformer_replaces_the_checkpoint_dit(official_ckpt, tmp_
 def test_make_checkpoint_single_file_must_end_in_safetensors(tmp_path):
     """`--layout single-file` wrote `sf`, which `--transformer sf` could not load (a single file is told from a
     checkpoint folder by its suffix): refused before anything is written."""
-    from h3render.make_checkpoint import make_checkpoint
+    from h3render.make_checkpoint.writer import make_checkpoint
 
     out = tmp_path / "sf"
     line = one_error_line(invoke("make-checkpoint", str(out), "--config", "tiny", "--layout", "single-file"))
@@ -328,7 +328,7 @@ def test_an_unusable_transformer_file_is_a_usage_error_before_the_plan(kind, off
     import torch
     from safetensors.torch import save_file
 
-    from h3render.checkpoint import RELEASES
+    from h3render.checkpoint.releases import RELEASES
 
     path = tmp_path / {"no suffix": "sf", "folder": "dit", "missing": "nope.safetensors"}.get(kind, "dit.safetensors")
     if kind == "no suffix":

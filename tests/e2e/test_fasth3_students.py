@@ -11,12 +11,15 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from h3render.checkpoint import RELEASES, AdapterError, CheckpointError, load_components, read_adapter
 from h3render.checkpoint import adapter as fasth3
-from h3render.checkpoint import read_checkpoint_info
+from h3render.checkpoint.adapter import read_adapter
+from h3render.checkpoint.errors import AdapterError, CheckpointError
+from h3render.checkpoint.layouts import read_checkpoint_info
+from h3render.checkpoint.load import load_components
+from h3render.checkpoint.releases import RELEASES
 from h3render.checkpoint.students import plan_student, resolve_adapter
-from h3render.make_checkpoint.synthetic_adapter import (write_synthetic_adapter, write_synthetic_bundle,
-                                                        write_synthetic_full_student)
+from h3render.make_checkpoint.synthetic_adapter import write_synthetic_adapter, write_synthetic_bundle
+from h3render.make_checkpoint.writer import write_synthetic_full_student
 from tests._spawn import cpu_rank, put_result, run_ranks
 
 CFG = RELEASES["tiny"].dit

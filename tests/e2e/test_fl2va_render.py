@@ -14,8 +14,10 @@ import pytest
 import torch
 from PIL import Image
 
-from h3render.checkpoint import CheckpointError, load_vision, read_checkpoint_info
-from h3render.make_checkpoint import make_checkpoint
+from h3render.checkpoint.errors import CheckpointError
+from h3render.checkpoint.layouts import read_checkpoint_info
+from h3render.checkpoint.load import load_vision
+from h3render.make_checkpoint.writer import make_checkpoint
 from tests._mp4 import frames_of
 from tests._env import repo_pythonpath
 from tests._spawn import free_port

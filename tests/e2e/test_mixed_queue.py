@@ -8,11 +8,11 @@ from dataclasses import replace
 import pytest
 import torch
 
-from h3render.checkpoint import RELEASES
+from h3render.checkpoint.releases import RELEASES
 from h3render.engine import Engine, EngineSettings
 from h3render.errors import RenderError
 from h3render.jobs import Job
-from h3render.make_checkpoint import write_synthetic_adapter
+from h3render.make_checkpoint.synthetic_adapter import write_synthetic_adapter
 from h3render.parallel.groups import ParallelContext
 from tests._numerics import rel_err
 

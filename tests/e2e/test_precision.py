@@ -18,11 +18,11 @@ import numpy as np
 import pytest
 import torch
 
-from h3render.checkpoint import RELEASES
 from h3render.checkpoint.load import PRECISIONS
+from h3render.checkpoint.releases import RELEASES
 from h3render.engine import Engine, EngineSettings, precision_problem
 from h3render.jobs import Job
-from h3render.make_checkpoint import write_synthetic_adapter
+from h3render.make_checkpoint.synthetic_adapter import write_synthetic_adapter
 from h3render.models.fp8 import Fp8Linear
 from h3render.parallel.groups import ParallelContext
 from tests._mp4 import frames_of

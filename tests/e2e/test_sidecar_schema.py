@@ -93,8 +93,8 @@ def test_schema_rejects_the_old_field_names(t2va):
 
 
 def test_fasth3_sidecar_with_adapter_implied_mode(tmp_path):
-    from h3render.checkpoint import RELEASES
-    from h3render.make_checkpoint import write_synthetic_adapter
+    from h3render.checkpoint.releases import RELEASES
+    from h3render.make_checkpoint.synthetic_adapter import write_synthetic_adapter
 
     adapter = tmp_path / "adapter.safetensors"
     write_synthetic_adapter(adapter, RELEASES["tiny"].dit, 0)

@@ -115,9 +115,9 @@ def test_a_task_warm_up_failure_fails_its_job_alone(engine, tmp_path):
     import numpy as np
     from PIL import Image
 
-    from h3render.checkpoint import read_checkpoint_info
+    from h3render.checkpoint.layouts import read_checkpoint_info
     from h3render.errors import RenderError
-    from h3render.jobs import job_from_fields
+    from h3render.manifest import job_from_fields
 
     key = tmp_path / "key.png"
     Image.fromarray(np.full((64, 128, 3), 200, dtype=np.uint8)).save(key)

@@ -9,7 +9,8 @@ import dataclasses
 import pytest
 import torch
 
-from h3render.models.dit import DIT_SMALL, DIT_TINY, DiT, DiTConfig, timestep_sinusoid
+from h3render.models.dit import DiT, timestep_sinusoid
+from h3render.models.dit_config import DIT_SMALL, DIT_TINY, DiTConfig
 from h3render.packing import step_timesteps, t2va_layout
 from h3render.sampling import schedule_timesteps, sigma_schedule
 from tests._diffusers_ref import diffusers_transformer, random_dit

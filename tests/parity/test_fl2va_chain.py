@@ -11,9 +11,10 @@ import torch
 from PIL import Image
 
 from h3render.keyframes import keyframe_pixels
-from h3render.models.dit import DIT_TINY
+from h3render.models.dit_config import DIT_TINY
 from h3render.models.vae_tiling import TilingConfig
-from h3render.models.video_vae import VIDEO_VAE_TINY, VideoVAE
+from h3render.models.video_vae import VideoVAE
+from h3render.models.video_vae_config import VIDEO_VAE_TINY
 from h3render.packing import (
     ConditionedLayout,
     fl2va_layout,

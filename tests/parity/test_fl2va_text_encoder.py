@@ -11,19 +11,10 @@ import torch
 from PIL import Image
 from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration, Qwen3VLProcessor
 
-from h3render.models.text_encoder import (
-    IMAGE_PAD,
-    TEXT_TAG,
-    VIDEO_PAD,
-    VIDEO_TAG,
-    VISION_END,
-    VISION_START,
-    TextEncoder,
-    image_processor_from_dict,
-    mrope_position_ids,
-    tiny_vl_tokenizer,
-)
+from h3render.checkpoint.builtin import tiny_vl_tokenizer
 from h3render.checkpoint.releases import QWEN3VL_TINY
+from h3render.models.text_encoder import (IMAGE_PAD, TEXT_TAG, VIDEO_PAD, VIDEO_TAG, VISION_END, VISION_START,
+                                          TextEncoder, image_processor_from_dict, mrope_position_ids)
 from tests._numerics import rel_err
 
 pytest.importorskip("diffusers")
@@ -173,7 +164,7 @@ def test_errors(setup):
     no_vision = TextEncoder(full.config.text_config, READ, tokenizer=ours.tokenizer)
     with pytest.raises(ValueError, match="no vision tower"):
         no_vision.encode_with_images(PROMPT, _images((64, 64)))
-    from h3render.make_checkpoint import tiny_tokenizer
+    from h3render.checkpoint.builtin import tiny_tokenizer
 
     plain = TextEncoder(full.config.text_config, READ, tokenizer=tiny_tokenizer())
     with pytest.raises(ValueError, match=r"no <\|vision_start\|> token"):
@@ -185,8 +176,8 @@ def test_tiny_release_vision_tower_builds_on_meta_and_encodes():
     224 x 128 canvas is upsized by min_pixels 65536 to 352 x 208 (smart_resize, factor 16) -> 22 x 13 merged pads."""
     import math
 
-    from h3render.checkpoint.stream import parameters_on_meta
     from h3render.checkpoint.releases import RELEASES
+    from h3render.checkpoint.stream import parameters_on_meta
 
     release = RELEASES["tiny"]
     processor = image_processor_from_dict(PROCESSOR)

@@ -5,7 +5,7 @@ and `text_token_tags` directly (its Qwen3-VL processor needs torchvision)."""
 import pytest
 import torch
 
-from h3render.models.dit import DIT_TINY
+from h3render.models.dit_config import DIT_TINY
 from h3render.packing import patchify_video, rows_to_audio, t2va_layout, unpatchify_video
 from h3render.sampling import denoise, dit_model_fn, draw_noise, schedule_timesteps, sigma_schedule
 from h3render.spec import SPATIAL_COMPRESSION

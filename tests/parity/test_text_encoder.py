@@ -5,8 +5,8 @@ import pytest
 import torch
 from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
 
-from h3render.checkpoint import QWEN3VL_TINY
-from h3render.make_checkpoint import tiny_tokenizer
+from h3render.checkpoint.builtin import tiny_tokenizer
+from h3render.checkpoint.releases import QWEN3VL_TINY
 from h3render.models.text_encoder import TEXT_TAG, TextEncoder
 from tests._numerics import rel_err
 

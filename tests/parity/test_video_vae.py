@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from h3render.models.vae_tiling import TilingConfig, split_axis
-from h3render.models.video_vae import PIXEL_MEAN, PIXEL_STD, VIDEO_VAE_TINY, VideoVAE, VideoVAEConfig
+from h3render.models.video_vae import PIXEL_MEAN, PIXEL_STD, VideoVAE
+from h3render.models.video_vae_config import VIDEO_VAE_TINY, VideoVAEConfig
 from h3render.spec import SPATIAL_COMPRESSION
 from tests._numerics import assert_close, rel_err
 

@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 from h3render import locks, report as report_mod
-from h3render.batch import BatchUsageError, run_batch
+from h3render.batch import run_batch
+from h3render.outputs import BatchUsageError
 from h3render.sidecar import media_record
 from tests.unit.test_batch import FakeJob, FakeRenderer, Factory, files_under, make_jobs, read_report
 from tests.e2e.test_batch_concurrency import renders, start_queue

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from h3render.models.dit import DIT_TINY
+from h3render.models.dit_config import DIT_TINY
 from h3render.models.fp8 import Fp8Linear, quantize_dit_fp8_
 from tests._diffusers_ref import random_dit
 from tests._numerics import rel_err

@@ -14,9 +14,13 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from h3render.checkpoint import (RELEASES, CheckpointError, dit_state_dict_to_diffusers, load_components,
-                                 read_checkpoint_info)
-from h3render.make_checkpoint import build_tiny, make_checkpoint
+from h3render.checkpoint.errors import CheckpointError
+from h3render.checkpoint.layouts import read_checkpoint_info
+from h3render.checkpoint.load import load_components
+from h3render.checkpoint.load import build_tiny
+from h3render.checkpoint.names import dit_state_dict_to_diffusers
+from h3render.checkpoint.releases import RELEASES
+from h3render.make_checkpoint.writer import make_checkpoint
 from h3render.packing import step_timesteps, t2va_layout
 from tests._numerics import rel_err
 

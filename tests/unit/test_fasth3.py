@@ -9,11 +9,16 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from h3render.checkpoint import adapter as fasth3
-from h3render.checkpoint import (RELEASES, AdapterError, AdapterFusion, CheckpointError, CheckpointInfo, Entry,
-                                 fasth3_schedule, read_adapter)
+from h3render.checkpoint.adapter import AdapterFusion, read_adapter
+from h3render.checkpoint.contract import fasth3_schedule, is_fasth3_v2
+from h3render.checkpoint.errors import AdapterError, CheckpointError
+from h3render.checkpoint.layouts import CheckpointInfo
 from h3render.checkpoint.load import assemble_components
-from h3render.make_checkpoint import write_synthetic_adapter
-from h3render.models.dit import DIT_TINY, DiT
+from h3render.checkpoint.releases import RELEASES
+from h3render.checkpoint.stream import Entry
+from h3render.make_checkpoint.synthetic_adapter import write_synthetic_adapter
+from h3render.models.dit import DiT
+from h3render.models.dit_config import DIT_TINY
 from tests._numerics import rel_err
 
 CFG = DIT_TINY
@@ -304,7 +309,7 @@ V2_CONTRACT = {
 
 
 def test_v2_schedule_from_its_contract():
-    assert fasth3.is_fasth3_v2(V2_CONTRACT) and not fasth3.is_fasth3_v2({"dmd_denoising_steps": [999]})
+    assert is_fasth3_v2(V2_CONTRACT) and not is_fasth3_v2({"dmd_denoising_steps": [999]})
     s = fasth3_schedule(json.loads(json.dumps(V2_CONTRACT)), video_shift=12.0, audio_shift=3.0)
     assert s.source == "FastH3 V2 contract" and s.forwards == 8 and len(s.video) == 9
     assert s.video_shift == 10.0

@@ -14,11 +14,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from h3render.checkpoint import load_components
+from h3render.checkpoint.load import load_components
+from h3render.checkpoint.load import build_random
 from h3render.kernels.fp8 import Fp8Rows, quantize_rows
-from h3render.make_checkpoint import build_random
 from h3render.models import fp8
-from h3render.models.dit import DIT_TINY
+from h3render.models.dit_config import DIT_TINY
 from h3render.models.fp8 import (Fp8Linear, Fp8WeightLinear, precision_report, quantize_dit_fp8_,
                                  quantize_text_encoder_fp8_, quantize_weight)
 from tests._diffusers_ref import random_dit
@@ -200,8 +200,8 @@ def test_load_components_fp8_builtin_tiny():
 
 
 def test_fp8_load_quantizes_the_fasth3_fused_weights(tmp_path):
-    from h3render.checkpoint import TINY_BASE_MODEL, AdapterFusion, read_adapter
-    from h3render.make_checkpoint import write_synthetic_adapter
+    from h3render.checkpoint.adapter import TINY_BASE_MODEL, AdapterFusion, read_adapter
+    from h3render.make_checkpoint.synthetic_adapter import write_synthetic_adapter
 
     adapter = read_adapter(write_synthetic_adapter(tmp_path / "a.safetensors", DIT_TINY, seed=3, rank=4),
                            base_model=TINY_BASE_MODEL)

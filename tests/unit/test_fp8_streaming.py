@@ -14,15 +14,18 @@ import weakref
 import pytest
 import torch
 
-from h3render.checkpoint import CheckpointError, load_components, read_checkpoint_info
+from h3render.checkpoint.builtin import random_entries
+from h3render.checkpoint.builtin import tiny_vl_tokenizer
+from h3render.checkpoint.errors import CheckpointError
+from h3render.checkpoint.layouts import read_checkpoint_info
+from h3render.checkpoint.load import load_components
 from h3render.checkpoint.load import _adaln_home, assemble_components
 from h3render.checkpoint.releases import RELEASES
 from h3render.checkpoint.students import plan_student
-from h3render.make_checkpoint.random_model import random_entries
 from h3render.make_checkpoint.synthetic_adapter import write_synthetic_adapter
-from h3render.models.dit import DIT_TINY, AdaLNProj
+from h3render.models.dit import AdaLNProj
+from h3render.models.dit_config import DIT_TINY
 from h3render.models.fp8 import DIT_BLOCK_LINEARS, Fp8Linear, empty_dit_fp8_, quantize_dit_fp8_
-from h3render.models.text_encoder import tiny_vl_tokenizer
 from tests.unit.test_vsa_dit import _forward
 
 TINY = RELEASES["tiny"]

@@ -7,8 +7,13 @@ from pathlib import Path
 import pytest
 
 from h3render import jobs as J
-from h3render.jobs import Job, Limits, ManifestError, load_manifest
-from h3render.manifest import MAX_NESTING
+from h3render import manifest as M
+from h3render import shards as SH
+from h3render import spec as S
+from h3render.jobs import Job
+from h3render.manifest import load_manifest
+from h3render.manifest_formats import MAX_NESTING, ManifestError
+from h3render.spec import Limits
 
 REPO = Path(__file__).resolve().parents[2]
 RELEASED = Limits(min_frames=107, max_frames=362, default_canvas=(1344, 768), default_frames=243, default_steps=50)
@@ -32,7 +37,7 @@ def errors_of(path, limits=RELEASED, overrides=None):
 @pytest.mark.parametrize("aspect, canvas", [((9, 5), (1376, 768)), ((2, 1), (1440, 704)), ((16, 9), (1344, 768)),
                                             ((9, 16), (768, 1344)), ((4, 3), (1024, 768)), ((1, 1), (768, 768))])
 def test_canvas_for_aspect_examples(aspect, canvas):
-    assert J.canvas_for_aspect(*aspect) == canvas
+    assert S.canvas_for_aspect(*aspect) == canvas
 
 
 def test_canvas_for_aspect_matches_diffusers_over_a_sweep():
@@ -41,35 +46,35 @@ def test_canvas_for_aspect_matches_diffusers_over_a_sweep():
     aspects = [(w, h) for w in range(1, 41) for h in range(1, 41) if 0.25 <= w / h <= 4]
     aspects += [(2.39, 1), (1.85, 1), (1, 4), (4, 1), (21, 9), (3, 2)]
     mismatches = [(w, h) for w, h in aspects
-                  if J.canvas_for_aspect(w, h) != resolve_canvas_size(w, h, 32, 768, 768 * 1344)[::-1]]
+                  if S.canvas_for_aspect(w, h) != resolve_canvas_size(w, h, 32, 768, 768 * 1344)[::-1]]
     print(f"canvas rule: {len(aspects)} aspects compared with diffusers, {len(mismatches)} mismatches")
     assert not mismatches
     # another checkpoint's rule (short edge, area cap) goes through the same arithmetic
-    assert J.canvas_for_aspect(16, 9, short_edge=96, max_pixels=96 * 160) == resolve_canvas_size(
+    assert S.canvas_for_aspect(16, 9, short_edge=96, max_pixels=96 * 160) == resolve_canvas_size(
         16, 9, 32, 96, 96 * 160)[::-1]
 
 
 @pytest.mark.parametrize("aspect", [(5, 1), (1, 5), (0, 1), (-16, 9)])
 def test_canvas_for_aspect_refuses_out_of_range(aspect):
     with pytest.raises(ValueError, match="aspect"):
-        J.canvas_for_aspect(*aspect)
+        S.canvas_for_aspect(*aspect)
 
 
 def test_explicit_canvas_rules():
-    J.check_canvas(960, 544)
-    J.check_canvas(128, 512)  # exactly 1:4
+    S.check_canvas(960, 544)
+    S.check_canvas(128, 512)  # exactly 1:4
     for width, height, text in [(1000, 544, "width 1000"), (960, 540, "height 540"), (160, 32, "1:4"),
                                 (0, 64, "width 0")]:
         with pytest.raises(ValueError, match=text):
-            J.check_canvas(width, height)
+            S.check_canvas(width, height)
 
 
 def test_parse_aspect():
-    assert J.parse_aspect("16:9") == (16, 9)
-    assert J.parse_aspect(" 2.39 : 1 ") == (2.39, 1)
+    assert S.parse_aspect("16:9") == (16, 9)
+    assert S.parse_aspect(" 2.39 : 1 ") == (2.39, 1)
     for bad in ["16x9", "16:", "0:1", "a:b", "16:9:1"]:
         with pytest.raises(ValueError, match="16:9"):
-            J.parse_aspect(bad)
+            S.parse_aspect(bad)
 
 
 # --- time ------------------------------------------------------------------------------------------------------------
@@ -77,7 +82,7 @@ def test_parse_aspect():
 @pytest.mark.parametrize("duration, frames", [(10, 243), (15, 362), (4.46, 107), (4, 107), (10.125, 243),
                                               (5, 124), (15.08, 362), (1, 39)])
 def test_snap_duration(duration, frames):
-    assert J.snap_frames(duration=duration) == frames
+    assert S.snap_frames(duration=duration) == frames
 
 
 def test_snap_frames_matches_diffusers_alignment():
@@ -85,30 +90,30 @@ def test_snap_frames_matches_diffusers_alignment():
         align_num_frames, audio_latent_num_frames, video_latent_num_frames)
 
     for frames in range(1, 400):
-        snapped = J.snap_frames(frames=frames)
+        snapped = S.snap_frames(frames=frames)
         assert snapped == align_num_frames(frames, 17, 5)
-        assert J.latent_frames(snapped) == video_latent_num_frames(snapped, 17, 5)
-        assert J.audio_rows(snapped) == 2 * audio_latent_num_frames(snapped)
-    assert J.snap_frames(frames=107) == 107 and J.snap_frames(frames=108) == 124
+        assert S.latent_frames(snapped) == video_latent_num_frames(snapped, 17, 5)
+        assert S.audio_rows(snapped) == 2 * audio_latent_num_frames(snapped)
+    assert S.snap_frames(frames=107) == 107 and S.snap_frames(frames=108) == 124
 
 
 def test_snap_limits_and_bad_requests():
-    assert J.snap_frames(duration=4.46, limits=RELEASED) == 107
+    assert S.snap_frames(duration=4.46, limits=RELEASED) == 107
     with pytest.raises(ValueError, match="107–362 frames") as info:
-        J.snap_frames(duration=16, limits=RELEASED)
+        S.snap_frames(duration=16, limits=RELEASED)
     assert "4.458–15.083 s" in str(info.value)
     with pytest.raises(ValueError, match="107–362"):
-        J.snap_frames(frames=90, limits=RELEASED)
+        S.snap_frames(frames=90, limits=RELEASED)
     for kwargs in [dict(frames=0), dict(frames=-17), dict(duration=0), dict(duration=-1.0), dict(), dict(frames=5,
                                                                                                        duration=1)]:
         with pytest.raises(ValueError):
-            J.snap_frames(**kwargs)
+            S.snap_frames(**kwargs)
 
 
 def test_row_counts_at_the_released_canvas():
-    assert J.latent_frames(243) == 72
-    assert J.video_rows(1344, 768, 243) == 72_576
-    assert J.audio_rows(243) == 810
+    assert S.latent_frames(243) == 72
+    assert S.video_rows(1344, 768, 243) == 72_576
+    assert S.audio_rows(243) == 810
 
 
 # --- manifests: success paths ----------------------------------------------------------------------------------------
@@ -168,7 +173,7 @@ def test_precedence_job_over_command_line_over_defaults_over_limits(tmp_path):
     assert fast.steps is None  # an inherited steps does not apply to the adapter's distilled schedule
     plain, own, _ = load_manifest(path, RELEASED, {"seed": 11, "steps": None, "frames": 107})
     assert (plain.seed, plain.steps, plain.frames, own.seed, own.frames) == (11, 20, 107, 9, 243)
-    bare = J.job_from_fields({"prompt": "x"}, TINY)
+    bare = M.job_from_fields({"prompt": "x"}, TINY)
     assert (bare.width, bare.height, bare.frames, bare.steps, bare.seed) == (128, 96, 39, 8, J.DEFAULT_SEED)
     assert bare.time_note() == "39 frames = 1.625 s (default)"
 
@@ -357,7 +362,7 @@ def test_presets_listing():
     for name, canvas in expected.items():
         info = infos[name]
         assert (info.width, info.height) == canvas
-        assert info.video_rows == J.latent_frames(info.frames) * (canvas[0] // 32) * (canvas[1] // 32)
+        assert info.video_rows == S.latent_frames(info.frames) * (canvas[0] // 32) * (canvas[1] // 32)
         assert info.audio_rows == 2 * round(info.frames / 24 * 40)
     assert (infos["landscape-16x9"].frames, infos["landscape-16x9"].video_rows) == (124, 37 * 24 * 42)
     lines = J.preset_lines()
@@ -393,35 +398,35 @@ def _jobs(n):
 @pytest.mark.parametrize("count", [1, 2, 3, 4, 5])
 def test_shards_cover_every_job_exactly_once(count):
     jobs = _jobs(13)
-    shards = [J.shard_jobs(jobs, index, count) for index in range(count)]
+    shards = [SH.shard_jobs(jobs, index, count) for index in range(count)]
     outputs = [job.output for shard in shards for job in shard]
     assert sorted(outputs) == sorted(job.output for job in jobs) and len(outputs) == len(jobs)
-    assert shards == [J.shard_jobs(jobs, index, count) for index in range(count)]  # deterministic
+    assert shards == [SH.shard_jobs(jobs, index, count) for index in range(count)]  # deterministic
     assert all(shard == sorted(shard, key=jobs.index) for shard in shards)  # manifest order kept
 
 
 def test_parse_shard():
-    assert J.parse_shard("0/4") == (0, 4) and J.parse_shard(" 3 / 4 ") == (3, 4)
+    assert SH.parse_shard("0/4") == (0, 4) and SH.parse_shard(" 3 / 4 ") == (3, 4)
     for bad in ["4/4", "1/0", "-1/2", "a/b", "1", "1/2/3"]:
         with pytest.raises(ValueError, match="shard"):
-            J.parse_shard(bad)
+            SH.parse_shard(bad)
     with pytest.raises(ValueError, match="0 … 1"):
-        J.shard_jobs(_jobs(2), 2, 2)
+        SH.shard_jobs(_jobs(2), 2, 2)
 
 
 def test_shard_from_slurm():
-    assert J.shard_from_slurm({}) is None
+    assert SH.shard_from_slurm({}) is None
     env = {"SLURM_ARRAY_TASK_ID": "5", "SLURM_ARRAY_TASK_COUNT": "4", "SLURM_ARRAY_TASK_MIN": "3"}
-    assert J.shard_from_slurm(env) == (2, 4)
-    assert J.shard_from_slurm({**env, "SLURM_ARRAY_TASK_MIN": "0", "SLURM_ARRAY_TASK_ID": "3"}) == (3, 4)
-    assert J.shard_from_slurm({"SLURM_ARRAY_TASK_ID": "4", "SLURM_ARRAY_TASK_COUNT": "4",
+    assert SH.shard_from_slurm(env) == (2, 4)
+    assert SH.shard_from_slurm({**env, "SLURM_ARRAY_TASK_MIN": "0", "SLURM_ARRAY_TASK_ID": "3"}) == (3, 4)
+    assert SH.shard_from_slurm({"SLURM_ARRAY_TASK_ID": "4", "SLURM_ARRAY_TASK_COUNT": "4",
                                "SLURM_ARRAY_TASK_MIN": "0", "SLURM_ARRAY_TASK_STEP": "2"}) == (2, 4)
     bad_envs = [{**env, "SLURM_ARRAY_TASK_ID": "x"}, {"SLURM_ARRAY_TASK_ID": "1"},
                 {**env, "SLURM_ARRAY_TASK_ID": "9"}, {**env, "SLURM_ARRAY_TASK_ID": "2"},
                 {**env, "SLURM_ARRAY_TASK_ID": "6", "SLURM_ARRAY_TASK_STEP": "2"}]
     for bad in bad_envs:
         with pytest.raises(ValueError, match="SLURM"):
-            J.shard_from_slurm(bad)
+            SH.shard_from_slurm(bad)
 
 
 # --- Job and examples ---------------------------------------------------------------------------------------------------
@@ -494,10 +499,10 @@ def test_adapter_named_in_the_manifest_defaults(tmp_path):
           - {id: a, prompt: x}
           - {id: b, prompt: y, mode: fasth3}
     """)
-    manifest = J.read_manifest(path, RELEASED, adapter_available=False)
+    manifest = M.read_manifest(path, RELEASED, adapter_available=False)
     assert manifest.adapter == tmp_path / "adapters" / "student.safetensors"
     assert [j.mode for j in manifest.jobs] == ["t2va", "fasth3"]
-    assert J.read_manifest(write(tmp_path, "n.jsonl", '{"prompt": "x"}\n'), RELEASED).adapter is None
+    assert M.read_manifest(write(tmp_path, "n.jsonl", '{"prompt": "x"}\n'), RELEASED).adapter is None
     # relative to the manifest's folder, not the working directory; a missing file is reported now
     missing = write(tmp_path, "m.jsonl", '{"defaults": {"adapter": "nope.safetensors"}}\n{"prompt": "x"}\n')
     assert errors_of_kw(missing) == [f"{missing}:1: adapter: no such file: {tmp_path / 'nope.safetensors'}"]
@@ -575,14 +580,14 @@ def test_x264_preset_names_are_checked_up_front():
 
 
 def test_spec_facts_are_not_restated():
-    from h3render import spec
-
     for name in ("FPS", "CANVAS_MULTIPLE", "FRAMES_PER_CHUNK", "FRAMES_REMAINDER", "AUDIO_LATENTS_PER_SECOND",
                  "AUDIO_CHANNELS", "RELEASED_SHORT_EDGE", "RELEASED_MAX_PIXELS", "MIN_ASPECT", "MAX_ASPECT",
-                 "canvas_for_aspect", "is_snapped", "latent_frames", "video_rows", "audio_rows"):
-        assert getattr(J, name) is getattr(spec, name), name
+                 "canvas_for_aspect", "is_snapped", "latent_frames", "video_rows", "audio_rows", "Limits",
+                 "check_canvas", "parse_aspect", "snap_frames"):
+        for module in (J, M):  # what jobs and manifest hold of these is spec's own object, never a copy
+            assert getattr(module, name, getattr(S, name)) is getattr(S, name), (module.__name__, name)
     source = (REPO / "h3render" / "jobs.py").read_text() + (REPO / "h3render" / "manifest.py").read_text()
-    assert "FPS = " not in source and "def canvas_for_aspect" not in source
+    assert "FPS = " not in source and "def canvas_for_aspect" not in source and "class Limits" not in source
 
 
 def errors_of_kw(path, limits=RELEASED, overrides=None, **kw):

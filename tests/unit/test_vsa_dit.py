@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from h3render.models.attention import SparseAttention
-from h3render.models.dit import DIT_TINY, DiT
+from h3render.models.dit import DiT
+from h3render.models.dit_config import DIT_TINY
 from h3render.packing import t2va_layout
 from h3render.sampling import schedule_timesteps, sigma_schedule
 from tests._diffusers_ref import random_dit

@@ -1,8 +1,10 @@
-"""The built-in random models ("tiny", "small"): deterministic per-tensor weights in checkpoint naming, made on
-read, and the small byte-level tokenizer they use. No files, no downloads.
+"""The built-in random models ("tiny", "small") as a checkpoint source: deterministic per-tensor weights in
+checkpoint naming, made on read (`random_entries`), and the small byte-level tokenizer they use. No files, no
+downloads.
 
-`build_random(...)` in memory and `make_checkpoint(...)` on disk give identical weights for the same seed: both
-read `random_entries`, and `build_random` loads them through the checkpoint loader's own strict streaming path.
+`checkpoint.load.build_random(...)` in memory and `make_checkpoint.writer.make_checkpoint(...)` on disk give
+identical weights for the same seed: both read `random_entries`, and `build_random` loads them through the loader's
+own strict streaming path.
 """
 
 from __future__ import annotations
@@ -10,18 +12,16 @@ from __future__ import annotations
 import functools
 import math
 import zlib
-from typing import Any, Callable, Collection, Iterator
+from typing import Callable, Iterator
 
 import torch
 from torch import Tensor, nn
 
-from h3render.checkpoint.errors import CheckpointError
-from h3render.checkpoint.layouts import CheckpointInfo
-from h3render.checkpoint.load import PARTS, Components, assemble_components
-from h3render.checkpoint.releases import BUILTIN, RELEASES, Release
-from h3render.checkpoint.stream import Entry, TensorHook, parameters_on_meta
+from h3render.checkpoint.releases import Release
+from h3render.checkpoint.stream import Entry, parameters_on_meta
 from h3render.models.audio_vae import AudioVAE
 from h3render.models.dit import DiT
+from h3render.models.text_encoder import VISION_TOKENS, add_vision_tokens
 from h3render.models.video_vae import VideoVAE
 
 # Storage dtypes of the release: DiT bf16 except the fp32 islands (patch projections, time embedder, output heads);
@@ -132,39 +132,10 @@ def tiny_tokenizer(vocab_size: int = 512):
     return PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(_tiny_tokenizer_json(vocab_size)))
 
 
-def build_random(
-    name: str = "tiny",
-    seed: int = 0,
-    device: torch.device | str = "cpu",
-    dtype: torch.dtype = torch.float32,
-    *,
-    parts: Collection[str] = PARTS,
-    tensor_hook: TensorHook | None = None,
-    precision: str = "bf16",
-) -> Components:
-    """A built-in random model ("tiny" or "small") in memory, from a fixed seed; no files, no downloads.
-
-    Same weights as `make_checkpoint(out, name, seed=seed)` writes (values rounded to the release storage
-    dtypes), loaded through the same strict streaming path (`assemble_components`), `precision` ("bf16" / "fp8")
-    included.
-
-    Raises:
-        CheckpointError: an unknown name.
-    """
-    if name not in BUILTIN:
-        raise CheckpointError(f"no built-in model {name!r} (choose from {', '.join(BUILTIN)})")
-    from h3render.models.text_encoder import tiny_vl_tokenizer  # the tokenizer with Qwen3-VL's vision tokens
-
-    release = RELEASES[name]
-    info = CheckpointInfo(path=name, layout="builtin", release=release, random_model=name)
-    return assemble_components(info, source=lambda part: random_entries(part, release, seed),
-                               where=lambda part: f"<builtin {name}>",
-                               tokenizer=lambda: tiny_vl_tokenizer(release.text_config.vocab_size),
-                               device=device, dtype=dtype, parts=parts, tensor_hook=tensor_hook,
-                               precision=precision)
-
-
-def build_tiny(seed: int = 0, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
-               **kwargs: Any) -> Components:
-    """The built-in tiny random model; see `build_random`."""
-    return build_random("tiny", seed=seed, device=device, dtype=dtype, **kwargs)
+def tiny_vl_tokenizer(vocab_size: int = 512):
+    """The built-in models' tokenizer with the vision tokens: `tiny_tokenizer` trained to `vocab_size - 4` ids, plus
+    the four vision special tokens, so every id stays below `vocab_size`."""
+    tokenizer = add_vision_tokens(tiny_tokenizer(vocab_size - len(VISION_TOKENS)))
+    if len(tokenizer) > vocab_size:
+        raise ValueError(f"tiny tokenizer has {len(tokenizer)} ids for a vocabulary of {vocab_size}")
+    return tokenizer
