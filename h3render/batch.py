@@ -58,10 +58,8 @@ from h3render import locks
 from h3render.report import (ELSEWHERE, EXIT_FAILED, EXIT_OK, FAILED, INTERRUPTED, PENDING, SKIPPED, STATUSES,  # noqa: F401
                              SUCCEEDED, BatchReport, JobOutcome, QueueLog, _name, claim_report, remove_files,
                              report_name)
-from h3render.signals import (EXIT_INTERRUPTED, EXIT_REQUEUE, REQUEUE_SIGNALS, InterruptGuard, settle,  # noqa: F401
-                              signal_name, signum_of)
-
-EXIT_USAGE = 2
+from h3render.exits import EXIT_INTERRUPTED, EXIT_REQUEUE, EXIT_USAGE, REQUEUE_SIGNALS  # noqa: F401
+from h3render.signals import InterruptGuard, settle, signal_name, signum_of  # noqa: F401
 
 
 from h3render.outputs import (BatchUsageError, JobPathError, blocker, lock_path, output_paths, prepare_out_dir,  # noqa: F401

@@ -16,6 +16,7 @@ from typing import Any, Iterable, Mapping, NamedTuple
 
 import yaml
 
+from h3render.exits import UsageError
 from h3render.job_keyframes import KEYFRAME_FIELDS
 from h3render.jobs import (DEFAULT_MODE, DEFAULT_SEED, Job, Limits, Preset, Requested, Source, _one_line,
                            canvas_for_aspect, check_canvas, load_presets, output_key, output_name, output_path_problem,
@@ -40,7 +41,7 @@ _COMMAND_LINE = "<command line>"
 MAX_NESTING = 64  # YAML levels; a manifest needs 3. PyYAML composes recursively: 100,000 levels overflow the stack
 
 
-class ManifestError(ValueError):
+class ManifestError(UsageError):
     """Every problem found in one manifest; `errors` holds the message lines in file order, each of the form
     `file:line: field: problem`."""
 

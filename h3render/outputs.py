@@ -10,8 +10,10 @@ import json
 import os
 from pathlib import Path
 
+from h3render.exits import UsageError
 
-class BatchUsageError(ValueError):
+
+class BatchUsageError(UsageError):
     """A usage error found before anything renders (exit 2, one line): two jobs share an output, a bad out dir."""
 
 
