@@ -18,9 +18,15 @@ from h3render import jobs as jobs_mod
 from h3render.cli_options import canvas_time_options, engine_options
 from h3render.exits import EXIT_OK, EXIT_USAGE, UsageError, error_exit_code
 from h3render.manifest import job_from_fields, read_manifest
-from h3render.shards import parse_shard, shard_from_slurm, shard_jobs
+from h3render.outputs import prepare_out_dir
+from h3render.runner import Queue, plan_ranks, ran_distributed, run_jobs
 from h3render.settings import (RunSettings, SettingsError, checkpoint_info, has_v2_contract, prompt_mode,
                                resolve_checkpoint, usage)
+from h3render.shards import parse_shard, shard_from_slurm, shard_jobs
+from h3render.signals import ProcessGuard, signal_name, signum_of
+
+# Modules that load torch (h3render.parallel, checkpoint, make_checkpoint) are imported where used, so that
+# `h3render --help` and click's usage errors answer at once.
 
 
 def _say(message: str) -> None:
@@ -41,8 +47,6 @@ def _checkpoint(given: str | None) -> str:
 
 def _check(run: RunSettings, info, mode: str | None = None) -> int:
     """Plan the ranks and check the settings once against them; print the warnings; the world size."""
-    from h3render.runner import plan_ranks
-
     world, warning = plan_ranks(run, info.release.dit.num_attention_heads)
     for line in run.check(info, mode=mode, world=world):
         _say(line)
@@ -62,8 +66,6 @@ def _check_writable(folder: Path) -> None:
 
 
 def _exit(code: int) -> NoReturn:
-    from h3render.runner import ran_distributed
-
     if ran_distributed():
         from h3render.parallel.launch import hard_exit
 
@@ -74,8 +76,6 @@ def _exit(code: int) -> NoReturn:
 def _main_guard(fn, *args) -> int:
     """`fn(*args)`'s exit code; a usage error (a manifest's: one line per problem) or a signal before the queue
     took over gives its code (`exits.error_exit_code`) and one line each."""
-    from h3render.signals import signal_name, signum_of
-
     try:
         return fn(*args)
     except KeyboardInterrupt as exc:  # a signal before the queue took over (start-up: imports, manifest, load)
@@ -114,8 +114,6 @@ def prompt_command(text, output, quiet, **opts) -> None:
 
 
 def _prompt(text: str, output: str, quiet: bool, opts: dict) -> int:
-    from h3render.runner import run_jobs
-
     out = Path(output)
     if out.suffix.lower() != ".mp4":
         raise SettingsError(f"output {output} must end in .mp4")
@@ -173,8 +171,6 @@ def batch_command(manifest, out_dir, shard, skip_existing, fail_fast, dry_run, q
 
 
 def _batch(manifest, out_dir, shard, skip_existing, fail_fast, dry_run, quiet, opts) -> int:
-    from h3render.runner import Queue, run_jobs
-
     checkpoint = _checkpoint(opts["checkpoint"])
     info = checkpoint_info(checkpoint)
     # Command-line defaults, passed like --mode: read_manifest applies them below each job's own fields.
@@ -195,8 +191,6 @@ def _batch(manifest, out_dir, shard, skip_existing, fail_fast, dry_run, quiet, o
         return EXIT_OK
     world = _check(run, info)
     _check_writable(Path(out_dir))
-    from h3render.batch import prepare_out_dir
-
     prepare_out_dir(out_dir)  # a file or a broken/looping symlink in the way: exit 2 before any rank starts
     queue = Queue(out_dir, shard=shard_spec, overwrite=not skip_existing, fail_fast=fail_fast)
     return run_jobs(run, jobs, world, info.release.dit.num_attention_heads, quiet=quiet, queue=queue)
@@ -245,8 +239,6 @@ def make_checkpoint_command(out, config, layout, seed, adapter) -> None:
 
 
 def main() -> None:
-    from h3render.signals import ProcessGuard
-
     ProcessGuard().install()  # from here on a signal gives 130 (75: SIGUSR1/2) and one line, not click's "Aborted!"
     try:
         code = cli.main(prog_name="h3render", standalone_mode=False)

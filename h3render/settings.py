@@ -192,7 +192,8 @@ class RunSettings:
         """The resume key and the settings part of the sidecar: ``{"checkpoint": {"path", "config_hash",
         "transformer", "precision"}, "encoder": {"crf", "x264_preset"}}``, which `batch.run_batch(current=)`,
         `jobs.plan_lines(current=)` and `timing.rendered_with` compare against an earlier sidecar's
-        ``checkpoint`` and ``run.encoder`` / ``run.precision`` (docs/sidecar.md; unchanged since schema 3).
+        ``checkpoint`` and ``run.encoder`` / ``run.precision`` (docs/sidecar.md): its format is the on-disk one, so
+        sidecars of older versions still resume.
         ``transformer`` is the --transformer file's absolute path, or None."""
         transformer = self.transformer and str(Path(self.transformer).resolve())
         return {"checkpoint": {"path": self.checkpoint_path if self.checkpoint_path is not None else self.checkpoint,
