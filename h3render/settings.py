@@ -55,12 +55,16 @@ class RunSettings:
         vae_batch: video VAE decode work items (window x tile) per decoder forward.
         compile_vae: on CUDA, `torch.compile` the video VAE decoder blocks (1x H200: 11.0 s -> 7.2 s for 72 latent
             frames at 1344x768; compiled in `Engine.prepare`, outside job timings).
-        graph_audio: on CUDA, replay the audio VAE decode from a CUDA graph captured per audio length (bit for bit
-            the eager decode, h3render/graphs.py).
-        save_latents: also write `<name>.latents.pt` (video `[24, T, h, w]`, audio `[2, 32, Ta]`, float32).
+        graph_audio: on CUDA, replay the audio VAE decode from a CUDA graph captured per audio length (in
+            `Engine.prepare` for the jobs' lengths; a new length is captured by the first job that has it, which
+            records it in the sidecar's `extra.job_warmup`). Same output bit for bit as the eager decode
+            (h3render/graphs.py).
+        save_latents: also write the final latents (`<name>.latents.pt`: video `[24, T, h, w]`, audio
+            `[2, 32, Ta]`, float32) beside the MP4, for comparing runs (e.g. 1 vs N GPUs).
         precision_from: where a manifest set the precision (its path), for the refusal's message; None otherwise.
         progress, step_bar_position: UI, not run settings (never recorded or compared): each job's stage
-            progress, a `h3render.progress.Progress`, or True for tqdm bars at `step_bar_position`, False for none.
+            progress, a `h3render.progress.Progress` (bars on a terminal, lines in a log), or True for tqdm bars at
+            `step_bar_position` (the batch queue bar is at 0), False for none.
     """
 
     checkpoint: str = "tiny"
