@@ -41,9 +41,7 @@ once the MP4 and then the sidecar are in place (or ``render(...) -> dict``). Job
 
 from __future__ import annotations
 
-import errno
 import gc
-import json
 import os
 import sys
 import threading
@@ -55,12 +53,11 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from h3render import locks
-from h3render.sidecar import SidecarUnreadable, read_sidecar, rendered_with
+from h3render.exits import REQUEUE_SIGNALS
 from h3render.report import (ELSEWHERE, FAILED, INTERRUPTED, PENDING, SKIPPED, SUCCEEDED, BatchReport, JobOutcome,
                              QueueLog, _name, claim_report, remove_files)
-from h3render.signals import REQUEUE_SIGNALS, InterruptGuard, settle, signal_name, signum_of
-
-EXIT_USAGE = 2
+from h3render.sidecar import SidecarUnreadable, read_sidecar, rendered_with
+from h3render.signals import InterruptGuard, settle, signal_name, signum_of
 
 
 from h3render.outputs import (BatchUsageError, JobPathError, blocker, lock_path, output_paths, prepare_out_dir,

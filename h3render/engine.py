@@ -15,9 +15,9 @@ from __future__ import annotations
 import sys
 import time
 from concurrent.futures import Future
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 import torch
 
@@ -28,6 +28,7 @@ from h3render.media import PinnedFrameStager
 from h3render.models.attention import attention as fast_attention
 from h3render.models.attention import fastest_for, select_backend
 from h3render.models.attention import runner as attention_runner
+from h3render.models.fp8 import fp8_problem
 from h3render.packing import t2va_layout
 from h3render.parallel.groups import ParallelContext
 from h3render.parallel.plan import ParallelPlan
@@ -38,73 +39,6 @@ from h3render.tasks.base import BASE_PARTITION, Prepared
 from h3render.timing import StageTimer
 
 
-# torch._scaled_mm's e4m3 GEMMs (cuBLASLt) need compute capability 8.9 or newer: Ada (8.9), Hopper (9.0), Blackwell.
-FP8_MIN_CAPABILITY = (8, 9)
-
-
-def precision_problem(precision: str, dtype: torch.dtype, devices: Iterable[torch.device] = ()) -> str | None:
-    """Why `precision` cannot run with these activations or on these devices, or None (`Engine.load` raises it as
-    a ValueError; the CLI prints it as a usage error before any weights load).
-
-    Args:
-        precision: "bf16" or "fp8" (`checkpoint.load.PRECISIONS`).
-        dtype: the activations' (block stack's) dtype; fp8 writes its GEMM outputs in bf16, so it needs bfloat16.
-        devices: the devices the run uses; each CUDA one needs compute capability >= `FP8_MIN_CAPABILITY` for fp8
-            (`torch.cuda.get_device_capability`); the CPU computes the same products dequantized in fp32
-            (`models.fp8.Fp8Linear`), slowly.
-
-    Raises:
-        ValueError: an unknown precision.
-    """
-    from h3render.checkpoint.load import check_precision
-
-    if check_precision(precision) != "fp8":
-        return None
-    if dtype != torch.bfloat16:
-        flag = {torch.float32: "fp32", torch.float16: "fp16"}.get(dtype, str(dtype))
-        return (f"--precision fp8 runs the activations in bf16 (its GEMMs write bf16), so it cannot go with --dtype "
-                f"{flag}: drop --dtype or pass --dtype bf16")
-    for device in devices:
-        if device.type != "cuda":
-            continue
-        capability = tuple(torch.cuda.get_device_capability(device))
-        if capability < FP8_MIN_CAPABILITY:
-            name = torch.cuda.get_device_name(device)
-            return (f"--precision fp8 needs FP8 GEMMs (torch._scaled_mm): CUDA compute capability >= "
-                    f"{'.'.join(map(str, FP8_MIN_CAPABILITY))} (Ada, Hopper or newer); {device} ({name}) has "
-                    f"{capability[0]}.{capability[1]}: use --precision bf16")
-    return None
-
-
-@dataclass(frozen=True)
-class EngineSettings:
-    """Engine-level knobs, fixed for the life of an Engine.
-
-    Attributes:
-        crf, x264_preset: H.264 quality (x264 CRF 0..51) and speed preset; defaults CRF 18, "veryfast".
-        vae_batch: video VAE decode work items per decoder forward.
-        attention: attention backend name ("fa3", "cudnn", "sdpa") or None to choose by measurement.
-        progress: stage progress of each job: a `h3render.progress.Progress` (bars on a terminal, lines in a log),
-            or True for tqdm bars at `step_bar_position` (the batch queue bar is at 0), False for none.
-        compile_vae: on CUDA, `torch.compile` the video VAE decoder blocks (1x H200: 11.0 s -> 7.2 s for 72 latent
-            frames at 1344x768; compiled in `prepare`, outside job timings).
-        graph_audio: on CUDA, replay the audio VAE decode from a CUDA graph captured per audio length (in `prepare`
-            for the jobs' lengths; a new length is captured by the first job that has it, which records it in
-            the sidecar's `extra.job_warmup`). Same output bit for bit as the eager decode (h3render/graphs.py).
-        save_latents: also write the final latents (`<name>.latents.pt`: video `[24, T, h, w]`, audio
-            `[2, 32, Ta]`, float32) beside the MP4, for comparing runs (e.g. 1 vs N GPUs).
-    """
-
-    crf: int = 18
-    x264_preset: str = "veryfast"
-    vae_batch: int = 8
-    attention: str | None = None
-    progress: Any = True  # bool | h3render.progress.Progress
-    save_latents: bool = False
-    step_bar_position: int = 1
-    compile_vae: bool = True
-    graph_audio: bool = True
-
 
 class Engine:
     """Holds the loaded model on this rank's device and what jobs share; `render` runs one job.
@@ -112,18 +46,18 @@ class Engine:
     Args:
         components: loaded models + checkpoint info (`h3render.checkpoint.Components`).
         ctx: this rank's place in the render (`h3render.parallel.groups.ParallelContext`).
-        settings: `EngineSettings`.
+        settings: the run's `h3render.settings.RunSettings` (crf, x264 preset, VAE batch, attention, compile /
+            graph switches, save_latents, progress); its `precision` ("bf16" or "fp8") is `self.precision`, as
+            loaded: with a deferred fusion and "fp8" the DiT is still bf16 here and `fuse_student` quantizes it.
         fasth3: the FastH3 few-step `Schedule` when a student runs (adapter fused, or a V2 checkpoint), else None.
         adapter: what the sidecar says about the student (path, sha256, positions, source), or None.
-        precision: "bf16" or "fp8", as loaded (`Engine.load`); with a deferred fusion and "fp8" the DiT is still
-            bf16 here and `fuse_student` quantizes it.
     """
 
-    def __init__(self, components, ctx: ParallelContext, settings: EngineSettings = EngineSettings(),
+    def __init__(self, components, ctx: ParallelContext, settings,
                  fasth3: Schedule | None = None, load_seconds: float = 0.0, adapter: dict[str, Any] | None = None,
-                 deferred_fusion=None, precision: str = "bf16"):
+                 deferred_fusion=None):
         self.c = components
-        self.precision = precision
+        self.precision = settings.precision
         self.ctx = ctx
         self.device = ctx.device
         self.settings = settings
@@ -160,45 +94,45 @@ class Engine:
         self.warmup["dit_partitions"] = {BASE_PARTITION: "resident"}
 
     @classmethod
-    def load(cls, checkpoint: str, ctx: ParallelContext, dtype: torch.dtype, settings: EngineSettings = EngineSettings(),
-             adapter: str | None = None, transformer_file: str | None = None, *, base_jobs_first: bool = False,
-             adapter_variant: str | None = None, fasth3_positions: str | None = None,
-             precision: str = "bf16") -> "Engine":
-        """Load a checkpoint (a path, or "tiny"/"small" for a built-in random model) onto this rank's device.
+    def load(cls, run, ctx: ParallelContext, *, base_jobs_first: bool = False) -> "Engine":
+        """Load `run.checkpoint` (a path, or "tiny"/"small" for a built-in random model) onto this rank's device,
+        in `run.dtype` activations.
 
-        With `adapter` (a file, a variant folder, or a LoRA bundle root with `adapter_variant` naming the variant),
-        the FastH3 student adapter is fused into the DiT weights while they stream to the device (before any
-        sharding), and the engine runs the student's fixed few-step schedule (`mode: fasth3` jobs). A full FastH3
-        checkpoint (`fastvideo_inference.json`) is its own student. A VSA student (adapter gates, or a contract
-        naming VIDEO_SPARSE_ATTN_H3) gets `DiT.enable_vsa` before its weights stream; its gates must reach every
-        block, non-zero (`checkpoint.students`). `fasth3_positions` ("release" / "fastvideo-example") replaces the
-        student's own positions. With `base_jobs_first` too (a queue holding t2va jobs as well), the base weights
-        load unfused (dense), the t2va jobs run first, and the student is fused in place once, on the first fasth3
-        job (`fuse_student`). `transformer_file` is a single-file DiT (ComfyUI layout) used in place of the
-        checkpoint's own transformer.
+        With `run.adapter` (a file, a variant folder, or a LoRA bundle root with `run.adapter_variant` naming the
+        variant), the FastH3 student adapter is fused into the DiT weights while they stream to the device (before
+        any sharding), and the engine runs the student's fixed few-step schedule (`mode: fasth3` jobs). A full
+        FastH3 checkpoint (`fastvideo_inference.json`) is its own student. A VSA student (adapter gates, or a
+        contract naming VIDEO_SPARSE_ATTN_H3) gets `DiT.enable_vsa` before its weights stream; its gates must
+        reach every block, non-zero (`checkpoint.students`). `run.fasth3_positions` ("release" /
+        "fastvideo-example") replaces the student's own positions. With `base_jobs_first` too (a queue holding t2va
+        jobs as well), the base weights load unfused (dense), the t2va jobs run first, and the student is fused in
+        place once, on the first fasth3 job (`fuse_student`). `run.transformer` is a single-file DiT (ComfyUI
+        layout) used in place of the checkpoint's own transformer.
 
-        `precision="fp8"` (issue #18; `checkpoint.load_components`): the DiT block linears run FP8 GEMMs and the text
-        encoder holds FP8 weights; `dtype` must be bfloat16 and a CUDA device of compute capability >= 8.9
-        (`precision_problem`). With `base_jobs_first` and an adapter the DiT loads in bf16 instead (fusion in place
-        needs its bf16 parameters): the base jobs run a bf16 DiT (announced on stderr) and `fuse_student`
-        quantizes the DiT right after fusing, so the fasth3 jobs run FP8.
+        `run.precision == "fp8"` (issue #18; `checkpoint.load_components`): the DiT block linears run FP8 GEMMs and
+        the text encoder holds FP8 weights; `run.dtype` must be "bf16" and a CUDA device of compute capability
+        >= 8.9 (`models.fp8.fp8_problem`). With `base_jobs_first` and an adapter the DiT loads in bf16 instead
+        (fusion in place needs its bf16 parameters): the base jobs run a bf16 DiT (announced on stderr) and
+        `fuse_student` quantizes the DiT right after fusing, so the fasth3 jobs run FP8.
 
         Raises:
             CheckpointError, AdapterError, ValueError: unreadable or mismatched checkpoint / adapter / contract,
                 missing or zero VSA gates, a bundle root without a variant (naming file, field and blocks); a
-                precision that cannot run here (`precision_problem`).
+                precision that cannot run here (`models.fp8.fp8_problem`).
         """
-        problem = precision_problem(precision, dtype, [ctx.device])
+        problem = fp8_problem(run.dtype, [ctx.device]) if run.precision == "fp8" else None
         if problem is not None:
             raise ValueError(problem)
+        checkpoint, adapter, transformer_file = run.checkpoint, run.adapter, run.transformer
+        precision, dtype = run.precision, run.torch_dtype
         from h3render.checkpoint import students
         from h3render.checkpoint.layouts import read_checkpoint_info
         from h3render.checkpoint.load import PARTS, load_components
 
         t0 = time.perf_counter()
         info = read_checkpoint_info(checkpoint)
-        plan = students.plan_student(checkpoint, info, adapter, variant=adapter_variant, positions=fasth3_positions,
-                                     device=ctx.device)
+        plan = students.plan_student(checkpoint, info, adapter, variant=run.adapter_variant,
+                                     positions=run.fasth3_positions, device=ctx.device)
         if ctx.is_main:
             for warning in plan.warnings:
                 print(f"h3render: warning: {warning}", file=sys.stderr)
@@ -220,8 +154,8 @@ class Engine:
                                               tensor_hook=None if deferred else plan.hook, precision=precision)
         if ctx.device.type == "cuda":
             torch.cuda.synchronize(ctx.device)
-        engine = cls(components, ctx, settings, fasth3=plan.schedule, load_seconds=time.perf_counter() - t0,
-                     adapter=plan.sidecar, deferred_fusion=deferred, precision=precision)
+        engine = cls(components, ctx, run, fasth3=plan.schedule, load_seconds=time.perf_counter() - t0,
+                     adapter=plan.sidecar, deferred_fusion=deferred)
         engine.student_attention = plan.attention
         if transformer_file is not None:
             # The DiT came from this file, not from the checkpoint folder: the sidecar says so.

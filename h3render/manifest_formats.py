@@ -12,13 +12,14 @@ from typing import Any, NamedTuple
 
 import yaml
 
+from h3render.exits import UsageError
 from h3render.jobs import one_line
 from h3render.manifest_fields import MAX_INT_DIGITS, STRING_FIELDS, TooLong
 
 MAX_NESTING = 64  # YAML levels; a manifest needs 3. PyYAML composes recursively: 100,000 levels overflow the stack
 
 
-class ManifestError(ValueError):
+class ManifestError(UsageError):
     """Every problem found in one manifest; `errors` holds the message lines in file order, each of the form
     `file:line: field: problem`."""
 

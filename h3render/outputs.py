@@ -11,10 +11,12 @@ import json
 import os
 from pathlib import Path
 
+from h3render.exits import UsageError
 from h3render.sidecar import media_mismatch
 
 
-class BatchUsageError(ValueError):
+
+class BatchUsageError(UsageError):
     """A usage error found before anything renders (exit 2, one line): two jobs share an output, a bad out dir."""
 
 

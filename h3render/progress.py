@@ -117,7 +117,7 @@ class StageProgress:
 
 
 def as_progress(value, position: int = 0) -> Progress:
-    """`EngineSettings.progress` as a `Progress`: a Progress as is, True -> tqdm bars at `position`, False -> off."""
+    """`RunSettings.progress` (h3render.settings) as a `Progress`: a Progress as is, True -> tqdm bars at `position`, False -> off."""
     if isinstance(value, Progress):
         return value
     return Progress("bar" if value else "off", position=position)

@@ -16,10 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from h3render import locks
-from h3render.signals import exit_code_for, signal_name
-
-EXIT_OK = 0
-EXIT_FAILED = 1
+from h3render.exits import EXIT_FAILED, EXIT_OK, signal_exit_code
+from h3render.signals import signal_name
 
 SUCCEEDED = "succeeded"
 FAILED = "failed"
@@ -82,7 +80,7 @@ class BatchReport:
     def exit_code(self) -> int:
         """See the module docstring: 75 or 130 when stopped by a signal, else 1 or 0."""
         if self.interrupted:
-            return exit_code_for(self.signum)
+            return signal_exit_code(self.signum)
         bad = self.count(FAILED) or self.count(ELSEWHERE) or self.crashed or self.final_write_failed
         return EXIT_FAILED if bad else EXIT_OK
 

@@ -1,4 +1,4 @@
-"""Signals and the exit codes they give: the queue's interrupt guard and the process-wide start-up handler.
+"""Signals and the exit codes they give (`h3render.exits`): the queue's interrupt guard and the process-wide start-up handler.
 
 Which signal means what (the batch queue, `h3render batch`):
 
@@ -29,11 +29,9 @@ import sys
 import threading
 from typing import Any
 
-EXIT_INTERRUPTED = 130  # 128 + SIGINT
-EXIT_REQUEUE = 75  # EX_TEMPFAIL (sysexits.h): stopped on request before the time limit; requeue and resume
+from h3render.exits import REQUEUE_SIGNALS
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-REQUEUE_SIGNALS = (signal.SIGUSR1, signal.SIGUSR2)
 HANDLED = STOP_SIGNALS + REQUEUE_SIGNALS
 
 
@@ -48,11 +46,6 @@ class Interrupted(KeyboardInterrupt):
 
 def signal_name(signum: int | None) -> str:
     return "SIGINT" if signum is None else signal.Signals(signum).name
-
-
-def exit_code_for(signum: int | None) -> int:
-    """75 for SIGUSR1/SIGUSR2 (requeue), else 130."""
-    return EXIT_REQUEUE if signum in REQUEUE_SIGNALS else EXIT_INTERRUPTED
 
 
 def signum_of(exc: BaseException) -> int | None:

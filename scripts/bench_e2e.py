@@ -10,7 +10,7 @@ Random components (`random_components`): tensors made on the target device (no h
 scales, streamed through `checkpoint.load.assemble_components` with `precision=`, which is how `Engine.load` loads a
 checkpoint (the FP8 quantization happens in the loader, part by part). `Engine.load` itself takes a path or a built-in
 tiny model: a released-size random checkpoint would need 118 GB of disk or minutes of host RNG. `--e2e-checkpoint
-PATH` runs `Engine.load(PATH, ..., precision=...)` instead. CPU smoke (tests/unit/test_bench_fp8.py): `--e2e-model
+PATH` runs `Engine.load(RunSettings(checkpoint=PATH, precision=...), ctx)` instead. CPU smoke (tests/unit/test_bench_fp8.py): `--e2e-model
 tiny --e2e-device cpu --e2e-canvases 160x128x22`.
 """
 
@@ -36,7 +36,7 @@ def add_arguments(p) -> None:
                    help="e2e / fp8-memory: random components of this release (tiny: the CPU smoke run)")
     p.add_argument("--e2e-device", default=None, choices=["cuda", "cpu"], help="default: cuda when available")
     p.add_argument("--e2e-checkpoint", default=None,
-                   help="e2e / fp8-memory: Engine.load(PATH, precision=...) instead of random components")
+                   help="e2e / fp8-memory: Engine.load of PATH (at each --precision) instead of random components")
     p.add_argument("--e2e-attention", default=None,
                    help="e2e: comma-separated dense,vsa (default: dense, then vsa with --e2e-vsa)")
     p.add_argument("--e2e-dir", default="/tmp", help="e2e: where the MP4s (noise: large) and sidecars are written")
@@ -112,22 +112,24 @@ def _precisions(args) -> list[str]:
 def _build(args, bench, ctx, precision: str, stage: str):
     """An Engine of `precision` (random components, or `--e2e-checkpoint` through `Engine.load`), with its load
     time and peak recorded."""
-    from h3render.engine import Engine, EngineSettings
+    from h3render.engine import Engine
+    from h3render.settings import RunSettings
 
     device = ctx.device
     # bf16 on CUDA; fp32 on CPU for both precisions, so the CPU smoke compares like with like (the CLI would run
-    # fp8 with bf16 activations there: `engine.precision_problem`).
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    settings = EngineSettings(vae_batch=args.vae_batches[-1], attention=args.attention, progress=False,
-                              save_latents=getattr(args, "save_latents", False))
+    # fp8 with bf16 activations there: `settings.precision_problem`).
+    settings = RunSettings(checkpoint=args.e2e_checkpoint or f"random-{args.e2e_model}", precision=precision,
+                           device=device.type, dtype="bf16" if device.type == "cuda" else "fp32",
+                           vae_batch=args.vae_batches[-1], attention=args.attention, progress=False,
+                           save_latents=getattr(args, "save_latents", False))
     reset_peak(device)
     t0 = time.perf_counter()
     if args.e2e_checkpoint:
-        engine = Engine.load(args.e2e_checkpoint, ctx, dtype, settings, precision=precision)
+        engine = Engine.load(settings, ctx)
     else:
-        components = random_components(args.e2e_model, device, dtype, precision)
+        components = random_components(args.e2e_model, device, settings.torch_dtype, precision)
         sync(device)
-        engine = Engine(components, ctx, settings, load_seconds=time.perf_counter() - t0, precision=precision)
+        engine = Engine(components, ctx, settings, load_seconds=time.perf_counter() - t0)
     from h3render.models.fp8 import precision_report
 
     bench.rec(stage=stage, what=f"{precision}: components loaded", precision=precision,

@@ -18,8 +18,9 @@ def released_engine(args, ctx):
     from h3render.checkpoint.layouts import CheckpointInfo
     from h3render.checkpoint.load import Components
     from h3render.checkpoint.releases import QWEN3VL_RELEASED, RELEASES
-    from h3render.engine import Engine, EngineSettings
+    from h3render.engine import Engine
     from h3render.models.audio_vae import AudioVAE
+    from h3render.settings import RunSettings
     from h3render.models.text_encoder import TextEncoder
     from h3render.models.video_vae import VideoVAE
 
@@ -38,8 +39,9 @@ def released_engine(args, ctx):
     build_s = time.perf_counter() - t0
     info = CheckpointInfo(path="random-released", layout="builtin", release=release)
     comps = Components(dit, vae, avae, te, info)
-    settings = EngineSettings(vae_batch=args.vae_batches[-1], attention=args.attention, progress=False,
-                              save_latents=getattr(args, "save_latents", False))  # /tmp/e2e-w<N>.latents.pt
+    settings = RunSettings(checkpoint="random-released", device=ctx.device.type, dtype="bf16",
+                           vae_batch=args.vae_batches[-1], attention=args.attention, progress=False,
+                           save_latents=getattr(args, "save_latents", False))  # /tmp/e2e-w<N>.latents.pt
     return Engine(comps, ctx, settings, load_seconds=build_s)
 
 
@@ -78,9 +80,10 @@ def stage_batch(args) -> None:
     import shutil
 
     from h3render.batch import run_batch
-    from h3render.engine import Engine, EngineSettings
+    from h3render.engine import Engine
     from h3render.jobs import Job
     from h3render.parallel.groups import init_parallel
+    from h3render.settings import RunSettings
 
     width, height, frames = parse_canvas(args.batch_canvas)
     device = args.batch_device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -93,8 +96,9 @@ def stage_batch(args) -> None:
     else:
         if not cuda:
             torch.set_flush_denormal(True)  # as the CLI does on CPU
-        settings = EngineSettings(vae_batch=args.vae_batches[-1], attention=args.attention, progress=False)
-        engine = Engine.load(args.batch_model, ctx, torch.bfloat16 if cuda else torch.float32, settings)
+        settings = RunSettings(checkpoint=args.batch_model, device=device, vae_batch=args.vae_batches[-1],
+                               attention=args.attention, progress=False)  # bf16 on CUDA, fp32 on the CPU
+        engine = Engine.load(settings, ctx)
     jobs = [Job(id=f"q{i}", prompt=f"{PROMPT} Take {i}.", width=width, height=height, frames=frames, seed=i,
                 steps=args.forwards + 1, mode="t2va", output=f"q{i}") for i in range(args.batch_jobs)]
     shape = f"{args.batch_jobs} jobs x {width}x{height}x{frames}, {args.forwards} forwards"

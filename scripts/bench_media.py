@@ -90,9 +90,9 @@ def stream_mp4(path: Path, kind: str, frames: int, width: int, height: int, deco
     """
     from h3render.colour import rgb_to_i420
     from h3render.media import Mp4Writer, PinnedFrameStager
-    from h3render.engine import EngineSettings
+    from h3render.settings import RunSettings
 
-    settings = EngineSettings()
+    settings = RunSettings()
     on_gpu = torch.device(device).type == "cuda"
     sizes = vae_chunk_sizes(frames, height, width)
     chunks, first = [], 0

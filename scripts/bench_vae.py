@@ -135,7 +135,7 @@ def stage_audio(args) -> None:
     torch.compile variants; every output checked against our default eager decode and diffusers' (same weights)."""
     from h3render.graphs import ShapeGraphs
     from h3render.models.audio_vae import AudioVAE, AudioVAEConfig
-    from h3render.engine import EngineSettings
+    from h3render.settings import RunSettings
 
     cfg = AudioVAEConfig()
     ours = build_on_gpu(lambda: AudioVAE(cfg), torch.float32)
@@ -144,7 +144,7 @@ def stage_audio(args) -> None:
     label = f"audio VAE decode 2x{args.audio_latents} latents (fp32"
     rec(stage="audio", what="audio VAE settings", cudnn_allow_tf32=torch.backends.cudnn.allow_tf32,
         cudnn_benchmark=torch.backends.cudnn.benchmark, reps=args.audio_reps,
-        renderer_uses=("CUDA graph" if EngineSettings().graph_audio else "eager")
+        renderer_uses=("CUDA graph" if RunSettings().graph_audio else "eager")
         + " + Triton activations (kept by prepare when within 1e-3 of the torch ones on a 1 s probe)")
 
     ref_out, ref_times = None, None

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from h3render.checkpoint.adapter import RELEASED_BASE_MODEL, TINY_BASE_MODEL, Adapter, AdapterFusion, read_adapter
-from h3render.checkpoint.contract import V2_VSA, FastH3Contract, fasth3_schedule, read_contract
+from h3render.checkpoint.contract import FastH3Contract, fasth3_schedule, read_contract
 from h3render.checkpoint.errors import AdapterError, CheckpointError
 from h3render.checkpoint.stream import Entry
 from h3render.kernels.vsa import TILE

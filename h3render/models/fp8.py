@@ -30,6 +30,33 @@ from torch import nn
 
 from h3render.kernels.fp8 import Fp8Rows, quantize_rows, quantize_rows_naive
 
+# torch._scaled_mm's e4m3 GEMMs (cuBLASLt) need compute capability 8.9 or newer: Ada (8.9), Hopper (9.0), Blackwell.
+FP8_MIN_CAPABILITY = (8, 9)
+
+
+def fp8_problem(dtype: str, devices=()) -> str | None:
+    """Why FP8 GEMMs cannot run with these activations or on these devices, or None.
+
+    Args:
+        dtype: the activations' (block stack's) dtype, "bf16" or "fp32": the FP8 GEMMs write bf16, so bf16 only.
+        devices: the `torch.device`s of the run; each CUDA one needs compute capability >= `FP8_MIN_CAPABILITY`
+            (`torch.cuda.get_device_capability`); the CPU computes the same products dequantized in fp32
+            (`Fp8Linear`), slowly.
+    """
+    if dtype != "bf16":
+        return (f"--precision fp8 runs the activations in bf16 (its GEMMs write bf16), so it cannot go with --dtype "
+                f"{dtype}: drop --dtype or pass --dtype bf16")
+    for device in devices:
+        if device.type != "cuda":
+            continue
+        capability = tuple(torch.cuda.get_device_capability(device))
+        if capability < FP8_MIN_CAPABILITY:
+            name = torch.cuda.get_device_name(device)
+            return (f"--precision fp8 needs FP8 GEMMs (torch._scaled_mm): CUDA compute capability >= "
+                    f"{'.'.join(map(str, FP8_MIN_CAPABILITY))} (Ada, Hopper or newer); {device} ({name}) has "
+                    f"{capability[0]}.{capability[1]}: use --precision bf16")
+    return None
+
 __all__ = [
     "DIT_BLOCK_LINEARS", "FP8", "TEXT_ENCODER_LINEARS", "Fp8Linear", "Fp8WeightLinear", "precision_report",
     "empty_dit_fp8_", "quantize_dit_fp8_", "quantize_text_encoder_fp8_", "quantize_weight",

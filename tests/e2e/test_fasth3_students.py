@@ -164,12 +164,13 @@ def test_adapter_gate_missing_or_zero_names_the_blocks(tmp_path):
 
 
 def test_deferred_in_place_fusion_turns_vsa_on_with_the_gates(bundle):
-    from h3render.engine import Engine, EngineSettings
+    from h3render.engine import Engine
+    from h3render.settings import RunSettings
     from h3render.parallel.groups import ParallelContext
 
     ctx = ParallelContext(0, 1, 0, torch.device("cpu"))
-    engine = Engine.load("tiny", ctx, torch.float32, EngineSettings(progress=False), adapter=str(bundle),
-                         adapter_variant="vsa-datafree", base_jobs_first=True)
+    engine = Engine.load(RunSettings(progress=False, adapter=str(bundle), adapter_variant="vsa-datafree"), ctx,
+                         base_jobs_first=True)
     assert engine.c.dit.vsa_sparsity is None  # base weights, dense, for the t2va jobs
     engine.fuse_student()
     dit = engine.c.dit

@@ -9,15 +9,16 @@ import pytest
 import torch
 
 from h3render.checkpoint.releases import RELEASES
-from h3render.engine import Engine, EngineSettings
+from h3render.engine import Engine
 from h3render.errors import RenderError
 from h3render.jobs import Job
 from h3render.make_checkpoint.synthetic_adapter import write_synthetic_adapter
 from h3render.parallel.groups import ParallelContext
+from h3render.settings import RunSettings
 from tests._numerics import rel_err
 
 CTX = ParallelContext(0, 1, 0, torch.device("cpu"))
-SETTINGS = EngineSettings(progress=False, save_latents=True)
+SETTINGS = RunSettings(progress=False, save_latents=True)  # tiny, fp32 on the CPU
 BASE = Job(id="a", prompt="Gulls over a harbour", width=128, height=64, frames=22, seed=5, steps=3, mode="t2va",
            output="a")
 FAST = replace(BASE, id="b", prompt="A kettle whistles", seed=6, steps=None, mode="fasth3", output="b")
@@ -36,7 +37,7 @@ def adapter(tmp_path_factory):
 
 def test_mixed_engine_matches_base_then_fused_engines(adapter, tmp_path):
     (tmp_path / "base").mkdir(), (tmp_path / "fused").mkdir(), (tmp_path / "student-schedule").mkdir()
-    mixed = Engine.load("tiny", CTX, torch.float32, SETTINGS, adapter=adapter, base_jobs_first=True)
+    mixed = Engine.load(replace(SETTINGS, adapter=adapter), CTX, base_jobs_first=True)
     mixed.prepare([BASE, FAST])
     got_base = latents(mixed, BASE, tmp_path)
     assert "fasth3_fusion_s" not in mixed.warmup
@@ -45,12 +46,12 @@ def test_mixed_engine_matches_base_then_fused_engines(adapter, tmp_path):
     with pytest.raises(RenderError, match="must run before the student is fused"):
         mixed.schedule(BASE)
 
-    base = Engine.load("tiny", CTX, torch.float32, SETTINGS)
+    base = Engine.load(SETTINGS, CTX)
     want_base = latents(base, BASE, tmp_path / "base")
     for part in ("video", "audio"):
         assert torch.equal(got_base[part], want_base[part]), part  # the t2va job saw the unfused weights
 
-    fused = Engine.load("tiny", CTX, torch.float32, SETTINGS, adapter=adapter)
+    fused = Engine.load(replace(SETTINGS, adapter=adapter), CTX)
     want_fast = latents(fused, FAST, tmp_path / "fused")
     # Fusion while streaming rounds each fused weight to its storage dtype (bf16 in the built-in model) before the
     # fp32 cast; fusion in place keeps fp32: equal up to that rounding...

@@ -20,11 +20,12 @@ import torch
 
 from h3render.checkpoint.load import PRECISIONS
 from h3render.checkpoint.releases import RELEASES
-from h3render.engine import Engine, EngineSettings, precision_problem
+from h3render.engine import Engine
 from h3render.jobs import Job
 from h3render.make_checkpoint.synthetic_adapter import write_synthetic_adapter
 from h3render.models.fp8 import Fp8Linear
 from h3render.parallel.groups import ParallelContext
+from h3render.settings import RunSettings, precision_problem
 from tests._mp4 import frames_of
 from tests._numerics import rel_err
 from tests.e2e.test_cli import check_mp4, invoke, one_error_line
@@ -135,13 +136,13 @@ def no_load(monkeypatch):
 
 
 def test_manifest_defaults_reach_the_engine(tmp_path, monkeypatch):
-    """defaults: precision, adapter (a bundle folder too), adapter_variant, fasth3_positions -> Engine.load's
-    arguments; each command-line option wins over its field; on a job the FastH3 ones are refused."""
+    """defaults: precision, adapter (a bundle folder too), adapter_variant, fasth3_positions -> the RunSettings
+    Engine.load gets; each command-line option wins over its field; on a job the FastH3 ones are refused."""
     (tmp_path / "bundle").mkdir()
     seen = []
 
-    def fake_load(checkpoint, ctx, dtype, settings, **kw):
-        seen.append((dtype, kw))
+    def fake_load(run, ctx, **kw):
+        seen.append(run)
         raise RuntimeError("stop before loading")
 
     monkeypatch.setattr(Engine, "load", fake_load)
@@ -152,9 +153,9 @@ def test_manifest_defaults_reach_the_engine(tmp_path, monkeypatch):
         {"prompt": "x", "mode": "fasth3", "width": 128, "height": 64, "frames": 22}) + "\n")
     for extra, positions in (((), "fastvideo-example"), (("--fasth3-positions", "release"), "release")):
         invoke("batch", str(manifest), "--out-dir", str(tmp_path / "out"), "--device", "cpu", "--quiet", *extra)
-        dtype, kw = seen.pop()
-        assert dtype == torch.bfloat16 and kw["precision"] == "fp8" and kw["adapter"] == str(tmp_path / "bundle")
-        assert kw["adapter_variant"] == "vsa-datafree" and kw["fasth3_positions"] == positions
+        run = seen.pop()
+        assert run.torch_dtype == torch.bfloat16 and run.precision == "fp8" and run.adapter == str(tmp_path / "bundle")
+        assert run.adapter_variant == "vsa-datafree" and run.fasth3_positions == positions
     on_job = tmp_path / "j.jsonl"
     on_job.write_text(json.dumps({"defaults": {"fasth3_positions": "nope"}}) + "\n" + json.dumps(
         {"prompt": "x", "adapter_variant": "v"}) + "\n")
@@ -183,7 +184,7 @@ def test_a_job_changing_the_engine_precision_is_refused_before_load(tmp_path, no
 
 def test_fp8_with_dtype_fp32_is_a_usage_error(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="cannot go with --dtype fp32"):
-        Engine.load("tiny", CTX, torch.float32, precision="fp8")  # the API: the same rule, before loading
+        Engine.load(RunSettings(dtype="fp32", precision="fp8"), CTX)  # the API: the same rule, before loading
     _refuse_load(monkeypatch)
     out = tmp_path / "x.mp4"
     error = one_error_line(invoke("prompt", PROMPT, "-o", str(out), *SMALL, "--device", "cpu", "--precision", "fp8",
@@ -209,12 +210,12 @@ def test_fp8_on_a_gpu_older_than_sm89_is_a_usage_error(tmp_path, monkeypatch, no
                                   "--precision", "fp8"))
     assert "--precision fp8" in error and ">= 8.9" in error and "NVIDIA A100-SXM4-80GB) has 8.0" in error, error
     gpu = [torch.device("cuda", 0)]
-    assert precision_problem("bf16", torch.bfloat16, gpu) is None  # bf16 asks nothing of the GPU
+    assert precision_problem("bf16", "bf16", gpu) is None  # bf16 asks nothing of the GPU
     for ok in ((8, 9), (9, 0), (10, 0)):  # Ada, Hopper, Blackwell
         capability["value"] = ok
-        assert precision_problem("fp8", torch.bfloat16, gpu) is None, ok
+        assert precision_problem("fp8", "bf16", gpu) is None, ok
     capability["value"] = (8, 6)
-    assert "has 8.6" in precision_problem("fp8", torch.bfloat16, gpu)
+    assert "has 8.6" in precision_problem("fp8", "bf16", gpu)
 
 
 def test_resume_names_a_precision_change():
@@ -231,7 +232,7 @@ def test_resume_names_a_precision_change():
 
 BASE = Job(id="a", prompt=PROMPT, width=128, height=64, frames=22, seed=5, steps=3, mode="t2va", output="a")
 FAST = replace(BASE, id="b", prompt="A kettle whistles", seed=6, steps=None, mode="fasth3", output="b")
-SETTINGS = EngineSettings(progress=False, save_latents=True)
+SETTINGS = RunSettings(dtype="bf16", precision="fp8", progress=False, save_latents=True)
 
 
 def _fp8_weights(engine) -> dict[str, torch.Tensor]:
@@ -241,8 +242,7 @@ def _fp8_weights(engine) -> dict[str, torch.Tensor]:
 
 def test_mixed_queue_runs_base_jobs_bf16_then_the_fused_student_fp8(tmp_path, capsys):
     adapter = str(write_synthetic_adapter(tmp_path / "adapter.safetensors", RELEASES["tiny"].dit, seed=2))
-    mixed = Engine.load("tiny", CTX, torch.bfloat16, SETTINGS, adapter=adapter, base_jobs_first=True,
-                        precision="fp8")
+    mixed = Engine.load(replace(SETTINGS, adapter=adapter), CTX, base_jobs_first=True)
     warning = [line for line in capsys.readouterr().err.splitlines() if "warning" in line]
     assert len(warning) == 1 and "--precision fp8 with a mixed queue" in warning[0] and "bf16" in warning[0]
     base_weights = {f"{name}.weight": m.weight.detach().float().clone()
@@ -259,7 +259,7 @@ def test_mixed_queue_runs_base_jobs_bf16_then_the_fused_student_fp8(tmp_path, ca
     quantized = _fp8_weights(mixed)
     assert len(quantized) == 4 * RELEASES["tiny"].dit.num_layers
 
-    fused = Engine.load("tiny", CTX, torch.bfloat16, SETTINGS, adapter=adapter, precision="fp8")  # fused at load
+    fused = Engine.load(replace(SETTINGS, adapter=adapter), CTX)  # fused at load
     want = _fp8_weights(fused)
     assert sorted(want) == sorted(quantized)
     deltas = []

@@ -9,16 +9,17 @@ import pytest
 import torch
 
 import h3render.render as render
-from h3render.engine import Engine, EngineSettings
+from h3render.engine import Engine
 from h3render.errors import RenderError
 from h3render.jobs import Job
 from h3render.parallel.groups import ParallelContext
+from h3render.settings import RunSettings
 
 
 @pytest.fixture(scope="module")
 def renderer():
     ctx = ParallelContext(0, 1, 0, torch.device("cpu"))
-    return Engine.load("tiny", ctx, torch.float32, EngineSettings(progress=False))
+    return Engine.load(RunSettings(progress=False), ctx)
 
 
 JOB = Job(id="a", prompt="Waves on a pebble beach", width=224, height=128, frames=22, seed=3, steps=2, mode="t2va",

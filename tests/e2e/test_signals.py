@@ -4,17 +4,15 @@ a second signal cannot break the first one's cleanup, and the queue bar after Ct
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
-from h3render import signals
+from h3render import exits, signals
 from h3render.batch import run_batch
 from h3render.report import BatchReport
 from tests.unit.test_batch import FakeRenderer, Factory, files_under, make_jobs, read_report
@@ -29,7 +27,7 @@ def test_sigusr1_mid_job_stops_cleanly_with_the_requeue_code(tmp_path):
     wait_for(ctl / "started-j1", q)
     q.send_signal(signal.SIGUSR1)  # SLURM's --signal=B:USR1@120, forwarded by scripts/h3render.sbatch
     _, err = q.communicate(timeout=60)
-    assert q.returncode == signals.EXIT_REQUEUE == 75, err
+    assert q.returncode == exits.EXIT_REQUEUE == 75, err
     data = read_report(out)
     assert data["state"] == "interrupted" and data["exit_code"] == 75 and data["signal"] == "SIGUSR1"
     assert [j["status"] for j in data["jobs"]] == ["succeeded", "interrupted", "pending"]
@@ -99,7 +97,7 @@ def test_once_settled_the_process_guard_ignores_signals(tmp_path):
             os.kill(os.getpid(), signal.SIGUSR1)
             for _ in range(1000):
                 pass
-        assert signals.exit_code_for(info.value.signum) == 75
+        assert exits.signal_exit_code(info.value.signum) == 75
         guard = signals.ProcessGuard().install()
         report = run_batch(make_jobs(1), Factory(FakeRenderer()), tmp_path, progress=False)
         assert guard.settled  # run_batch settled it after the final report

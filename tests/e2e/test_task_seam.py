@@ -13,10 +13,11 @@ import torch
 
 import h3render
 from h3render import tasks
-from h3render.engine import Engine, EngineSettings
+from h3render.engine import Engine
 from h3render.jobs import Job
 from h3render.parallel.groups import ParallelContext
 from h3render.render import render_windows
+from h3render.settings import RunSettings
 from tests import _toy_task
 from tests._mp4 import decode
 
@@ -29,7 +30,7 @@ JOB = Job(id="a", prompt="Rain on a tin roof", width=128, height=64, frames=22, 
 @pytest.fixture(scope="module")
 def engine():
     ctx = ParallelContext(0, 1, 0, torch.device("cpu"))
-    return Engine.load("tiny", ctx, torch.float32, EngineSettings(progress=False, save_latents=True))
+    return Engine.load(RunSettings(progress=False, save_latents=True), ctx)
 
 
 def _latents(mp4: Path, index: int = 0) -> dict:

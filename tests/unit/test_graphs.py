@@ -162,10 +162,11 @@ def test_renderer_captures_in_prepare_and_records_a_new_length(tmp_path):
     from h3render.jobs import Job
     from h3render.spec import audio_latents as audio_latents_for
     from h3render.parallel.groups import ParallelContext
-    from h3render.engine import Engine, EngineSettings
+    from h3render.engine import Engine
+    from h3render.settings import RunSettings
 
     ctx = ParallelContext(0, 1, 0, torch.device("cpu"))
-    renderer = Engine.load("tiny", ctx, torch.float32, EngineSettings(progress=False))
+    renderer = Engine.load(RunSettings(progress=False), ctx)
     assert not renderer.audio_decode.graphs_on("cpu")  # on CPU the Renderer decodes eagerly
     standin = ReplayInPlace()
     renderer.audio_decode = ShapeGraphs(renderer.c.audio_vae.decode, backend=standin)

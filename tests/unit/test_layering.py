@@ -7,8 +7,8 @@ functions count the same as top-level ones (a function-level import does not mak
 =====  ==============  =============================================================================================
 layer  name            modules (and why they sit there)
 =====  ==============  =============================================================================================
-  7    front end       cli, cli_*, settings, manifest, manifest_formats, manifest_fields, jobs, shards, job_keyframes,
-                       batch, report, locks, signals: torch-free on import (manifest lines to `Job`s and run
+  7    front end       cli, cli_*, settings, runner, manifest, manifest_formats, manifest_fields, jobs, shards,
+                       job_keyframes, batch, report, locks, signals: torch-free on import (manifest lines to `Job`s and run
                        settings, the batch loop); they reach the job path's torch modules only inside functions.
   6    job path        engine, render, tasks/, sidecar, keyframes, media, staging, colour, graphs, timing, outputs,
                        progress, parallel/: what renders one job (torch, PyAV, process groups). sidecar (the
@@ -25,7 +25,8 @@ layer  name            modules (and why they sit there)
   2    models          models/: pure torch modules, no I/O.
   1    kernels         h3render.kernels (the top-level kernels/ folder): Triton kernels beside their torch references.
   0    foundation      the package root (`__version__`), spec (geometry facts and request rules, torch-free),
-                       errors (`RenderError`, torch-free: the front end catches it by class) and packing (the
+                       errors (`RenderError`) and exits (every exit code and the error classes that map to them),
+                       both torch-free: every layer names them; and packing (the
                        packed-row layout the DiT itself takes): imported by every layer.
 =====  ==============  =============================================================================================
 
@@ -51,7 +52,7 @@ LAYERS: dict[int, tuple[str, ...]] = {
     7: ("h3render.cli", "h3render.cli_*", "h3render.settings", "h3render.manifest", "h3render.manifest_formats",
         "h3render.manifest_fields",
         "h3render.jobs", "h3render.shards", "h3render.job_keyframes", "h3render.batch", "h3render.report",
-        "h3render.locks", "h3render.signals"),
+        "h3render.locks", "h3render.signals", "h3render.runner"),
     6: ("h3render.engine", "h3render.render", "h3render.tasks", "h3render.tasks.*", "h3render.sidecar",
         "h3render.keyframes", "h3render.media", "h3render.staging", "h3render.colour",
         "h3render.graphs", "h3render.timing", "h3render.outputs", "h3render.progress", "h3render.parallel",
@@ -61,12 +62,12 @@ LAYERS: dict[int, tuple[str, ...]] = {
     3: ("h3render.sampling",),
     2: ("h3render.models", "h3render.models.*"),
     1: ("h3render.kernels", "h3render.kernels.*"),
-    0: ("h3render", "h3render.spec", "h3render.errors", "h3render.packing", "h3render.presets"),
+    0: ("h3render", "h3render.spec", "h3render.errors", "h3render.exits", "h3render.packing", "h3render.presets"),
 }
 LAYER_NAMES = {7: "front end", 6: "job path", 5: "writers", 4: "checkpoint", 3: "schedules", 2: "models",
                1: "kernels", 0: "foundation"}
 # The front end's modules that must import without torch (a manifest is checked before anything heavy loads).
-TORCH_FREE = ("h3render.spec", "h3render.errors", "h3render.sidecar", "h3render.jobs", "h3render.manifest", "h3render.manifest_formats",
+TORCH_FREE = ("h3render.spec", "h3render.errors", "h3render.exits", "h3render.runner", "h3render.sidecar", "h3render.jobs", "h3render.manifest", "h3render.manifest_formats",
               "h3render.manifest_fields", "h3render.shards",
               "h3render.job_keyframes", "h3render.outputs", "h3render.settings", "h3render.batch", "h3render.report",
               "h3render.locks", "h3render.progress", "h3render.signals", "h3render.cli")

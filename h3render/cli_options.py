@@ -1,0 +1,89 @@
+"""The click options `h3render prompt` and `h3render batch` share: the run settings (`h3render.settings`) and the
+canvas / time fields of a job. Declarations only; `h3render.cli` wires them."""
+
+from __future__ import annotations
+
+import click
+
+from h3render.jobs import MODES
+from h3render.settings import DEVICES, DTYPES, RunSettings
+
+
+class LazyChoice(click.Choice):
+    """`click.Choice` over a tuple of another module (`h3render.media.X264_PRESETS`, `checkpoint.load.PRECISIONS`),
+    read when click first needs it: those modules load torch (about 3 s), which `h3render --help` and
+    `h3render presets` should not wait for."""
+
+    def __init__(self, module: str, name: str) -> None:
+        self._where = (module, name)
+        super().__init__(())
+
+    @property
+    def choices(self):
+        import importlib
+
+        return getattr(importlib.import_module(self._where[0]), self._where[1])
+
+    @choices.setter
+    def choices(self, value) -> None:
+        pass  # fixed: the other module's tuple
+
+
+def engine_options(f):
+    """The `RunSettings` fields as options (their defaults are `RunSettings`'s), plus --mode (a job default)."""
+    options = [
+        click.option("--checkpoint", type=str, default=None,
+                     help="Checkpoint folder (official or diffusers layout); default $H3RENDER_CHECKPOINT, else the "
+                          "built-in tiny random model. A single-file DiT goes with --transformer."),
+        click.option("--transformer", type=str, default=None,
+                     help="Single-file DiT (.safetensors, ComfyUI style: q/k/v stacked) replacing the checkpoint's."),
+        click.option("--mode", type=click.Choice(MODES), default=None, help="t2va (base) or fasth3."),
+        click.option("--adapter", type=str, default=None,
+                     help="FastH3 adapter fused at load time: a .safetensors file, a variant folder, or the LoRA "
+                          "bundle root (with --adapter-variant); on `prompt` it implies --mode fasth3."),
+        click.option("--adapter-variant", type=str, default=None,
+                     help="Variant of a FastH3 LoRA bundle root (e.g. vsa-datafree, dense-datafree)."),
+        click.option("--fasth3-positions", type=LazyChoice("h3render.checkpoint.students", "POSITION_CHOICES"),
+                     default=None,
+                     help="FastH3 pre-shift positions: the release's [0.999, 0.749, 0.5, 0.25, 0] or FastVideo "
+                          "0.2.1's example linspace(1, 0, 5); default: the student's own."),
+        click.option("--device", type=click.Choice(DEVICES), default=None,
+                     help="Default: cuda when available."),
+        click.option("--dtype", type=click.Choice(DTYPES), default=None,
+                     help="Default: bf16 on CUDA, fp32 on CPU (bf16 with --precision fp8)."),
+        click.option("--precision", type=LazyChoice("h3render.checkpoint.load", "PRECISIONS"), default=None,
+                     help="fp8: FP8 GEMMs in the DiT blocks, FP8 text-encoder weights, bf16 activations (needs CUDA "
+                          "compute capability >= 8.9, or the CPU); default bf16, or the manifest's defaults."),
+        click.option("--gpus", type=int, default=None, help="GPUs to use (default: every visible GPU; with --device cpu: CPU processes, for testing)."),
+        click.option("--crf", type=click.IntRange(0, 51), default=RunSettings.crf, show_default=True,
+                     help="x264 CRF."),
+        click.option("--x264-preset", type=LazyChoice("h3render.media", "X264_PRESETS"),
+                     default=RunSettings.x264_preset, show_default=True,
+                     help="x264 speed preset (faster presets: bigger files at the same CRF)."),
+        click.option("--attention", type=click.Choice(["fa3", "cudnn", "sdpa"]), default=None,
+                     help="Attention backend on CUDA (default: fastest available, by measurement); on CPU "
+                          "torch SDPA always runs. The sidecar's run.attention says what ran."),
+        click.option("--save-latents", is_flag=True, hidden=True,
+                     help="Also write <name>.latents.pt (final latents) beside each MP4, for comparing runs."),
+        click.option("--vae-batch", type=click.IntRange(1, 256), default=RunSettings.vae_batch, show_default=True,
+                     help="Video VAE work items (window x tile) per decoder forward."),
+    ]
+    for option in reversed(options):
+        f = option(f)
+    return f
+
+
+def canvas_time_options(f):
+    options = [
+        click.option("--preset", default=None, help="Canvas/duration preset (see `h3render presets`)."),
+        click.option("--aspect", default=None, help='Aspect ratio "W:H" (released canvas rule).'),
+        click.option("--width", type=int, default=None, help="Canvas width in px (multiple of 32)."),
+        click.option("--height", type=int, default=None, help="Canvas height in px (multiple of 32)."),
+        click.option("--duration", type=float, default=None, help="Seconds; snapped up to 17n+5 frames at 24 fps."),
+        click.option("--frames", type=int, default=None, help="Frame count; snapped up to 17n+5."),
+        click.option("--steps", type=int, default=None, help="Sigma points (50 -> 49 forwards, released default)."),
+        click.option("--seed", type=int, default=None, help="Noise seed (default 0)."),
+    ]
+    for option in reversed(options):
+        f = option(f)
+    return f

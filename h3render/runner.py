@@ -1,0 +1,175 @@
+"""Running a resolved run on 1..N ranks: plan the ranks, spawn them (or join torchrun's), load the engine once per
+rank, then rank 0 renders (`h3render prompt`: one job; `h3render batch`: the queue) and the others follow it.
+
+The CLI hands over a checked `RunSettings` and resolved jobs; nothing here parses options. Imports torch when a
+function runs (the CLI's `--help` stays torch-free).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Sequence
+
+from h3render.exits import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK
+from h3render.settings import RunSettings, SettingsError
+
+_ran_distributed = False  # set once this process took part in a multi-rank run
+
+
+def ran_distributed() -> bool:
+    """Whether this process was a rank of a multi-rank run (then it must leave through `parallel.launch.hard_exit`)."""
+    return _ran_distributed
+
+
+@dataclass(frozen=True)
+class Queue:
+    """`h3render batch`'s queue arguments for `batch.run_batch` (the resume key is `RunSettings.record()`)."""
+
+    out_dir: str
+    shard: tuple[int, int] | None = None
+    overwrite: bool = False
+    fail_fast: bool = False
+
+
+def plan_ranks(run: RunSettings, heads: int) -> tuple[int, str | None]:
+    """How many ranks to run (`parallel.launch.plan_world`: --gpus, the visible GPUs, heads divisible), and a
+    warning when some are left idle.
+
+    Raises:
+        SettingsError: --gpus < 1 or more than the visible GPUs.
+    """
+    from h3render.parallel.launch import plan_world
+
+    try:
+        return plan_world(run.gpus, run.device, heads)
+    except ValueError as exc:
+        raise SettingsError(str(exc)) from None
+
+
+def run_jobs(run: RunSettings, jobs: Sequence, world: int, heads: int, *, quiet: bool = False,
+             single: tuple[Path, Path] | None = None, queue: Queue | None = None) -> int:
+    """Render `jobs` on `world` ranks (spawned here when > 1); rank 0's exit code.
+
+    Args:
+        run: checked settings (`RunSettings.check`).
+        heads: the DiT's attention heads (Ulysses splits whole heads).
+        single: `h3render prompt`'s (MP4, sidecar) for its one job; else `queue` runs `jobs` as a batch.
+    """
+    if world > 1:
+        from h3render.parallel.launch import spawn
+
+        return spawn(world, _rank_main, run, list(jobs), heads, quiet, single, queue)
+    return _rank_main(run, list(jobs), heads, quiet, single, queue)
+
+
+def _rank_main(run: RunSettings, jobs: list, heads: int, quiet: bool, single, queue: Queue | None) -> int:
+    """Every rank: join the group, load once, then rank 0 runs the queue and the others follow it."""
+    import torch
+
+    from h3render.batch import run_batch
+    from h3render.engine import Engine
+    from h3render.parallel.groups import init_parallel, largest_dividing_world, restrict, shutdown
+    from h3render.parallel.launch import LeaderRenderer, follow
+
+    ctx = init_parallel(run.device)
+    if ctx.distributed:
+        global _ran_distributed
+        _ran_distributed = True
+    if ctx.device.type == "cpu":
+        # Random tiny weights drive activations into denormal floats, which x86 CPUs process 10-100x slower;
+        # flushing them to zero left the rendered frames byte-identical in our runs.
+        torch.set_flush_denormal(True)
+    usable = largest_dividing_world(ctx.world_size, heads)
+    if usable != ctx.world_size:
+        if ctx.is_main:
+            print(f"h3render: warning: using {usable} of {ctx.world_size} ranks: Ulysses splits the {heads} attention "
+                  f"heads evenly; ranks {usable}..{ctx.world_size - 1} sit this run out", file=sys.stderr)
+        ctx = restrict(ctx, usable)
+        if ctx is None:
+            shutdown()
+            return EXIT_OK
+    run = replace(run, progress=_progress(ctx.is_main and not quiet, single=single is not None))
+
+    def load():
+        # A queue with t2va jobs beside a student adapter renders them on the base weights first, then fuses the
+        # student once (Engine.fuse_student) for the fasth3 jobs.
+        base_first = run.adapter is not None and any(j.mode == "t2va" for j in jobs)
+        engine = Engine.load(run, ctx, base_jobs_first=base_first)
+        engine.prepare(distinct_setups(jobs))
+        return engine
+
+    try:
+        if not ctx.is_main:
+            follow(load(), ctx)
+            return EXIT_OK
+        loaded = []
+
+        def factory():
+            r = load()
+            loaded.append(r)
+            return LeaderRenderer(r, ctx) if ctx.distributed else r
+
+        try:
+            if single is not None:
+                return _render_single(factory, jobs[0], *single)
+            order = sorted(range(len(jobs)), key=lambda i: jobs[i].mode == "fasth3")  # t2va first, stable
+            report = run_batch(jobs, factory, queue.out_dir, overwrite=queue.overwrite, fail_fast=queue.fail_fast,
+                               quiet=quiet, shard=queue.shard, render_order=order, current=run.record())
+            return report.exit_code
+        finally:
+            if ctx.distributed:
+                if not loaded:  # followers are waiting to load; let them load and stop
+                    factory()
+                LeaderRenderer(loaded[0], ctx).stop()
+    finally:
+        shutdown()
+
+
+def _progress(shown: bool, single: bool):
+    """Stage progress (h3render.progress): bars on a terminal (under batch's queue bar, one row down); in a log a
+    line per stage for `prompt`, and for `batch` (which logs a line per job) only stages of 10 s or longer."""
+    from h3render.progress import Progress
+
+    if not shown:
+        return Progress("off")
+    if sys.stderr.isatty():
+        return Progress("bar", position=0 if single else 1)
+    return Progress("lines" if single else "slow")
+
+
+def _render_single(factory, job, mp4: Path, sidecar: Path) -> int:
+    """`h3render prompt`: one job. The renderer writes `<name>.tmp.mp4` / sidecar temp files and renames them on
+    success; on failure or Ctrl-C nothing is left under either name."""
+    from h3render.outputs import temp_paths
+    from h3render.report import remove_files
+
+    mp4.parent.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    try:
+        factory().render(job, mp4, sidecar)
+    except KeyboardInterrupt:
+        remove_files(*temp_paths(mp4, sidecar))
+        print("h3render: interrupted; no output written", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except Exception as exc:
+        remove_files(*temp_paths(mp4, sidecar))
+        first = (str(exc).strip().splitlines() or [""])[0]
+        print(f"h3render: failed: {type(exc).__name__}: {first}", file=sys.stderr)
+        return EXIT_FAILED
+    print(f"h3render: wrote {mp4} and {sidecar} in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+    return EXIT_OK
+
+
+def distinct_setups(jobs):
+    """One representative job per distinct (schedule, canvas, length): AdaLN tables are built, the VAE compiled and
+    the audio decode's CUDA graph captured for each before the first job, outside job timings."""
+    seen, out = set(), []
+    for job in jobs:
+        key = (job.mode, job.task, job.steps, job.width, job.height, job.frames)
+        if key not in seen:
+            seen.add(key)
+            out.append(job)
+    return out
