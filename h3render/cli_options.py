@@ -7,12 +7,13 @@ import click
 
 from h3render.jobs import MODES
 from h3render.settings import DEVICES, DTYPES, RunSettings
+from h3render.spec import ATTENTION_BACKENDS, X264_PRESETS
 
 
 class LazyChoice(click.Choice):
-    """`click.Choice` over a tuple of another module (`h3render.media.X264_PRESETS`, `checkpoint.load.PRECISIONS`),
-    read when click first needs it: those modules load torch (about 3 s), which `h3render --help` and
-    `h3render presets` should not wait for."""
+    """`click.Choice` over a tuple of another module (`checkpoint.load.PRECISIONS`,
+    `checkpoint.students.POSITION_CHOICES`), read when click first needs it: those modules load torch (about 3 s),
+    which `h3render --help` and `h3render presets` should not wait for."""
 
     def __init__(self, module: str, name: str) -> None:
         self._where = (module, name)
@@ -57,10 +58,10 @@ def engine_options(f):
         click.option("--gpus", type=int, default=None, help="GPUs to use (default: every visible GPU; with --device cpu: CPU processes, for testing)."),
         click.option("--crf", type=click.IntRange(0, 51), default=RunSettings.crf, show_default=True,
                      help="x264 CRF."),
-        click.option("--x264-preset", type=LazyChoice("h3render.media", "X264_PRESETS"),
+        click.option("--x264-preset", type=click.Choice(X264_PRESETS),
                      default=RunSettings.x264_preset, show_default=True,
                      help="x264 speed preset (faster presets: bigger files at the same CRF)."),
-        click.option("--attention", type=click.Choice(["fa3", "cudnn", "sdpa"]), default=None,
+        click.option("--attention", type=click.Choice(ATTENTION_BACKENDS), default=None,
                      help="Attention backend on CUDA (default: fastest available, by measurement); on CPU "
                           "torch SDPA always runs. The sidecar's run.attention says what ran."),
         click.option("--save-latents", is_flag=True, hidden=True,

@@ -27,8 +27,9 @@ import yaml
 import h3render.presets
 from h3render.job_keyframes import KeyframeRef
 from h3render.outputs import output_paths, render_reason
-from h3render.spec import (FPS, RELEASED_MAX_PIXELS, RELEASED_SHORT_EDGE, Limits, audio_rows, canvas_for_aspect,
-                           check_canvas, is_snapped, latent_frames, parse_aspect, seconds_text, snap_frames, video_rows)
+from h3render.spec import (FPS, RELEASED_MAX_PIXELS, RELEASED_SHORT_EDGE, X264_PRESETS, Limits, audio_rows,
+                           canvas_for_aspect, check_canvas, is_snapped, latent_frames, parse_aspect, seconds_text,
+                           snap_frames, video_rows)
 
 # --- h3render choices (docs/manifest.md) ---------------------------------------------------------------------------
 MODES = ("t2va", "fasth3")  # the sampler: base model or distilled FastH3 student (t2va-only)
@@ -429,7 +430,6 @@ def plan_lines(jobs: list[Job], out_dir: Path | None = None, *, overwrite: bool 
 
 
 # --- Encoder options, checked before load, so a typo fails in the first second rather than after denoising --------
-from h3render.spec import X264_PRESETS  # noqa: E402 (one home: the CLI offers the same tuple)
 
 
 def check_x264_preset(name: str) -> str:
