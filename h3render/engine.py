@@ -24,7 +24,6 @@ import torch
 from h3render import spec
 from h3render.errors import RenderError
 from h3render.graphs import ShapeGraphs
-from h3render.media import PinnedFrameStager
 from h3render.models.attention import attention as fast_attention
 from h3render.models.attention import fastest_for, select_backend
 from h3render.models.attention import runner as attention_runner
@@ -34,6 +33,7 @@ from h3render.parallel.groups import ParallelContext
 from h3render.parallel.plan import ParallelPlan
 from h3render.render import render_job
 from h3render.sampling import Schedule, dit_model_fn
+from h3render.staging import PinnedFrameStager
 from h3render.tasks import task_of
 from h3render.tasks.base import BASE_PARTITION, Prepared
 from h3render.timing import StageTimer

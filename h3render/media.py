@@ -27,27 +27,9 @@ import numpy as np
 import torch
 
 from h3render.colour import MediaError
-from h3render.staging import PinnedFrameStager, StagedChunk  # noqa: F401 (re-exported: the writer takes StagedChunks)
-from h3render.spec import AUDIO_HOP, FPS, SAMPLE_RATE, audio_samples
-
-__all__ = [
-    "AUDIO_FRAME_SAMPLES",
-    "FPS",
-    "MediaError",
-    "Mp4Writer",
-    "PinnedFrameStager",
-    "SAMPLE_RATE",
-    "StagedChunk",
-    "audio_samples_for",
-    "prepare_audio",
-    "temp_path_for",
-]
-
-AUDIO_FRAME_SAMPLES = 1024  # AAC-LC frame length (32 ms at 32 kHz)
-# The audio VAE emits round(frames/24*40) latents x AUDIO_HOP (800) samples, which can fall short of
-# round(frames*32000/24) by up to half a latent (400 samples); one whole latent (25 ms) of zero padding is
-# accepted, anything shorter is refused.
-_MAX_AUDIO_PAD = AUDIO_HOP
+from h3render.soundtrack import prepare_audio
+from h3render.spec import FPS, SAMPLE_RATE, audio_samples
+from h3render.staging import StagedChunk
 
 # AVColorPrimaries / AVColorTransferCharacteristic / AVColorSpace BT709 = 1; AVColorRange MPEG (limited) = 1.
 _BT709 = 1
@@ -57,9 +39,6 @@ _RANGE_MPEG = 1
 _X264_THREAD_TYPE = "FRAME"
 
 Frames = Union[np.ndarray, torch.Tensor, Sequence[np.ndarray], Sequence[torch.Tensor], "StagedChunk"]
-
-
-audio_samples_for = audio_samples  # samples per channel for `frames` video frames (one home: h3render.spec)
 
 
 def temp_path_for(path: Union[str, os.PathLike]) -> Path:
@@ -79,7 +58,7 @@ class Mp4Writer:
     ``preset``, constant ``fps`` (frame i has pts i in time base 1/fps). libx264 threads: ``threads=0`` lets
     x264 choose (about 1.5 threads per core) and frame threading is forced: PyAV's default (slice threads)
     took 2.75 s against 1.79 s for 1344x768x243 at veryfast on 16 cores (H200 host, 2026-11-30).
-    Audio: AAC-LC stereo at ``sample_rate``, trimmed to ``audio_samples_for(frames)`` before encoding; the
+    Audio: AAC-LC stereo at ``sample_rate``, trimmed to ``audio_samples(frames)`` before encoding; the
     encoder's 1024-sample priming is hidden by the MP4 edit list that libavformat writes, so a decoder
     returns the trimmed length (within one AAC frame). AAC runs on the same thread, interleaved after each
     video chunk (0.23-0.33 s for 10 s of stereo; it hides under the decode like the video does, and a second
@@ -96,8 +75,8 @@ class Mp4Writer:
             close).
         windows: frame counts of the windows the clip is rendered in, in order, summing to ``frames`` (default
             one window of ``frames``). Each window hands over its own soundtrack (``write_audio``, once per window,
-            in order); window i's audio fills samples ``audio_samples_for(F_0 + .. + F_{i-1})`` up to
-            ``audio_samples_for(F_0 + .. + F_i)``, so the rounding never drifts over many windows.
+            in order); window i's audio fills samples ``audio_samples(F_0 + .. + F_{i-1})`` up to
+            ``audio_samples(F_0 + .. + F_i)``, so the rounding never drifts over many windows.
         audio_bitrate: AAC bit rate in bit/s.
         queue_chunks: bound of the hand-off queue, in chunks (back-pressure on the producer).
         threads: libx264 threads, 0 = auto.
@@ -156,7 +135,7 @@ class Mp4Writer:
         self.tmp_path = temp_path_for(self.path)
         self.width, self.height, self.frames, self.fps = width, height, frames, fps
         self.sample_rate = sample_rate
-        self.audio_samples = audio_samples_for(frames, sample_rate, fps)
+        self.audio_samples = audio_samples(frames, sample_rate, fps)
         self.marks: dict[str, float] = {"start": time.perf_counter()}
         self.stats: dict[str, float] = {"encode_s": 0.0, "audio_s": 0.0, "finalize_s": 0.0, "flush_s": 0.0,
                                         "trailer_s": 0.0, "sync_s": 0.0, "blocked_s": 0.0}
@@ -164,7 +143,7 @@ class Mp4Writer:
         self._frames_in = 0  # frames accepted from the producer
         # Sample boundaries of the windows' soundtracks: [0, a_1, ..., audio_samples] (cumulative, see `windows`).
         ends = np.cumsum(windows)
-        self._audio_bounds = [0] + [audio_samples_for(int(n), sample_rate, fps) for n in ends]
+        self._audio_bounds = [0] + [audio_samples(int(n), sample_rate, fps) for n in ends]
         self._audio_windows = 0  # soundtracks handed over (producer side)
         self._audio_ready = 0  # samples of them the encoder thread may read (encoder side, set through the queue)
         self._audio: np.ndarray | None = None
@@ -268,7 +247,7 @@ class Mp4Writer:
         Args:
             waveform: float ``[2, samples]`` (left, right) at ``sample_rate``, nominally in [-1, 1] (the
                 released audio VAE clamps to it; values beyond are clipped). Longer than the window's share of
-                ``audio_samples_for(frames)`` (see ``windows``) is trimmed; up to 800 samples (one audio latent)
+                ``audio_samples(frames)`` (see ``windows``) is trimmed; up to 800 samples (one audio latent)
                 short is zero-padded.
         Raises:
             MediaError: not ``[2, samples]``, NaN/inf, too short, more calls than windows, or no audio track.
@@ -482,7 +461,7 @@ class Mp4Writer:
         finally:
             if staged is not None:
                 staged.release()
-        self._encode_audio_until(audio_samples_for(self._pts, self.sample_rate, self.fps))
+        self._encode_audio_until(audio_samples(self._pts, self.sample_rate, self.fps))
         self.stats["encode_s"] += time.perf_counter() - t0
 
     def _encode_video(self, kind: str, array: np.ndarray) -> None:
@@ -565,39 +544,6 @@ class Mp4Writer:
         self.stats["flush_s"], self.stats["trailer_s"] = t1 - t0, t2 - t1
         self.stats["finalize_s"] += t2 - t0
         self.stats["encode_s"] += t2 - t0
-
-
-def prepare_audio(
-    waveform: Union[np.ndarray, torch.Tensor], samples: int, *, name: str = "audio"
-) -> np.ndarray:
-    """Check, trim/pad and clip a stereo soundtrack for the AAC encoder.
-
-    Args:
-        waveform: float ``[2, n]``, numpy or torch (any device).
-        samples: wanted length per channel (``audio_samples_for(frames)``).
-    Returns:
-        float32 ``[2, samples]`` C-contiguous, clipped to [-1, 1]; zero-padded at the end if ``n`` is short by
-        at most 800 samples.
-    Raises:
-        MediaError: wrong shape, non-float dtype, NaN/inf (never a silent file), or more than 800 samples short.
-    """
-    if isinstance(waveform, torch.Tensor):
-        if not waveform.is_floating_point():
-            raise MediaError(f"{name}: audio must be float, got {waveform.dtype}")
-        waveform = waveform.detach().float().cpu().numpy()
-    if not isinstance(waveform, np.ndarray) or waveform.dtype.kind != "f":
-        raise MediaError(f"{name}: audio must be a float array [2, samples]")
-    if waveform.ndim != 2 or waveform.shape[0] != 2:
-        raise MediaError(f"{name}: audio must be [2, samples] (stereo), got shape {waveform.shape}")
-    if not np.isfinite(waveform).all():
-        raise MediaError(f"{name}: audio contains NaN or inf (the decode diverged); refusing to write it")
-    n = waveform.shape[1]
-    if n < samples - _MAX_AUDIO_PAD:
-        raise MediaError(f"{name}: audio has {n} samples per channel, need {samples} (at most {_MAX_AUDIO_PAD} short)")
-    out = np.zeros((2, samples), dtype=np.float32)
-    keep = min(n, samples)
-    np.clip(waveform[:, :keep], -1.0, 1.0, out=out[:, :keep])
-    return out
 
 
 def _fsync_file(path: Path) -> None:

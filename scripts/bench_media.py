@@ -51,7 +51,8 @@ def synthetic_video(first: int, n: int, height: int, width: int, kind: str, devi
 
 def synthetic_audio(frames: int, device) -> torch.Tensor:
     """[2, samples] float32 in [-1, 1] for `frames` video frames at 32 kHz: a few tones and a little noise."""
-    from h3render.media import SAMPLE_RATE, audio_samples_for
+    from h3render.spec import SAMPLE_RATE
+    from h3render.spec import audio_samples as audio_samples_for
 
     n = audio_samples_for(frames)
     t = torch.arange(n, device=device, dtype=torch.float32) / SAMPLE_RATE
@@ -89,7 +90,8 @@ def stream_mp4(path: Path, kind: str, frames: int, width: int, height: int, deco
     The soundtrack goes in before the first chunk (`audio_first`) or after the last, then `close()`.
     """
     from h3render.colour import rgb_to_i420
-    from h3render.media import Mp4Writer, PinnedFrameStager
+    from h3render.media import Mp4Writer
+    from h3render.staging import PinnedFrameStager
     from h3render.settings import RunSettings
 
     settings = RunSettings()

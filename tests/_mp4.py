@@ -11,7 +11,9 @@ import numpy as np
 import torch
 
 from h3render.colour import MediaError, frames_to_uint8, rgb_to_i420
-from h3render.media import Mp4Writer, audio_samples_for, prepare_audio
+from h3render.media import Mp4Writer
+from h3render.soundtrack import prepare_audio
+from h3render.spec import audio_samples as audio_samples_for
 from h3render.spec import FPS, SAMPLE_RATE
 
 

@@ -13,7 +13,7 @@ import av
 import numpy as np
 import pytest
 
-from h3render.media import audio_samples_for
+from h3render.spec import audio_samples as audio_samples_for
 from tests._cli import click_error, invoke, one_error_line, run_cli, run_here
 from tests._mp4 import decode
 

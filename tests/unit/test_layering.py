@@ -54,7 +54,7 @@ LAYERS: dict[int, tuple[str, ...]] = {
         "h3render.jobs", "h3render.shards", "h3render.job_keyframes", "h3render.batch", "h3render.report",
         "h3render.locks", "h3render.signals", "h3render.runner"),
     6: ("h3render.engine", "h3render.render", "h3render.tasks", "h3render.tasks.*", "h3render.sidecar",
-        "h3render.keyframes", "h3render.media", "h3render.staging", "h3render.colour",
+        "h3render.keyframes", "h3render.media", "h3render.soundtrack", "h3render.staging", "h3render.colour",
         "h3render.graphs", "h3render.timing", "h3render.outputs", "h3render.progress", "h3render.parallel",
         "h3render.parallel.*"),
     5: ("h3render.make_checkpoint", "h3render.make_checkpoint.*"),

@@ -12,15 +12,11 @@ import pytest
 import torch
 
 from h3render.colour import MediaError, frames_to_uint8, rgb_to_i420, rgb_to_yuv420p
-from h3render.media import (
-    Mp4Writer,
-    PinnedFrameStager,
-    StagedChunk,
-    audio_samples_for,
-    prepare_audio,
-    temp_path_for,
-)
+from h3render.media import Mp4Writer, temp_path_for
+from h3render.soundtrack import prepare_audio
 from h3render.spec import FPS, SAMPLE_RATE as SR
+from h3render.spec import audio_samples as audio_samples_for
+from h3render.staging import PinnedFrameStager, StagedChunk
 from tests._mp4 import decode as decode_mp4
 from tests._mp4 import write_mp4
 
