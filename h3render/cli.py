@@ -129,7 +129,7 @@ def _prompt(text: str, output: str, quiet: bool, opts: dict) -> int:
                                    "first_frame", "last_frame")}
     fields.update(prompt=text, output=out.stem, mode=mode)
     job = job_from_fields(fields, info.limits())
-    _say(f"h3render: {job.canvas_note()}, {job.time_note()}")
+    _say(f"h3render: {job.canvas_note()}, {job.time_note(info.limits())}")
     if job.task == "fl2va":
         _say("h3render: fl2va: " + "; ".join(k.describe() for k in job.keyframes))
     return run_jobs(run, [job], world, info.release.dit.num_attention_heads, quiet=quiet,
@@ -187,7 +187,7 @@ def _batch(manifest, out_dir, shard, skip_existing, fail_fast, dry_run, quiet, o
         for line in run.check(info):  # against the dtype only: nothing is created
             _say(line)
         print("\n".join(jobs_mod.plan_lines(jobs, Path(out_dir), overwrite=not skip_existing,
-                                            current=run.record(), run=run.summary())))
+                                            current=run.record(), run=run.summary(), limits=info.limits())))
         return EXIT_OK
     world = _check(run, info)
     _check_writable(Path(out_dir))
