@@ -107,6 +107,8 @@ def cli() -> None:
 def prompt_command(text, output, quiet, **opts) -> None:
     """Render one prompt to OUTPUT (MP4) and its JSON sidecar (fields: docs/sidecar.md).
 
+    Docs, JSON schemas and the SLURM script are installed with h3render: `python -m h3render.docs` lists them.
+
     Progress goes to stderr: a bar per stage (text encode, denoise, decode, encode) on a terminal; otherwise a
     line when each stage ends and, while one runs, a line every 10 s.
     """
@@ -159,6 +161,8 @@ def _prompt(text: str, output: str, quiet: bool, opts: dict) -> int:
 @engine_options
 def batch_command(manifest, out_dir, shard, skip_existing, fail_fast, dry_run, quiet, **opts) -> None:
     """Render every job of MANIFEST (JSONL or YAML; schema in docs/manifest.md) with one resident model.
+
+    Docs, JSON schemas and the SLURM script are installed with h3render: `python -m h3render.docs` lists them.
 
     Jobs run one after another; each job's MP4 tail (encoder flush, trailer, fsync, rename, sidecar) finishes on
     the writer's thread while the next job's prompt encode and denoise start. --seed, --steps, --preset and --mode
