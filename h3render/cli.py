@@ -107,6 +107,8 @@ def cli() -> None:
 def prompt_command(text, output, quiet, **opts) -> None:
     """Render one prompt to OUTPUT (MP4) and its JSON sidecar (fields: docs/sidecar.md).
 
+    Docs, JSON schemas and the SLURM script are installed with h3render: `python -m h3render.docs` lists them.
+
     Progress goes to stderr: a bar per stage (text encode, denoise, decode, encode) on a terminal; otherwise a
     line when each stage ends and, while one runs, a line every 10 s.
     """
@@ -129,7 +131,7 @@ def _prompt(text: str, output: str, quiet: bool, opts: dict) -> int:
                                    "first_frame", "last_frame")}
     fields.update(prompt=text, output=out.stem, mode=mode)
     job = job_from_fields(fields, info.limits())
-    _say(f"h3render: {job.canvas_note()}, {job.time_note()}")
+    _say(f"h3render: {job.canvas_note()}, {job.time_note(info.limits())}")
     if job.task == "fl2va":
         _say("h3render: fl2va: " + "; ".join(k.describe() for k in job.keyframes))
     return run_jobs(run, [job], world, info.release.dit.num_attention_heads, quiet=quiet,
@@ -160,6 +162,8 @@ def _prompt(text: str, output: str, quiet: bool, opts: dict) -> int:
 def batch_command(manifest, out_dir, shard, skip_existing, fail_fast, dry_run, quiet, **opts) -> None:
     """Render every job of MANIFEST (JSONL or YAML; schema in docs/manifest.md) with one resident model.
 
+    Docs, JSON schemas and the SLURM script are installed with h3render: `python -m h3render.docs` lists them.
+
     Jobs run one after another; each job's MP4 tail (encoder flush, trailer, fsync, rename, sidecar) finishes on
     the writer's thread while the next job's prompt encode and denoise start. --seed, --steps, --preset and --mode
     act as command-line defaults: above the manifest's defaults, below a job's own fields.
@@ -187,7 +191,7 @@ def _batch(manifest, out_dir, shard, skip_existing, fail_fast, dry_run, quiet, o
         for line in run.check(info):  # against the dtype only: nothing is created
             _say(line)
         print("\n".join(jobs_mod.plan_lines(jobs, Path(out_dir), overwrite=not skip_existing,
-                                            current=run.record(), run=run.summary())))
+                                            current=run.record(), run=run.summary(), limits=info.limits())))
         return EXIT_OK
     world = _check(run, info)
     _check_writable(Path(out_dir))

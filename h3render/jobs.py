@@ -171,8 +171,15 @@ class Job:
     def sidecar_path(self, out_dir: str | Path) -> Path:
         return Path(out_dir) / f"{self.output}.json"
 
-    def time_note(self) -> str:
-        """How the frame count came about, e.g. "10 s → 243 frames = 10.125 s"."""
+    def time_note(self, limits: Limits | None = None) -> str:
+        """How the frame count came about, e.g. "10 s → 243 frames = 10.125 s"; with the checkpoint's `limits`, a
+        count outside the durations its weights were trained on says so ("4 s → 107 frames = 4.458 s, outside the
+        5–15 s the model was trained on"): it renders, but diffusers would refuse it and quality is not known."""
+        note = self._time_origin()
+        outside = limits.training_note(self.frames) if limits is not None else ""
+        return f"{note}, {outside}" if outside else note
+
+    def _time_origin(self) -> str:
         result = f"{self.frames} frames = {seconds_text(self.frames)} s"
         if self.requested.duration is not None:
             return f"{self.requested.duration:g} s → {result}"
@@ -395,8 +402,12 @@ def one_line(exc: BaseException) -> str:
 # --- Dry-run plan ----------------------------------------------------------------------------------------------------
 
 def plan_lines(jobs: list[Job], out_dir: Path | None = None, *, overwrite: bool = False,
-               run: dict[str, Any] | None = None, current: dict[str, Any] | None = None) -> list[str]:
+               run: dict[str, Any] | None = None, current: dict[str, Any] | None = None,
+               limits: Limits | None = None) -> list[str]:
     """One line per job for `--dry-run` (output, canvas, frames and s, steps, packed rows, source) and a total.
+
+    With the checkpoint's `limits`, a job whose duration lies outside what the weights were trained on says so
+    (`Job.time_note`).
 
     With `out_dir`, each line names the job's MP4 path and whether the run would render it or skip it (its outputs
     complete and rendered with these parameters: `outputs.render_reason`); a skip with `current` (the run's
@@ -421,7 +432,7 @@ def plan_lines(jobs: list[Job], out_dir: Path | None = None, *, overwrite: bool 
             label = f"{label} ({mp4}, {skip_note(sidecar) if reason is None else 'render: ' + reason})"
         steps = "adapter schedule" if job.steps is None else f"{job.steps} sigma points"
         task = "" if job.task == "t2va" else f"fl2va ({', '.join(k.describe() for k in job.keyframes)}), "
-        lines.append(f"[{number}/{len(jobs)}] {label}: {task}{job.canvas_note()}, {job.time_note()}, {job.mode} "
+        lines.append(f"[{number}/{len(jobs)}] {label}: {task}{job.canvas_note()}, {job.time_note(limits)}, {job.mode} "
                      f"{steps}, seed {job.seed}, rows video {job.video_rows:,} + audio "
                      f"{job.audio_rows:,} ({job.source})")
     total = sum(job.seconds for job in jobs)

@@ -13,8 +13,9 @@ What the released model expects (diffusers 0.42.1 `MiniMaxH3ResizeStep`, the num
 * a keyframe already at canvas size passes through untouched.
 
 diffusers takes in-memory PIL images and does no RGB conversion; h3render reads files, so it also: applies the EXIF
-orientation (as diffusers' `load_image` does), converts to RGB, flattens any alpha onto white, and says so in the
-keyframe's info. Errors raise `ValueError` naming the file and the problem; the manifest code adds `file:line: field`.
+orientation (as diffusers' `load_image` does), scales high-bit-depth pixels to 8 bits (a 16-bit PNG's `v` becomes
+`round(v * 255 / 65535)`; Pillow's own conversion clips at 255), converts to RGB, flattens any alpha that is not fully
+opaque onto white, and says so in the keyframe's info. Errors raise `ValueError` naming the file and the problem; the manifest code adds `file:line: field`.
 """
 
 from __future__ import annotations
@@ -125,7 +126,10 @@ def load_keyframe(path: str | Path, anchor: str = "first") -> Keyframe:
             oriented = ImageOps.exif_transpose(opened)
             exif_transposed = _orientation(opened) > 1
             source_mode = opened.mode
-            image = _to_rgb(oriented)
+            try:
+                image = _to_rgb(oriented)
+            except ValueError as exc:
+                raise ValueError(f"{path}: {exc}") from None
     except ValueError:
         raise
     except UnidentifiedImageError:
@@ -153,12 +157,49 @@ def _orientation(image: Image.Image) -> int:
 
 
 def _has_alpha(image: Image.Image) -> bool:
-    return image.mode in ("RGBA", "LA", "PA", "RGBa", "La") or (image.mode == "P" and "transparency" in image.info)
+    """Whether some pixel is less than fully opaque: an RGBA file whose alpha is 255 everywhere has nothing to
+    flatten, and saying "alpha flattened" for it would send the user looking for a problem that is not there."""
+    if image.mode in ("RGBA", "LA", "PA", "RGBa", "La"):
+        return image.getchannel("A").getextrema()[0] < 255
+    if "transparency" in image.info and image.mode in ("P", "L", "RGB"):  # a palette / tRNS transparent colour
+        return image.convert("RGBA").getchannel("A").getextrema()[0] < 255
+    return False
+
+
+# Pillow's integer modes wider than 8 bits. PNG stores 16-bit greyscale as I;16 (older Pillow: I); the full range
+# 0..65535 maps onto 0..255.
+_SIXTEEN_BIT_MODES = ("I;16", "I;16L", "I;16B", "I;16N", "I")
+_SIXTEEN_BIT_MAX = 65535
+
+
+def _to_eight_bit(image: Image.Image) -> Image.Image:
+    """An "L" image from a 16-bit or float greyscale one, scaled by value (`round(v * 255 / 65535)`; float: 0..1
+    -> `round(v * 255)`), because `convert("L")` clips every value above 255 to white.
+
+    Raises:
+        ValueError: pixel values outside the mode's range (a 32-bit "I" above 65535, a float outside 0..1), which
+            no scale maps without guessing the file's intended range.
+    """
+    values = np.asarray(image)
+    if image.mode == "F":
+        top = 1.0
+        what = "float pixel values"
+    else:
+        top = float(_SIXTEEN_BIT_MAX)
+        what = f"{image.mode} pixel values"
+    low, high = float(values.min()), float(values.max())
+    if low < 0 or high > top or not np.isfinite(values).all():
+        raise ValueError(f"{what} span {low:g} ... {high:g}, outside 0 ... {top:g}; convert the keyframe to an "
+                         f"8- or 16-bit image")
+    scaled = np.rint(values.astype(np.float64) * (255.0 / top)).astype(np.uint8)
+    return Image.fromarray(scaled, "L")
 
 
 def _to_rgb(image: Image.Image) -> Image.Image:
-    """RGB copy; transparency is composited onto `ALPHA_BACKGROUND` (a plain `convert("RGB")` would keep whatever
-    colour the transparent pixels happen to store)."""
+    """RGB copy; high-bit-depth greyscale is scaled to 8 bits; transparency is composited onto `ALPHA_BACKGROUND`
+    (a plain `convert("RGB")` would keep whatever colour the transparent pixels happen to store)."""
+    if image.mode in _SIXTEEN_BIT_MODES or image.mode == "F":
+        image = _to_eight_bit(image)
     if _has_alpha(image):
         rgba = image.convert("RGBA")
         background = Image.new("RGBA", rgba.size, ALPHA_BACKGROUND + (255,))

@@ -95,6 +95,10 @@ DEFAULT_MAX_SIGMA_POINTS = 1000
 # Prompt characters: a guard against runaway input (a pasted file), far above any real prompt (about 5,000 tokens of
 # English at ~4 characters per token); the model's own token limit is checked by the engine after tokenizing.
 DEFAULT_MAX_PROMPT_CHARS = 20_000
+# The durations the released weights were trained on: diffusers 0.42.1 refuses a video outside 5–15 s
+# (`MiniMaxH3ModularPipeline.min_duration` / `max_duration`, checked on the snapped frame count); h3render renders
+# the wider 4–15 s of the model card and says so in the plan line.
+RELEASED_TRAINED_SECONDS = (5.0, 15.0)
 
 
 @dataclass(frozen=True)
@@ -114,6 +118,9 @@ class Limits:
         max_sigma_points: the most sigma points a job may ask for (default 1,000 = 20× the released 50).
         max_prompt_chars: the longest prompt in characters (default 20,000); the checkpoint's token limit is
             checked by the engine once the tokenizer is loaded.
+        trained_seconds: (shortest, longest) video in s the weights were trained on, narrower than the accepted
+            frame range (released: 5–15 s); None when the model states none (the built-in random models). A job
+            outside it renders, and its plan line says so (`training_note`).
 
     Raises:
         ValueError: inconsistent limits.
@@ -128,6 +135,17 @@ class Limits:
     canvas_max_pixels: int = RELEASED_MAX_PIXELS
     max_sigma_points: int = DEFAULT_MAX_SIGMA_POINTS
     max_prompt_chars: int = DEFAULT_MAX_PROMPT_CHARS
+    trained_seconds: tuple[float, float] | None = None
+
+    def training_note(self, frames: int) -> str:
+        """"outside the 5–15 s the model was trained on" for a snapped frame count outside `trained_seconds`
+        (compared as frames / 24, as diffusers does), else ""."""
+        if self.trained_seconds is None:
+            return ""
+        shortest, longest = self.trained_seconds
+        if shortest <= frames / FPS <= longest:
+            return ""
+        return f"outside the {shortest:g}–{longest:g} s the model was trained on"
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_frames <= self.max_frames:
@@ -142,6 +160,8 @@ class Limits:
                              "sigma points (a schedule needs at least 2)")
         if self.max_prompt_chars < 1:
             raise ValueError("Limits: max_prompt_chars must be positive")
+        if self.trained_seconds is not None and not 0 < self.trained_seconds[0] <= self.trained_seconds[1]:
+            raise ValueError(f"Limits: trained_seconds {self.trained_seconds} must be (shortest, longest) > 0")
 
 
 # -- canvas and time rules -------------------------------------------------------------------------------------------

@@ -19,7 +19,7 @@ from h3render.models.dit_config import DIT_SMALL, DIT_TINY, DiTConfig
 from h3render.models.vae_tiling import RELEASED_TILING, TilingConfig
 from h3render.models.video_vae_config import VIDEO_VAE_SMALL, VIDEO_VAE_TINY, VideoVAEConfig
 from h3render.spec import (FPS, RELEASED_AUDIO_SHIFT, RELEASED_MAX_PIXELS, RELEASED_SHORT_EDGE, RELEASED_SIGMA_POINTS,
-                           RELEASED_VIDEO_SHIFT, Limits, canvas_for_aspect, snap_frames_up)
+                           RELEASED_TRAINED_SECONDS, RELEASED_VIDEO_SHIFT, Limits, canvas_for_aspect, snap_frames_up)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -104,6 +104,7 @@ class Release:
         vae_tiling: spatial tiles of the video-VAE decode (released: 256 px, >= 64 px overlap).
         image_processor: the keyframe image processor's `preprocessor_config.json` dict (fl2va), or None when the
             checkpoint has none (t2va only).
+        trained_seconds: the durations the weights were trained on (released 5–15 s), or None (random models).
     """
 
     name: str
@@ -123,6 +124,7 @@ class Release:
     sigma_points: int
     vae_tiling: TilingConfig
     image_processor: Mapping[str, Any] | None = field(default=None, repr=False)
+    trained_seconds: tuple[float, float] | None = None
 
     @property
     def default_frames(self) -> int:
@@ -140,7 +142,8 @@ class Release:
         """This release's `h3render.spec.Limits` (frame range, defaults, canvas rule)."""
         return Limits(min_frames=self.min_frames, max_frames=self.max_frames, default_canvas=self.default_canvas,
                       default_frames=self.default_frames, default_steps=self.sigma_points,
-                      canvas_short_edge=self.canvas_short_edge, canvas_max_pixels=self.canvas_max_pixels)
+                      canvas_short_edge=self.canvas_short_edge, canvas_max_pixels=self.canvas_max_pixels,
+                      trained_seconds=self.trained_seconds)
 
     def config_hash(self) -> str:
         """16 hex digits of SHA-256 over every config that changes the output (architectures, read layer, shifts,
@@ -161,6 +164,7 @@ RELEASES: dict[str, Release] = {
         audio_shift=RELEASED_AUDIO_SHIFT, min_frames=107, max_frames=362, canvas_short_edge=RELEASED_SHORT_EDGE,
         canvas_max_pixels=RELEASED_MAX_PIXELS, default_canvas=canvas_for_aspect(16, 9), default_duration_s=5.0,
         sigma_points=RELEASED_SIGMA_POINTS, vae_tiling=RELEASED_TILING, image_processor=QWEN3VL_PROCESSOR_RELEASED,
+        trained_seconds=RELEASED_TRAINED_SECONDS,
     ),
     # Tiny: a 1 s render on a 224×128 canvas in seconds on CPU; 8 sigma points (7 forwards) keep the README render
     # fast. 128 px tiles with 32 px overlap make the tiled decode run even on this small canvas (2 tiles wide).

@@ -9,8 +9,12 @@ islands (patch projections, time embedder, output heads), text encoder bf16, bot
   frame limits), `transformer/` (>= 2 shards + `diffusion_pytorch_model.safetensors.index.json`, native names),
   `text_encoder/` (the whole Qwen3-VL incl. vision tower and LM head, 2 shards + index), `tokenizer/`, `processor/`,
   `video_vae/`, `audio_vae/`.
-* "diffusers": `OUT/model_index.json`, `transformer/` (diffusers names and row orders), `vae/`, `audio_vae/`,
-  `scheduler/`, `audio_scheduler/`, `text_encoder/`, `tokenizer/`.
+* "diffusers": `OUT/model_index.json` (what h3render reads), `OUT/modular_model_index.json` (what diffusers'
+  `ModularPipeline.from_pretrained` reads: the pipeline and blocks classes, each component's folder, the canvas
+  rule), `transformer/` (diffusers names and row orders), `vae/`, `audio_vae/`, `scheduler/`, `audio_scheduler/`,
+  `text_encoder/`, `tokenizer/`, `processor/` (image and video processor configs). diffusers 0.42.1 loads it with
+  `load_components` (accelerate installed); it cannot *run* the tiny or small model's text encode, which it reads at
+  a hard-coded `hidden_states[50]` (`MiniMaxH3ModularPipeline.text_encoder_layer`) from a 3- or 4-layer encoder.
 * "single-file": `OUT` is one `.safetensors` file holding the DiT, native names with q/k/v stacked `[q; k; v]`
   (ComfyUI style), the DiT config in its `config` metadata.
 """
@@ -37,6 +41,8 @@ DIFFUSERS_VERSION = "0.42.1"
 # Tensor files of a diffusers model folder and of a transformers model folder.
 DIFFUSERS_WEIGHTS = "diffusion_pytorch_model"
 TRANSFORMERS_WEIGHTS = "model"
+# diffusers' modular pipeline for MiniMax-H3 and its blocks (`modular_model_index.json`).
+MODULAR_PIPELINE, MODULAR_BLOCKS = "MiniMaxH3ModularPipeline", "MiniMaxH3Blocks"
 
 
 def make_checkpoint(
@@ -167,6 +173,8 @@ def _write_partition(part: Path, release: Release, seed: int, layout: str, shard
         index["audio_scheduler"] = ["diffusers", "MiniMaxH3Scheduler"]
     index["_minimax_h3"] = meta
     _write_json(part / "model_index.json", index)
+    if not official:
+        _write_json(part / "modular_model_index.json", _modular_index(index, release))
 
     # Transformer.
     dit = _materialize("dit", release, seed)
@@ -199,13 +207,35 @@ def _write_partition(part: Path, release: Release, seed: int, layout: str, shard
     else:
         # diffusers loads `processor/` with `Qwen3VLProcessor.from_pretrained`; transformers 5.x writes the
         # sub-processors' configs into one `processor_config.json` and the tokenizer files beside it.
-        # (No video processor: fl2va never reads one, and H3's video values are unverified.)
+        # Qwen3VLProcessor.from_pretrained also needs a video processor: Qwen3-VL's defaults at the tower's patch
+        # size (h3render never reads it: t2va and fl2va take no video).
+        video_processor = {"video_processor_type": "Qwen3VLVideoProcessor", "processor_class": "Qwen3VLProcessor",
+                           "patch_size": text_config.vision_config.patch_size, "temporal_patch_size": 2,
+                           "merge_size": 2}
         _write_json(part / "processor" / "processor_config.json", {
-            "processor_class": "Qwen3VLProcessor", "image_processor": image_processor})
+            "processor_class": "Qwen3VLProcessor", "image_processor": image_processor,
+            "video_processor": video_processor})
         tokenizer.save_pretrained(str(part / "processor"))
         for folder, shift in (("scheduler", release.video_shift), ("audio_scheduler", release.audio_shift)):
             _write_json(part / folder / "scheduler_config.json", {
                 "_class_name": "MiniMaxH3Scheduler", "_diffusers_version": DIFFUSERS_VERSION, "shift": shift})
+
+
+def _modular_index(index: Mapping[str, Any], release: Release) -> dict[str, Any]:
+    """`modular_model_index.json`: diffusers resolves its MiniMax-H3 pipeline and blocks only from this file (from a
+    plain `model_index.json` it builds a generic `ModularPipeline` without blocks). Each component is
+    `[library, class, loading spec]` with no repository: diffusers loads a component whose files are present from
+    the folder itself, wherever it was moved. The canvas rule is the release's own (tiny: short edge 128)."""
+    modular: dict[str, Any] = {"_class_name": MODULAR_PIPELINE, "_diffusers_version": DIFFUSERS_VERSION,
+                               "_blocks_class_name": MODULAR_BLOCKS}
+    for name, value in index.items():
+        if isinstance(value, list) and len(value) == 2:
+            library, class_name = value
+            modular[name] = [library, class_name, {"pretrained_model_name_or_path": None, "subfolder": name,
+                                                   "variant": None, "revision": None,
+                                                   "type_hint": [library, class_name]}]
+    modular.update(canvas_short_edge=release.canvas_short_edge, canvas_max_pixels=release.canvas_max_pixels)
+    return modular
 
 
 def _write_single_file(path: Path, release: Release, seed: int) -> None:

@@ -84,6 +84,8 @@ AUDIO_VAE_TINY = AudioVAEConfig(
     decoder_kernel_sizes=(9, 9, 8, 16),
     resblock_kernel_sizes=(3,),
     resblock_dilation_sizes=((1, 3),),
+    # A random model's latents are unnormalized: identity statistics, stated (diffusers multiplies by them).
+    latents_mean=(0.0,) * 32, latents_std=(1.0,) * 32,
 )
 
 # Small model for GPU smoke runs: the released stage layout at reduced width.
@@ -94,6 +96,7 @@ AUDIO_VAE_SMALL = AudioVAEConfig(
     decoder_dim=256,
     resblock_kernel_sizes=(3, 7),
     resblock_dilation_sizes=((1, 3, 5), (1, 3, 5)),
+    latents_mean=(0.0,) * 32, latents_std=(1.0,) * 32,  # identity, as the tiny model's
 )
 
 

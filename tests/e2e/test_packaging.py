@@ -1,5 +1,6 @@
 """The wheel is the product: pyproject names every package folder, and a plain (non-editable) install renders from
-outside the checkout (issue 13 item 1: `pip install .` once shipped without presets and with a top-level `kernels`).
+outside the checkout (issue 13 item 1: `pip install .` once shipped without presets and with a top-level `kernels`)
+and carries the docs, JSON schemas and SLURM script that `--help` names (issue 29: it shipped none of them).
 """
 
 from __future__ import annotations
@@ -27,8 +28,9 @@ def _pyproject() -> dict:
 
 
 def _packages_on_disk() -> set[str]:
-    """Every folder under h3render/ and kernels/ holding an __init__.py, named as imported, plus the presets."""
-    found = {"h3render.presets"}
+    """Every folder under h3render/ and kernels/ holding an __init__.py, named as imported, plus the presets and the
+    docs (data packages)."""
+    found = {"h3render.presets", "h3render.docs"}
     for folder, name in ROOTS.items():
         for init in (REPO / folder).rglob("__init__.py"):
             parts = init.parent.relative_to(REPO / folder).parts
@@ -41,13 +43,28 @@ def test_pyproject_packages_are_the_package_folders_on_disk():
     tool = _pyproject()["tool"]["setuptools"]
     assert sorted(tool["packages"]) == sorted(_packages_on_disk())
     assert tool["package-dir"] == {"h3render": "h3render", "h3render.kernels": "kernels",
-                                   "h3render.presets": "presets"}
-    assert (REPO / "presets" / "__init__.py").is_file() and tool["package-data"] == {"h3render.presets": ["*.yaml"]}
+                                   "h3render.presets": "presets", "h3render.docs": "docs"}
+    assert (REPO / "presets" / "__init__.py").is_file() and (REPO / "docs" / "__init__.py").is_file()
+    assert tool["package-data"] == {"h3render.presets": ["*.yaml"],
+                                    "h3render.docs": ["*.md", "schema/*.json", "h3render.sbatch"]}
+    # The wheel's copy of the batch script is the checkout's one script, through a link (one home).
+    assert (REPO / "docs" / "h3render.sbatch").resolve() == (REPO / "scripts" / "h3render.sbatch").resolve()
+
+
+def _shipped_docs() -> set[str]:
+    """docs/*.md, docs/schema/*.json, the SLURM script and the package's two modules (`python -m h3render.docs`), as
+    paths inside the wheel."""
+    docs = REPO / "docs"
+    files = [*docs.glob("*.md"), *docs.glob("schema/*.json"), docs / "h3render.sbatch", docs / "__init__.py",
+             docs / "__main__.py"]
+    assert len(files) >= 8  # sidecar, manifest, slurm, performance, fasth3 .md; two schemas; the script
+    return {"h3render/docs/" + path.relative_to(docs).as_posix() for path in files}
 
 
 def _expected_wheel_files() -> set[str]:
     """The .py files of every package and the preset YAMLs, as paths inside the wheel."""
     files = {f"h3render/presets/{p.name}" for p in (REPO / "presets").iterdir() if p.suffix in (".py", ".yaml")}
+    files |= _shipped_docs()
     for folder, name in ROOTS.items():
         for path in (REPO / folder).rglob("*.py"):
             relative = path.relative_to(REPO / folder)
@@ -76,8 +93,9 @@ def test_wheel_installs_in_a_fresh_venv_and_renders_from_outside_the_checkout(tm
     src = tmp_path / "src"
     src.mkdir()
     shutil.copy(REPO / "pyproject.toml", src)
-    for folder in ("h3render", "kernels", "presets"):
-        shutil.copytree(REPO / folder, src / folder, ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
+    for folder in ("h3render", "kernels", "presets", "docs", "scripts"):  # docs/h3render.sbatch links into scripts/
+        shutil.copytree(REPO / folder, src / folder, symlinks=True,
+                        ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
     dist = tmp_path / "dist"
     _run([sys.executable, "-m", "pip", "wheel", src, "--no-deps", "-w", dist, "-q"], cwd=tmp_path)
     [wheel] = dist.glob("h3render-*.whl")
@@ -110,6 +128,20 @@ def test_wheel_installs_in_a_fresh_venv_and_renders_from_outside_the_checkout(tm
         assert Path(file).resolve().is_relative_to(venv.resolve()), file
         assert not Path(file).resolve().is_relative_to(REPO), file
     assert editable_finder == "False"
+
+    # `--help` points at `python -m h3render.docs`, which lists the installed docs, schemas and batch script.
+    for command in ("prompt", "batch"):
+        help_text = _run([venv / "bin" / "h3render", command, "--help"], cwd=elsewhere, env=env).stdout
+        assert "python -m h3render.docs" in " ".join(help_text.split()), command  # click rewraps the lines
+    listing = _run([python, "-m", "h3render.docs"], cwd=elsewhere, env=env).stdout.splitlines()
+    installed = Path(listing[0].split(": ", 1)[1])
+    assert installed.resolve().is_relative_to(venv.resolve()) and not installed.resolve().is_relative_to(REPO)
+    shipped = {line.strip() for line in listing[1:]}
+    assert {"sidecar.md", "manifest.md", "slurm.md", "schema/sidecar.schema.json",
+            "schema/batch-report.schema.json", "h3render.sbatch"} <= shipped
+    for name in shipped:
+        source = REPO / "scripts" / name if name == "h3render.sbatch" else REPO / "docs" / name
+        assert (installed / name).read_bytes() == source.read_bytes(), name
 
     presets = _run([venv / "bin" / "h3render", "presets"], cwd=elsewhere, env=env).stdout
     for yaml_file in (REPO / "presets").glob("*.yaml"):

@@ -161,3 +161,56 @@ def test_animation_is_refused(tmp_path):
 def test_no_keyframe():
     with pytest.raises(ValueError, match="first frame, a last frame or both"):
         prepare_keyframes(None, None)
+
+
+def test_opaque_rgba_is_not_reported_as_flattened(tmp_path):
+    rgba = np.full((32, 64, 4), 255, dtype=np.uint8)
+    rgba[..., :3] = (10, 200, 30)
+    path = tmp_path / "opaque.png"
+    Image.fromarray(rgba, "RGBA").save(path)
+    keyframe = load_keyframe(path, "first")
+    assert keyframe.source_mode == "RGBA" and not keyframe.alpha_flattened
+    assert (np.asarray(keyframe.image) == (10, 200, 30)).all()
+    assert "alpha" not in prepare_keyframes(keyframe, None, 64, 32).info[0]
+
+
+def test_one_translucent_pixel_is_flattened(tmp_path):
+    rgba = np.full((32, 64, 4), 255, dtype=np.uint8)
+    rgba[0, 0, 3] = 254
+    path = tmp_path / "almost.png"
+    Image.fromarray(rgba, "RGBA").save(path)
+    assert load_keyframe(path, "first").alpha_flattened
+
+
+def test_16_bit_greyscale_png_is_scaled_not_clipped(tmp_path):
+    ramp = np.linspace(0, 65535, 64 * 32).round().astype(np.uint16).reshape(32, 64)
+    path = tmp_path / "deep.png"
+    Image.fromarray(ramp).save(path)
+    keyframe = load_keyframe(path, "first")
+    assert keyframe.source_mode.startswith("I") and not keyframe.alpha_flattened
+    pixels = np.asarray(keyframe.image)
+    expected = np.rint(ramp.astype(np.float64) * 255 / 65535).astype(np.uint8)
+    assert keyframe.image.mode == "RGB"
+    for channel in range(3):
+        assert np.array_equal(pixels[..., channel], expected)
+    assert (pixels[..., 0] == 255).mean() < 0.01  # Pillow's convert("RGB") made 99.5 % of this ramp white
+
+
+@pytest.mark.parametrize("mode", ["I;16B", "I"])
+def test_other_16_bit_modes_scale_by_value(mode):
+    from h3render.keyframes import _to_rgb
+
+    values = np.array([[0, 257, 32768, 65535]], dtype=np.uint16)
+    if mode == "I":
+        image = Image.fromarray(values.astype(np.int32), "I")
+    else:
+        image = Image.frombytes(mode, (4, 1), values.astype(">u2").tobytes())
+    assert image.mode == mode
+    assert np.asarray(_to_rgb(image))[0, :, 0].tolist() == [0, 1, 128, 255]
+
+
+def test_32_bit_values_beyond_16_bits_are_refused_with_the_file(tmp_path):
+    path = tmp_path / "wide.tif"
+    Image.fromarray(np.array([[0, 70000]] * 4, dtype=np.int32), "I").save(path)
+    with pytest.raises(ValueError, match=r"wide\.tif: I pixel values span 0 \.\.\. 70000, outside 0 \.\.\. 65535"):
+        load_keyframe(path)

@@ -594,3 +594,38 @@ def errors_of_kw(path, limits=RELEASED, overrides=None, **kw):
     with pytest.raises(ManifestError) as info:
         load_manifest(path, limits, overrides, **kw)
     return info.value.errors
+
+
+# --- durations outside what the weights were trained on -------------------------------------------------------------
+
+def _job_of(limits, **fields):
+    return M.job_from_fields({"prompt": "a fox", "output": "clip", **fields}, limits)
+
+
+@pytest.mark.parametrize("duration, outside", [(4, True), (4.9, False), (5, False), (10, False), (14.375, False),
+                                               (15, True)])  # 4.9 s snaps up to 124 frames = 5.167 s; 15 s to 362 = 15.083 s
+def test_released_plan_line_names_durations_outside_the_trained_5_to_15_s(duration, outside):
+    from h3render.checkpoint.releases import RELEASES
+
+    limits = RELEASES["released"].limits()
+    job = _job_of(limits, duration=duration)
+    note = "outside the 5–15 s the model was trained on"
+    assert (note in job.time_note(limits)) is outside
+    assert (note in J.plan_lines([job], limits=limits)[0]) is outside
+    assert note not in job.time_note()  # without the checkpoint's limits nothing is claimed
+
+
+def test_the_note_follows_the_checkpoints_own_limits_not_5_to_15():
+    from h3render.checkpoint.releases import RELEASES
+
+    tiny = RELEASES["tiny"].limits()  # a random model: trained on nothing, so no range is claimed
+    assert tiny.trained_seconds is None
+    assert "trained" not in J.plan_lines([_job_of(tiny, frames=22)], limits=tiny)[0]
+    own = Limits(min_frames=22, max_frames=362, default_canvas=(128, 96), default_frames=39, default_steps=8,
+                 trained_seconds=(1.0, 2.0))
+    assert _job_of(own, frames=22).time_note(own) == "22 frames = 0.917 s, outside the 1–2 s the model was trained on"
+    assert _job_of(own, frames=39).time_note(own) == "39 frames = 1.625 s"
+    assert "outside the 1–2 s" in _job_of(own, duration=4).time_note(own)
+    with pytest.raises(ValueError, match="trained_seconds"):
+        Limits(min_frames=22, max_frames=362, default_canvas=(128, 96), default_frames=39, default_steps=8,
+               trained_seconds=(3.0, 2.0))
