@@ -19,7 +19,7 @@ from h3render.jobs import (DEFAULT_MODE, DEFAULT_SEED, Job, Preset, Requested, S
                            output_key, output_name, output_path_problem, prompt_slug)
 from h3render.manifest_fields import engine_choices, field_problem, keyframe_canvas, resolve_keyframes, strip_mp4
 from h3render.manifest_formats import Errors, Layer, ManifestError, Value, Where, read_jsonl, read_yaml
-from h3render.spec import Limits, canvas_for_aspect, check_canvas, parse_aspect, snap_frames
+from h3render.spec import Limits, canvas_for_aspect, check_canvas, parse_aspect, snap_frames, video_rows
 
 JOB_FIELDS = ("id", "prompt", "preset", "aspect", "width", "height", "duration", "frames", "seed", "steps", "mode",
               "output", *KEYFRAME_FIELDS)
@@ -276,6 +276,13 @@ def _resolve_job(job: Layer, layers: list[Layer], limits: Limits, presets: Mappi
             frames = snap_frames(limits.default_frames, None, limits)
     except ValueError as exc:
         errors.add(where, str(exc))
+        return None
+    rows = video_rows(width, height, frames)
+    if rows > limits.max_video_rows:  # canvas x time: refused before load, not minutes into a render
+        blame = (canvas_layer.where(next(f for f in _CANVAS_FIELDS if f in canvas_layer.fields))
+                 if canvas_layer is not None else where)
+        errors.add(blame, f"canvas {width}x{height} at {frames} frames is {rows:,} packed video rows, more than this "
+                          f"checkpoint's limit of {limits.max_video_rows:,} (Limits.max_video_rows)")
         return None
 
     mode_layer = _first(layers, ["mode"])

@@ -95,6 +95,12 @@ DEFAULT_MAX_SIGMA_POINTS = 1000
 # Prompt characters: a guard against runaway input (a pasted file), far above any real prompt (about 5,000 tokens of
 # English at ~4 characters per token); the model's own token limit is checked by the engine after tokenizing.
 DEFAULT_MAX_PROMPT_CHARS = 20_000
+# Canvas x time: at most this many times the packed video rows of the checkpoint's own largest canvas (its canvas
+# rule's `canvas_max_pixels`) at its longest duration. Released: 8 x 107,856 = 862,848 rows (3840 x 2176 at 10 s
+# fits, at 15 s does not); tiny: 23,968 (the fast-960x544 preset at 5 s fits). A 32000 x 32000 canvas (72,000,000
+# rows at 10 s) would run for hours, use tens of GB of host memory and sit in tensor ops that no signal interrupts;
+# it is refused before load instead.
+CANVAS_WORK_FACTOR = 8
 
 
 @dataclass(frozen=True)
@@ -114,6 +120,9 @@ class Limits:
         max_sigma_points: the most sigma points a job may ask for (default 1,000 = 20× the released 50).
         max_prompt_chars: the longest prompt in characters (default 20,000); the checkpoint's token limit is
             checked by the engine once the tokenizer is loaded.
+        max_video_rows: the most packed video rows (width x height x frames, `video_rows`) a job may ask for;
+            None (default) derives it from the checkpoint's own canvas rule: `CANVAS_WORK_FACTOR` x the rows of
+            `canvas_max_pixels` at `max_frames` (released 862,848; tiny 23,968).
 
     Raises:
         ValueError: inconsistent limits.
@@ -128,8 +137,12 @@ class Limits:
     canvas_max_pixels: int = RELEASED_MAX_PIXELS
     max_sigma_points: int = DEFAULT_MAX_SIGMA_POINTS
     max_prompt_chars: int = DEFAULT_MAX_PROMPT_CHARS
+    max_video_rows: int | None = None
 
     def __post_init__(self) -> None:
+        if self.max_video_rows is None:  # frozen: the derived bound is set once, here
+            rows_per_frame = CANVAS_WORK_FACTOR * self.canvas_max_pixels // CANVAS_MULTIPLE ** 2
+            object.__setattr__(self, "max_video_rows", rows_per_frame * latent_frames(snap_frames_up(self.max_frames)))
         if not 1 <= self.min_frames <= self.max_frames:
             raise ValueError(f"Limits: bad frame range {self.min_frames}–{self.max_frames}")
         if not self.min_frames <= self.default_frames <= self.max_frames or not is_snapped(self.default_frames):
@@ -142,6 +155,9 @@ class Limits:
                              "sigma points (a schedule needs at least 2)")
         if self.max_prompt_chars < 1:
             raise ValueError("Limits: max_prompt_chars must be positive")
+        if video_rows(width, height, self.default_frames) > self.max_video_rows:
+            raise ValueError(f"Limits: the default canvas {width}x{height} at {self.default_frames} frames is more "
+                             f"than max_video_rows {self.max_video_rows:,}")
 
 
 # -- canvas and time rules -------------------------------------------------------------------------------------------
