@@ -75,8 +75,10 @@ class Errors:
 
     def raise_if_any(self) -> None:
         if self.found:  # sorted by line; the sort is stable, so same-line problems keep pass order
-            raise ManifestError([f"{where}: {message}" for where, message in
-                                 sorted(self.found, key=lambda item: item[0].line)])
+            # A field name or value quoted from the file may hold a lone surrogate (a JSON "\\udc80" escape):
+            # written as that escape, so every line encodes to UTF-8 (a log file, the report) as it prints.
+            raise ManifestError([f"{where}: {message}".encode("utf-8", "backslashreplace").decode("utf-8")
+                                 for where, message in sorted(self.found, key=lambda item: item[0].line)])
 
 
 def read_jsonl(text: str, file: str, errors: Errors) -> tuple[Layer, list[Layer]]:
@@ -161,6 +163,10 @@ def read_yaml(text: str, file: str, errors: Errors) -> tuple[Layer, list[Layer]]
     loader = yaml.SafeLoader("")
     if root is None:
         return defaults, []
+    if _explicit_tag(root):  # `!!python/object:...` or `!foo` on the root would otherwise be dropped unread
+        errors.add(Where(file, _line(root)), f"the document has the YAML tag {root.tag!r}; a manifest takes no tags "
+                                             "(a plain mapping of defaults: and jobs:, or a list of jobs)")
+        return defaults, []
     if isinstance(root, yaml.SequenceNode):
         job_nodes = root
     elif isinstance(root, yaml.MappingNode):
@@ -186,7 +192,9 @@ def read_yaml(text: str, file: str, errors: Errors) -> tuple[Layer, list[Layer]]
         return defaults, []
     jobs = []
     for node in job_nodes.value:
-        if isinstance(node, yaml.MappingNode):
+        if _explicit_tag(node):
+            errors.add(Where(file, _line(node)), f"the job has the YAML tag {node.tag!r}; a job is a plain mapping")
+        elif isinstance(node, yaml.MappingNode):
             jobs.append(_yaml_layer(node, loader, file, errors))
         else:
             errors.add(Where(file, _line(node)), "each job must be a mapping of fields")
@@ -229,6 +237,13 @@ def _yaml_value(name: str, node: yaml.Node, loader: yaml.SafeLoader, file: str, 
     except yaml.YAMLError as exc:
         errors.add(Where(file, _line(node), name), f"bad value: {one_line(exc)}")
         return None
+
+
+def _explicit_tag(node: yaml.Node) -> bool:
+    """Whether a mapping or list node carries a tag other than its plain one (`!!map`/`!!seq` written out are
+    plain): composing keeps any tag, and reading the node's items as fields would ignore it."""
+    plain = {yaml.MappingNode: "tag:yaml.org,2002:map", yaml.SequenceNode: "tag:yaml.org,2002:seq"}
+    return type(node) in plain and node.tag != plain[type(node)]
 
 
 def _is_null(node: yaml.Node) -> bool:

@@ -447,3 +447,13 @@ def test_symlinks_planted_at_lock_and_report_temp_names_are_never_written_throug
     assert report.exit_code == 0 and read_report(out)["counts"]["succeeded"] == 2
     assert {name: t.read_text() for name, t in targets.items()} == {name: "precious\n" for name in targets}
 
+
+def test_an_output_path_over_path_max_fails_its_job_alone(tmp_path):
+    """Issue #28 item 3: out dir + output over PATH_MAX made render_reason raise ENAMETOOLONG before any job (report
+    `crashed`); now that job fails with the OS's reason and the valid job renders."""
+    out = tmp_path / "out"
+    long = FakeJob(id="long", prompt="p", seed=0, output="/".join(["d" * 200] * 21) + "/x")
+    report, _ = run([long, *make_jobs(1)], FakeRenderer(), out)
+    doc = read_report(out)
+    assert report.exit_code == 1 and doc["counts"]["succeeded"] == 1 and doc["counts"]["failed"] == 1
+    assert "too long" in doc["jobs"][0]["error"] and (out / "sub/j0.mp4").is_file()

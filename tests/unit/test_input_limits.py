@@ -16,7 +16,7 @@ TINY = Limits(min_frames=22, max_frames=362, default_canvas=(224, 128), default_
               canvas_short_edge=128, canvas_max_pixels=128 * 224)
 
 
-# --- 5: canvas x frames bound -------------------------------------------------------------------------------------------
+# --- 5: canvas x frames bound -----------------------------------------------------------------------------------------
 
 def test_the_bound_follows_each_checkpoints_canvas_rule():
     assert RELEASED.max_video_rows == 8 * video_rows(1344, 768, 362) == 862_848
@@ -39,7 +39,8 @@ def test_the_probes_32000_square_canvas_is_refused_before_load(tmp_path):
 
 def test_the_bound_is_inclusive_and_counts_frames():
     # 4032 x 2048 at 362 frames is exactly 8x the released largest canvas (1344 x 768) at its longest duration
-    assert job_from_fields({"prompt": "p", "width": 4032, "height": 2048, "frames": 362}, RELEASED).video_rows == 862_848
+    job = job_from_fields({"prompt": "p", "width": 4032, "height": 2048, "frames": 362}, RELEASED)
+    assert job.video_rows == 862_848
     with pytest.raises(ManifestError, match=r"<command line>: width: canvas 4064x2048 at 362 frames"):
         job_from_fields({"prompt": "p", "width": 4064, "height": 2048, "frames": 362}, RELEASED)
     # the same canvas is fine at fewer frames; the tiny model's bound is its own

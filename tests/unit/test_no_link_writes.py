@@ -1,6 +1,6 @@
 """Nothing is ever written through a link planted at a name the queue writes (issue #28 item 2): `<job>.lock`,
 `batch-report.json.lock` (both `h3render.locks`), `batch-report.json.tmp` and the report itself (`h3render.report`).
-The queue-level probe is tests/unit/test_batch.py::test_symlinks_planted_at_lock_and_report_temp_names_are_never_written_through."""
+The queue-level probe: test_batch.py::test_symlinks_planted_at_lock_and_report_temp_names_are_never_written_through."""
 
 from __future__ import annotations
 
