@@ -102,6 +102,20 @@ def test_an_output_longer_than_the_path_limit_is_refused_up_front():
     assert "more than 1,024" in output_path_problem(long)
 
 
+@pytest.mark.parametrize("unit", ["d", "é", "\U0001f600"])  # 1, 2 and 4 UTF-8 bytes a character
+def test_component_and_path_lengths_at_their_limits(unit):
+    width = len(unit.encode())
+    component = unit * (200 // width)  # the largest component, in bytes, made of this character
+    assert output_path_problem(component) is None and output_path_problem(component + unit)
+    whole = "/".join([component] * 5)  # 1,004 bytes
+    assert output_path_problem(whole) is None
+    longer = whole + "/" + "d" * 20  # 1,025 bytes
+    assert len(longer.encode()) == 1025 and "bytes long, more than 1,024" in output_path_problem(longer)
+    assert output_path_problem(longer[:-1]) is None
+    mp4, sidecar = output_paths(Path("out"), Job(None, "p", 1344, 768, 243, 0, 50, "t2va", component))
+    assert max(len(p.name.encode()) for p in (*temp_paths(mp4, sidecar), lock_path(mp4))) <= 255  # NAME_MAX
+
+
 def test_render_reason_of_a_path_over_path_max_is_a_reason_not_a_crash(tmp_path):
     deep = tmp_path.joinpath(*["d" * 200] * 21)  # > 4,096 bytes: is_file() raises ENAMETOOLONG
     job = Job(None, "p", 1344, 768, 243, 0, 50, "t2va", "x")
