@@ -173,12 +173,19 @@ def read_yaml(text: str, file: str, errors: Errors) -> tuple[Layer, list[Layer]]
         job_nodes = None
         for key, value in _yaml_pairs(root, loader, file, errors):
             if key.value == "defaults":
-                if isinstance(value, yaml.MappingNode):
+                if _explicit_tag(value):
+                    errors.add(Where(file, _line(value), "defaults"), f"has the YAML tag {value.tag!r}; defaults are "
+                                                                      "a plain mapping of fields")
+                elif isinstance(value, yaml.MappingNode):
                     defaults = _yaml_layer(value, loader, file, errors)
                 elif not _is_null(value):
                     errors.add(Where(file, _line(value), "defaults"), "must be a mapping of fields")
             elif key.value == "jobs":
                 job_nodes = value
+                if _explicit_tag(value):
+                    errors.add(Where(file, _line(value), "jobs"), f"has the YAML tag {value.tag!r}; jobs are a plain "
+                                                                  "list")
+                    return defaults, []
             elif not str(key.value).startswith("x-"):  # x-… keys hold YAML anchors for `<<` merges
                 errors.add(Where(file, _line(key), key.value), "unknown top-level key; expected defaults and jobs")
         if job_nodes is None:

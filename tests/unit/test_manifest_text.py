@@ -38,3 +38,12 @@ def test_a_tagged_job_is_an_error_and_plain_tags_are_fine(tmp_path):
     assert info.value.errors == [f"{path}:4: the job has the YAML tag '!thing'; a job is a plain mapping"]
 
 
+
+
+def test_tagged_defaults_and_jobs_are_errors_naming_their_lines(tmp_path):
+    path = tmp_path / "m.yaml"
+    path.write_text("defaults: !custom {seed: 1}\njobs: !more\n- prompt: a\n", encoding="utf-8")
+    with pytest.raises(ManifestError) as info:
+        load_manifest(path, RELEASED)
+    assert info.value.errors == [f"{path}:1: defaults: has the YAML tag '!custom'; defaults are a plain mapping of "
+                                 "fields", f"{path}:2: jobs: has the YAML tag '!more'; jobs are a plain list"]
