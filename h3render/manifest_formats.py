@@ -7,6 +7,7 @@ value with its own 1-based line), every problem collected with its place (`Error
 from __future__ import annotations
 
 import json
+import unicodedata
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -75,10 +76,16 @@ class Errors:
 
     def raise_if_any(self) -> None:
         if self.found:  # sorted by line; the sort is stable, so same-line problems keep pass order
-            # A field name or value quoted from the file may hold a lone surrogate (a JSON "\\udc80" escape):
-            # written as that escape, so every line encodes to UTF-8 (a log file, the report) as it prints.
-            raise ManifestError([f"{where}: {message}".encode("utf-8", "backslashreplace").decode("utf-8")
+            raise ManifestError([_printable(f"{where}: {message}")
                                  for where, message in sorted(self.found, key=lambda item: item[0].line)])
+
+
+def _printable(line: str) -> str:
+    """A problem line with what it quotes from the file made safe to print and log: a lone surrogate (a JSON
+    "\\udc80" escape) cannot be encoded to UTF-8, a control or format character (a newline, U+202E) would break
+    the line or reorder it on a terminal; each is written as its escape."""
+    return "".join(c if unicodedata.category(c) not in ("Cc", "Cf", "Cs") else
+                   f"\\u{ord(c):04x}" if ord(c) <= 0xFFFF else f"\\U{ord(c):08x}" for c in line)
 
 
 def read_jsonl(text: str, file: str, errors: Errors) -> tuple[Layer, list[Layer]]:

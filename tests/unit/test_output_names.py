@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import unicodedata
 from pathlib import Path
 
 import pytest
@@ -32,6 +33,11 @@ def any_text(min_size: int = 0, max_size: int = 40):
     return st.lists(_TEXT_CHARS, min_size=min_size, max_size=max_size).map("".join)
 
 FAST = settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+
+
+def printable(line: str) -> bool:
+    """One line that encodes to UTF-8 and holds no control, format or surrogate character (none breaks or reorders it)."""
+    return bool(line.encode("utf-8")) and not any(unicodedata.category(c) in ("Cc", "Cf", "Cs") for c in line)
 
 
 def manifest_errors(tmp_path: Path, *lines: str) -> list[str]:
@@ -155,7 +161,7 @@ def test_any_prompt_text_is_a_job_or_one_line_errors(text):
     try:
         job = job_from_fields({"prompt": text, "output": "a"}, RELEASED)
     except ManifestError as exc:
-        assert all("\n" not in e and e.encode("utf-8") for e in exc.errors)
+        assert all(printable(e) for e in exc.errors)
         return
     assert job.prompt == text and job.prompt.encode("utf-8")  # accepted text always encodes (the tokenizer's input)
 
@@ -166,7 +172,7 @@ def test_any_output_text_is_a_job_or_one_line_errors(text):
     try:
         job = job_from_fields({"prompt": "p", "output": text}, RELEASED)
     except ManifestError as exc:
-        assert all("\n" not in e and e.encode("utf-8") for e in exc.errors)
+        assert all(printable(e) for e in exc.errors)
         return
     mp4, sidecar = output_paths(Path("out"), job)
     os.fsencode(mp4), os.fsencode(sidecar)  # a name that is accepted can be written
@@ -182,7 +188,7 @@ def test_any_manifest_text_is_jobs_or_file_line_errors(tmp_path, text, suffix):
     try:
         load_manifest(path, RELEASED)
     except ManifestError as exc:
-        assert exc.errors and all(e.startswith(str(path)) and e.encode("utf-8") for e in exc.errors)
+        assert exc.errors and all(e.startswith(str(path)) and printable(e) for e in exc.errors)
 
 
 @FAST
@@ -197,4 +203,10 @@ def test_any_jsonl_jobs_with_escapes_are_jobs_or_errors(tmp_path, jobs):
         for job in load_manifest(path, RELEASED):
             job.prompt.encode("utf-8"), os.fsencode(job.output)
     except ManifestError as exc:
-        assert all(e.encode("utf-8") for e in exc.errors)
+        assert all(printable(e) for e in exc.errors)
+
+
+def test_text_quoted_in_an_error_is_escaped_not_printed(tmp_path):
+    # an unknown key is quoted as the field: raw, U+202E reversed the rest of the terminal line, a newline split it
+    errors = manifest_errors(tmp_path, json.dumps({"prompt": "x", "de\u202efaults\n\udc80": 1}))
+    assert errors[0].startswith("m.jsonl:1: de\\u202efaults\\u000a\\udc80: unknown field") and printable(errors[0])
