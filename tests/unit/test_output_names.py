@@ -210,3 +210,13 @@ def test_text_quoted_in_an_error_is_escaped_not_printed(tmp_path):
     # an unknown key is quoted as the field: raw, U+202E reversed the rest of the terminal line, a newline split it
     errors = manifest_errors(tmp_path, json.dumps({"prompt": "x", "de\u202efaults\n\udc80": 1}))
     assert errors[0].startswith("m.jsonl:1: de\\u202efaults\\u000a\\udc80: unknown field") and printable(errors[0])
+
+
+def test_a_jobs_folder_may_not_be_another_jobs_file(tmp_path):
+    # "a.mp4/x" needs a folder a.mp4 where job a writes its MP4: whichever rendered second failed at render time
+    errors = manifest_errors(tmp_path, '{"id": "a", "prompt": "x"}', '{"output": "A.mp4/x", "prompt": "y"}',
+                             '{"output": "a.lock/y", "prompt": "z"}', '{"output": "a/z", "prompt": "w"}')
+    assert errors == ["m.jsonl:2: output: 'A.mp4/x' needs a folder 'A.mp4', which is the file a.mp4 of the "
+                      "job at m.jsonl:1",
+                      "m.jsonl:3: output: 'a.lock/y' needs a folder 'a.lock', which is the file a.lock of the "
+                      "job at m.jsonl:1"]
