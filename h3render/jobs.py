@@ -26,7 +26,7 @@ import yaml
 
 import h3render.presets
 from h3render.job_keyframes import KeyframeRef
-from h3render.outputs import output_paths, render_reason
+from h3render.outputs import TEMP_MARK, output_paths, render_reason
 from h3render.spec import (FPS, RELEASED_MAX_PIXELS, RELEASED_SHORT_EDGE, X264_PRESETS, Limits, audio_rows,
                            canvas_for_aspect, check_canvas, is_snapped, latent_frames, parse_aspect, seconds_text,
                            snap_frames, video_rows)
@@ -39,6 +39,9 @@ DEFAULT_SEED = 0  # a fixed value, so a manifest without seeds renders the same 
 MAX_SEED = 2**64 - 1  # torch.Generator.manual_seed accepts 0 … 2**64 − 1
 MAX_AUTO_NAME_BYTES = 120  # automatic output names (prompt slug + seed) stay at most this long
 MAX_NAME_COMPONENT_BYTES = 200  # a path component of an explicit output; leaves room for ".tmp.json" under 255
+# A whole output path: Linux's PATH_MAX is 4,096 bytes with the out dir and the ".tmp.mp4" suffix; 1,024 leaves the
+# out dir about 3,000 (a longer out dir is caught per job: outputs.render_reason).
+MAX_OUTPUT_BYTES = 1024
 REPORT_STEM = "batch-report"  # batch.py writes <out_dir>/batch-report*.json: no job may own that name
 
 # The repository's presets/ folder, shipped in the wheel as the data package h3render.presets (pyproject.toml).
@@ -47,6 +50,10 @@ PRESETS_DIR = Path(h3render.presets.__file__).resolve().parent
 _PRESET_FIELDS = ("description", "aspect", "width", "height", "duration", "frames")
 
 _FORBIDDEN_NAME_CHARS = set('<>:"|?*\\')  # not portable in file names (Windows) or separators in disguise
+# Control (Cc: C0, DEL and C1), format (Cf: bidi overrides such as U+202E that display "gpj.exe" as "exe.jpg",
+# zero-width characters, BOM) and line/paragraph separators: invisible or reordering in a listing, so two names that
+# look alike differ, or a name shows as another.
+_INVISIBLE = {"Cc", "Cf", "Zl", "Zp"}
 _WINDOWS_DEVICE_NAMES = {"con", "prn", "aux", "nul", *(f"com{i}" for i in range(1, 10)),
                          *(f"lpt{i}" for i in range(1, 10))}
 
@@ -327,8 +334,9 @@ def output_path_problem(output: str) -> str | None:
     """Why `output` cannot name a job's files under the out-dir, or None when it can.
 
     Allowed: a relative POSIX path of non-empty components (subfolders welcome). Refused: absolute paths, drive
-    letters, `.`/`..` components, backslashes and other characters not portable in file names, control characters,
-    Windows device names, components over 200 bytes, and the batch report's own name.
+    letters, `.`/`..` components, backslashes and other characters not portable in file names, control, format
+    (bidi) and separator characters, lone surrogates, Windows device names, components over 200 bytes, paths over
+    1,024 bytes, the batch report's own name, and a last component ending in ".tmp" (the temp namespace).
     """
     if not isinstance(output, str) or not output.strip():
         return "must be a non-empty string"
@@ -336,9 +344,15 @@ def output_path_problem(output: str) -> str | None:
         return "must be relative to the out-dir (no leading '/' or '~')"
     if re.match(r"[A-Za-z]:", output):
         return "must be relative to the out-dir (no drive letter)"
-    bad = sorted({c for c in output if c in _FORBIDDEN_NAME_CHARS or ord(c) < 32 or ord(c) == 127})
+    surrogate = lone_surrogate(output)
+    if surrogate:
+        return surrogate
+    bad = sorted({c for c in output if c in _FORBIDDEN_NAME_CHARS or unicodedata.category(c) in _INVISIBLE})
     if bad:
-        return f"contains characters not allowed in file names: {' '.join(repr(c) for c in bad)}"
+        return f"contains characters not allowed in file names: {', '.join(_char_name(c) for c in bad)}"
+    if len(output.encode("utf-8")) > MAX_OUTPUT_BYTES:
+        return (f"is {len(output.encode('utf-8')):,} bytes long, more than {MAX_OUTPUT_BYTES:,} (with the out dir "
+                "it must fit the OS's 4,096-byte path limit)")
     for part in output.split("/"):
         if part in ("", ".", ".."):
             return "path components must be non-empty and not '.' or '..' (it may not leave the out-dir)"
@@ -350,7 +364,27 @@ def output_path_problem(output: str) -> str | None:
             return f"a path component is longer than {MAX_NAME_COMPONENT_BYTES} bytes"
     if output.lower() == REPORT_STEM or output.lower().startswith(REPORT_STEM + "."):
         return f"{output!r} is reserved for the batch report"
+    # A final name ending in ".tmp" is another job's temp name (<b>.tmp.mp4, outputs.temp_paths): refused, so final
+    # and temp names never meet. Compared case-folded: "B.TMP.mp4" is "b.tmp.mp4" on a case-folding file system.
+    if output_key(output.rsplit("/", 1)[-1]).endswith(TEMP_MARK):
+        return f"may not end in {TEMP_MARK!r}: that suffix is reserved for the temp files of the job without it"
     return None
+
+
+def lone_surrogate(text: str) -> str | None:
+    """Why `text` is not valid Unicode (a lone surrogate, from a JSON "\\ud83d" escape or undecodable command-line
+    bytes), or None. Such text cannot be encoded to UTF-8: not as a file name, a tokenizer input or a log line."""
+    for index, c in enumerate(text):
+        if 0xD800 <= ord(c) <= 0xDFFF:
+            return f"contains a lone surrogate U+{ord(c):04X} at character {index + 1} (not valid Unicode text)"
+    return None
+
+
+def _char_name(c: str) -> str:
+    """`'|'` or `U+202E (RIGHT-TO-LEFT OVERRIDE)`: an invisible character is named, never printed."""
+    if unicodedata.category(c) not in _INVISIBLE:
+        return repr(c)
+    return f"U+{ord(c):04X}" + (f" ({unicodedata.name(c)})" if unicodedata.name(c, "") else "")
 
 
 def output_name(name: str) -> str:

@@ -18,6 +18,7 @@ import errno
 import fcntl
 import os
 import socket
+import stat
 from pathlib import Path
 
 _UNSUPPORTED = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL}
@@ -43,7 +44,7 @@ class FileLock:
         """
         path = Path(path)
         while True:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            fd = _open_lock_file(path)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
@@ -55,7 +56,7 @@ class FileLock:
                     raise LockUnsupported(exc.errno, f"{path}: file locks are not supported here: {exc.strerror}")
                 raise OSError(exc.errno, f"{path}: cannot lock: {exc.strerror}") from None
             try:
-                same = os.stat(path).st_ino == os.fstat(fd).st_ino
+                same = os.lstat(path).st_ino == os.fstat(fd).st_ino
             except FileNotFoundError:
                 same = False
             if not same:  # released (unlinked) by its previous holder between our open and flock
@@ -82,6 +83,30 @@ class FileLock:
     @property
     def held(self) -> bool:
         return self._fd is not None
+
+
+def _open_lock_file(path: Path) -> int:
+    """Open (or create) the lock file without following a link: a symlink planted at the lock's name is removed
+    (the name is ours: no lock is ever a symlink), so the truncate and write that follow never reach a file
+    outside the out dir. A hard link or a non-regular file there is refused, naming the path.
+
+    Raises:
+        OSError: the file cannot be created or opened, or is not a plain file of its own.
+    """
+    while True:
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
+        except OSError as exc:
+            if exc.errno == errno.ELOOP and os.path.islink(path):  # O_NOFOLLOW met a symlink
+                os.unlink(path)
+                continue
+            raise
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_nlink > 1:
+            os.close(fd)
+            what = "a hard link to another file" if stat.S_ISREG(st.st_mode) else "not a regular file"
+            raise OSError(errno.EEXIST, f"{path}: cannot lock: the lock file is {what}; remove it")
+        return fd
 
 
 def holder(path: str | os.PathLike) -> str:

@@ -19,7 +19,8 @@ from h3render.jobs import (DEFAULT_MODE, DEFAULT_SEED, Job, Preset, Requested, S
                            output_key, output_name, output_path_problem, prompt_slug)
 from h3render.manifest_fields import engine_choices, field_problem, keyframe_canvas, resolve_keyframes, strip_mp4
 from h3render.manifest_formats import Errors, Layer, ManifestError, Value, Where, read_jsonl, read_yaml
-from h3render.spec import Limits, canvas_for_aspect, check_canvas, parse_aspect, snap_frames
+from h3render.outputs import lock_path, temp_paths
+from h3render.spec import Limits, canvas_for_aspect, check_canvas, parse_aspect, snap_frames, video_rows
 
 JOB_FIELDS = ("id", "prompt", "preset", "aspect", "width", "height", "duration", "frames", "seed", "steps", "mode",
               "output", *KEYFRAME_FIELDS)
@@ -277,6 +278,13 @@ def _resolve_job(job: Layer, layers: list[Layer], limits: Limits, presets: Mappi
     except ValueError as exc:
         errors.add(where, str(exc))
         return None
+    rows = video_rows(width, height, frames)
+    if rows > limits.max_video_rows:  # canvas x time: refused before load, not minutes into a render
+        blame = (canvas_layer.where(next(f for f in _CANVAS_FIELDS if f in canvas_layer.fields))
+                 if canvas_layer is not None else where)
+        errors.add(blame, f"canvas {width}x{height} at {frames} frames is {rows:,} packed video rows, more than this "
+                          f"checkpoint's limit of {limits.max_video_rows:,} (Limits.max_video_rows)")
+        return None
 
     mode_layer = _first(layers, ["mode"])
     mode = mode_layer.get("mode") if mode_layer else DEFAULT_MODE
@@ -367,5 +375,26 @@ def _assign_outputs(resolved: list[tuple[Layer, dict[str, Any]]], repeated_ids: 
             name = prompt_slug(values["prompt"], values["seed"], counter=counter)
         taken[output_key(name)] = f"{layer.file}:{layer.line}"
         names[index] = name
+    _check_folders(resolved, names, errors)
     return names
+
+
+def _check_folders(resolved: list[tuple[Layer, dict[str, Any]]], names: list[str], errors: Errors) -> None:
+    """A job's folder may not be another job's file: output "a.mp4/x" needs a folder where job "a" writes its MP4
+    (or its sidecar, temps or lock), so whichever renders second would fail. Found here, before anything renders."""
+    files: dict[str, tuple[str, Layer]] = {}
+    for (layer, _), name in zip(resolved, names):
+        mp4, sidecar = Path(name + ".mp4"), Path(name + ".json")
+        for path in (mp4, sidecar, *temp_paths(mp4, sidecar), lock_path(mp4)):
+            files.setdefault(output_key(path.as_posix()), (path.as_posix(), layer))
+    for (layer, _), name in zip(resolved, names):
+        parts = name.split("/")
+        for depth in range(1, len(parts)):
+            folder = "/".join(parts[:depth])
+            if output_key(folder) in files:
+                path, other = files[output_key(folder)]
+                field = "output" if "output" in layer.fields else "id"
+                errors.add(layer.where(field), f"{name!r} needs a folder {folder!r}, which is the file {path} "
+                                               f"of the job at {other.file}:{other.line}")
+                break
 

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any, Mapping, NamedTuple
 
 from h3render.job_keyframes import ANCHOR_OF_FIELD, KEYFRAME_FIELDS, KeyframeRef, read_keyframe_ref
-from h3render.jobs import MAX_SEED, MODES, Preset, output_path_problem
+from h3render.jobs import MAX_SEED, MODES, Preset, lone_surrogate, output_path_problem
 from h3render.spec import CANVAS_MULTIPLE, Limits, canvas_for_aspect, is_int, parse_aspect
 
 STRING_FIELDS = ("id", "prompt", "preset", "aspect", "mode", "output", "adapter", "adapter_variant",
@@ -34,6 +34,8 @@ def field_problem(name: str, value: Any, presets: Mapping[str, Preset], limits: 
         return f"an integer of {value.digits:,} digits is out of range"
     if name in STRING_FIELDS and not isinstance(value, str):
         return f"must be a string, got {type_name(value)}"
+    if name in STRING_FIELDS and lone_surrogate(value):  # a prompt would fail every job at the warm-up's encode
+        return lone_surrogate(value)
     if name in ("id", "prompt", "adapter", "adapter_variant", *KEYFRAME_FIELDS) and not value.strip():
         return "must not be empty"
     if name in ("precision", "fasth3_positions") and value not in engine_choices(name):

@@ -7,6 +7,7 @@ value with its own 1-based line), every problem collected with its place (`Error
 from __future__ import annotations
 
 import json
+import unicodedata
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -75,8 +76,16 @@ class Errors:
 
     def raise_if_any(self) -> None:
         if self.found:  # sorted by line; the sort is stable, so same-line problems keep pass order
-            raise ManifestError([f"{where}: {message}" for where, message in
-                                 sorted(self.found, key=lambda item: item[0].line)])
+            raise ManifestError([_printable(f"{where}: {message}")
+                                 for where, message in sorted(self.found, key=lambda item: item[0].line)])
+
+
+def _printable(line: str) -> str:
+    """A problem line with what it quotes from the file made safe to print and log: a lone surrogate (a JSON
+    "\\udc80" escape) cannot be encoded to UTF-8, a control or format character (a newline, U+202E) would break
+    the line or reorder it on a terminal; each is written as its escape."""
+    return "".join(c if unicodedata.category(c) not in ("Cc", "Cf", "Cs") else
+                   f"\\u{ord(c):04x}" if ord(c) <= 0xFFFF else f"\\U{ord(c):08x}" for c in line)
 
 
 def read_jsonl(text: str, file: str, errors: Errors) -> tuple[Layer, list[Layer]]:
@@ -161,18 +170,29 @@ def read_yaml(text: str, file: str, errors: Errors) -> tuple[Layer, list[Layer]]
     loader = yaml.SafeLoader("")
     if root is None:
         return defaults, []
+    if _explicit_tag(root):  # `!!python/object:...` or `!foo` on the root would otherwise be dropped unread
+        errors.add(Where(file, _line(root)), f"the document has the YAML tag {root.tag!r}; a manifest takes no tags "
+                                             "(a plain mapping of defaults: and jobs:, or a list of jobs)")
+        return defaults, []
     if isinstance(root, yaml.SequenceNode):
         job_nodes = root
     elif isinstance(root, yaml.MappingNode):
         job_nodes = None
         for key, value in _yaml_pairs(root, loader, file, errors):
             if key.value == "defaults":
-                if isinstance(value, yaml.MappingNode):
+                if _explicit_tag(value):
+                    errors.add(Where(file, _line(value), "defaults"), f"has the YAML tag {value.tag!r}; defaults are "
+                                                                      "a plain mapping of fields")
+                elif isinstance(value, yaml.MappingNode):
                     defaults = _yaml_layer(value, loader, file, errors)
                 elif not _is_null(value):
                     errors.add(Where(file, _line(value), "defaults"), "must be a mapping of fields")
             elif key.value == "jobs":
                 job_nodes = value
+                if _explicit_tag(value):
+                    errors.add(Where(file, _line(value), "jobs"), f"has the YAML tag {value.tag!r}; jobs are a plain "
+                                                                  "list")
+                    return defaults, []
             elif not str(key.value).startswith("x-"):  # x-… keys hold YAML anchors for `<<` merges
                 errors.add(Where(file, _line(key), key.value), "unknown top-level key; expected defaults and jobs")
         if job_nodes is None:
@@ -186,7 +206,9 @@ def read_yaml(text: str, file: str, errors: Errors) -> tuple[Layer, list[Layer]]
         return defaults, []
     jobs = []
     for node in job_nodes.value:
-        if isinstance(node, yaml.MappingNode):
+        if _explicit_tag(node):
+            errors.add(Where(file, _line(node)), f"the job has the YAML tag {node.tag!r}; a job is a plain mapping")
+        elif isinstance(node, yaml.MappingNode):
             jobs.append(_yaml_layer(node, loader, file, errors))
         else:
             errors.add(Where(file, _line(node)), "each job must be a mapping of fields")
@@ -229,6 +251,13 @@ def _yaml_value(name: str, node: yaml.Node, loader: yaml.SafeLoader, file: str, 
     except yaml.YAMLError as exc:
         errors.add(Where(file, _line(node), name), f"bad value: {one_line(exc)}")
         return None
+
+
+def _explicit_tag(node: yaml.Node) -> bool:
+    """Whether a mapping or list node carries a tag other than its plain one (`!!map`/`!!seq` written out are
+    plain): composing keeps any tag, and reading the node's items as fields would ignore it."""
+    plain = {yaml.MappingNode: "tag:yaml.org,2002:map", yaml.SequenceNode: "tag:yaml.org,2002:seq"}
+    return type(node) in plain and node.tag != plain[type(node)]
 
 
 def _is_null(node: yaml.Node) -> bool:

@@ -30,12 +30,19 @@ def output_paths(out_dir: Path, job) -> tuple[Path, Path]:
     return base.with_name(base.name + ".mp4"), base.with_name(base.name + ".json")
 
 
+# The temp namespace: every temp name of a job is its final name with TEMP_MARK inserted or appended, and no output
+# may end in it (`jobs.output_path_problem`), so no job's final name is ever another job's temp name (a job "b.tmp"
+# would finish as b's temp "b.tmp.mp4" and be deleted by b's claim and sweep). tests/unit/test_output_names.py
+# holds the writers (media.temp_path_for, sidecar.write_sidecar) to these names.
+TEMP_MARK = ".tmp"
+
+
 def temp_paths(mp4: Path, sidecar: Path) -> tuple[Path, ...]:
     """The temp names a job's final files pass through: ``<name>.tmp.mp4`` (media.Mp4Writer), and for the
     sidecar both ``<name>.json.tmp`` (sidecar.write_sidecar) and ``<name>.tmp.json``. Written only by the holder
     of the job's lock."""
-    return (mp4.with_name(mp4.stem + ".tmp.mp4"), sidecar.with_name(sidecar.name + ".tmp"),
-            sidecar.with_name(sidecar.stem + ".tmp.json"))
+    return (mp4.with_name(mp4.stem + TEMP_MARK + ".mp4"), sidecar.with_name(sidecar.name + TEMP_MARK),
+            sidecar.with_name(sidecar.stem + TEMP_MARK + ".json"))
 
 
 def lock_path(mp4: Path) -> Path:
@@ -49,10 +56,13 @@ def render_reason(job, mp4: Path, sidecar: Path, *, overwrite: bool = False) -> 
     or None when its outputs are complete and were rendered with ``job.params()`` (skip it)."""
     if overwrite:
         return "overwrite"
-    if not mp4.is_file():
-        return "no MP4"
-    if not sidecar.is_file():
-        return "no sidecar"
+    try:  # is_file() raises for a name the OS refuses (ENAMETOOLONG: out dir + output over PATH_MAX)
+        if not mp4.is_file():
+            return "no MP4"
+        if not sidecar.is_file():
+            return "no sidecar"
+    except OSError as exc:  # rendered, the job then fails alone naming the path; the queue goes on
+        return f"cannot check its files: {exc.strerror or exc}"
     try:
         doc = json.loads(sidecar.read_text(encoding="utf-8"))
         recorded = doc["job"]

@@ -145,10 +145,15 @@ def report_name(shard: tuple[int, int] | None = None, owner: str | None = None) 
     return f"{stem}.json" if owner is None else f"{stem}.{owner}.json"
 
 
+# A fresh file, never an existing one or a link's target: O_EXCL fails on any name already there, symlinks included.
+_NEW_FILE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
 def _write_json_atomic(path: Path, data: dict) -> None:
     tmp = path.with_name(path.name + ".tmp")  # the report's owner (its lock) is the only writer of this name
     try:
-        with open(tmp, "w", encoding="utf-8") as f:
+        remove_files(tmp)  # whatever is there (a symlink planted to a file outside) is unlinked, never written through
+        with os.fdopen(os.open(tmp, _NEW_FILE, 0o644), "w", encoding="utf-8") as f:
             json.dump(data, f, indent=2)
             f.write("\n")
             f.flush()
@@ -161,7 +166,7 @@ def _write_json_atomic(path: Path, data: dict) -> None:
 
 def _write_in_place(path: Path, data: bytes) -> None:
     """Overwrite an existing file's bytes without a temp file (no new blocks needed for the same length)."""
-    fd = os.open(path, os.O_WRONLY)
+    fd = os.open(path, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC)  # a symlink at the report's name is not written
     try:
         os.write(fd, data)
         os.ftruncate(fd, len(data))

@@ -100,6 +100,13 @@ DEFAULT_MAX_PROMPT_CHARS = 20_000
 # the wider 4–15 s of the model card and says so in the plan line.
 RELEASED_TRAINED_SECONDS = (5.0, 15.0)
 
+# Canvas x time: at most this many times the packed video rows of the checkpoint's own largest canvas (its canvas
+# rule's `canvas_max_pixels`) at its longest duration. Released: 8 x 107,856 = 862,848 rows (3840 x 2176 at 10 s
+# fits, at 15 s does not); tiny: 23,968 (the fast-960x544 preset at 5 s fits). A 32000 x 32000 canvas (72,000,000
+# rows at 10 s) would run for hours, use tens of GB of host memory and sit in tensor ops that no signal interrupts;
+# it is refused before load instead.
+CANVAS_WORK_FACTOR = 8
+
 
 @dataclass(frozen=True)
 class Limits:
@@ -121,6 +128,9 @@ class Limits:
         trained_seconds: (shortest, longest) video in s the weights were trained on, narrower than the accepted
             frame range (released: 5–15 s); None when the model states none (the built-in random models). A job
             outside it renders, and its plan line says so (`training_note`).
+        max_video_rows: the most packed video rows (width x height x frames, `video_rows`) a job may ask for;
+            None (default) derives it from the checkpoint's own canvas rule: `CANVAS_WORK_FACTOR` x the rows of
+            `canvas_max_pixels` at `max_frames` (released 862,848; tiny 23,968).
 
     Raises:
         ValueError: inconsistent limits.
@@ -136,6 +146,7 @@ class Limits:
     max_sigma_points: int = DEFAULT_MAX_SIGMA_POINTS
     max_prompt_chars: int = DEFAULT_MAX_PROMPT_CHARS
     trained_seconds: tuple[float, float] | None = None
+    max_video_rows: int | None = None
 
     def training_note(self, frames: int) -> str:
         """"outside the 5–15 s the model was trained on" for a snapped frame count outside `trained_seconds`
@@ -148,6 +159,9 @@ class Limits:
         return f"outside the {shortest:g}–{longest:g} s the model was trained on"
 
     def __post_init__(self) -> None:
+        if self.max_video_rows is None:  # frozen: the derived bound is set once, here
+            rows_per_frame = CANVAS_WORK_FACTOR * self.canvas_max_pixels // CANVAS_MULTIPLE ** 2
+            object.__setattr__(self, "max_video_rows", rows_per_frame * latent_frames(snap_frames_up(self.max_frames)))
         if not 1 <= self.min_frames <= self.max_frames:
             raise ValueError(f"Limits: bad frame range {self.min_frames}–{self.max_frames}")
         if not self.min_frames <= self.default_frames <= self.max_frames or not is_snapped(self.default_frames):
@@ -162,6 +176,9 @@ class Limits:
             raise ValueError("Limits: max_prompt_chars must be positive")
         if self.trained_seconds is not None and not 0 < self.trained_seconds[0] <= self.trained_seconds[1]:
             raise ValueError(f"Limits: trained_seconds {self.trained_seconds} must be (shortest, longest) > 0")
+        if video_rows(width, height, self.default_frames) > self.max_video_rows:
+            raise ValueError(f"Limits: the default canvas {width}x{height} at {self.default_frames} frames is more "
+                             f"than max_video_rows {self.max_video_rows:,}")
 
 
 # -- canvas and time rules -------------------------------------------------------------------------------------------

@@ -430,3 +430,30 @@ def test_the_final_report_waits_for_the_last_tail_to_be_recorded(tmp_path):
     data = read_report(tmp_path)
     assert [j["status"] for j in data["jobs"]] == ["succeeded", "succeeded"]
     assert all(j["seconds"] is not None and j["seconds"] > 0.2 for j in data["jobs"])
+
+
+def test_symlinks_planted_at_lock_and_report_temp_names_are_never_written_through(tmp_path):
+    """Issue #28 item 2: links at <job>.lock, batch-report.json.lock and batch-report.json.tmp lead outside the out
+    dir; the queue renders and reports as usual and the files they point at keep their bytes."""
+    out = tmp_path / "out"
+    (out / "sub").mkdir(parents=True)
+    targets = {}
+    for name in ("sub/j0.lock", "batch-report.json.lock", "batch-report.json.tmp"):
+        target = tmp_path / f"outside-{name.replace('/', '-')}"
+        target.write_text("precious\n")
+        (out / name).symlink_to(target)
+        targets[name] = target
+    report, _ = run(make_jobs(2), FakeRenderer(), out)
+    assert report.exit_code == 0 and read_report(out)["counts"]["succeeded"] == 2
+    assert {name: t.read_text() for name, t in targets.items()} == {name: "precious\n" for name in targets}
+
+
+def test_an_output_path_over_path_max_fails_its_job_alone(tmp_path):
+    """Issue #28 item 3: out dir + output over PATH_MAX made render_reason raise ENAMETOOLONG before any job (report
+    `crashed`); now that job fails with the OS's reason and the valid job renders."""
+    out = tmp_path / "out"
+    long = FakeJob(id="long", prompt="p", seed=0, output="/".join(["d" * 200] * 21) + "/x")
+    report, _ = run([long, *make_jobs(1)], FakeRenderer(), out)
+    doc = read_report(out)
+    assert report.exit_code == 1 and doc["counts"]["succeeded"] == 1 and doc["counts"]["failed"] == 1
+    assert "too long" in doc["jobs"][0]["error"] and (out / "sub/j0.mp4").is_file()

@@ -1,0 +1,49 @@
+"""YAML tags in a manifest (issue #28 item 9): a tag on the root or on a job is an error naming its line, not silently
+ignored; `!!map`/`!!seq` written out are the plain tags. Any manifest text at all: tests/unit/test_output_names.py."""
+
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+
+from h3render.manifest import load_manifest
+from h3render.manifest_formats import ManifestError
+from h3render.spec import Limits
+
+RELEASED = Limits(min_frames=107, max_frames=362, default_canvas=(1344, 768), default_frames=243, default_steps=50)
+
+
+@pytest.mark.parametrize("text, tag", [("!!python/object:os.system\njobs:\n- prompt: p\n",
+                                        "tag:yaml.org,2002:python/object:os.system"),
+                                       ("--- !jobs\n- prompt: p\n", "!jobs")])
+def test_a_yaml_root_tag_is_an_error_naming_its_line(tmp_path, text, tag):
+    path = tmp_path / "m.yaml"
+    path.write_text(text, encoding="utf-8")
+    with pytest.raises(ManifestError) as info:
+        load_manifest(path, RELEASED)
+    assert info.value.errors[0].startswith(f"{path}:1: the document has the YAML tag {tag!r}")
+
+
+def test_a_tagged_job_is_an_error_and_plain_tags_are_fine(tmp_path):
+    path = tmp_path / "m.yaml"
+    path.write_text(textwrap.dedent("""\
+        !!map
+        jobs: !!seq
+        - !!map {prompt: a}
+        - !thing {prompt: b}
+        """), encoding="utf-8")
+    with pytest.raises(ManifestError) as info:
+        load_manifest(path, RELEASED)
+    assert info.value.errors == [f"{path}:4: the job has the YAML tag '!thing'; a job is a plain mapping"]
+
+
+
+
+def test_tagged_defaults_and_jobs_are_errors_naming_their_lines(tmp_path):
+    path = tmp_path / "m.yaml"
+    path.write_text("defaults: !custom {seed: 1}\njobs: !more\n- prompt: a\n", encoding="utf-8")
+    with pytest.raises(ManifestError) as info:
+        load_manifest(path, RELEASED)
+    assert info.value.errors == [f"{path}:1: defaults: has the YAML tag '!custom'; defaults are a plain mapping of "
+                                 "fields", f"{path}:2: jobs: has the YAML tag '!more'; jobs are a plain list"]
