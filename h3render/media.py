@@ -28,7 +28,7 @@ import torch
 
 from h3render.colour import MediaError
 from h3render.soundtrack import prepare_audio
-from h3render.spec import FPS, SAMPLE_RATE, audio_samples
+from h3render.spec import FPS, SAMPLE_RATE, X264_CRF, audio_samples
 from h3render.staging import StagedChunk
 
 # AVColorPrimaries / AVColorTransferCharacteristic / AVColorSpace BT709 = 1; AVColorRange MPEG (limited) = 1.
@@ -68,7 +68,7 @@ class Mp4Writer:
         path: final ``.mp4`` path; its folder must exist. An existing file there is replaced on success.
         width, height: frame size in pixels, both even (yuv420p).
         frames: exact frame count the clip must end with (checked at ``close``).
-        crf: x264 constant rate factor (0..51; 18 ~ visually lossless).
+        crf: x264 constant rate factor (1..51, `spec.X264_CRF`; 18 ~ visually lossless).
         preset: x264 preset name ("ultrafast" .. "placebo").
         sample_rate, fps: released model: 32000 Hz, 24 fps.
         audio: whether an audio track is written (then ``write_audio`` must be called once per window before
@@ -127,8 +127,8 @@ class Mp4Writer:
             raise MediaError(f"{self.path}: width and height must be positive and even, got {width}x{height}")
         if frames < 1:
             raise MediaError(f"{self.path}: frames must be >= 1, got {frames}")
-        if not 0 <= crf <= 51:
-            raise MediaError(f"{self.path}: crf must be in 0..51, got {crf}")
+        if not X264_CRF[0] <= crf <= X264_CRF[1]:  # 0 is lossless, which x264's High profile refuses
+            raise MediaError(f"{self.path}: crf must be in {X264_CRF[0]}..{X264_CRF[1]} (High profile), got {crf}")
         windows = (frames,) if windows is None else tuple(int(n) for n in windows)
         if not windows or min(windows) < 1 or sum(windows) != frames:
             raise MediaError(f"{self.path}: windows {list(windows)} must be >= 1 frame each and sum to {frames}")

@@ -23,6 +23,7 @@ zero-filled in some blocks is an error naming the blocks.
 
 from __future__ import annotations
 
+import difflib
 import json
 import re
 from collections.abc import Iterable, Iterator, Mapping
@@ -35,6 +36,7 @@ import torch
 from h3render.checkpoint.adapter import RELEASED_BASE_MODEL, TINY_BASE_MODEL, Adapter, AdapterFusion, read_adapter
 from h3render.checkpoint.contract import FastH3Contract, fasth3_schedule, read_contract
 from h3render.checkpoint.errors import AdapterError, CheckpointError
+from h3render.checkpoint.releases import BUILTIN
 from h3render.checkpoint.stream import Entry
 from h3render.kernels.vsa import TILE
 from h3render.spec import FASTH3_V1_VSA_SPARSITY, FASTH3_V2_VSA_SPARSITY
@@ -116,7 +118,9 @@ def resolve_adapter(path: str | Path, variant: str | None = None) -> AdapterSour
         manifest = read_bundle_manifest(p / BUNDLE_MANIFEST)
         variants = bundle_variants(p)
         if variant is None or variant not in variants:
-            what = "names several variants" if variant is None else f"has no variant {variant!r}"
+            close = difflib.get_close_matches(str(variant), variants, n=1) if variant is not None else []
+            what = ("names several variants" if variant is None else
+                    f"has no variant {variant!r}" + (f" (did you mean {close[0]}?)" if close else ""))
             raise AdapterError(f"{p}: a FastH3 LoRA bundle {what}; choose one with --adapter-variant "
                                f"(manifest `adapter_variant`): {', '.join(variants) or '(none found)'}")
         return AdapterSource(p / variant / ADAPTER_FILE, "bundle", variant, manifest, p / BUNDLE_MANIFEST)
@@ -348,6 +352,34 @@ class StudentPlan:
     warnings: tuple[str, ...] = ()
 
 
+def locate_student(checkpoint: str | Path, adapter: str | Path | None = None, variant: str | None = None,
+                   positions: str | None = None) -> tuple[FastH3Contract | None, AdapterSource | None]:
+    """Which student a load fuses, from folder listings and small JSON files only (no tensor is read): the
+    checkpoint's own contract, or where the adapter's file is (`resolve_adapter`). `plan_student` starts here, and
+    the CLI's one check calls it before anything loads, so a mistake here is a usage error, not a failed job.
+
+    Returns:
+        (contract, None) for a full FastH3 checkpoint; (None, source) for an adapter; (None, None) for no student.
+    Raises:
+        AdapterError, ValueError: a bad contract; an adapter on a full FastH3 checkpoint; an adapter path of no
+            published layout, a bundle root without its variant or with an unknown one; `positions` unknown, or
+            `positions` / `variant` without a student (each names the file and field, or the option).
+    """
+    if positions is not None and positions not in POSITION_CHOICES:
+        raise ValueError(f"--fasth3-positions {positions!r}: choose {' or '.join(POSITION_CHOICES)}")
+    builtin = isinstance(checkpoint, str) and checkpoint in BUILTIN  # read_checkpoint_info's rule
+    contract = None if builtin else read_contract(checkpoint)
+    if adapter is not None:
+        if contract is not None:
+            raise AdapterError(f"{contract.where}: {checkpoint} is a full FastH3 student ({contract.model_id}); "
+                               f"it takes no --adapter")
+        return None, resolve_adapter(adapter, variant)
+    if contract is None and (positions is not None or variant is not None):
+        raise ValueError("--fasth3-positions / --adapter-variant need a FastH3 student (--adapter, or a full "
+                         "FastH3 checkpoint)")
+    return contract, None
+
+
 def plan_student(checkpoint: str, info, adapter: str | Path | None = None, *, variant: str | None = None,
                  positions: str | None = None, device: torch.device | str = "cpu") -> StudentPlan:
     """The student of a load: an adapter (any layout) over `checkpoint`, or the checkpoint's own contract.
@@ -363,14 +395,8 @@ def plan_student(checkpoint: str, info, adapter: str | Path | None = None, *, va
         AdapterError, CheckpointError, ValueError: a bad adapter / contract / layout, an adapter on a full FastH3
             checkpoint, or `positions` / `variant` without a student (each names the file and field).
     """
-    if positions is not None and positions not in POSITION_CHOICES:
-        raise ValueError(f"--fasth3-positions {positions!r}: choose {' or '.join(POSITION_CHOICES)}")
-    contract = None if info.layout == "builtin" else read_contract(checkpoint)
-    if adapter is not None:
-        if contract is not None:
-            raise AdapterError(f"{contract.where}: {checkpoint} is a full FastH3 student ({contract.model_id}); "
-                               f"it takes no --adapter")
-        source = resolve_adapter(adapter, variant)
+    contract, source = locate_student(checkpoint, adapter, variant, positions)
+    if source is not None:
         base = TINY_BASE_MODEL if info.layout == "builtin" or info.random_model is not None else RELEASED_BASE_MODEL
         ad = read_adapter(source.file, base_model=base)
         attention = adapter_attention(ad, source)
@@ -387,9 +413,6 @@ def plan_student(checkpoint: str, info, adapter: str | Path | None = None, *, va
         sidecar, warnings = {"contract": contract.where, "model_id": contract.model_id}, ()
         hook = StudentHook(attention, info.release.dit.num_layers, None, f"{checkpoint} transformer")
     else:
-        if positions is not None or variant is not None:
-            raise ValueError("--fasth3-positions / --adapter-variant need a FastH3 student (--adapter, or a full "
-                             "FastH3 checkpoint)")
         return StudentPlan()
     sidecar.update(positions=list(schedule.positions), source=schedule.source, positions_set=positions,
                    attention=attention.to_dict())
@@ -407,5 +430,5 @@ def budgets(attention: StudentAttention | None, shapes: Iterable[tuple[int, int,
 
 __all__ = ["ADAPTER_FILE", "BUNDLE_MANIFEST", "BUNDLE_SCHEMA", "BUNDLE_VARIANTS", "POSITION_CHOICES",
            "AdapterSource", "StudentAttention", "StudentHook", "StudentPlan",
-           "adapter_attention", "budgets", "bundle_variants", "contract_attention", "plan_student",
+           "adapter_attention", "budgets", "bundle_variants", "contract_attention", "locate_student", "plan_student",
            "read_bundle_manifest", "resolve_adapter"]
