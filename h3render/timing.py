@@ -13,6 +13,8 @@ docs/schema/sidecar.schema.json checks it (tests/e2e/test_sidecar_schema.py).
 
 from __future__ import annotations
 
+import functools
+import importlib.metadata
 import platform
 import shutil
 import subprocess
@@ -20,6 +22,7 @@ import threading
 import time
 from contextlib import contextmanager
 from datetime import datetime, timezone
+from pathlib import Path
 from typing import Any, Iterator, Union
 
 import torch
@@ -276,18 +279,56 @@ def device_name(device: Union[torch.device, str]) -> str:
     return platform.processor() or platform.machine() or "cpu"
 
 
+def _distribution(name: str) -> str | None:
+    """The installed version of distribution `name` (its metadata: importing transformers takes seconds), or None."""
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+@functools.lru_cache(maxsize=1)
+def checkout_commit() -> str | None:
+    """The git commit h3render runs from (``git rev-parse HEAD``, with ``+dirty`` when tracked files differ from it),
+    when the package is a checkout's own ``h3render/`` folder; None for an installed wheel, without git, or when the
+    folder sits in some other repository (a venv inside a project's work tree). Once per process."""
+    package = Path(h3render.__file__).resolve().parent
+
+    def git(*args: str) -> str | None:
+        try:
+            done = subprocess.run(["git", *args], cwd=package, capture_output=True, text=True, timeout=10)
+        except (OSError, subprocess.SubprocessError):
+            return None
+        return done.stdout.strip() if done.returncode == 0 else None
+
+    top = git("rev-parse", "--show-toplevel")
+    if top is None or Path(top).resolve() / "h3render" != package:
+        return None
+    commit = git("rev-parse", "HEAD")
+    if commit is None:
+        return None
+    dirty = git("status", "--porcelain", "--untracked-files=no")
+    return commit + ("+dirty" if dirty else "")
+
+
 def versions() -> dict[str, Any]:
-    """Software and hardware this job ran on: h3render, Python, torch, CUDA runtime (None on a CPU build),
-    cuDNN, NVIDIA driver (from ``nvidia-smi``; None without it), GPU names, PyAV and its FFmpeg."""
+    """Software and hardware this job ran on: h3render (with ``h3render_commit``, the checkout's git commit, or
+    None), Python, torch, transformers, CUDA runtime (None on a CPU build), cuDNN, NVIDIA driver (from
+    ``nvidia-smi``; None without it), GPU names, PyAV, its FFmpeg and the libx264 that encodes (`media.x264_version`).
+    """
     try:
         import av
 
         pyav, ffmpeg = av.__version__, av.ffmpeg_version_info
     except ImportError:
         pyav = ffmpeg = None
+    from h3render.media import x264_version
+
     cuda_ok = torch.cuda.is_available()
     return {
         "h3render": h3render.__version__,
+        "h3render_commit": checkout_commit(),
+        "transformers": _distribution("transformers"),
         "python": platform.python_version(),
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
@@ -296,4 +337,5 @@ def versions() -> dict[str, Any]:
         "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if cuda_ok else [],
         "pyav": pyav,
         "ffmpeg": ffmpeg,
+        "x264": x264_version(),
     }

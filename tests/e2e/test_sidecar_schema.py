@@ -55,6 +55,22 @@ def test_t2va_sidecar_matches_the_schema_and_says_what_ran(t2va):
     assert len(warning) == 1 and "sdpa" in warning[0]
 
 
+def test_sidecar_records_the_command_line_and_the_software(t2va):
+    """Issue #29: the sidecar lacked the command line, h3render's commit and the transformers and x264 versions."""
+    import sys
+
+    side = t2va[0]
+    assert side["run"]["argv"] == sys.argv  # run_here runs in this process: its command line is pytest's
+    versions = side["versions"]
+    assert versions["x264"].startswith("core ") and versions["transformers"]
+    assert "h3render_commit" in versions
+    for field in ("x264", "transformers", "h3render_commit"):
+        missing = copy.deepcopy(side)
+        del missing["versions"][field]
+        with pytest.raises(jsonschema.ValidationError):
+            validate(missing, "sidecar")
+
+
 def test_writer_stats_are_durations_on_the_jobs_scale(t2va):
     side = t2va[0]
     writer, stages = side["extra"]["writer"], side["timings"]["stages"]
