@@ -116,7 +116,11 @@ def render_windows(engine, job, windows: Sequence, mp4_path: Path, sidecar_path:
     def facts() -> dict[str, Any]:
         # Read on the writer's thread once the MP4 is in place (the sidecar goes last, so a sidecar never describes
         # an MP4 that is not there).
-        result = {"frames_written": sink.written, "writer": dict(sink.writer.stats), **first.record}
+        levels = sink.writer.audio_levels  # the soundtrack's peak, measured before it was clipped to full scale
+        result = {"frames_written": sink.written, "writer": dict(sink.writer.stats), "audio": levels.to_dict(),
+                  **first.record}
+        if levels.warning(mp4_path.name) and engine.c.info.random_model is None:  # random weights: always saturated
+            sink.progress.write(levels.warning(mp4_path.name))
         if sink.job_warmup:
             result["job_warmup"] = sink.job_warmup
         if len(windows) > 1:
