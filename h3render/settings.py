@@ -159,7 +159,7 @@ class RunSettings:
         usage(check_x264_preset, self.x264_preset)
         if self.adapter is not None and not Path(self.adapter).exists():
             raise SettingsError(f"--adapter {self.adapter}: no such file or folder")
-        self._check_student(mode, jobs)
+        self._check_student(info, mode, jobs)
         if info is not None:
             check_transformer(self.transformer, info)
         problem = precision_problem(self.precision, self.dtype, self.devices(world))
@@ -168,13 +168,17 @@ class RunSettings:
                                 f"{self.precision_from}: precision: {problem}")
         return self._attention_warnings()
 
-    def _check_student(self, mode: str | None, jobs: Sequence | None) -> None:
-        """The student the load would fuse, found as the loader finds it (`students.locate_student`: listings and
-        JSON only), against the jobs' modes."""
-        from h3render.checkpoint.students import locate_student
+    def _check_student(self, info, mode: str | None, jobs: Sequence | None) -> None:
+        """The student the load would fuse, found and read as the loader does (`students.locate_student`: listings
+        and JSON; with `info`, `students.read_student`: the adapter's header against the DiT config too), against
+        the jobs' modes."""
+        from h3render.checkpoint.students import locate_student, read_student
 
-        contract, _ = usage(locate_student, self.checkpoint, self.adapter, self.adapter_variant,
-                            self.fasth3_positions)
+        contract, source = usage(locate_student, self.checkpoint, self.adapter, self.adapter_variant,
+                                 self.fasth3_positions)
+        if info is not None and (source is not None or contract is not None):
+            usage(lambda: read_student(self.checkpoint, info, self.adapter, variant=self.adapter_variant,
+                                       positions=self.fasth3_positions))
         if mode == FASTH3_MODE and self.adapter is None and contract is None:
             raise SettingsError("--mode fasth3 needs --adapter PATH (the FastH3 student adapter) or a FastH3 V2 "
                                 "checkpoint")

@@ -380,6 +380,50 @@ def locate_student(checkpoint: str | Path, adapter: str | Path | None = None, va
     return contract, None
 
 
+@dataclass
+class StudentParts:
+    """A student as its headers state it (`read_student`): no tensor data read, no file hashed.
+
+    Attributes:
+        attention: the `StudentAttention`.
+        schedule: the few-step `Schedule`.
+        contract: the full checkpoint's `FastH3Contract`, or None for an adapter.
+        source, adapter, fusion: the adapter's `AdapterSource`, `Adapter` (header) and `AdapterFusion` (checked
+            against the DiT config), or None for a full checkpoint.
+    """
+
+    attention: StudentAttention
+    schedule: Any
+    contract: FastH3Contract | None = None
+    source: AdapterSource | None = None
+    adapter: Adapter | None = None
+    fusion: AdapterFusion | None = None
+
+
+def read_student(checkpoint: str, info, adapter: str | Path | None = None, *, variant: str | None = None,
+                 positions: str | None = None, device: torch.device | str = "cpu") -> StudentParts | None:
+    """The student of a load from headers, listings and JSON only (`plan_student`'s first half; the CLI's one check
+    runs it before anything loads): where it is, its attention, its schedule, and the adapter's tensors checked
+    against the DiT config. None: no student.
+
+    Raises:
+        AdapterError, CheckpointError, ValueError: as `plan_student`.
+    """
+    contract, source = locate_student(checkpoint, adapter, variant, positions)
+    if source is not None:
+        base = TINY_BASE_MODEL if info.layout == "builtin" or info.random_model is not None else RELEASED_BASE_MODEL
+        ad = read_adapter(source.file, base_model=base)
+        attention = adapter_attention(ad, source)
+        fusion = AdapterFusion(ad, info.release.dit, device)
+        sampling = source.manifest if "dmd_denoising_steps" not in ad.metadata and source.manifest else ad
+        schedule = fasth3_schedule(sampling, info.video_shift, info.audio_shift, positions=positions)
+        return StudentParts(attention, schedule, source=source, adapter=ad, fusion=fusion)
+    if contract is not None:
+        schedule = fasth3_schedule(contract, info.video_shift, info.audio_shift, positions=positions)
+        return StudentParts(contract_attention(contract), schedule, contract=contract)
+    return None
+
+
 def plan_student(checkpoint: str, info, adapter: str | Path | None = None, *, variant: str | None = None,
                  positions: str | None = None, device: torch.device | str = "cpu") -> StudentPlan:
     """The student of a load: an adapter (any layout) over `checkpoint`, or the checkpoint's own contract.
@@ -395,25 +439,18 @@ def plan_student(checkpoint: str, info, adapter: str | Path | None = None, *, va
         AdapterError, CheckpointError, ValueError: a bad adapter / contract / layout, an adapter on a full FastH3
             checkpoint, or `positions` / `variant` without a student (each names the file and field).
     """
-    contract, source = locate_student(checkpoint, adapter, variant, positions)
-    if source is not None:
-        base = TINY_BASE_MODEL if info.layout == "builtin" or info.random_model is not None else RELEASED_BASE_MODEL
-        ad = read_adapter(source.file, base_model=base)
-        attention = adapter_attention(ad, source)
-        fusion = AdapterFusion(ad, info.release.dit, device)
-        sampling = source.manifest if "dmd_denoising_steps" not in ad.metadata and source.manifest else ad
-        schedule = fasth3_schedule(sampling, info.video_shift, info.audio_shift, positions=positions)
+    parts = read_student(checkpoint, info, adapter, variant=variant, positions=positions, device=device)
+    if parts is None:
+        return StudentPlan()
+    attention, schedule, ad, source = parts.attention, parts.schedule, parts.adapter, parts.source
+    if ad is not None:
         sidecar = {"path": str(adapter), "file": str(source.file), "layout": source.layout, "variant": source.variant,
                    "sha256": ad.sha256, "base_model": ad.base_model, "rank": ad.rank}
         warnings = ad.warnings
-        hook = StudentHook(attention, info.release.dit.num_layers, fusion, str(source.file))
-    elif contract is not None:
-        attention = contract_attention(contract)
-        schedule = fasth3_schedule(contract, info.video_shift, info.audio_shift, positions=positions)
-        sidecar, warnings = {"contract": contract.where, "model_id": contract.model_id}, ()
-        hook = StudentHook(attention, info.release.dit.num_layers, None, f"{checkpoint} transformer")
+        hook = StudentHook(attention, info.release.dit.num_layers, parts.fusion, str(source.file))
     else:
-        return StudentPlan()
+        sidecar, warnings = {"contract": parts.contract.where, "model_id": parts.contract.model_id}, ()
+        hook = StudentHook(attention, info.release.dit.num_layers, None, f"{checkpoint} transformer")
     sidecar.update(positions=list(schedule.positions), source=schedule.source, positions_set=positions,
                    attention=attention.to_dict())
     if warnings:
@@ -429,6 +466,6 @@ def budgets(attention: StudentAttention | None, shapes: Iterable[tuple[int, int,
 
 
 __all__ = ["ADAPTER_FILE", "BUNDLE_MANIFEST", "BUNDLE_SCHEMA", "BUNDLE_VARIANTS", "POSITION_CHOICES",
-           "AdapterSource", "StudentAttention", "StudentHook", "StudentPlan",
+           "AdapterSource", "StudentAttention", "StudentHook", "StudentParts", "StudentPlan",
            "adapter_attention", "budgets", "bundle_variants", "contract_attention", "locate_student", "plan_student",
-           "read_bundle_manifest", "resolve_adapter"]
+           "read_bundle_manifest", "read_student", "resolve_adapter"]

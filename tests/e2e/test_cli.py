@@ -140,8 +140,11 @@ def test_x264_preset_and_attention_choices_come_from_spec():
 
 
 def test_adapter_with_mode_t2va_is_refused_and_alone_implies_fasth3(tmp_path):
+    from h3render.checkpoint.releases import RELEASES
+    from h3render.make_checkpoint.synthetic_adapter import write_synthetic_adapter
+
     adapter = tmp_path / "a.safetensors"
-    adapter.write_bytes(b"")  # never read: both commands stop before loading
+    write_synthetic_adapter(adapter, RELEASES["tiny"].dit, 0)  # its header passes the one check; nothing loads
     line = one_error_line(invoke("prompt", "x", "-o", str(tmp_path / "x.mp4"), "--adapter", str(adapter),
                                  "--mode", "t2va"))
     assert "--adapter" in line and "fasth3" in line

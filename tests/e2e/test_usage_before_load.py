@@ -83,6 +83,25 @@ def test_adapter_bundle_mistakes_are_usage_errors_before_loading(bundle, tmp_pat
     assert not (tmp_path / "out").exists() and not (tmp_path / "a.mp4").exists()
 
 
+@pytest.mark.parametrize("made, needle", [
+    ("garbage", "not a readable safetensors file"),
+    ("small", "does not fit"),  # an adapter for another DiT architecture than the checkpoint's
+])
+def test_an_adapter_file_the_loader_refuses_is_a_usage_error_before_loading(tmp_path, monkeypatch, made, needle):
+    """The adapter's header is read and matched to the DiT config in the one check (`students.read_student`),
+    not at load, where each job of a batch failed with it."""
+    from h3render.make_checkpoint.synthetic_adapter import write_synthetic_adapter
+
+    _no_load(monkeypatch)
+    adapter = tmp_path / "adapter.safetensors"
+    if made == "garbage":
+        adapter.write_bytes(b"not a safetensors file at all")
+    else:
+        write_synthetic_adapter(adapter, RELEASES[made].dit, seed=1)
+    line = one_error_line(invoke("prompt", "x", "-o", str(tmp_path / "a.mp4"), "--adapter", str(adapter)))
+    assert str(adapter) in line and needle in line, line
+
+
 def test_adapter_variant_without_a_student_is_a_usage_error(tmp_path, monkeypatch):
     _no_load(monkeypatch)
     line = one_error_line(invoke("prompt", "x", "-o", str(tmp_path / "a.mp4"), "--adapter-variant", "vsa-datafree"))
