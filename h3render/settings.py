@@ -145,8 +145,8 @@ class RunSettings:
         Raises:
             SettingsError: the first problem, one line: bad crf/vae_batch/x264 preset/dtype/device, fasth3
                 without a student, a t2va job on a full FastH3 checkpoint, a missing adapter or one the loader
-                cannot place (a bundle root without its variant, an unknown variant: `students.locate_student`),
-                an unusable --transformer, fp8 with fp32 activations or on a GPU older than sm_89, an attention
+                refuses (a bundle root without its variant, an unknown variant, an unreadable header, tensors that
+                do not fit the DiT: `students.read_student`), an unusable --transformer, fp8 with fp32 activations or on a GPU older than sm_89, an attention
                 backend this machine lacks.
         """
         problem = crf_problem(self.crf)
@@ -186,8 +186,8 @@ class RunSettings:
             return
         # Without this the engine loaded the student, then failed each job with "base-model jobs must run before
         # the student is fused", which is about mixed queues, not about this checkpoint.
-        where = f"--checkpoint {self.checkpoint} is a full FastH3 student ({contract.model_id}), which renders " \
-                "--mode fasth3 only"
+        where = (f"--checkpoint {self.checkpoint} is a full FastH3 student ({contract.model_id}), which renders "
+                 "--mode fasth3 only")
         if jobs is None:
             if mode != FASTH3_MODE:
                 raise SettingsError(f"{where}: pass --mode fasth3")
@@ -360,8 +360,8 @@ def precision_problem(precision: str, dtype: str, devices: Iterable = ()) -> str
 
 
 def crf_problem(crf: int) -> str | None:
-    """Why `crf` cannot encode our MP4s (the text after "--crf "), or None: x264 refuses CRF 0 (lossless) in the
-    High profile (`spec.X264_CRF`), after the whole denoise had run."""
+    """Why `crf` cannot encode our MP4s (the text after "--crf "), or None. x264 refuses CRF 0 (lossless) in the
+    High profile (`spec.X264_CRF`), which showed only when the first job's writer opened, after its denoise."""
     low, high = X264_CRF
     if crf == 0:
         return (f"0 is lossless, which x264 cannot encode in the High profile the MP4s use; choose {low}..{high} "
