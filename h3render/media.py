@@ -14,11 +14,8 @@ On a GPU, convert there with :func:`h3render.colour.rgb_to_i420` and stage throu
 
 from __future__ import annotations
 
-import functools
-import io
 import os
 import queue
-import re
 import threading
 import time
 from concurrent.futures import Future
@@ -551,29 +548,6 @@ class Mp4Writer:
         self.stats["flush_s"], self.stats["trailer_s"] = t1 - t0, t2 - t1
         self.stats["finalize_s"] += t2 - t0
         self.stats["encode_s"] += t2 - t0
-
-
-_X264_SEI = re.compile(rb"x264 - (core \d+[^\0]*?) - H\.264")
-
-
-@functools.lru_cache(maxsize=1)
-def x264_version() -> str | None:
-    """libx264's version as it writes it into the SEI of every stream it encodes ("core 165", or "core 164 r3108
-    31e19f9" where the build states its revision), for the sidecar's `versions.x264`: PyAV states only FFmpeg's
-    version, and the x264 inside a PyAV wheel is its own build. One 16x16 frame encoded in memory, once per process
-    (about 10 ms); None when libx264 is missing or writes no such line."""
-    try:
-        import av
-
-        container = av.open(io.BytesIO(), "w", format="h264")
-        stream = container.add_stream("libx264", rate=FPS, options={"preset": "ultrafast"})
-        stream.width, stream.height, stream.pix_fmt = 16, 16, "yuv420p"
-        frame = av.VideoFrame.from_ndarray(np.zeros((24, 16), dtype=np.uint8), format="yuv420p")
-        packets = stream.encode(frame) + stream.encode(None)
-    except Exception:  # a version line is not worth failing a render for
-        return None
-    found = _X264_SEI.search(b"".join(bytes(p) for p in packets))
-    return found.group(1).decode("ascii", "replace") if found else None
 
 
 def _fsync_file(path: Path) -> None:

@@ -146,8 +146,8 @@ class RunSettings:
             SettingsError: the first problem, one line: bad crf/vae_batch/x264 preset/dtype/device, fasth3
                 without a student, a t2va job on a full FastH3 checkpoint, a missing adapter or one the loader
                 refuses (a bundle root without its variant, an unknown variant, an unreadable header, tensors that
-                do not fit the DiT: `students.read_student`), an unusable --transformer, fp8 with fp32 activations or on a GPU older than sm_89, an attention
-                backend this machine lacks.
+                do not fit the DiT: `students.read_student`), an unusable --transformer, fp8 with fp32
+                activations or on a GPU older than sm_89, an attention backend this machine lacks.
         """
         problem = crf_problem(self.crf)
         if problem:

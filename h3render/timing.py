@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import functools
 import importlib.metadata
+import io
 import platform
+import re
 import shutil
 import subprocess
 import threading
@@ -25,9 +27,11 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Iterator, Union
 
+import numpy as np
 import torch
 
 import h3render
+from h3render.spec import FPS
 
 __all__ = ["STAGES", "StageTimer", "device_name", "merge_intervals", "utc_now", "versions"]
 
@@ -311,10 +315,33 @@ def checkout_commit() -> str | None:
     return commit + ("+dirty" if dirty else "")
 
 
+_X264_SEI = re.compile(rb"x264 - (core \d+[^\0]*?) - H\.264")
+
+
+@functools.lru_cache(maxsize=1)
+def x264_version() -> str | None:
+    """libx264's version as it writes it into the SEI of every stream it encodes ("core 165", or "core 164 r3108
+    31e19f9" where the build states its revision), for the sidecar's `versions.x264`: PyAV states only FFmpeg's
+    version, and the x264 inside a PyAV wheel is its own build. One 16x16 frame encoded in memory, once per process
+    (about 10 ms); None when libx264 is missing or writes no such line."""
+    try:
+        import av
+
+        container = av.open(io.BytesIO(), "w", format="h264")
+        stream = container.add_stream("libx264", rate=FPS, options={"preset": "ultrafast"})
+        stream.width, stream.height, stream.pix_fmt = 16, 16, "yuv420p"
+        frame = av.VideoFrame.from_ndarray(np.zeros((24, 16), dtype=np.uint8), format="yuv420p")
+        packets = stream.encode(frame) + stream.encode(None)
+    except Exception:  # a version line is not worth failing a render for
+        return None
+    found = _X264_SEI.search(b"".join(bytes(p) for p in packets))
+    return found.group(1).decode("ascii", "replace") if found else None
+
+
 def versions() -> dict[str, Any]:
     """Software and hardware this job ran on: h3render (with ``h3render_commit``, the checkout's git commit, or
     None), Python, torch, transformers, CUDA runtime (None on a CPU build), cuDNN, NVIDIA driver (from
-    ``nvidia-smi``; None without it), GPU names, PyAV, its FFmpeg and the libx264 that encodes (`media.x264_version`).
+    ``nvidia-smi``; None without it), GPU names, PyAV, its FFmpeg and the libx264 that encodes (`x264_version`).
     """
     try:
         import av
@@ -322,8 +349,6 @@ def versions() -> dict[str, Any]:
         pyav, ffmpeg = av.__version__, av.ffmpeg_version_info
     except ImportError:
         pyav = ffmpeg = None
-    from h3render.media import x264_version
-
     cuda_ok = torch.cuda.is_available()
     return {
         "h3render": h3render.__version__,
