@@ -45,10 +45,11 @@ def _checkpoint(given: str | None) -> str:
     return checkpoint
 
 
-def _check(run: RunSettings, info, mode: str | None = None) -> int:
-    """Plan the ranks and check the settings once against them; print the warnings; the world size."""
+def _check(run: RunSettings, info, mode: str | None = None, jobs=None) -> int:
+    """Plan the ranks and check the settings once against them (and `prompt`'s mode or `batch`'s jobs); print the
+    warnings; the world size."""
     world, warning = plan_ranks(run, info.release.dit.num_attention_heads)
-    for line in run.check(info, mode=mode, world=world):
+    for line in run.check(info, mode=mode, jobs=jobs, world=world):
         _say(line)
     if warning:
         print(f"h3render: warning: {warning}", file=sys.stderr)
@@ -87,10 +88,16 @@ def _main_guard(fn, *args) -> int:
         return error_exit_code(exc)
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(context_settings={"help_option_names": ["-h", "--help"]}, invoke_without_command=True)
 @click.version_option(package_name="h3render")
-def cli() -> None:
+@click.pass_context
+def cli(ctx: click.Context) -> None:
     """Render MiniMax-H3 prompts to H.264/AAC MP4s."""
+    if ctx.invoked_subcommand is None:
+        # Bare `h3render` is a request for the overview, not a mistake: click's default is the help as a usage
+        # error (stderr, exit 2), which our one-line error format then mangled; print it on stdout and exit 0.
+        click.echo(ctx.get_help())
+        ctx.exit(EXIT_OK)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -188,12 +195,12 @@ def _batch(manifest, out_dir, shard, skip_existing, fail_fast, dry_run, quiet, o
         raise SettingsError(str(exc)) from None
     jobs = m.jobs if shard_spec is None else shard_jobs(m.jobs, *shard_spec)
     if dry_run:
-        for line in run.check(info):  # against the dtype only: nothing is created
+        for line in run.check(info, jobs=jobs):  # against the dtype only: nothing is created
             _say(line)
         print("\n".join(jobs_mod.plan_lines(jobs, Path(out_dir), overwrite=not skip_existing,
                                             current=run.record(), run=run.summary(), limits=info.limits())))
         return EXIT_OK
-    world = _check(run, info)
+    world = _check(run, info, jobs=jobs)
     _check_writable(Path(out_dir))
     prepare_out_dir(out_dir)  # a file or a broken/looping symlink in the way: exit 2 before any rank starts
     queue = Queue(out_dir, shard=shard_spec, overwrite=not skip_existing, fail_fast=fail_fast)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import click
 
 from h3render.jobs import MODES
-from h3render.settings import DEVICES, DTYPES, RunSettings
+from h3render.settings import DEVICES, DTYPES, RunSettings, crf_problem
 from h3render.spec import ATTENTION_BACKENDS, X264_PRESETS
 
 
@@ -28,6 +28,14 @@ class LazyChoice(click.Choice):
     @choices.setter
     def choices(self, value) -> None:
         pass  # fixed: the other module's tuple
+
+
+def _check_crf(ctx, param, value):
+    """--crf as the parser's error (a bad value is refused before anything runs), with the reason (`crf_problem`)."""
+    problem = None if value is None else crf_problem(value)
+    if problem:
+        raise click.BadParameter(problem, ctx=ctx, param=param)
+    return value
 
 
 def engine_options(f):
@@ -56,8 +64,8 @@ def engine_options(f):
                      help="fp8: FP8 GEMMs in the DiT blocks, FP8 text-encoder weights, bf16 activations (needs CUDA "
                           "compute capability >= 8.9, or the CPU); default bf16, or the manifest's defaults."),
         click.option("--gpus", type=int, default=None, help="GPUs to use (default: every visible GPU; with --device cpu: CPU processes, for testing)."),
-        click.option("--crf", type=click.IntRange(0, 51), default=RunSettings.crf, show_default=True,
-                     help="x264 CRF."),
+        click.option("--crf", type=int, default=RunSettings.crf, show_default=True, callback=_check_crf,
+                     help="x264 CRF, 1..51 (0, lossless, is beyond the MP4s' High profile)."),
         click.option("--x264-preset", type=click.Choice(X264_PRESETS),
                      default=RunSettings.x264_preset, show_default=True,
                      help="x264 speed preset (faster presets: bigger files at the same CRF)."),

@@ -27,8 +27,8 @@ import numpy as np
 import torch
 
 from h3render.colour import MediaError
-from h3render.soundtrack import prepare_audio
-from h3render.spec import FPS, SAMPLE_RATE, audio_samples
+from h3render.soundtrack import AudioLevels, prepare_audio
+from h3render.spec import FPS, SAMPLE_RATE, X264_CRF, audio_samples
 from h3render.staging import StagedChunk
 
 # AVColorPrimaries / AVColorTransferCharacteristic / AVColorSpace BT709 = 1; AVColorRange MPEG (limited) = 1.
@@ -68,7 +68,7 @@ class Mp4Writer:
         path: final ``.mp4`` path; its folder must exist. An existing file there is replaced on success.
         width, height: frame size in pixels, both even (yuv420p).
         frames: exact frame count the clip must end with (checked at ``close``).
-        crf: x264 constant rate factor (0..51; 18 ~ visually lossless).
+        crf: x264 constant rate factor (1..51, `spec.X264_CRF`; 18 ~ visually lossless).
         preset: x264 preset name ("ultrafast" .. "placebo").
         sample_rate, fps: released model: 32000 Hz, 24 fps.
         audio: whether an audio track is written (then ``write_audio`` must be called once per window before
@@ -93,7 +93,9 @@ class Mp4Writer:
     (index + faststart rewrite), ``sync_s`` (fsync + rename), ``blocked_s`` (producer waiting on back-pressure),
     ``last_frame_in_s`` (open to the last frame handed over) and ``frames_done_s`` (open to the encoder thread
     having taken in the last frame). ``marks`` holds the same instants as ``time.perf_counter`` values (``start``,
-    ``last_frame_in``, ``frames_done``, ``end``), for a ``StageTimer`` interval on the caller's clock.
+    ``last_frame_in``, ``frames_done``, ``end``), for a ``StageTimer`` interval on the caller's clock. ``audio_levels``
+    (`soundtrack.AudioLevels`) holds the soundtrack's peak and clipped samples, measured by ``write_audio`` before
+    it clips to full scale.
     """
 
     def __init__(
@@ -127,8 +129,8 @@ class Mp4Writer:
             raise MediaError(f"{self.path}: width and height must be positive and even, got {width}x{height}")
         if frames < 1:
             raise MediaError(f"{self.path}: frames must be >= 1, got {frames}")
-        if not 0 <= crf <= 51:
-            raise MediaError(f"{self.path}: crf must be in 0..51, got {crf}")
+        if not X264_CRF[0] <= crf <= X264_CRF[1]:  # 0 is lossless, which x264's High profile refuses
+            raise MediaError(f"{self.path}: crf must be in {X264_CRF[0]}..{X264_CRF[1]} (High profile), got {crf}")
         windows = (frames,) if windows is None else tuple(int(n) for n in windows)
         if not windows or min(windows) < 1 or sum(windows) != frames:
             raise MediaError(f"{self.path}: windows {list(windows)} must be >= 1 frame each and sum to {frames}")
@@ -148,6 +150,7 @@ class Mp4Writer:
         self._audio_ready = 0  # samples of them the encoder thread may read (encoder side, set through the queue)
         self._audio: np.ndarray | None = None
         self._has_audio = audio
+        self.audio_levels = AudioLevels()  # what write_audio measured before clipping (the sidecar's extra.audio)
         self._error: BaseException | None = None
         self._state = "open"  # open -> closing (tail on the encoder thread) -> closed | aborted
         self._then: Callable[[BaseException | None], object] | None = None
@@ -246,7 +249,8 @@ class Mp4Writer:
 
         Args:
             waveform: float ``[2, samples]`` (left, right) at ``sample_rate``, nominally in [-1, 1] (the
-                released audio VAE clamps to it; values beyond are clipped). Longer than the window's share of
+                released audio VAE clamps to it; values beyond are clipped, and counted in ``audio_levels``).
+                Longer than the window's share of
                 ``audio_samples(frames)`` (see ``windows``) is trimmed; up to 800 samples (one audio latent)
                 short is zero-padded.
         Raises:
@@ -260,7 +264,7 @@ class Mp4Writer:
             if window == len(self._audio_bounds) - 1:
                 raise MediaError(f"{self.path}: write_audio called {window + 1} times for {window} window(s)")
             start, end = self._audio_bounds[window], self._audio_bounds[window + 1]
-            block = prepare_audio(waveform, end - start, name=str(self.path))
+            block = prepare_audio(waveform, end - start, name=str(self.path), levels=self.audio_levels)
             if self._audio is None:
                 self._audio = np.zeros((2, self.audio_samples), dtype=np.float32)
             self._audio[:, start:end] = block  # the encoder thread reads it only once told through the queue

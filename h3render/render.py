@@ -14,6 +14,7 @@ traffic is the prompt, the noise, and the finished frames and samples.
 
 from __future__ import annotations
 
+import sys
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -115,7 +116,11 @@ def render_windows(engine, job, windows: Sequence, mp4_path: Path, sidecar_path:
     def facts() -> dict[str, Any]:
         # Read on the writer's thread once the MP4 is in place (the sidecar goes last, so a sidecar never describes
         # an MP4 that is not there).
-        result = {"frames_written": sink.written, "writer": dict(sink.writer.stats), **first.record}
+        levels = sink.writer.audio_levels  # the soundtrack's peak, measured before it was clipped to full scale
+        result = {"frames_written": sink.written, "writer": dict(sink.writer.stats), "audio": levels.to_dict(),
+                  **first.record}
+        if levels.warning(mp4_path.name) and engine.c.info.random_model is None:  # random weights: always saturated
+            sink.progress.write(levels.warning(mp4_path.name))
         if sink.job_warmup:
             result["job_warmup"] = sink.job_warmup
         if len(windows) > 1:
@@ -280,7 +285,8 @@ class _Sink:
 def run_facts(engine, mp4_path: Path, started_at: str, components: dict[str, str]) -> dict[str, Any]:
     """What ran this job, for the sidecar's ``run`` (docs/sidecar.md): the output, the start time, the device, the
     engine's precision setting and `components` (`models.fp8.precision_report` at the job's start), the dtypes the
-    components hold, the attention backends actually used (and the one asked for), the x264 settings."""
+    components hold, the attention backends actually used (and the one asked for), the x264 settings, and the
+    process's command line (`sys.argv`: under torchrun every rank has it, a spawned rank inherits it)."""
     dev = engine.device
     requested = engine.settings.attention or "auto"
     dit_attention = str(engine.warmup.get("attention_backend", "sdpa"))
@@ -293,7 +299,7 @@ def run_facts(engine, mp4_path: Path, started_at: str, components: dict[str, str
     dtypes = {"dit": str(c.dit.dtype).removeprefix("torch."), "text_encoder": _main_dtype(c.text_encoder),
               "video_vae": _main_dtype(c.video_vae), "audio_vae": _main_dtype(c.audio_vae),
               "float32_matmul": torch.get_float32_matmul_precision()}
-    return {"output": str(Path(mp4_path).resolve()), "started_at": started_at,
+    return {"output": str(Path(mp4_path).resolve()), "started_at": started_at, "argv": list(sys.argv),
             "device": {"type": dev.type, "name": device_name(dev), "ranks": engine.ctx.world_size},
             "dtype": dtypes["dit"], "dtypes": dtypes, "precision": engine.precision,
             "precision_components": dict(components),

@@ -14,11 +14,12 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable, Mapping, Sequence
 
 from h3render.exits import UsageError
 from h3render.jobs import check_x264_preset
 from h3render.manifest import DEFAULT_PRECISION
+from h3render.spec import X264_CRF
 
 DTYPES = ("bf16", "fp32")  # --dtype: the activations' (block stack's) dtype
 DEVICES = ("cuda", "cpu")
@@ -49,7 +50,7 @@ class RunSettings:
         dtype: activations, "bf16" or "fp32" (default: bf16 on CUDA or with fp8, else fp32).
         device: "cuda" or "cpu"; gpus: ranks asked for (None: every visible GPU; on CPU one process).
         attention: "fa3", "cudnn", "sdpa", or None to choose by measurement (CUDA only).
-        crf, x264_preset: H.264 quality (x264 CRF 0..51) and speed preset.
+        crf, x264_preset: H.264 quality (x264 CRF 1..51: `spec.X264_CRF`) and speed preset.
         vae_batch: video VAE decode work items (window x tile) per decoder forward.
         compile_vae: on CUDA, `torch.compile` the video VAE decoder blocks (1x H200: 11.0 s -> 7.2 s for 72 latent
             frames at 1344x768; compiled in `Engine.prepare`, outside job timings).
@@ -129,32 +130,36 @@ class RunSettings:
 
     # -- check --------------------------------------------------------------------------------------------------
 
-    def check(self, info=None, *, mode: str | None = None, world: int | None = None) -> list[str]:
+    def check(self, info=None, *, mode: str | None = None, jobs: Sequence | None = None,
+              world: int | None = None) -> list[str]:
         """Every check of the settings, before any weights load; returns the warnings to print (rank 0).
 
         Args:
             info: the checkpoint's `CheckpointInfo` (for --transformer's header check), or None to skip it.
-            mode: `h3render prompt`'s job mode: fasth3 needs an adapter or a FastH3 V2 checkpoint (a batch's jobs
-                are checked by the manifest reader).
+            mode: `h3render prompt`'s job mode (None: t2va): fasth3 needs an adapter or a full FastH3 checkpoint,
+                which in turn renders fasth3 only.
+            jobs: a batch's `Job`s (in place of `mode`), each held to the same rule (the manifest reader refuses a
+                fasth3 job without a student; a t2va job on a full FastH3 checkpoint is refused here).
             world: the ranks the run uses: fp8 is checked against each of their GPUs (compute capability); None
                 checks it against the dtype only (`--dry-run`, nothing created).
         Raises:
             SettingsError: the first problem, one line: bad crf/vae_batch/x264 preset/dtype/device, fasth3
-                without a student, a missing adapter, an unusable --transformer, fp8 with fp32 activations or on
-                a GPU older than sm_89, an attention backend this machine lacks.
+                without a student, a t2va job on a full FastH3 checkpoint, a missing adapter or one the loader
+                refuses (a bundle root without its variant, an unknown variant, an unreadable header, tensors that
+                do not fit the DiT: `students.read_student`), an unusable --transformer, fp8 with fp32
+                activations or on a GPU older than sm_89, an attention backend this machine lacks.
         """
-        if not 0 <= self.crf <= 51:
-            raise SettingsError(f"--crf {self.crf}: x264's CRF is 0..51")
+        problem = crf_problem(self.crf)
+        if problem:
+            raise SettingsError(f"--crf {problem}")
         if self.vae_batch < 1:
             raise SettingsError(f"--vae-batch {self.vae_batch}: must be >= 1")
         if self.dtype not in DTYPES or self.device not in DEVICES:
             raise SettingsError(f"--dtype {self.dtype} / --device {self.device}: one of {DTYPES} / {DEVICES}")
         usage(check_x264_preset, self.x264_preset)
-        if mode == FASTH3_MODE and self.adapter is None and not has_v2_contract(self.checkpoint):
-            raise SettingsError("--mode fasth3 needs --adapter PATH (the FastH3 student adapter) or a FastH3 V2 "
-                                "checkpoint")
         if self.adapter is not None and not Path(self.adapter).exists():
             raise SettingsError(f"--adapter {self.adapter}: no such file or folder")
+        self._check_student(info, mode, jobs)
         if info is not None:
             check_transformer(self.transformer, info)
         problem = precision_problem(self.precision, self.dtype, self.devices(world))
@@ -162,6 +167,37 @@ class RunSettings:
             raise SettingsError(problem if self.precision_from is None else
                                 f"{self.precision_from}: precision: {problem}")
         return self._attention_warnings()
+
+    def _check_student(self, info, mode: str | None, jobs: Sequence | None) -> None:
+        """The student the load would fuse, found and read as the loader does (`students.locate_student`: listings
+        and JSON; with `info`, `students.read_student`: the adapter's header against the DiT config too), against
+        the jobs' modes."""
+        from h3render.checkpoint.students import locate_student, read_student
+
+        contract, source = usage(locate_student, self.checkpoint, self.adapter, self.adapter_variant,
+                                 self.fasth3_positions)
+        if info is not None and (source is not None or contract is not None):
+            usage(lambda: read_student(self.checkpoint, info, self.adapter, variant=self.adapter_variant,
+                                       positions=self.fasth3_positions))
+        if mode == FASTH3_MODE and self.adapter is None and contract is None:
+            raise SettingsError("--mode fasth3 needs --adapter PATH (the FastH3 student adapter) or a FastH3 V2 "
+                                "checkpoint")
+        if contract is None:
+            return
+        # Without this the engine loaded the student, then failed each job with "base-model jobs must run before
+        # the student is fused", which is about mixed queues, not about this checkpoint.
+        where = (f"--checkpoint {self.checkpoint} is a full FastH3 student ({contract.model_id}), which renders "
+                 "--mode fasth3 only")
+        if jobs is None:
+            if mode != FASTH3_MODE:
+                raise SettingsError(f"{where}: pass --mode fasth3")
+            return
+        t2va = [j for j in jobs if j.mode != FASTH3_MODE]
+        if t2va:
+            first = t2va[0]
+            name = f" {first.id!r}" if first.id else ""
+            raise SettingsError(f"{first.source}: mode: job{name} is t2va ({len(t2va)} of {len(jobs)} jobs), but "
+                                f"{where}: pass --mode fasth3 (or `mode: fasth3` in the manifest's defaults)")
 
     def devices(self, world: int | None) -> list:
         """The `torch.device`s of `world` ranks on this machine (`cuda:0..world-1`, or the CPU); [] for None."""
@@ -265,13 +301,9 @@ def has_v2_contract(checkpoint: str) -> bool:
     Raises:
         SettingsError: the contract file is unreadable or invalid.
     """
-    from h3render.checkpoint.contract import read_v2_contract
-    from h3render.checkpoint.releases import BUILTIN
+    from h3render.checkpoint.students import locate_student
 
-    try:
-        return checkpoint not in BUILTIN and read_v2_contract(checkpoint) is not None
-    except ValueError as exc:
-        raise SettingsError(str(exc)) from None
+    return usage(locate_student, checkpoint)[0] is not None
 
 
 def prompt_mode(mode: str | None, adapter: str | None) -> tuple[str | None, str | None]:
@@ -325,6 +357,18 @@ def precision_problem(precision: str, dtype: str, devices: Iterable = ()) -> str
     from h3render.models.fp8 import fp8_problem
 
     return fp8_problem(dtype, devices)
+
+
+def crf_problem(crf: int) -> str | None:
+    """Why `crf` cannot encode our MP4s (the text after "--crf "), or None. x264 refuses CRF 0 (lossless) in the
+    High profile (`spec.X264_CRF`), which showed only when the first job's writer opened, after its denoise."""
+    low, high = X264_CRF
+    if crf == 0:
+        return (f"0 is lossless, which x264 cannot encode in the High profile the MP4s use; choose {low}..{high} "
+                "(18 is visually lossless)")
+    if not low <= crf <= high:
+        return f"{crf}: x264's CRF is {low}..{high} for these MP4s (High profile)"
+    return None
 
 
 def usage(fn, *args, prefix: str = ""):

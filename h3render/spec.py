@@ -300,3 +300,7 @@ ATTENTION_BACKENDS = ("fa3", "cudnn", "sdpa")
 # exactly these and `h3render.jobs.check_x264_preset` checks against them.
 X264_PRESETS = ("ultrafast", "superfast", "veryfast", "faster", "fast", "medium", "slow", "slower", "veryslow",
                 "placebo")
+# x264's CRF range as the MP4s can use it: CRF 0 is lossless (x264 encoder.c: qp 0 -> b_lossless), which only the
+# High 4:4:4 Predictive profile allows; our MP4s are High (players' yuv420p baseline), so x264 refuses anything
+# below 1 ("high profile doesn't support lossless", PyAV 18.1 / FFmpeg 8.1; CRF 1 and 51 encode).
+X264_CRF = (1, 51)

@@ -13,18 +13,25 @@ docs/schema/sidecar.schema.json checks it (tests/e2e/test_sidecar_schema.py).
 
 from __future__ import annotations
 
+import functools
+import importlib.metadata
+import io
 import platform
+import re
 import shutil
 import subprocess
 import threading
 import time
 from contextlib import contextmanager
 from datetime import datetime, timezone
+from pathlib import Path
 from typing import Any, Iterator, Union
 
+import numpy as np
 import torch
 
 import h3render
+from h3render.spec import FPS
 
 __all__ = ["STAGES", "StageTimer", "device_name", "merge_intervals", "utc_now", "versions"]
 
@@ -276,9 +283,66 @@ def device_name(device: Union[torch.device, str]) -> str:
     return platform.processor() or platform.machine() or "cpu"
 
 
+def _distribution(name: str) -> str | None:
+    """The installed version of distribution `name` (its metadata: importing transformers takes seconds), or None."""
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+@functools.lru_cache(maxsize=1)
+def checkout_commit() -> str | None:
+    """The git commit h3render runs from (``git rev-parse HEAD``, with ``+dirty`` when tracked files differ from it),
+    when the package is a checkout's own ``h3render/`` folder; None for an installed wheel, without git, or when the
+    folder sits in some other repository (a venv inside a project's work tree). Once per process."""
+    package = Path(h3render.__file__).resolve().parent
+
+    def git(*args: str) -> str | None:
+        try:
+            done = subprocess.run(["git", *args], cwd=package, capture_output=True, text=True, timeout=10)
+        except (OSError, subprocess.SubprocessError):
+            return None
+        return done.stdout.strip() if done.returncode == 0 else None
+
+    top = git("rev-parse", "--show-toplevel")
+    if top is None or Path(top).resolve() / "h3render" != package:
+        return None
+    commit = git("rev-parse", "HEAD")
+    if commit is None:
+        return None
+    dirty = git("status", "--porcelain", "--untracked-files=no")
+    return commit + ("+dirty" if dirty else "")
+
+
+_X264_SEI = re.compile(rb"x264 - (core \d+[^\0]*?) - H\.264")
+
+
+@functools.lru_cache(maxsize=1)
+def x264_version() -> str | None:
+    """libx264's version as it writes it into the SEI of every stream it encodes ("core 165", or "core 164 r3108
+    31e19f9" where the build states its revision), for the sidecar's `versions.x264`: PyAV states only FFmpeg's
+    version, and the x264 inside a PyAV wheel is its own build. One 16x16 frame encoded in memory, once per process
+    (about 10 ms); None when libx264 is missing or writes no such line."""
+    try:
+        import av
+
+        container = av.open(io.BytesIO(), "w", format="h264")
+        stream = container.add_stream("libx264", rate=FPS, options={"preset": "ultrafast"})
+        stream.width, stream.height, stream.pix_fmt = 16, 16, "yuv420p"
+        frame = av.VideoFrame.from_ndarray(np.zeros((24, 16), dtype=np.uint8), format="yuv420p")
+        packets = stream.encode(frame) + stream.encode(None)
+    except Exception:  # a version line is not worth failing a render for
+        return None
+    found = _X264_SEI.search(b"".join(bytes(p) for p in packets))
+    return found.group(1).decode("ascii", "replace") if found else None
+
+
 def versions() -> dict[str, Any]:
-    """Software and hardware this job ran on: h3render, Python, torch, CUDA runtime (None on a CPU build),
-    cuDNN, NVIDIA driver (from ``nvidia-smi``; None without it), GPU names, PyAV and its FFmpeg."""
+    """Software and hardware this job ran on: h3render (with ``h3render_commit``, the checkout's git commit, or
+    None), Python, torch, transformers, CUDA runtime (None on a CPU build), cuDNN, NVIDIA driver (from
+    ``nvidia-smi``; None without it), GPU names, PyAV, its FFmpeg and the libx264 that encodes (`x264_version`).
+    """
     try:
         import av
 
@@ -288,6 +352,8 @@ def versions() -> dict[str, Any]:
     cuda_ok = torch.cuda.is_available()
     return {
         "h3render": h3render.__version__,
+        "h3render_commit": checkout_commit(),
+        "transformers": _distribution("transformers"),
         "python": platform.python_version(),
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
@@ -296,4 +362,5 @@ def versions() -> dict[str, Any]:
         "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if cuda_ok else [],
         "pyav": pyav,
         "ffmpeg": ffmpeg,
+        "x264": x264_version(),
     }

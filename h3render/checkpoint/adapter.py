@@ -37,6 +37,7 @@ vLLM-Omni ``minimax_h3/fasth3.py`` and ``fasth3_checkpoint.py``.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 import re
@@ -159,12 +160,12 @@ class Adapter:
 
     ``counts`` holds the tensor counts (stated ones verified). ``alphas`` maps a module to its alpha (its
     product is scaled by alpha / rank). ``warnings`` are non-fatal findings (an unstated or local-path
-    ``base_model``). ``sha256`` is the hex digest of the whole file.
+    ``base_model``). ``sha256`` is the hex digest of the whole file, read when first asked for (the sidecar):
+    the CLI's one check reads the header only.
     """
 
     path: Path
     metadata: dict[str, str]
-    sha256: str
     base_model: str
     finetuned_model: str
     rank: int
@@ -172,6 +173,10 @@ class Adapter:
     entries: dict[str, TensorEntry] = field(repr=False)
     alphas: dict[str, float] = field(default_factory=dict, repr=False)
     warnings: tuple[str, ...] = ()
+
+    @functools.cached_property
+    def sha256(self) -> str:
+        return _file_sha256(self.path)
 
     @property
     def gate_blocks(self) -> tuple[int, ...]:
@@ -357,7 +362,7 @@ def read_adapter(path: str | Path, base_model: str = RELEASED_BASE_MODEL) -> Ada
             raise AdapterError(f"{path}: metadata {key}={declared} but the file holds {seen[key]}")
         counts[key] = seen[key]
 
-    return Adapter(path=path, metadata=metadata, sha256=_file_sha256(path), base_model=metadata.get("base_model", ""),
+    return Adapter(path=path, metadata=metadata, base_model=metadata.get("base_model", ""),
                    finetuned_model=metadata.get("finetuned_model", ""), rank=rank, counts=counts,
                    entries=normalized, alphas=alphas, warnings=tuple(warnings))
 

@@ -23,6 +23,7 @@ zero-filled in some blocks is an error naming the blocks.
 
 from __future__ import annotations
 
+import difflib
 import json
 import re
 from collections.abc import Iterable, Iterator, Mapping
@@ -35,6 +36,7 @@ import torch
 from h3render.checkpoint.adapter import RELEASED_BASE_MODEL, TINY_BASE_MODEL, Adapter, AdapterFusion, read_adapter
 from h3render.checkpoint.contract import FastH3Contract, fasth3_schedule, read_contract
 from h3render.checkpoint.errors import AdapterError, CheckpointError
+from h3render.checkpoint.releases import BUILTIN
 from h3render.checkpoint.stream import Entry
 from h3render.kernels.vsa import TILE
 from h3render.spec import FASTH3_V1_VSA_SPARSITY, FASTH3_V2_VSA_SPARSITY
@@ -116,7 +118,9 @@ def resolve_adapter(path: str | Path, variant: str | None = None) -> AdapterSour
         manifest = read_bundle_manifest(p / BUNDLE_MANIFEST)
         variants = bundle_variants(p)
         if variant is None or variant not in variants:
-            what = "names several variants" if variant is None else f"has no variant {variant!r}"
+            close = difflib.get_close_matches(str(variant), variants, n=1) if variant is not None else []
+            what = ("names several variants" if variant is None else
+                    f"has no variant {variant!r}" + (f" (did you mean {close[0]}?)" if close else ""))
             raise AdapterError(f"{p}: a FastH3 LoRA bundle {what}; choose one with --adapter-variant "
                                f"(manifest `adapter_variant`): {', '.join(variants) or '(none found)'}")
         return AdapterSource(p / variant / ADAPTER_FILE, "bundle", variant, manifest, p / BUNDLE_MANIFEST)
@@ -348,6 +352,78 @@ class StudentPlan:
     warnings: tuple[str, ...] = ()
 
 
+def locate_student(checkpoint: str | Path, adapter: str | Path | None = None, variant: str | None = None,
+                   positions: str | None = None) -> tuple[FastH3Contract | None, AdapterSource | None]:
+    """Which student a load fuses, from folder listings and small JSON files only (no tensor is read): the
+    checkpoint's own contract, or where the adapter's file is (`resolve_adapter`). `plan_student` starts here, and
+    the CLI's one check calls it before anything loads, so a mistake here is a usage error, not a failed job.
+
+    Returns:
+        (contract, None) for a full FastH3 checkpoint; (None, source) for an adapter; (None, None) for no student.
+    Raises:
+        AdapterError, ValueError: a bad contract; an adapter on a full FastH3 checkpoint; an adapter path of no
+            published layout, a bundle root without its variant or with an unknown one; `positions` unknown, or
+            `positions` / `variant` without a student (each names the file and field, or the option).
+    """
+    if positions is not None and positions not in POSITION_CHOICES:
+        raise ValueError(f"--fasth3-positions {positions!r}: choose {' or '.join(POSITION_CHOICES)}")
+    builtin = isinstance(checkpoint, str) and checkpoint in BUILTIN  # read_checkpoint_info's rule
+    contract = None if builtin else read_contract(checkpoint)
+    if adapter is not None:
+        if contract is not None:
+            raise AdapterError(f"{contract.where}: {checkpoint} is a full FastH3 student ({contract.model_id}); "
+                               f"it takes no --adapter")
+        return None, resolve_adapter(adapter, variant)
+    if contract is None and (positions is not None or variant is not None):
+        raise ValueError("--fasth3-positions / --adapter-variant need a FastH3 student (--adapter, or a full "
+                         "FastH3 checkpoint)")
+    return contract, None
+
+
+@dataclass
+class StudentParts:
+    """A student as its headers state it (`read_student`): no tensor data read, no file hashed.
+
+    Attributes:
+        attention: the `StudentAttention`.
+        schedule: the few-step `Schedule`.
+        contract: the full checkpoint's `FastH3Contract`, or None for an adapter.
+        source, adapter, fusion: the adapter's `AdapterSource`, `Adapter` (header) and `AdapterFusion` (checked
+            against the DiT config), or None for a full checkpoint.
+    """
+
+    attention: StudentAttention
+    schedule: Any
+    contract: FastH3Contract | None = None
+    source: AdapterSource | None = None
+    adapter: Adapter | None = None
+    fusion: AdapterFusion | None = None
+
+
+def read_student(checkpoint: str, info, adapter: str | Path | None = None, *, variant: str | None = None,
+                 positions: str | None = None, device: torch.device | str = "cpu") -> StudentParts | None:
+    """The student of a load from headers, listings and JSON only (`plan_student`'s first half; the CLI's one check
+    runs it before anything loads): where it is, its attention, its schedule, and the adapter's tensors checked
+    against the DiT config. None: no student.
+
+    Raises:
+        AdapterError, CheckpointError, ValueError: as `plan_student`.
+    """
+    contract, source = locate_student(checkpoint, adapter, variant, positions)
+    if source is not None:
+        base = TINY_BASE_MODEL if info.layout == "builtin" or info.random_model is not None else RELEASED_BASE_MODEL
+        ad = read_adapter(source.file, base_model=base)
+        attention = adapter_attention(ad, source)
+        fusion = AdapterFusion(ad, info.release.dit, device)
+        sampling = source.manifest if "dmd_denoising_steps" not in ad.metadata and source.manifest else ad
+        schedule = fasth3_schedule(sampling, info.video_shift, info.audio_shift, positions=positions)
+        return StudentParts(attention, schedule, source=source, adapter=ad, fusion=fusion)
+    if contract is not None:
+        schedule = fasth3_schedule(contract, info.video_shift, info.audio_shift, positions=positions)
+        return StudentParts(contract_attention(contract), schedule, contract=contract)
+    return None
+
+
 def plan_student(checkpoint: str, info, adapter: str | Path | None = None, *, variant: str | None = None,
                  positions: str | None = None, device: torch.device | str = "cpu") -> StudentPlan:
     """The student of a load: an adapter (any layout) over `checkpoint`, or the checkpoint's own contract.
@@ -363,34 +439,18 @@ def plan_student(checkpoint: str, info, adapter: str | Path | None = None, *, va
         AdapterError, CheckpointError, ValueError: a bad adapter / contract / layout, an adapter on a full FastH3
             checkpoint, or `positions` / `variant` without a student (each names the file and field).
     """
-    if positions is not None and positions not in POSITION_CHOICES:
-        raise ValueError(f"--fasth3-positions {positions!r}: choose {' or '.join(POSITION_CHOICES)}")
-    contract = None if info.layout == "builtin" else read_contract(checkpoint)
-    if adapter is not None:
-        if contract is not None:
-            raise AdapterError(f"{contract.where}: {checkpoint} is a full FastH3 student ({contract.model_id}); "
-                               f"it takes no --adapter")
-        source = resolve_adapter(adapter, variant)
-        base = TINY_BASE_MODEL if info.layout == "builtin" or info.random_model is not None else RELEASED_BASE_MODEL
-        ad = read_adapter(source.file, base_model=base)
-        attention = adapter_attention(ad, source)
-        fusion = AdapterFusion(ad, info.release.dit, device)
-        sampling = source.manifest if "dmd_denoising_steps" not in ad.metadata and source.manifest else ad
-        schedule = fasth3_schedule(sampling, info.video_shift, info.audio_shift, positions=positions)
+    parts = read_student(checkpoint, info, adapter, variant=variant, positions=positions, device=device)
+    if parts is None:
+        return StudentPlan()
+    attention, schedule, ad, source = parts.attention, parts.schedule, parts.adapter, parts.source
+    if ad is not None:
         sidecar = {"path": str(adapter), "file": str(source.file), "layout": source.layout, "variant": source.variant,
                    "sha256": ad.sha256, "base_model": ad.base_model, "rank": ad.rank}
         warnings = ad.warnings
-        hook = StudentHook(attention, info.release.dit.num_layers, fusion, str(source.file))
-    elif contract is not None:
-        attention = contract_attention(contract)
-        schedule = fasth3_schedule(contract, info.video_shift, info.audio_shift, positions=positions)
-        sidecar, warnings = {"contract": contract.where, "model_id": contract.model_id}, ()
-        hook = StudentHook(attention, info.release.dit.num_layers, None, f"{checkpoint} transformer")
+        hook = StudentHook(attention, info.release.dit.num_layers, parts.fusion, str(source.file))
     else:
-        if positions is not None or variant is not None:
-            raise ValueError("--fasth3-positions / --adapter-variant need a FastH3 student (--adapter, or a full "
-                             "FastH3 checkpoint)")
-        return StudentPlan()
+        sidecar, warnings = {"contract": parts.contract.where, "model_id": parts.contract.model_id}, ()
+        hook = StudentHook(attention, info.release.dit.num_layers, None, f"{checkpoint} transformer")
     sidecar.update(positions=list(schedule.positions), source=schedule.source, positions_set=positions,
                    attention=attention.to_dict())
     if warnings:
@@ -406,6 +466,6 @@ def budgets(attention: StudentAttention | None, shapes: Iterable[tuple[int, int,
 
 
 __all__ = ["ADAPTER_FILE", "BUNDLE_MANIFEST", "BUNDLE_SCHEMA", "BUNDLE_VARIANTS", "POSITION_CHOICES",
-           "AdapterSource", "StudentAttention", "StudentHook", "StudentPlan",
-           "adapter_attention", "budgets", "bundle_variants", "contract_attention", "plan_student",
-           "read_bundle_manifest", "resolve_adapter"]
+           "AdapterSource", "StudentAttention", "StudentHook", "StudentParts", "StudentPlan",
+           "adapter_attention", "budgets", "bundle_variants", "contract_attention", "locate_student", "plan_student",
+           "read_bundle_manifest", "read_student", "resolve_adapter"]

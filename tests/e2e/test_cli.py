@@ -140,8 +140,11 @@ def test_x264_preset_and_attention_choices_come_from_spec():
 
 
 def test_adapter_with_mode_t2va_is_refused_and_alone_implies_fasth3(tmp_path):
+    from h3render.checkpoint.releases import RELEASES
+    from h3render.make_checkpoint.synthetic_adapter import write_synthetic_adapter
+
     adapter = tmp_path / "a.safetensors"
-    adapter.write_bytes(b"")  # never read: both commands stop before loading
+    write_synthetic_adapter(adapter, RELEASES["tiny"].dit, 0)  # its header passes the one check; nothing loads
     line = one_error_line(invoke("prompt", "x", "-o", str(tmp_path / "x.mp4"), "--adapter", str(adapter),
                                  "--mode", "t2va"))
     assert "--adapter" in line and "fasth3" in line
@@ -256,9 +259,9 @@ def test_fasth3_v2_checkpoint_runs_its_own_contract(official_ckpt, tmp_path):
     assert side["forwards"] == 8 and side["video_shift"] == 10.0 and side["source"] == "FastH3 V2 contract"
     s = 0.999
     assert abs(side["video"][0] - 10 * s / (1 + 9 * s)) < 1e-6
-    # the same checkpoint refuses base-model jobs: its weights are the distilled student
+    # the same checkpoint refuses base-model jobs (its weights are the distilled student), before loading (issue #29)
     r = run_here("prompt", "x", "-o", str(tmp_path / "base.mp4"), "--checkpoint", str(ckpt), "--frames", "22")
-    assert r.returncode == 1 and "FastH3" in r.stderr and not (tmp_path / "base.mp4").exists()
+    assert r.returncode == 2 and "pass --mode fasth3" in r.stderr and not (tmp_path / "base.mp4").exists()
 
 
 def test_single_file_transformer_replaces_the_checkpoint_dit(official_ckpt, tmp_path):
@@ -389,7 +392,8 @@ def test_a_bad_option_value_is_one_line_and_exit_2(tmp_path):
     """click's own report of a bad value is its usage block plus the error (4 lines); the command prints one."""
     r = run_cli("prompt", "x", "-o", str(tmp_path / "a.mp4"), "--crf", "99")
     assert r.returncode == 2 and r.stderr.strip().splitlines() == [
-        "h3render: error: Invalid value for '--crf': 99 is not in the range 0<=x<=51. (see 'h3render prompt --help')"]
+        "h3render: error: Invalid value for '--crf': 99: x264's CRF is 1..51 for these MP4s (High profile) (see "
+        "'h3render prompt --help')"]
 
 
 def test_sidecar_records_the_checkpoint_absolute_and_resume_from_another_folder_agrees(official_ckpt, tmp_path):

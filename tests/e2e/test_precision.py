@@ -138,7 +138,10 @@ def no_load(monkeypatch):
 def test_manifest_defaults_reach_the_engine(tmp_path, monkeypatch):
     """defaults: precision, adapter (a bundle folder too), adapter_variant, fasth3_positions -> the RunSettings
     Engine.load gets; each command-line option wins over its field; on a job the FastH3 ones are refused."""
-    (tmp_path / "bundle").mkdir()
+    # a real bundle: the one check places the adapter before loading (an empty folder is refused there)
+    from h3render.make_checkpoint.synthetic_adapter import write_synthetic_bundle
+
+    write_synthetic_bundle(tmp_path / "bundle", RELEASES["tiny"].dit, seed=1)
     seen = []
 
     def fake_load(run, ctx, **kw):

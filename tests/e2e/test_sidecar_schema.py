@@ -55,6 +55,50 @@ def test_t2va_sidecar_matches_the_schema_and_says_what_ran(t2va):
     assert len(warning) == 1 and "sdpa" in warning[0]
 
 
+def test_sidecar_records_the_command_line_and_the_software(t2va):
+    """Issue #29: the sidecar lacked the command line, h3render's commit and the transformers and x264 versions."""
+    import sys
+
+    side = t2va[0]
+    assert side["run"]["argv"] == sys.argv  # run_here runs in this process: its command line is pytest's
+    versions = side["versions"]
+    assert versions["x264"].startswith("core ") and versions["transformers"]
+    assert "h3render_commit" in versions
+    for field in ("x264", "transformers", "h3render_commit"):
+        missing = copy.deepcopy(side)
+        del missing["versions"][field]
+        with pytest.raises(jsonschema.ValidationError):
+            validate(missing, "sidecar")
+
+
+def test_the_sidecar_reports_the_soundtrack_level_and_a_real_model_warns_of_clipping(t2va, tmp_path):
+    """Issue #29: decoded audio beyond full scale was clipped silently. The tiny random model's noise is saturated:
+    the sidecar says so, and the command stays quiet about it (its notice already says it renders noise); a
+    checkpoint that is not a random model's gets one warning line."""
+    side, stderr = t2va[0], t2va[1]
+    audio = side["extra"]["audio"]
+    assert audio["clipped_samples"] > 0 and audio["peak_dbfs"] == 0.0 and 0 < audio["clipped_fraction"] < 1
+    from h3render.spec import audio_samples
+
+    assert audio["samples"] == 2 * audio_samples(side["extra"]["frames_written"])  # both channels, the MP4's length
+    assert "were clipped" not in stderr
+    from h3render.make_checkpoint.writer import make_checkpoint
+
+    ckpt = make_checkpoint(tmp_path / "ckpt", config="tiny", layout="official")
+    index = ckpt / "FL2VA" / "model_index.json"
+    meta = json.loads(index.read_text())
+    del meta["_minimax_h3"]["h3render_random"]  # now it reads as a real checkpoint of this architecture
+    index.write_text(json.dumps(meta))
+    out = tmp_path / "real.mp4"
+    r = run_here("prompt", "Gulls over a harbour", "-o", str(out), *SMALL, "--steps", "2", "--checkpoint", str(ckpt),
+                 "--quiet")
+    assert r.returncode == 0, r.stderr
+    warned = [line for line in r.stderr.splitlines() if "were clipped" in line]
+    clipped = json.loads(out.with_suffix(".json").read_text())["extra"]["audio"]["clipped_samples"]
+    assert clipped > 0 and len(warned) == 1 and warned[0].startswith(
+        f"h3render: warning: real.mp4: {clipped} of "), r.stderr
+
+
 def test_writer_stats_are_durations_on_the_jobs_scale(t2va):
     side = t2va[0]
     writer, stages = side["extra"]["writer"], side["timings"]["stages"]

@@ -352,6 +352,41 @@ def test_prepare_audio_trims_pads_and_refuses():
         prepare_audio(torch.zeros(1, want), want)
 
 
+def test_prepare_audio_measures_the_peak_and_the_clipped_samples_before_clipping():
+    """Issue #29: audio beyond full scale was clipped with no trace; the peak and the clip count are measured first,
+    over the kept samples only (the trimmed tail does not count), summed over windows."""
+    from h3render.soundtrack import AudioLevels
+
+    levels = AudioLevels()
+    wave = np.full((2, 1000), 0.5, dtype=np.float32)
+    wave[0, 10:20] = 2.0  # +6.02 dBFS, 10 samples over
+    wave[1, 30] = -1.0  # exactly full scale: what the released VAE's own clamp leaves of a clipped sample
+    wave[:, 900:] = 8.0  # beyond `samples`: trimmed, not measured
+    out = prepare_audio(wave, 900, levels=levels)
+    assert out.max() == 1.0 and out.min() == 0.5 - 1.5  # clipped as before
+    assert levels.to_dict() == {"peak_dbfs": pytest.approx(20 * np.log10(2.0)), "clipped_samples": 11,
+                                "samples": 1800, "clipped_fraction": pytest.approx(11 / 1800)}
+    prepare_audio(np.full((2, 200), 0.25), 200, levels=levels)  # a second window adds to it
+    assert (levels.clipped, levels.samples) == (11, 2200)
+    assert levels.warning("clip.mp4") == ("h3render: warning: clip.mp4: 11 of 2200 audio samples (0.5%) reached "
+                                          "full scale and were clipped (peak +6.0 dBFS); the sidecar's extra.audio "
+                                          "records it")
+    quiet = AudioLevels()
+    prepare_audio(np.zeros((2, 100)), 100, levels=quiet)
+    assert quiet.warning("x") is None and quiet.to_dict()["peak_dbfs"] is None  # silence: no -inf in JSON
+
+
+def test_the_writer_exposes_what_write_audio_measured(tmp_path):
+    samples = audio_samples_for(F)
+    loud = np.full((2, samples), 0.1, dtype=np.float32)
+    loud[:, :100] = 1.5
+    with Mp4Writer(tmp_path / "a.mp4", W, H, F) as writer:
+        writer.write_audio(loud)
+        writer.write_frames(frames_to_uint8(smooth_video()))
+    assert writer.audio_levels.clipped == 200 and writer.audio_levels.samples == 2 * samples
+    assert writer.audio_levels.peak == pytest.approx(1.5)
+
+
 def test_back_pressure_blocks_producer(tmp_path, monkeypatch):
     gate = threading.Event()
     original = Mp4Writer._encode_video

@@ -102,7 +102,10 @@ def test_device_cuda_without_cuda_is_refused(monkeypatch):
 # -- the one check ------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("settings, mode, message", [
-    (dict(crf=52), None, "--crf 52: x264's CRF is 0..51"),
+    (dict(crf=52), None, "--crf 52: x264's CRF is 1..51 for these MP4s (High profile)"),
+    # x264's High profile refuses lossless: CRF 0 was accepted, then every job failed after its whole denoise
+    (dict(crf=0), None, "--crf 0 is lossless, which x264 cannot encode in the High profile the MP4s use; choose "
+                        "1..51"),
     (dict(vae_batch=0), None, "--vae-batch 0: must be >= 1"),
     (dict(x264_preset="ultrafastt"), None, "--x264-preset 'ultrafastt' is not an x264 preset (did you mean ultrafast?)"),
     (dict(), "fasth3", "--mode fasth3 needs --adapter PATH (the FastH3 student adapter) or a FastH3 V2 checkpoint"),

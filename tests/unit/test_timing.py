@@ -132,6 +132,47 @@ def test_versions_on_cpu():
     json.dumps(v)
 
 
+def test_versions_name_transformers_x264_and_the_checkout_commit():
+    """Issue #29: the sidecar lacked the transformers and x264 versions and h3render's commit."""
+    import importlib.metadata
+    import subprocess
+    from pathlib import Path
+
+    v = versions()
+    assert v["transformers"] == importlib.metadata.version("transformers")
+    assert v["x264"] is not None and v["x264"].startswith("core ") and v["x264"][5:8].isdigit(), v["x264"]
+    package = Path(h3render.__file__).resolve().parent
+    top = subprocess.run(["git", "rev-parse", "--show-toplevel"], cwd=package, capture_output=True, text=True)
+    if top.returncode == 0 and Path(top.stdout.strip()).resolve() / "h3render" == package:  # a checkout (CI, here)
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=package, capture_output=True, text=True).stdout
+        assert v["h3render_commit"].removesuffix("+dirty") == head.strip()
+    else:  # an installed wheel
+        assert v["h3render_commit"] is None
+
+
+def test_the_checkout_commit_is_none_without_git_or_outside_a_checkout(monkeypatch, tmp_path):
+    import subprocess
+
+    from h3render import timing
+
+    def no_git(*args, **kwargs):
+        raise FileNotFoundError("git")
+
+    timing.checkout_commit.cache_clear()
+    monkeypatch.setattr(subprocess, "run", no_git)
+    assert timing.checkout_commit() is None  # never fails when git is absent
+    timing.checkout_commit.cache_clear()
+    monkeypatch.undo()
+    # a package folder inside some other repository (a venv in a project's work tree) is not a checkout of h3render
+    fake = tmp_path / "project" / ".venv" / "site" / "h3render"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("")
+    subprocess.run(["git", "init", "-q", str(tmp_path / "project")], check=True)
+    monkeypatch.setattr(h3render, "__file__", str(fake / "__init__.py"))
+    assert timing.checkout_commit() is None
+    timing.checkout_commit.cache_clear()
+
+
 def test_sidecar_round_trip(tmp_path, timer_and_clock):
     timer, clock = timer_and_clock
     with timer.stage("denoise"):

@@ -1,0 +1,128 @@
+"""Mistakes a new user makes that used to fail late (after the load, or after a whole denoise) or as an error:
+each is now a one-line exit 2 before any weights load (issue #29); and bare `h3render` is the help, exit 0."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from h3render.checkpoint.releases import RELEASES
+from h3render.make_checkpoint.synthetic_adapter import write_synthetic_bundle
+from h3render.make_checkpoint.writer import write_synthetic_full_student
+from tests._cli import click_error, invoke, one_error_line, run_cli
+
+
+@pytest.fixture(scope="module")
+def bundle(tmp_path_factory):
+    return write_synthetic_bundle(tmp_path_factory.mktemp("b") / "FastH3-LoRA", RELEASES["tiny"].dit, seed=11)
+
+
+@pytest.fixture(scope="module")
+def v2(tmp_path_factory):
+    return write_synthetic_full_student(tmp_path_factory.mktemp("v") / "v2", "v2", seed=4)
+
+
+def _no_load(monkeypatch):
+    """Make any weight load fail the test: the refusals must come first."""
+    from h3render.engine import Engine
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("weights were loaded before the refusal")
+
+    monkeypatch.setattr(Engine, "load", classmethod(refuse))
+
+
+def test_crf_0_is_refused_by_the_parser_with_the_reason(tmp_path):
+    # x264's High profile cannot encode lossless: CRF 0 was accepted and every job failed after its denoise.
+    line = click_error(invoke("prompt", "hello", "-o", str(tmp_path / "x.mp4"), "--crf", "0"))
+    assert "'--crf'" in line and "0 is lossless" in line and "1..51" in line, line
+    r = run_cli("batch", str(tmp_path / "none.jsonl"), "--crf", "0", "--dry-run")
+    assert r.returncode == 2 and r.stderr.strip().splitlines() == [
+        "h3render: error: Invalid value for '--crf': 0 is lossless, which x264 cannot encode in the High profile the "
+        "MP4s use; choose 1..51 (18 is visually lossless) (see 'h3render batch --help')"], r.stderr
+    assert not list(tmp_path.iterdir())
+
+
+def test_the_writer_refuses_exactly_what_x264_refuses(tmp_path):
+    """CRF 1 (the lowest lossy value) opens x264 with the High profile; CRF 0 is refused with the reason, not as
+    libav's "avcodec_open2(...) returned 22"."""
+    from h3render.colour import MediaError
+    from h3render.media import Mp4Writer
+
+    Mp4Writer(tmp_path / "a.mp4", 64, 64, 5, crf=1, audio=False).abort()
+    with pytest.raises(MediaError, match=r"crf must be in 1\.\.51 \(High profile\), got 0"):
+        Mp4Writer(tmp_path / "b.mp4", 64, 64, 5, crf=0, audio=False)
+    assert not list(tmp_path.iterdir())
+
+
+def test_bare_h3render_prints_the_help_on_stdout_and_exits_0():
+    r = invoke()
+    assert r.exit_code == 0, r.output
+    assert r.stdout.startswith("Usage: ") and "Commands:" in r.stdout and "prompt" in r.stdout
+    assert r.stderr == ""
+    sub = run_cli()
+    assert sub.returncode == 0 and sub.stdout.startswith("Usage: h3render") and "error" not in sub.stderr
+
+
+@pytest.mark.parametrize("extra, needle", [
+    ([], "a FastH3 LoRA bundle names several variants; choose one with --adapter-variant"),
+    (["--adapter-variant", "vsa-datafre"], "has no variant 'vsa-datafre' (did you mean vsa-datafree?)"),
+])
+def test_adapter_bundle_mistakes_are_usage_errors_before_loading(bundle, tmp_path, monkeypatch, extra, needle):
+    """A bundle root without its variant, or a misspelled one, failed at load (exit 1; in a batch every job)."""
+    _no_load(monkeypatch)
+    r = invoke("prompt", "x", "-o", str(tmp_path / "a.mp4"), "--adapter", str(bundle), *extra)
+    line = one_error_line(r)
+    assert needle in line and "vsa-synthetic-step1300" in line, line
+    manifest = tmp_path / "m.jsonl"
+    manifest.write_text(json.dumps({"id": "a", "prompt": "p", "mode": "fasth3"}) + "\n")
+    for dry in ([], ["--dry-run"]):
+        r = invoke("batch", str(manifest), "--out-dir", str(tmp_path / "out"), "--adapter", str(bundle), *extra, *dry)
+        assert needle in one_error_line(r)
+    assert not (tmp_path / "out").exists() and not (tmp_path / "a.mp4").exists()
+
+
+@pytest.mark.parametrize("made, needle", [
+    ("garbage", "not a readable safetensors file"),
+    ("small", "does not fit"),  # an adapter for another DiT architecture than the checkpoint's
+])
+def test_an_adapter_file_the_loader_refuses_is_a_usage_error_before_loading(tmp_path, monkeypatch, made, needle):
+    """The adapter's header is read and matched to the DiT config in the one check (`students.read_student`),
+    not at load, where each job of a batch failed with it."""
+    from h3render.make_checkpoint.synthetic_adapter import write_synthetic_adapter
+
+    _no_load(monkeypatch)
+    adapter = tmp_path / "adapter.safetensors"
+    if made == "garbage":
+        adapter.write_bytes(b"not a safetensors file at all")
+    else:
+        write_synthetic_adapter(adapter, RELEASES[made].dit, seed=1)
+    line = one_error_line(invoke("prompt", "x", "-o", str(tmp_path / "a.mp4"), "--adapter", str(adapter)))
+    assert str(adapter) in line and needle in line, line
+
+
+def test_adapter_variant_without_a_student_is_a_usage_error(tmp_path, monkeypatch):
+    _no_load(monkeypatch)
+    line = one_error_line(invoke("prompt", "x", "-o", str(tmp_path / "a.mp4"), "--adapter-variant", "vsa-datafree"))
+    assert "--adapter-variant need a FastH3 student" in line, line
+
+
+def test_a_full_fasth3_checkpoint_without_mode_fasth3_says_pass_it(v2, tmp_path, monkeypatch):
+    """It loaded the student, then failed with "base-model (t2va) jobs must run before the student is fused"."""
+    _no_load(monkeypatch)
+    line = one_error_line(invoke("prompt", "x", "-o", str(tmp_path / "a.mp4"), "--checkpoint", str(v2)))
+    assert line == (f"h3render: error: --checkpoint {v2} is a full FastH3 student "
+                    "(FastVideo/FastVideo-FastH3-8-Step-V2), which renders --mode fasth3 only: pass --mode fasth3")
+    manifest = tmp_path / "m.jsonl"
+    manifest.write_text("\n".join(json.dumps({"id": i, "prompt": "p"}) for i in ("a", "b")) + "\n")
+    for dry in ([], ["--dry-run"]):
+        line = one_error_line(invoke("batch", str(manifest), "--out-dir", str(tmp_path / "out"), "--checkpoint",
+                                     str(v2), *dry))
+        assert line.startswith(f"h3render: error: {manifest}:1: mode: job 'a' is t2va (2 of 2 jobs), but "
+                               f"--checkpoint {v2} is a full FastH3 student") and "pass --mode fasth3" in line, line
+    assert not (tmp_path / "out").exists()
+    # with --mode fasth3 the plan goes through (the check passes; nothing loads on --dry-run)
+    r = invoke("batch", str(manifest), "--out-dir", str(tmp_path / "out"), "--checkpoint", str(v2), "--mode",
+               "fasth3", "--dry-run")
+    assert r.exit_code == 0, r.output
