@@ -20,7 +20,9 @@ from typing import Any, Mapping, Union
 #    extra.writer in seconds (durations) instead of perf_counter instants
 # 3: run.precision is the engine's --precision ("bf16" / "fp8") and run.precision_components what each component
 #    computes in (`models.fp8.precision_report`); the per-component dtypes run.precision held moved to run.dtypes
-SIDECAR_SCHEMA = 3
+# 4: run.argv; versions.transformers, versions.x264, versions.h3render_commit; extra.audio (the soundtrack's level);
+#    extra.windows for a job rendered in several windows
+SIDECAR_SCHEMA = 4
 
 
 def rendered_with(sidecar: Mapping[str, Any], checkpoint: Mapping[str, Any], encoder: Mapping[str, Any]) -> str | None:
