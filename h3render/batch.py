@@ -499,7 +499,10 @@ class _Attempt:
             return
         try:
             remove_files(*self.temps)
-            remove_files(*(p for p in (self.mp4, self.sidecar) if _identity(p) not in (None, self.before[p])))
+            # Only files this attempt replaced: a signal landing between the lock and `before` leaves it empty,
+            # and then nothing final was written yet (a KeyError here once turned an interrupt into a crash).
+            remove_files(*(p for p in (self.mp4, self.sidecar)
+                           if p in self.before and _identity(p) not in (None, self.before[p])))
         except OSError:
             pass  # best effort; the next run sweeps temps under the lock
 

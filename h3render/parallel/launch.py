@@ -73,7 +73,7 @@ def spawn(world: int, fn: Callable[..., int], *args: Any) -> int:
     The parent only waits: it ignores SIGINT/SIGTERM (a terminal's Ctrl-C and SLURM's SIGTERM reach every process
     of the group, and rank 0 handles them: temp files removed, report written, exit 130). Once rank 0 has exited,
     followers still blocked in a collective of an interrupted job get `FOLLOWER_GRACE_S` to leave, then are
-    terminated, so the command never hangs.
+    terminated, so the command never hangs. The parent keeps ignoring those signals after the ranks are done.
     """
     import signal
 
@@ -96,9 +96,13 @@ def spawn(world: int, fn: Callable[..., int], *args: Any) -> int:
             if p.is_alive():
                 p.terminate()
                 p.join()
-    finally:
+    except BaseException:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+        raise
+    # Rank 0 has exited: its code is the outcome, and its report says so. The handlers are not given back (the
+    # CLI's would turn a signal now into "interrupted", exit 130, beside a report that says 0): the parent
+    # ignores them until it exits (issue #28 item 6).
     if procs[0].exitcode != 0 and code.value == 0:
         return 1  # rank 0 died before reporting
     return code.value

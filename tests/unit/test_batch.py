@@ -430,3 +430,18 @@ def test_the_final_report_waits_for_the_last_tail_to_be_recorded(tmp_path):
     data = read_report(tmp_path)
     assert [j["status"] for j in data["jobs"]] == ["succeeded", "succeeded"]
     assert all(j["seconds"] is not None and j["seconds"] > 0.2 for j in data["jobs"])
+
+
+def test_an_interrupt_between_the_lock_and_the_snapshot_removes_no_final_file(tmp_path):
+    """A signal landing in `_Attempt.claim` after the lock but before `before` was taken: the cleanup raised
+    KeyError (the queue then ended `crashed`, exit 1) instead of leaving the old pair alone."""
+    from h3render.batch import _Attempt, _UNLOCKED
+    from h3render.report import JobOutcome
+
+    mp4, side = tmp_path / "a.mp4", tmp_path / "a.json"
+    mp4.write_text("old mp4")
+    side.write_text("{}")
+    attempt = _Attempt(make_jobs(1)[0], mp4, side, JobOutcome(id="j0", output="a.mp4"))
+    attempt.lock = _UNLOCKED
+    attempt.cleanup()
+    assert mp4.read_text() == "old mp4" and side.exists()
