@@ -385,7 +385,7 @@ def test_next_job_starts_while_the_previous_tail_runs(tmp_path):
     assert renderer.events.index("start j2") < renderer.events.index("tail done j1")
     assert [j.status for j in report.jobs] == ["succeeded"] * 3 and report.exit_code == 0
     data = json.loads((tmp_path / "batch-report.json").read_text())
-    assert data["format"] == 4 and data["state"] == "finished" and "overlap" not in data
+    assert data["format"] == 5 and data["state"] == "finished" and "overlap" not in data
     assert all(j["seconds"] > 0 for j in data["jobs"])
     for i in range(3):
         assert (tmp_path / f"sub/j{i}.mp4").is_file() and (tmp_path / f"sub/j{i}.json").is_file()
