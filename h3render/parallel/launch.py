@@ -23,17 +23,22 @@ def visible_gpus() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
-def plan_world(requested: int | None, device: str | None, num_heads: int) -> tuple[int, str | None]:
+def plan_world(requested: int | None, device: str | None, num_heads: int,
+               env: dict[str, str] | None = None) -> tuple[int, str | None]:
     """How many ranks a plain start should spawn, and a warning when GPUs are left idle.
 
     Args:
         requested: `--gpus N`, or None for every visible GPU.
         device: "cpu": `requested` CPU processes (gloo; default 1), the testable form of the multi-rank path.
         num_heads: DiT attention heads (Ulysses splits whole heads; released 56).
+        env: the launcher's environment (default: this process's).
     Raises:
-        ValueError: `--gpus` larger than the visible GPU count, or < 1.
+        ValueError: `--gpus` larger than the visible GPU count, or < 1; a launcher environment that is malformed
+            or, for several ranks, names no rendezvous (`check_rendezvous`), before anything loads.
     """
-    if launcher_env()[1] > 1:
+    env = dict(os.environ) if env is None else env
+    if launcher_env(env)[1] > 1:
+        check_rendezvous(env)
         return 1, None
     if requested is not None and requested < 1:
         raise ValueError(f"--gpus must be >= 1, got {requested}")
@@ -59,6 +64,23 @@ def plan_world(requested: int | None, device: str | None, num_heads: int) -> tup
         warning = (f"using {world} of {want} GPUs: Ulysses splits the {num_heads} attention heads evenly, "
                    f"and {world} is the largest count <= {want} that divides {num_heads}")
     return world, warning
+
+
+def check_rendezvous(env: dict[str, str]) -> None:
+    """A multi-rank launch (torchrun, or srun with several tasks) needs MASTER_ADDR and MASTER_PORT: torchrun sets
+    them, srun does not (scripts/h3render.sbatch exports them). Checked before any weights load: without it the
+    ranks failed inside `init_process_group` (a missing port) or after the imports (a missing address).
+
+    Raises:
+        ValueError: naming the variable.
+    """
+    if not env.get("MASTER_ADDR", "").strip():
+        raise ValueError("MASTER_ADDR is not set: a multi-rank run needs a rendezvous address (torchrun sets it; under "
+                         "srun export MASTER_ADDR and MASTER_PORT, as scripts/h3render.sbatch does)")
+    port = env.get("MASTER_PORT", "")
+    if not (port.isascii() and port.isdigit() and 1 <= int(port) <= 65535):
+        raise ValueError(f"MASTER_PORT={port!r} is not a TCP port (1-65535): a multi-rank run needs one beside "
+                         f"MASTER_ADDR")
 
 
 def _free_port() -> int:
