@@ -79,6 +79,7 @@ class BatchReport:
     final_write_failed: bool = False
     _write_lock: Any = field(default_factory=threading.Lock, repr=False, compare=False)
     _unjournaled: list = field(default_factory=list, repr=False, compare=False)  # job indices not yet appended
+    _written: bool = field(default=False, repr=False, compare=False)  # the start's whole write is on disk
 
     @property
     def journal(self) -> Path:
@@ -139,11 +140,15 @@ class BatchReport:
                 return False
             self.write_error = None
             self._unjournaled.clear()
+            self._written = True
             return True
 
     def record(self, index: int) -> bool:
         """Append job `index`'s outcome (and the queue's times) to the journal and fsync it: O(1) per job. A failed
-        append (a full disk) is kept and tried again with the next one, so no line is lost; returns False then."""
+        append (a full disk) is kept and tried again with the next one, so no line is lost; returns False then.
+        Until the start's whole write succeeded it is tried instead: lines must never follow another run's report."""
+        if not self._written:
+            return self.write()
         with self._write_lock:
             if index not in self._unjournaled:
                 self._unjournaled.append(index)

@@ -151,3 +151,28 @@ def test_a_job_another_queue_finishes_at_the_end_is_success_here(tmp_path):
     report = run_batch(jobs, Factory(renderer), tmp_path, progress=False, elsewhere_wait_s=30)
     assert renderer.rendered == ["j1"] and other.rendered == ["j0"]
     assert [j.status for j in report.jobs] == ["skipped", "succeeded"] and report.exit_code == 0
+
+
+def test_a_failed_first_write_is_retried_whole_before_any_journal_line(tmp_path, monkeypatch):
+    """A dead queue's running report (naming its journal) stays in place when this queue's first write hits a full
+    disk: a journal line now would be folded into that other run's report."""
+    real, calls = report_mod._write_json_atomic, []
+
+    def first_fails(path, data):
+        calls.append(data["state"])
+        if len(calls) == 1:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real(path, data)
+
+    seen = []
+
+    class Looks(FakeRenderer):
+        def render(self, job, mp4, sidecar):
+            seen.append((tmp_path / "batch-report.json.jobs.jsonl").exists())
+            return super().render(job, mp4, sidecar)
+
+    monkeypatch.setattr(report_mod, "_write_json_atomic", first_fails)
+    report = run_batch(make_jobs(3), Factory(Looks()), tmp_path, progress=False)
+    assert report.exit_code == 0 and calls[:2] == ["running", "running"]  # job 1's record rewrote it whole
+    assert seen == [False, False, True]
+    assert json.loads((tmp_path / "batch-report.json").read_text())["counts"]["succeeded"] == 3
