@@ -283,3 +283,28 @@ def test_the_multi_rank_parent_keeps_ignoring_signals_after_its_ranks_exit():
             s: signal.SIG_IGN for s in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)}
     finally:
         restore()
+
+
+def test_the_queue_guard_holds_a_signal_inside_a_lazy_import_too(tmp_path, monkeypatch):
+    """The model load imports modules lazily under the queue's guard: the signal is raised after the import."""
+    (tmp_path / "h28_lazy_module.py").write_text(
+        "import os, signal\nos.kill(os.getpid(), signal.SIGTERM)\n"
+        "total = 0\nfor i in range(200000):\n    total += i\nDONE = True\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+
+    class Imports(FakeRenderer):
+        def render(self, job, mp4, sidecar):
+            if job.id == "j1":
+                import h28_lazy_module  # noqa: F401
+
+                deadline = time.monotonic() + 10
+                while time.monotonic() < deadline:
+                    time.sleep(0.01)
+            return super().render(job, mp4, sidecar)
+
+    try:
+        report = run_batch(make_jobs(3), Factory(Imports()), tmp_path / "out", progress=False)
+        assert sys.modules["h28_lazy_module"].DONE
+    finally:
+        sys.modules.pop("h28_lazy_module", None)
+    assert report.exit_code == 130 and [j.status for j in report.jobs] == ["succeeded", "interrupted", "pending"]
