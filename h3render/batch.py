@@ -5,12 +5,14 @@ beside another queue on the same out dir.
 ``job.params()`` and whose ``"mp4"`` record (size, sha256) matches the MP4 on disk, is skipped (resume); every
 other job is rendered by one renderer, built lazily by ``renderer_factory()`` the first time a job needs it. A job
 that raises (its folder set-up included) is recorded as failed and the queue goes on (``fail_fast`` stops it);
-the signals of `h3render.signals` stop it cleanly. ``<out_dir>/batch-report.json`` is rewritten atomically after
-every job, and a final state is written on every exit path Python sees (a SIGKILL leaves ``running``, with the pid).
+the signals of `h3render.signals` stop it cleanly. ``<out_dir>/batch-report.json`` is written at the start, each
+job's outcome is appended to its journal (`h3render.report`), and a final state is written on every exit path
+Python sees (a SIGKILL leaves ``running``, with the pid, until a later queue marks it ``killed``).
 
 Two queues on one out dir (a requeued SLURM task beside its old copy, an array submitted twice): a job is rendered
 while holding its OS lock ``<name>.lock`` (`h3render.locks`); a job locked by a live process is recorded as
-``elsewhere`` ("in progress elsewhere"), tried once more at the end of the queue, and otherwise left to its holder;
+``elsewhere`` ("in progress elsewhere"); at the end of the queue its holder is waited for (`_Queue.elsewhere_wait`)
+and the job tried once more (finished by the holder: ``skipped``, success here too), else left to its holder;
 a dead holder's lock is free again, so a later run picks the job up. Every temp name of a job is written only
 under that lock, so the stale-temp sweep (under the lock, also for skipped jobs) removes only what a dead process
 left. The report belongs to one process: the first queue holds ``batch-report.json.lock``; a second queue on the
@@ -19,8 +21,8 @@ same report name writes ``batch-report.<host>-<pid>.json`` instead, so each repo
 Exit codes (``BatchReport.exit_code``; the CLI exits with it):
 
 ====  =====================================================================================================
-0     every job succeeded or was skipped as already rendered (an empty shard too)
-1     a job failed, a job was left ``elsewhere`` (another live process renders it), or the final report
+0     every job succeeded or was skipped as already rendered (an empty shard too; a job finished elsewhere too)
+1     a job failed, a job was left ``elsewhere`` (another live process still held it), or the final report
       could not be written (the log names the file); the other jobs still ran
 2     bad input or usage, found before anything renders: manifest errors, bad ``--shard``, two jobs sharing an
       output, an ``--out-dir`` that is a file, under a file, or a broken or looping symlink (`BatchUsageError`)
@@ -55,13 +57,15 @@ from typing import Any, Callable, Sequence
 from h3render import locks
 from h3render.exits import REQUEUE_SIGNALS
 from h3render.report import (ELSEWHERE, FAILED, INTERRUPTED, PENDING, SKIPPED, SUCCEEDED, BatchReport, JobOutcome,
-                             QueueLog, _name, claim_report, remove_files)
+                             QueueLog, _name, claim_report, mark_dead_reports, remove_files)
 from h3render.sidecar import SidecarUnreadable, read_sidecar, rendered_with
 from h3render.signals import InterruptGuard, settle, signal_name, signum_of
-
-
 from h3render.outputs import (BatchUsageError, JobPathError, blocker, lock_path, output_paths, prepare_out_dir,
                               render_reason, temp_paths)
+
+
+ELSEWHERE_WAIT_MIN_S = 60.0  # the least the end of the queue waits for a job held by another live process
+ELSEWHERE_POLL_S = 0.2
 
 
 def run_batch(
@@ -76,6 +80,7 @@ def run_batch(
     shard: tuple[int, int] | None = None,
     render_order: Sequence[int] | None = None,
     current: dict[str, Any] | None = None,
+    elsewhere_wait_s: float | None = None,
 ) -> BatchReport:
     """Render ``jobs`` in order into ``out_dir`` and return the report (its ``exit_code`` is the process's).
 
@@ -96,6 +101,8 @@ def run_batch(
             the FastH3 student is fused); the report keeps ``jobs``' order. Default: ``jobs``' order.
         current: this run's ``{"checkpoint": ..., "encoder": ...}`` (`sidecar.rendered_with`): a skipped job
             rendered with another checkpoint or encoder setting says so in its log line.
+        elsewhere_wait_s: how long the end of the queue waits for another live process to release the jobs it
+            holds (default: `_Queue.elsewhere_wait`). A job it finished meanwhile is ``skipped``: success here too.
     Returns:
         The final ``BatchReport``; ``report.path`` holds the same.
 
@@ -126,6 +133,7 @@ def run_batch(
     queue = _Queue(jobs, targets, report, renderer_factory, out_dir, QueueLog(bar=progress and not quiet),
                    fail_fast=fail_fast)
     queue.locking, queue.render_order, queue.settings = locking, render_order, current
+    queue.elsewhere_wait_s = elsewhere_wait_s
     crash: BaseException | None = None
     try:
         with InterruptGuard() as guard:
@@ -175,6 +183,7 @@ class _Queue:
         self.locking = True  # False once the filesystem refused flock (said once)
         self.render_order: Sequence[int] | None = None
         self.settings: dict[str, Any] | None = None  # this run's checkpoint and encoder (`current`)
+        self.elsewhere_wait_s: float | None = None  # `run_batch`'s; None: `elsewhere_wait`'s default
 
     def start(self, overwrite: bool, shard, note: str | None) -> None:
         """Decide what to render, sweep what dead queues left beside skipped jobs, write the first report."""
@@ -195,7 +204,10 @@ class _Queue:
             if reason is None:
                 self._sweep_skipped(*self.targets[i])
                 self._say_rendered_with(i)
-        self.write()
+        self._mark_dead_reports()
+        with self.lock:
+            if not self.report.write():
+                self._say_write_error()
 
     def _say_rendered_with(self, i: int) -> None:
         """A skipped job rendered with another checkpoint or encoder setting than this run's says so."""
@@ -237,19 +249,28 @@ class _Queue:
         except OSError as exc:
             self.log.line(f"could not sweep the temp files of {mp4}: {exc}")
 
-    def write(self) -> None:
+    def record(self, i: int) -> None:
+        """Job i's outcome into the report's journal (one appended line; the report itself is written whole only
+        at the start and the end)."""
         with self.lock:
             if self.t_queue is not None:
                 self.report.queue_seconds = time.perf_counter() - self.t_queue
-            if not self.report.write() and self.report.write_error != self.said_write_error:
-                self.said_write_error = self.report.write_error
-                self.log.line(f"could not write the report {self.report.write_error}; trying again after the "
-                              f"next job")
+            if not self.report.record(i):
+                self._say_write_error()
+
+    def _say_write_error(self) -> None:
+        if self.report.write_error != self.said_write_error:
+            self.said_write_error = self.report.write_error
+            self.log.line(f"could not write the report {self.report.write_error}; trying again after the next job")
+
+    def _mark_dead_reports(self) -> None:
+        for name in mark_dead_reports(self.out_dir, self.report.path):
+            self.log.line(f"{name}: its queue died without a final state; marked it killed")
 
     def _job_done(self, i: int) -> None:
         with self.lock:
             self.log.job_done(i, len(self.jobs), self.report.jobs[i], self.reasons[i])
-            self.write()
+            self.record(i)
 
     def _stop_for_failure(self) -> bool:
         if self.fail_fast and self.report.count(FAILED):
@@ -266,12 +287,39 @@ class _Queue:
                 return
         again = [i for i in self.order if self.report.jobs[i].status == ELSEWHERE]
         if again and not self._stop_for_failure():
-            self.log.line(f"{len(again)} job(s) were in progress elsewhere; trying them once more")
+            self.wait_tails()  # this queue's own times (the wait's bound) are all in
+            wait = self.elsewhere_wait()
+            self.log.line(f"{len(again)} job(s) were in progress elsewhere; waiting up to {wait:.0f} s for their "
+                          f"holders, then trying them once more")
+            deadline = time.monotonic() + wait
             for i in again:
-                guard.check()
+                self._wait_for_holder(i, deadline, guard)
                 if not self._render(i):
                     return
         self.wait_tails()
+
+    def elsewhere_wait(self) -> float:
+        """How long the end of the queue waits for the holders of its ``elsewhere`` jobs: `elsewhere_wait_s` when
+        given, else twice the longest job this queue rendered, at least `ELSEWHERE_WAIT_MIN_S`. Two identical queues
+        (an array submitted twice) hold one job each at the end, and each job takes about as long in either."""
+        if self.elsewhere_wait_s is not None:
+            return self.elsewhere_wait_s
+        longest = max((j.seconds or 0.0 for j in self.report.jobs), default=0.0)
+        return max(ELSEWHERE_WAIT_MIN_S, 2 * longest + (self.report.load_seconds or 0.0))
+
+    def _wait_for_holder(self, i: int, deadline: float, guard: InterruptGuard) -> None:
+        """Until job i's lock is free (its holder finished it, failed, or died) or the deadline passes; in short
+        slices, so a signal stops the wait."""
+        path = lock_path(self.targets[i][0])
+        while True:
+            guard.check()
+            lock = self.try_lock(path)
+            if lock is not None:
+                lock.release()  # `_render` claims it again and decides: finished elsewhere (skipped) or render
+                return
+            if time.monotonic() >= deadline:
+                return
+            time.sleep(ELSEWHERE_POLL_S)
 
     def _load(self) -> bool:
         t0 = time.perf_counter()
@@ -303,7 +351,7 @@ class _Queue:
                 self.log.line(f"job {i + 1}/{len(self.jobs)} {_name(outcome)}: in progress elsewhere ({busy}); "
                               f"moving on")
                 self.current = self.attempt = None
-                self.write()
+                self.record(i)
                 return True
             # Under the lock: another queue may have finished the job since `start` looked.
             reason = "overwrite" if self.reasons[i] == "overwrite" else render_reason(job, mp4, sidecar)
@@ -312,7 +360,7 @@ class _Queue:
                 outcome.status = SKIPPED
                 self.current = self.attempt = None
                 self.log.skipped_late(i, len(self.jobs), outcome)
-                self.write()
+                self.record(i)
                 return True
             self.reasons[i] = reason
             if self.renderer is None:
@@ -399,21 +447,23 @@ class _Queue:
                 report.queue_seconds = time.perf_counter() - self.t_queue
             written = report.write_final()
         self.log.close(strays=report.interrupted or report.crashed is not None)
+        self._mark_dead_reports()
+        where = f"report {report.path}" if written else "no report (see above)"
         if not written:
             self.log.line(f"could not write the report {report.write_error}; removed it rather than leave one "
                           f"saying the queue is running")
         elif report.final_write_failed:
             self.log.line(f"could not replace the report {report.write_error}; rewrote it in place")
         if report.crashed:
-            self.log.line(f"internal error: {report.crashed}; report written")
+            self.log.line(f"internal error: {report.crashed}; " + ("report written" if written else "no report"))
         elif report.interrupted:
             how = "stopped for a requeue" if report.signum in REQUEUE_SIGNALS else "interrupted"
-            self.log.line(f"{how} ({signal_name(report.signum)}); exit {report.exit_code}; report {report.path}")
+            self.log.line(f"{how} ({signal_name(report.signum)}); exit {report.exit_code}; {where}")
         else:
             c = report.counts
             self.log.line(f"done: {c[SUCCEEDED]} succeeded, {c[FAILED]} failed, {c[SKIPPED]} skipped, "
                           f"{c[PENDING]} pending" + (f", {c[ELSEWHERE]} in progress elsewhere" if c[ELSEWHERE]
-                                                     else "") + f"; report {report.path}")
+                                                     else "") + f"; {where}")
             return
         _release_memory()  # an interrupted job's tensors
 
@@ -499,7 +549,10 @@ class _Attempt:
             return
         try:
             remove_files(*self.temps)
-            remove_files(*(p for p in (self.mp4, self.sidecar) if _identity(p) not in (None, self.before[p])))
+            # Only files this attempt replaced: a signal landing between the lock and `before` leaves it empty,
+            # and then nothing final was written yet (a KeyError here once turned an interrupt into a crash).
+            remove_files(*(p for p in (self.mp4, self.sidecar)
+                           if p in self.before and _identity(p) not in (None, self.before[p])))
         except OSError:
             pass  # best effort; the next run sweeps temps under the lock
 

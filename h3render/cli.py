@@ -248,17 +248,26 @@ def make_checkpoint_command(out, config, layout, seed, adapter) -> None:
 
 
 def main() -> None:
-    ProcessGuard().install()  # from here on a signal gives 130 (75: SIGUSR1/2) and one line, not click's "Aborted!"
+    # First, before anything heavy is imported: from here on a signal gives 130 (75: SIGUSR1/2) and one line, not
+    # click's "Aborted!"; one inside an import (torch's, 0.3-2 s) is held until the import is done.
+    guard = ProcessGuard().install()
     try:
         code = cli.main(prog_name="h3render", standalone_mode=False)
+    except click.Abort as exc:  # a signal while click itself ran (parsing), outside `_main_guard`
+        cause = exc.__cause__ if isinstance(exc.__cause__, KeyboardInterrupt) else KeyboardInterrupt()
+        print(f"h3render: interrupted ({signal_name(signum_of(cause))}) before any job started; nothing written",
+              file=sys.stderr)
+        code = error_exit_code(cause)
     except click.UsageError as exc:
         # One line, like every other usage error of ours (click's own format is its usage block, then the error).
         where = exc.ctx.command_path if exc.ctx is not None else "h3render"
         print(f"h3render: error: {exc.format_message()} (see '{where} --help')", file=sys.stderr)
-        sys.exit(EXIT_USAGE)
+        code = EXIT_USAGE
     except click.ClickException as exc:
         print(f"h3render: error: {exc.format_message()}", file=sys.stderr)
-        sys.exit(exc.exit_code)
+        code = exc.exit_code
+    finally:
+        guard.settle()  # the outcome is decided (also on sys.exit from a command): ignore signals until exit
     sys.exit(code if isinstance(code, int) else EXIT_OK)
 
 

@@ -4,10 +4,12 @@ handlers import them from here).
 ====  ==================  ==========================================================================================
 code  name                when
 ====  ==================  ==========================================================================================
-0     `EXIT_OK`           every job succeeded or was already rendered (an empty shard too); `--dry-run`
+0     `EXIT_OK`           every job succeeded or was already rendered (an empty shard too, and a job another
+                          queue finished while this one waited for it); `--dry-run`
 1     `EXIT_FAILED`       a job failed (any other exception inside a job: `engine.RenderError`,
                           `colour.MediaError`, a `CheckpointError` while loading, ...), a job was left
-                          ``elsewhere``, or the final batch report could not be written; the other jobs still ran
+                          ``elsewhere`` (still held by another live queue after the end-of-queue wait), or the
+                          final batch report could not be written; the other jobs still ran
 2     `EXIT_USAGE`        bad input found before anything renders, one line each: a `UsageError`, that is
                           `settings.SettingsError` (options, checkpoint, adapter, precision, attention, --gpus),
                           `manifest.ManifestError` (one line per problem), `outputs.BatchUsageError` (two jobs

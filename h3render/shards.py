@@ -8,6 +8,9 @@ from typing import Any, Mapping
 from h3render.spec import is_int
 
 
+_SLURM_INT = re.compile(r"[0-9]+", flags=re.ASCII)
+
+
 def shard_jobs(jobs: list[Any], index: int, count: int) -> list[Any]:
     """The jobs of shard `index` (0-based) of `count`: job i goes to shard i % count, so the shards of any count
     cover every job exactly once and a shard's jobs keep manifest order.
@@ -32,7 +35,8 @@ def parse_shard(text: str) -> tuple[int, int]:
     Raises:
         ValueError: not of the form i/n, or i outside 0 … n − 1.
     """
-    match = re.fullmatch(r"\s*(\d+)\s*/\s*(\d+)\s*", text)
+    # ASCII digits only: \d and int() also take other scripts' digits ("٠/٤" read as 0/4).
+    match = re.fullmatch(r"\s*([0-9]+)\s*/\s*([0-9]+)\s*", text, flags=re.ASCII)
     if not match:
         raise ValueError(f'--shard {text!r} must look like "0/4" (0-based index / count)')
     index, count = int(match[1]), int(match[2])
@@ -57,10 +61,9 @@ def shard_from_slurm(env: Mapping[str, str]) -> tuple[int, int] | None:
         raw = env.get(f"SLURM_ARRAY_TASK_{name}", default)
         if raw is None:
             raise ValueError(f"SLURM_ARRAY_TASK_ID is set but SLURM_ARRAY_TASK_{name} is not; pass --shard i/n")
-        try:
-            values[name] = int(raw)
-        except ValueError:
-            raise ValueError(f"SLURM_ARRAY_TASK_{name}={raw!r} is not an integer") from None
+        if not _SLURM_INT.fullmatch(raw):  # SLURM writes plain decimal; int() would also take "1_0", "+3", "٣"
+            raise ValueError(f"SLURM_ARRAY_TASK_{name}={raw!r} is not an integer")
+        values[name] = int(raw)
     offset, step, count = values["ID"] - values["MIN"], values["STEP"], values["COUNT"]
     if step < 1 or offset % step or not 0 <= offset // step < max(count, 1):
         raise ValueError(f"SLURM array task {values['ID']} (min {values['MIN']}, step {step}, count {count}) is not "

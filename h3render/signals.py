@@ -15,10 +15,21 @@ A writer tail already running (the MP4's trailer, fsync, rename and sidecar: mil
 so its job is ``succeeded`` or ``failed``, never half written.
 
 `InterruptGuard` turns those signals into `Interrupted` (a KeyboardInterrupt, so they unwind through the renderer's
-own ``except BaseException`` cleanup) while the queue runs. `ProcessGuard`, installed once by the CLI before
-anything loads, does the same from start-up on, so a Ctrl-C while torch imports gives 130 and one line instead of
-click's "Aborted!" and exit 1; once the queue has written its final report (`settle`), later signals are ignored
-and the process exits with the code the report holds.
+own ``except BaseException`` cleanup) while the queue runs. `ProcessGuard`, installed once by the CLI's `main`
+before anything heavy is imported, does the same from start-up on, so a Ctrl-C at start-up gives 130 (SIGUSR1 75)
+and one line instead of click's "Aborted!" and exit 1.
+
+The edges (measured with the tiny model, issue #28 item 6):
+
+* While a module is being imported (torch takes 0.3–2 s of the start-up) neither guard raises: an exception thrown
+  into a half-run module body left a half-initialised ``torch`` in ``sys.modules`` (the next import failed with
+  "partially initialized module", exit 1) or crashed the interpreter (exit -11). The signal is kept and sent again
+  every `RESEND_DELAY_S` until it lands outside an import, which is where it raises.
+* Once the outcome is written (`settle`: the queue's final report, or the command's return), the handled signals
+  are set to ``SIG_IGN`` at the OS level. A Python handler is not enough: interpreter finalization (about 1.3 s
+  after the report with torch loaded) resets Python-level handlers to ``SIG_DFL``, and a signal then killed the
+  process (rc -15/-2/-10, so sbatch saw no 75 and the report's exit 0 was contradicted). ``SIG_IGN`` survives
+  finalization, so the exit code is always the one the report holds.
 """
 
 from __future__ import annotations
@@ -27,12 +38,39 @@ import os
 import signal
 import sys
 import threading
+import time
 from typing import Any
 
 from h3render.exits import REQUEUE_SIGNALS
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 HANDLED = STOP_SIGNALS + REQUEUE_SIGNALS
+RESEND_DELAY_S = 0.05  # a signal that arrived inside an import is sent again this often until it can raise
+
+_IMPORT_FILES = ("<frozen importlib._bootstrap>", "<frozen importlib._bootstrap_external>")
+
+
+def inside_import(frame) -> bool:
+    """Whether the main thread is running a module's import (its frame stack passes through importlib): raising
+    there leaves a half-initialised module behind."""
+    while frame is not None:
+        if frame.f_code.co_filename in _IMPORT_FILES:
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _resend_until(signum: int, done) -> None:
+    """Send `signum` to this process every `RESEND_DELAY_S` until ``done()`` (the signal raised, or the outcome
+    is settled): how a signal that arrived inside an import reaches the first bytecode outside it."""
+
+    def loop():
+        while not done():
+            time.sleep(RESEND_DELAY_S)
+            if not done():
+                os.kill(os.getpid(), signum)
+
+    threading.Thread(target=loop, name="h3render-resend-signal", daemon=True).start()
 
 
 class Interrupted(KeyboardInterrupt):
@@ -71,6 +109,7 @@ class InterruptGuard:
         self.received: int | None = None
         self._lost = threading.Event()
         self._resending = False  # the re-sent signal must raise again
+        self._in_import = False  # the first signal came inside an import: it is being re-sent until outside
         self._acknowledged = threading.Event()
         self._lock = threading.Lock()  # no re-send once acknowledged
         self._previous: dict[int, Any] = {}
@@ -88,7 +127,8 @@ class InterruptGuard:
         with self._lock:
             self._acknowledged.set()
         for signum, handler in self._previous.items():
-            signal.signal(signum, handler)
+            # A settled process keeps ignoring them (the ProcessGuard's handler would be reset by finalization).
+            signal.signal(signum, signal.SIG_IGN if settled() else handler)
         if self._previous_hook is not None:
             sys.unraisablehook = self._previous_hook
 
@@ -97,6 +137,15 @@ class InterruptGuard:
             return
         if self.received is None:
             self.received = signum
+            if inside_import(frame):  # a lazy import of the model load: raise once it is done
+                self._in_import = True
+                _resend_until(signum, lambda: not self._in_import or self._acknowledged.is_set())
+                return
+            threading.Thread(target=self._resend_lost, name="h3render-resend-signal", daemon=True).start()
+        elif self._in_import:
+            if inside_import(frame):
+                return
+            self._in_import = False
             threading.Thread(target=self._resend_lost, name="h3render-resend-signal", daemon=True).start()
         elif not self._resending:
             return  # a second signal: the first one's unwinding is under way
@@ -136,11 +185,14 @@ class InterruptGuard:
 
 class ProcessGuard:
     """The CLI's handlers from start-up to exit: a handled signal raises `Interrupted` (so the CLI exits 130 or 75
-    with one line) until `settle` says the outcome is written; after that signals are ignored, and the process
-    exits with the code its report holds. The queue's `InterruptGuard` takes over while it runs."""
+    with one line) until `settle` says the outcome is written; after that the signals are ignored (``SIG_IGN``),
+    and the process exits with the code its report holds. A signal inside an import is re-sent until it lands
+    outside one. The queue's `InterruptGuard` takes over while it runs."""
 
     def __init__(self):
         self.settled = False
+        self.pending: int | None = None  # the first signal, kept while it waits for the end of an import
+        self.raised = False
 
     def install(self) -> "ProcessGuard":
         global _process_guard
@@ -152,17 +204,34 @@ class ProcessGuard:
         return self
 
     def _handle(self, signum, frame) -> None:
-        if self.settled:
+        if self.settled or self.raised:
+            return  # one raise: a second signal must not break the unwinding of the first
+        if self.pending is None:
+            self.pending = signum
+            if inside_import(frame):
+                _resend_until(signum, lambda: self.raised or self.settled)
+        if inside_import(frame):
             return
-        self.settled = True  # one raise: a second signal must not break the unwinding of the first
-        raise Interrupted(f"{signal_name(signum)} received", signum)
+        self.raised = True
+        raise Interrupted(f"{signal_name(self.pending)} received", self.pending)
+
+    def settle(self) -> None:
+        self.settled = True
+        if threading.current_thread() is threading.main_thread():
+            for signum in HANDLED:
+                signal.signal(signum, signal.SIG_IGN)
 
 
 _process_guard: ProcessGuard | None = None
 
 
 def settle() -> None:
-    """The process's outcome (report and exit code) is written: the CLI ignores later signals (no-op without
-    an installed `ProcessGuard`, as in library use and tests)."""
+    """The process's outcome (report and exit code) is written: the CLI ignores later signals, at the OS level so
+    that interpreter finalization cannot reset them (no-op without an installed `ProcessGuard`, as in library use
+    and tests)."""
     if _process_guard is not None:
-        _process_guard.settled = True
+        _process_guard.settle()
+
+
+def settled() -> bool:
+    return _process_guard is not None and _process_guard.settled

@@ -1,7 +1,7 @@
 """A batch queue in its own process, for tests that need two processes, a real signal or a real crash.
 
     python -m tests._queue_proc OUT CTL N [--gate JOB] [--crash-before JOB] [--crash-between JOB] [--record]
-                                [--overwrite] [--tag TEXT]
+                                [--overwrite] [--tag TEXT] [--elsewhere-wait S]
 
 Jobs j0..j(N-1) write ``OUT/j<i>.mp4`` + ``.json`` through the real temp-and-rename pattern. CTL holds the control
 files: ``renders.log`` (one "<pid> <job>" line per render), ``started-<job>`` (touched once the job's temp MP4
@@ -76,10 +76,12 @@ def main() -> int:
     p.add_argument("--record", action="store_true")
     p.add_argument("--overwrite", action="store_true")
     p.add_argument("--tag", default="")
+    p.add_argument("--elsewhere-wait", type=float, default=None)
     args = p.parse_args()
     jobs = [Job(f"j{i}", f"prompt {i}", i, f"j{i}") for i in range(args.n)]
     renderer = ProcRenderer(args)
-    report = run_batch(jobs, lambda: renderer, args.out, progress=False, overwrite=args.overwrite)
+    report = run_batch(jobs, lambda: renderer, args.out, progress=False, overwrite=args.overwrite,
+                       elsewhere_wait_s=args.elsewhere_wait)
     return report.exit_code
 
 

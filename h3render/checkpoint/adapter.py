@@ -48,6 +48,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from h3render.checkpoint.adapter_checks import check_dtypes, check_fused, check_values
 from h3render.checkpoint.contract import CONTRACT_FILE
 from h3render.checkpoint.errors import AdapterError
 from h3render.checkpoint.names import (GATE_VALUE, QKV, STACKS, VSA_GATE_NATIVE, Target, dit_shapes,
@@ -285,6 +286,7 @@ def read_adapter(path: str | Path, base_model: str = RELEASED_BASE_MODEL) -> Ada
         raise
     except Exception as exc:  # safetensors raises its own error types for a corrupt header
         raise AdapterError(f"{path}: not a readable safetensors file ({exc})") from exc
+    check_dtypes(path, entries, frozenset(alpha_values))
 
     fmt = metadata.get("format")
     fastvideo = fmt == ADAPTER_FORMAT
@@ -365,6 +367,23 @@ def read_adapter(path: str | Path, base_model: str = RELEASED_BASE_MODEL) -> Ada
     return Adapter(path=path, metadata=metadata, base_model=metadata.get("base_model", ""),
                    finetuned_model=metadata.get("finetuned_model", ""), rank=rank, counts=counts,
                    entries=normalized, alphas=alphas, warnings=tuple(warnings))
+
+
+def check_adapter(path: str | Path, base_model: str = RELEASED_BASE_MODEL) -> Adapter:
+    """The up-front check of an adapter file, before any weights load: `read_adapter`'s header checks (a corrupt
+    safetensors header, names, shapes, counts, dtypes), then every tensor's values (`adapter_checks.check_values`:
+    finite, bounded), naming the file and the tensor. Reads the file once more (the sha256 read it already).
+
+    Raises:
+        AdapterError: the first problem, one line.
+    """
+    adapter = read_adapter(path, base_model=base_model)
+    gates = {key for key in adapter.entries if split_adapter_key(key)[1] == "set_weight"}
+    with safe_open(adapter.path, framework="pt", device="cpu") as handle:
+        for key, entry in adapter.entries.items():
+            check_values(adapter.path, entry.key or key, handle.get_tensor(entry.key or key),
+                         "a VSA gate" if key in gates else "")
+    return adapter
 
 
 def split_role(name: str) -> str | None:
@@ -473,9 +492,13 @@ class AdapterFusion:
                                f"{target.native} {native} of this DiT config")
 
     def _read(self, key: str) -> torch.Tensor:
+        """One adapter tensor in fp32 on the device, its values checked (the loader refuses a corrupt one)."""
         if self._handle is None:
             self._handle = safe_open(self.adapter.path, framework="pt", device="cpu")
-        return self._handle.get_tensor(self.adapter.entries[key].key).to(self.device).to(torch.float32)
+        tensor = self._handle.get_tensor(self.adapter.entries[key].key).to(self.device).to(torch.float32)
+        check_values(self.adapter.path, self.adapter.entries[key].key or key, tensor,
+                     "a VSA gate" if key in self._assign.values() else "")
+        return tensor
 
     def _slot_delta(self, patch: _Patch, slot: int | None) -> torch.Tensor | None:
         """fp32 delta in the diffusers row order of one slot: scale·B·A (+ diff). [out, in] or [out]."""
@@ -491,6 +514,12 @@ class AdapterFusion:
             delta = diff if delta is None else delta.add_(diff)
         return delta
 
+    def _gate(self, key: str) -> torch.Tensor:
+        """An injected VSA gate (stored dtype, CPU), its values checked."""
+        tensor = self.adapter.tensor(key)
+        check_values(self.adapter.path, self.adapter.entries[key].key or key, tensor, "a VSA gate")
+        return tensor
+
     @property
     def assigned(self) -> frozenset[str]:
         """Native names the adapter assigns whole (the VSA gates)."""
@@ -504,7 +533,7 @@ class AdapterFusion:
             yield entry
         for name in sorted(set(self._assign) - seen):
             self._injected.add(name)
-            yield Entry(str(self.adapter.path), name, lambda key=self._assign[name]: self.adapter.tensor(key))
+            yield Entry(str(self.adapter.path), name, lambda key=self._assign[name]: self._gate(key))
 
     def __call__(self, native_name: str, tensor: torch.Tensor) -> torch.Tensor:
         """Return ``tensor`` with the adapter's contribution; unchanged when the adapter does not target it."""
@@ -534,6 +563,7 @@ class AdapterFusion:
             if patch.layout == GATE_VALUE and native_name.endswith(".weight"):
                 delta = swap_halves(delta)  # diffusers [value; gate] -> native [gate; value]
             weight += delta
+        check_fused(self.adapter.path, native_name, weight)
         return weight.to(tensor.dtype)
 
     def finish(self) -> None:

@@ -67,7 +67,7 @@ def launcher_env(env: dict[str, str] | None = None) -> tuple[int, int, int]:
 
     if "WORLD_SIZE" in env and "RANK" in env:
         rank, world, local = _int("RANK"), _int("WORLD_SIZE"), _int("LOCAL_RANK") if "LOCAL_RANK" in env else 0
-    elif "SLURM_NTASKS" in env and "SLURM_PROCID" in env and int(env.get("SLURM_NTASKS", "1")) > 1:
+    elif "SLURM_NTASKS" in env and "SLURM_PROCID" in env and _int("SLURM_NTASKS") > 1:
         # srun with several tasks: one task per GPU. A one-task srun/sbatch step is a plain process.
         rank, world = _int("SLURM_PROCID"), _int("SLURM_NTASKS")
         local = _int("SLURM_LOCALID") if "SLURM_LOCALID" in env else 0

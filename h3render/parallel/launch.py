@@ -23,17 +23,22 @@ def visible_gpus() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
-def plan_world(requested: int | None, device: str | None, num_heads: int) -> tuple[int, str | None]:
+def plan_world(requested: int | None, device: str | None, num_heads: int,
+               env: dict[str, str] | None = None) -> tuple[int, str | None]:
     """How many ranks a plain start should spawn, and a warning when GPUs are left idle.
 
     Args:
         requested: `--gpus N`, or None for every visible GPU.
         device: "cpu": `requested` CPU processes (gloo; default 1), the testable form of the multi-rank path.
         num_heads: DiT attention heads (Ulysses splits whole heads; released 56).
+        env: the launcher's environment (default: this process's).
     Raises:
-        ValueError: `--gpus` larger than the visible GPU count, or < 1.
+        ValueError: `--gpus` larger than the visible GPU count, or < 1; a launcher environment that is malformed
+            or, for several ranks, names no rendezvous (`check_rendezvous`), before anything loads.
     """
-    if launcher_env()[1] > 1:
+    env = dict(os.environ) if env is None else env
+    if launcher_env(env)[1] > 1:
+        check_rendezvous(env)
         return 1, None
     if requested is not None and requested < 1:
         raise ValueError(f"--gpus must be >= 1, got {requested}")
@@ -61,6 +66,23 @@ def plan_world(requested: int | None, device: str | None, num_heads: int) -> tup
     return world, warning
 
 
+def check_rendezvous(env: dict[str, str]) -> None:
+    """A multi-rank launch (torchrun, or srun with several tasks) needs MASTER_ADDR and MASTER_PORT: torchrun sets
+    them, srun does not (scripts/h3render.sbatch exports them). Checked before any weights load: without it the
+    ranks failed inside `init_process_group` (a missing port) or after the imports (a missing address).
+
+    Raises:
+        ValueError: naming the variable.
+    """
+    if not env.get("MASTER_ADDR", "").strip():
+        raise ValueError("MASTER_ADDR is not set: a multi-rank run needs a rendezvous address (torchrun sets it; under "
+                         "srun export MASTER_ADDR and MASTER_PORT, as scripts/h3render.sbatch does)")
+    port = env.get("MASTER_PORT", "")
+    if not (port.isascii() and port.isdigit() and 1 <= int(port) <= 65535):
+        raise ValueError(f"MASTER_PORT={port!r} is not a TCP port (1-65535): a multi-rank run needs one beside "
+                         f"MASTER_ADDR")
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -73,7 +95,7 @@ def spawn(world: int, fn: Callable[..., int], *args: Any) -> int:
     The parent only waits: it ignores SIGINT/SIGTERM (a terminal's Ctrl-C and SLURM's SIGTERM reach every process
     of the group, and rank 0 handles them: temp files removed, report written, exit 130). Once rank 0 has exited,
     followers still blocked in a collective of an interrupted job get `FOLLOWER_GRACE_S` to leave, then are
-    terminated, so the command never hangs.
+    terminated, so the command never hangs. The parent keeps ignoring those signals after the ranks are done.
     """
     import signal
 
@@ -96,9 +118,13 @@ def spawn(world: int, fn: Callable[..., int], *args: Any) -> int:
             if p.is_alive():
                 p.terminate()
                 p.join()
-    finally:
+    except BaseException:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+        raise
+    # Rank 0 has exited: its code is the outcome, and its report says so. The handlers are not given back (the
+    # CLI's would turn a signal now into "interrupted", exit 130, beside a report that says 0): the parent
+    # ignores them until it exits (issue #28 item 6).
     if procs[0].exitcode != 0 and code.value == 0:
         return 1  # rank 0 died before reporting
     return code.value

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 from tests._env import repo_pythonpath
+from h3render.report import read_report
 
 REPO = Path(__file__).resolve().parents[2]
 SLURM_LOCAL = REPO / "scripts" / "slurm_local.sh"
@@ -136,7 +137,7 @@ def test_scancel_interrupts_the_running_job_cleanly(slurm_conf, tmp_path):
 
     def c0_done() -> bool:
         try:
-            return json.loads((out / "batch-report.json").read_text())["jobs"][0]["status"] == "succeeded"
+            return read_report(out / "batch-report.json")["jobs"][0]["status"] == "succeeded"  # journal folded in
         except (OSError, ValueError, KeyError, IndexError):
             return False
 

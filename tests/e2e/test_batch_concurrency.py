@@ -50,7 +50,7 @@ def test_two_queues_on_one_out_dir_render_each_job_once(tmp_path):
     wait_for(ctl / "started-j0", a)
     os.kill(a.pid, signal.SIGSTOP)  # A holds j0's lock with its temp MP4 half written
     try:
-        b = start_queue(out, ctl, 4)
+        b = start_queue(out, ctl, 4, "--elsewhere-wait", "0.5")  # A stays stopped: B's wait for j0 ends
         _, b_err = b.communicate(timeout=120)
         assert (out / "j0.tmp.mp4").read_text().startswith(f"mp4 prompt 0 by {a.pid}")  # B's sweep left it
         main = read_report(out)
@@ -104,7 +104,7 @@ def test_a_job_locked_by_a_live_process_is_left_alone_and_retried_at_the_end(tmp
     temp.write_bytes(b"another process's frames")
     try:
         renderer = FakeRenderer()
-        report = run_batch(jobs, Factory(renderer), tmp_path, progress=False)
+        report = run_batch(jobs, Factory(renderer), tmp_path, progress=False, elsewhere_wait_s=0.3)
         assert renderer.rendered == ["j0", "j2"]
         assert [j.status for j in report.jobs] == ["succeeded", "elsewhere", "succeeded"] and report.exit_code == 1
         assert report.jobs[1].error == f"in progress elsewhere (pid {os.getpid()} on {os.uname().nodename})"
@@ -177,3 +177,23 @@ def test_lock_released_by_unlink_cannot_be_held_twice(tmp_path):
     finally:
         os.close(fd)
         second.release()
+
+
+def test_two_identical_queues_both_exit_0_when_each_job_is_rendered_once(tmp_path):
+    """Issue #28 item 9: B reaches j0 while A renders it; at its end B waits for A, finds j0 finished and counts it
+    as skipped (exit 0, not 1: a duplicated SLURM array showed FAILED although every job was rendered once)."""
+    out, ctl = tmp_path / "out", tmp_path / "ctl"
+    ctl.mkdir()
+    a = start_queue(out, ctl, 2, "--gate", "j0")
+    wait_for(ctl / "started-j0", a)
+    b = start_queue(out, ctl, 2)
+    wait_for(out / "j1.json", b)  # B rendered j1 and now waits for j0's holder
+    time.sleep(0.3)
+    (ctl / "go").touch()
+    _, b_err = b.communicate(timeout=120)
+    _, a_err = a.communicate(timeout=120)
+    assert b.returncode == 0 and a.returncode == 0, (a_err, b_err)
+    assert sorted(renders(ctl), key=lambda r: r[1]) == [(a.pid, "j0"), (b.pid, "j1")]
+    own = [p for p in out.glob("batch-report.*.json") if p.name.endswith(f"-{b.pid}.json")]
+    assert [j["status"] for j in json.loads(own[0].read_text())["jobs"]] == ["skipped", "succeeded"]
+    assert "waiting up to" in b_err and "rendered meanwhile by another process" in b_err

@@ -174,3 +174,137 @@ def test_the_sbatch_script_forwards_usr1_and_requeues_on_75(tmp_path):
     err = p.communicate(timeout=30)[1]
     assert p.returncode == 75, err
     assert (tmp_path / "scontrol.args").read_text().split() == ["requeue", "100_3"]
+
+
+# Issue #28 item 6: the edges of the process's life.
+
+def _restoring_handlers():
+    before = {s: signal.getsignal(s) for s in signals.HANDLED}
+
+    def restore():
+        signals._process_guard = None
+        for s, h in before.items():
+            signal.signal(s, h)
+
+    return restore
+
+
+def test_a_signal_inside_an_import_is_raised_after_the_import(tmp_path, monkeypatch):
+    """Raising inside a module body left a half-initialised torch in sys.modules (the next import failed, exit 1)
+    or crashed (-11): the guard holds the signal until the import is done, then raises it with its own code."""
+    (tmp_path / "h28_slow_module.py").write_text(
+        "import os, signal\nos.kill(os.getpid(), signal.SIGUSR1)\n"
+        "total = 0\nfor i in range(200000):\n    total += i\nDONE = True\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    restore = _restoring_handlers()
+    try:
+        signals.ProcessGuard().install()
+        with pytest.raises(signals.Interrupted) as info:
+            import h28_slow_module  # noqa: F401
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline:
+                time.sleep(0.01)
+        assert sys.modules["h28_slow_module"].DONE  # the import ran to its end
+        assert exits.error_exit_code(info.value) == 75
+    finally:
+        sys.modules.pop("h28_slow_module", None)
+        restore()
+
+
+def test_settle_ignores_the_signals_at_the_os_level(tmp_path):
+    """Interpreter finalization resets Python-level handlers to SIG_DFL (a signal then killed the process after a
+    report that said exit 0); SIG_IGN survives it. The queue's guard leaves them ignored too."""
+    restore = _restoring_handlers()
+    try:
+        signals.ProcessGuard().install()
+        run_batch(make_jobs(1), Factory(FakeRenderer()), tmp_path, progress=False)
+        assert {s: signal.getsignal(s) for s in signals.HANDLED} == {s: signal.SIG_IGN for s in signals.HANDLED}
+    finally:
+        restore()
+
+
+def test_signals_after_the_final_report_leave_the_reports_exit_code(tmp_path):
+    """The probe's command: the tiny model, one job; from its `done:` line on, SIGUSR1 and SIGTERM every 20 ms until
+    the process is gone. It used to die of them (rc -10/-15) during the ~1.3 s of teardown."""
+    manifest = tmp_path / "m.jsonl"
+    manifest.write_text('{"id": "a", "prompt": "x", "output": "a"}\n')
+    env = {**os.environ, "PYTHONPATH": repo_pythonpath()}
+    env.pop("H3RENDER_CHECKPOINT", None)
+    p = subprocess.Popen([sys.executable, "-m", "h3render.cli", "batch", str(manifest), "--out-dir",
+                          str(tmp_path / "o"), "--quiet"], cwd=REPO, env=env, stderr=subprocess.PIPE, text=True)
+    for line in p.stderr:
+        if "done:" in line:
+            break
+    sent = 0
+    while p.poll() is None:
+        try:
+            p.send_signal((signal.SIGUSR1, signal.SIGTERM)[sent % 2])
+        except ProcessLookupError:
+            break
+        sent += 1
+        time.sleep(0.02)
+    p.wait(timeout=60)
+    assert sent > 0 and p.returncode == 0 == read_report(tmp_path / "o")["exit_code"]
+
+
+def test_a_signal_while_click_parses_gives_its_code_and_one_line(monkeypatch, capsys):
+    """click turns a KeyboardInterrupt outside a command's body into `Abort` (exit 1 and a traceback before)."""
+    import click
+
+    from h3render import cli
+
+    def aborted(*args, **kwargs):
+        try:
+            raise signals.Interrupted("SIGUSR1 received", signal.SIGUSR1)
+        except KeyboardInterrupt as exc:
+            raise click.Abort() from exc
+
+    restore = _restoring_handlers()
+    monkeypatch.setattr(cli.cli, "main", aborted)
+    try:
+        with pytest.raises(SystemExit) as info:
+            cli.main()
+    finally:
+        restore()
+    assert info.value.code == 75
+    assert capsys.readouterr().err.splitlines() == [
+        "h3render: interrupted (SIGUSR1) before any job started; nothing written"]
+
+
+def test_the_multi_rank_parent_keeps_ignoring_signals_after_its_ranks_exit():
+    """It gave the CLI's handlers back, so a signal in the parent after rank 0's report said 0 became 130."""
+    from h3render.parallel.launch import spawn
+
+    restore = _restoring_handlers()
+    try:
+        signals.ProcessGuard().install()
+        assert spawn(1, len, "") == 0  # rank 0 returns len("") = 0
+        assert {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)} == {
+            s: signal.SIG_IGN for s in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)}
+    finally:
+        restore()
+
+
+def test_the_queue_guard_holds_a_signal_inside_a_lazy_import_too(tmp_path, monkeypatch):
+    """The model load imports modules lazily under the queue's guard: the signal is raised after the import."""
+    (tmp_path / "h28_lazy_module.py").write_text(
+        "import os, signal\nos.kill(os.getpid(), signal.SIGTERM)\n"
+        "total = 0\nfor i in range(200000):\n    total += i\nDONE = True\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+
+    class Imports(FakeRenderer):
+        def render(self, job, mp4, sidecar):
+            if job.id == "j1":
+                import h28_lazy_module  # noqa: F401
+
+                deadline = time.monotonic() + 10
+                while time.monotonic() < deadline:
+                    time.sleep(0.01)
+            return super().render(job, mp4, sidecar)
+
+    try:
+        report = run_batch(make_jobs(3), Factory(Imports()), tmp_path / "out", progress=False)
+        assert sys.modules["h28_lazy_module"].DONE
+    finally:
+        sys.modules.pop("h28_lazy_module", None)
+    assert report.exit_code == 130 and [j.status for j in report.jobs] == ["succeeded", "interrupted", "pending"]

@@ -385,7 +385,7 @@ def test_next_job_starts_while_the_previous_tail_runs(tmp_path):
     assert renderer.events.index("start j2") < renderer.events.index("tail done j1")
     assert [j.status for j in report.jobs] == ["succeeded"] * 3 and report.exit_code == 0
     data = json.loads((tmp_path / "batch-report.json").read_text())
-    assert data["format"] == 4 and data["state"] == "finished" and "overlap" not in data
+    assert data["format"] == 5 and data["state"] == "finished" and "overlap" not in data
     assert all(j["seconds"] > 0 for j in data["jobs"])
     for i in range(3):
         assert (tmp_path / f"sub/j{i}.mp4").is_file() and (tmp_path / f"sub/j{i}.json").is_file()
@@ -457,3 +457,18 @@ def test_an_output_path_over_path_max_fails_its_job_alone(tmp_path):
     doc = read_report(out)
     assert report.exit_code == 1 and doc["counts"]["succeeded"] == 1 and doc["counts"]["failed"] == 1
     assert "too long" in doc["jobs"][0]["error"] and (out / "sub/j0.mp4").is_file()
+
+
+def test_an_interrupt_between_the_lock_and_the_snapshot_removes_no_final_file(tmp_path):
+    """A signal landing in `_Attempt.claim` after the lock but before `before` was taken: the cleanup raised
+    KeyError (the queue then ended `crashed`, exit 1) instead of leaving the old pair alone."""
+    from h3render.batch import _Attempt, _UNLOCKED
+    from h3render.report import JobOutcome
+
+    mp4, side = tmp_path / "a.mp4", tmp_path / "a.json"
+    mp4.write_text("old mp4")
+    side.write_text("{}")
+    attempt = _Attempt(make_jobs(1)[0], mp4, side, JobOutcome(id="j0", output="a.mp4"))
+    attempt.lock = _UNLOCKED
+    attempt.cleanup()
+    assert mp4.read_text() == "old mp4" and side.exists()

@@ -100,21 +100,23 @@ def test_a_bad_out_dir_is_a_usage_error_naming_it(tmp_path, case):
 # ------------------------------------------------------------------------------------------------ report writes
 
 def test_a_report_write_fault_is_retried_at_the_next_job(tmp_path, monkeypatch, capsys):
-    real, calls = report_mod._write_json_atomic, []
+    real, calls, journals = report_mod._append, [], []
 
-    def flaky(path, data):
-        calls.append(data["state"])
-        if len(calls) in (2, 3):  # the first two job outcomes hit a full disk
+    def flaky(path, data):  # the per-job record is the journal's appended line (issue #28 item 8)
+        calls.append(data)
+        if len(calls) in (1, 2):  # the first two job outcomes hit a full disk
             raise OSError(errno.ENOSPC, "No space left on device")
         real(path, data)
+        journals.append(path.read_text())
 
-    monkeypatch.setattr(report_mod, "_write_json_atomic", flaky)
+    monkeypatch.setattr(report_mod, "_append", flaky)
     report = run_batch(make_jobs(4), Factory(FakeRenderer()), tmp_path, progress=False)
     assert statuses(report) == ["succeeded"] * 4 and report.exit_code == 0  # the final report is true
+    assert [json.loads(line)["index"] for line in journals[0].splitlines()] == [0, 1, 2]  # none lost
     data = read_report(tmp_path)
     assert data["state"] == "finished" and data["report_error"] is None and data["counts"]["succeeded"] == 4
     err = capsys.readouterr().err
-    assert err.count(f"could not write the report {tmp_path / 'batch-report.json'}: No space left") == 1
+    assert err.count(f"could not write the report {tmp_path / 'batch-report.json.jobs.jsonl'}: No space left") == 1
 
 
 def test_a_failed_final_report_write_says_so_and_never_leaves_running(tmp_path, monkeypatch, capsys):
