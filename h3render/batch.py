@@ -527,6 +527,9 @@ class _Attempt:
             folder.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise JobPathError(f"cannot create the job's folder {folder}: {exc.strerror or exc}") from None
+        for final in (self.mp4, self.sidecar):  # found before the render, not by the rename after it
+            if final.is_dir():
+                raise JobPathError(f"{final}: a folder stands at the job's output name; nothing can be written there")
         lock = queue.try_lock(lock_path(self.mp4))
         if lock is None:
             return locks.holder(lock_path(self.mp4))

@@ -103,7 +103,7 @@ def cli(ctx: click.Context) -> None:
 # ---------------------------------------------------------------------------------------------------------------------
 # h3render prompt
 
-@cli.command("prompt")
+@cli.command("prompt", short_help="Render one prompt to an MP4 and its JSON sidecar.")
 @click.argument("text")
 @click.option("-o", "--output", required=True, help="Output .mp4 path (sidecar: same name, .json).")
 @click.option("--quiet", is_flag=True, help="No stage progress (bars on a terminal, else a line per stage).")
@@ -112,7 +112,7 @@ def cli(ctx: click.Context) -> None:
 @canvas_time_options
 @engine_options
 def prompt_command(text, output, quiet, **opts) -> None:
-    """Render one prompt to OUTPUT (MP4) and its JSON sidecar (fields: docs/sidecar.md).
+    """Render one prompt to the -o MP4 and its JSON sidecar beside it (fields: docs/sidecar.md).
 
     Docs, JSON schemas and the SLURM script are installed with h3render: `python -m h3render.docs` lists them.
 
@@ -126,6 +126,9 @@ def _prompt(text: str, output: str, quiet: bool, opts: dict) -> int:
     out = Path(output)
     if out.suffix.lower() != ".mp4":
         raise SettingsError(f"output {output} must end in .mp4")
+    for final in (out, out.with_suffix(".json")):  # found now, not by the rename after the whole render
+        if final.is_dir():
+            raise SettingsError(f"output {final} is a folder; nothing can be written there")
     _check_writable(out.parent if str(out.parent) else Path("."))
     checkpoint = _checkpoint(opts["checkpoint"])
     mode, note = prompt_mode(opts["mode"], opts["adapter"])
@@ -148,7 +151,7 @@ def _prompt(text: str, output: str, quiet: bool, opts: dict) -> int:
 # ---------------------------------------------------------------------------------------------------------------------
 # h3render batch
 
-@cli.command("batch")
+@cli.command("batch", short_help="Render every job of a JSONL or YAML manifest, resumably.")
 @click.argument("manifest", type=click.Path(dir_okay=False))
 @click.option("--out-dir", default="renders", show_default=True, help="Folder for MP4s, sidecars and the report.")
 @click.option("--shard", default=None, help='This task\'s shard "i/n" (0-based); default from SLURM_ARRAY_TASK_*.')
@@ -210,7 +213,7 @@ def _batch(manifest, out_dir, shard, skip_existing, fail_fast, dry_run, quiet, o
 # ---------------------------------------------------------------------------------------------------------------------
 # h3render presets / make-checkpoint
 
-@cli.command("presets")
+@cli.command("presets", short_help="List the canvas presets of the checkpoint.")
 @click.option("--checkpoint", default=None, help="As on `prompt`: default $H3RENDER_CHECKPOINT, else the tiny model.")
 def presets_command(checkpoint) -> None:
     """List the canvas presets with canvas, frames and packed row counts, for the checkpoint `prompt` would use."""
@@ -223,7 +226,7 @@ def presets_command(checkpoint) -> None:
     sys.exit(_main_guard(run))
 
 
-@cli.command("make-checkpoint")
+@cli.command("make-checkpoint", short_help="Write a random checkpoint in a real on-disk layout.")
 @click.argument("out", type=click.Path(file_okay=False))
 @click.option("--config", "config", type=click.Choice(["tiny", "small"]), default="tiny", show_default=True)
 @click.option("--layout", type=click.Choice(["official", "diffusers", "single-file"]), default="official",

@@ -267,10 +267,11 @@ def resolve_checkpoint(given: str | None, env: Mapping[str, str] = os.environ) -
         return "tiny", TINY_NOTICE
     from h3render.checkpoint.releases import BUILTIN
 
+    where = "" if given else f" (from ${CHECKPOINT_ENV})"  # the user may not know the variable is set
     if checkpoint not in BUILTIN and not Path(checkpoint).exists():
-        raise SettingsError(f"checkpoint {checkpoint} does not exist")
+        raise SettingsError(f"checkpoint {checkpoint}{where} does not exist")
     if Path(checkpoint).is_file():
-        raise SettingsError(f"checkpoint {checkpoint} is a single file: it holds only the DiT (no text encoder, no "
+        raise SettingsError(f"checkpoint {checkpoint}{where} is a single file: it holds only the DiT (no text encoder, no "
                             "VAEs); pass the checkpoint folder with --checkpoint and this file with --transformer")
     return checkpoint, None
 

@@ -10,7 +10,7 @@ import pytest
 from h3render.checkpoint.releases import RELEASES
 from h3render.make_checkpoint.synthetic_adapter import write_synthetic_bundle
 from h3render.make_checkpoint.writer import write_synthetic_full_student
-from tests._cli import click_error, invoke, one_error_line, run_cli
+from tests._cli import click_error, invoke, one_error_line, run_cli, run_here
 
 
 @pytest.fixture(scope="module")
@@ -126,3 +126,32 @@ def test_a_full_fasth3_checkpoint_without_mode_fasth3_says_pass_it(v2, tmp_path,
     r = invoke("batch", str(manifest), "--out-dir", str(tmp_path / "out"), "--checkpoint", str(v2), "--mode",
                "fasth3", "--dry-run")
     assert r.exit_code == 0, r.output
+
+
+def test_an_output_name_taken_by_a_folder_is_refused_before_the_render(tmp_path, monkeypatch):
+    """A fresh user's trial: `-o bad/d.mp4` with a folder `bad/d.mp4` rendered the whole job, then failed the rename
+    (exit 1, 'IsADirectoryError'); it is a one-line usage error before loading. In a batch that job fails alone,
+    before its render, and the other job renders."""
+    from h3render.engine import Engine
+
+    (tmp_path / "bad" / "d.mp4").mkdir(parents=True)
+    monkeypatch.setattr(Engine, "load", classmethod(lambda *a, **k: pytest.fail("weights loaded")))
+    r = invoke("prompt", "x", "-o", str(tmp_path / "bad" / "d.mp4"))
+    assert r.exit_code == 2 and "is a folder" in one_error_line(r)
+    monkeypatch.undo()
+    manifest = tmp_path / "m.jsonl"
+    job = '"frames": 22, "steps": 2, "width": 128, "height": 64'
+    manifest.write_text(f'{{"prompt": "a", "output": "d", {job}}}\n{{"prompt": "b", "output": "ok", {job}}}\n')
+    (tmp_path / "out" / "d.json").mkdir(parents=True)
+    r = run_here("batch", str(manifest), "--out-dir", str(tmp_path / "out"))
+    report = json.loads((tmp_path / "out" / "batch-report.json").read_text())
+    assert r.returncode == 1 and report["counts"]["succeeded"] == 1 and report["counts"]["failed"] == 1
+    assert "a folder stands at the job's output name" in report["jobs"][0]["error"]
+    assert report["jobs"][0]["seconds"] < 1  # failed before its render, not after it
+
+
+def test_a_missing_checkpoint_from_the_environment_says_where_it_came_from(tmp_path):
+    """A fresh user's trial: `H3RENDER_CHECKPOINT=/nope h3render presets` said only 'checkpoint /nope does not
+    exist', not where the path came from."""
+    line = one_error_line(invoke("presets", env={"H3RENDER_CHECKPOINT": str(tmp_path / "nope")}))
+    assert f"checkpoint {tmp_path / 'nope'} (from $H3RENDER_CHECKPOINT) does not exist" in line
