@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import difflib
 import hashlib
-import json
 import re
 import unicodedata
 from dataclasses import dataclass, field
@@ -452,9 +451,9 @@ def plan_lines(jobs: list[Job], out_dir: Path | None = None, *, overwrite: bool 
     def skip_note(sidecar: Path) -> str:
         if current is None:
             return "skip: done"
-        from h3render.sidecar import rendered_with
+        from h3render.sidecar import read_sidecar, rendered_with
 
-        earlier = rendered_with(json.loads(sidecar.read_text(encoding="utf-8")), **current)
+        earlier = rendered_with(read_sidecar(sidecar), **current)
         return "skip: done" if earlier is None else f"skip: done, {earlier}"
 
     lines = [] if run is None else ["run: " + ", ".join(f"{k} {v}" for k, v in run.items() if v is not None)]

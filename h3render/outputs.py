@@ -12,7 +12,7 @@ import os
 from pathlib import Path
 
 from h3render.exits import UsageError
-from h3render.sidecar import media_mismatch
+from h3render.sidecar import SidecarUnreadable, media_mismatch, read_sidecar
 
 
 
@@ -64,9 +64,9 @@ def render_reason(job, mp4: Path, sidecar: Path, *, overwrite: bool = False) -> 
     except OSError as exc:  # rendered, the job then fails alone naming the path; the queue goes on
         return f"cannot check its files: {exc.strerror or exc}"
     try:
-        doc = json.loads(sidecar.read_text(encoding="utf-8"))
+        doc = read_sidecar(sidecar)
         recorded = doc["job"]
-    except (OSError, ValueError, KeyError, TypeError):
+    except (SidecarUnreadable, KeyError):
         return "sidecar unreadable"
     # Round-trip through JSON so tuples compare equal to the lists the sidecar holds.
     if recorded != json.loads(json.dumps(job.params())):
