@@ -232,7 +232,7 @@ def stage_gemm(args, bench) -> None:
             del y8
         tq = time_call(lambda: quantize_rows(x), device, args.fp8_gemm_reps, warm=3)["median_s"]
         bench.rec(stage="fp8-gemm", what=f"{label}: quantize_rows of the input alone", **row, ours_s=tq,
-                  gb_per_s=round(x.numel() * 3 / tq / 1e9, 1))
+                  gb_per_s=round(x.numel() * 3 / tq / 1e9, 3))
         del x, linear, fp8, rows, exact, y16
         free_memory(device)
 
@@ -253,12 +253,12 @@ def stage_quant(args, bench) -> None:
         """bf16 and fp8 variants of one producer: time, GB/s, error vs the torch reference; fp8 agreement."""
         t16 = time_call(bf16_fn, device, reps, warm=3)["median_s"]
         bench.rec(stage="fp8-quant", what=f"{name}: bf16", **row, ours_s=t16,
-                  gb_per_s=round((in_bytes + 2 * out_elems) / t16 / 1e9, 1),
+                  gb_per_s=round((in_bytes + 2 * out_elems) / t16 / 1e9, 3),
                   rel_err=bench.rel_err(bf16_fn(), ref_bf16), vs="torch reference (fp32 math, bf16 out)")
         t8 = time_call(fp8_fn, device, reps, warm=3)["median_s"]
         got = fp8_fn()
         bench.rec(stage="fp8-quant", what=f"{name}: fp8=True", **row, ours_s=t8, ref_s=t16,
-                  speedup=round(t16 / t8, 3), gb_per_s=round((in_bytes + out_elems + 4 * seq) / t8 / 1e9, 1),
+                  speedup=round(t16 / t8, 3), gb_per_s=round((in_bytes + out_elems + 4 * seq) / t8 / 1e9, 3),
                   rel_err=bench.rel_err(got.dequantize(), exact), vs="fp32 result before rounding",
                   **fp8_agreement(got, Fp8Rows(*ref_fp8)))
 
@@ -286,7 +286,7 @@ def stage_quant(args, bench) -> None:
     t = time_call(lambda: quantize_rows(y), device, reps, warm=3)["median_s"]
     got = quantize_rows(y)
     bench.rec(stage="fp8-quant", what=f"quantize_rows, attention output [{seq}, {inner}]", **row, ours_s=t,
-              gb_per_s=round((3 * y.numel() + 4 * seq) / t / 1e9, 1), rel_err=bench.rel_err(got.dequantize(), y),
+              gb_per_s=round((3 * y.numel() + 4 * seq) / t / 1e9, 3), rel_err=bench.rel_err(got.dequantize(), y),
               vs="bf16 input", **fp8_agreement(got, Fp8Rows(*quantize_rows_naive(y))))
     del y, got
     free_memory(device)
