@@ -209,12 +209,22 @@ class Fp8WeightLinear(_Fp8Weight):
     scale). Measured on the built-in tiny conditioner (tests/unit/test_fp8_model.py): 0.088 relative error at the
     read layer, against 0.115 with `Fp8Linear` (activations quantized per row as well); hence weight-only. The
     dequantized weight [N, K] exists only during the call (released: at most 25600 x 5120, 0.5 GB fp32 + 0.26 GB
-    bf16 transient).
+    bf16 transient) on the CPU; on CUDA with bf16 / fp16 activations the product is one Triton GEMM that decodes the
+    e4m3 codes in registers (`kernels.fp8_weight`, issue 26: no transient, 1 byte read per weight; it needs no FP8
+    hardware, so Ampere runs it too) and applies the scale to the fp32 accumulator: the weight enters the dot
+    exactly instead of rounded to bf16.
     """
+
+    # Class switch for the benchmark's before/after in one process (scripts/bench_fp8.py `te-fp8`); always on else.
+    fused = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [..., K] float -> [..., N] in x's dtype."""
         bias = None if self.bias is None else self.bias.to(x.dtype)
+        if self.fused and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16):
+            from h3render.kernels.fp8_weight import fp8_weight_linear
+
+            return fp8_weight_linear(x.contiguous(), self.weight, self.weight_scale, bias)
         return F.linear(x, self.dequantized_weight(x.dtype), bias)
 
 

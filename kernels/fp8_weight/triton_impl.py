@@ -1,0 +1,123 @@
+"""Triton weight-only FP8 GEMM: bf16/fp16 activations x e4m3 weight (per-output-channel fp32 scale), fp32
+accumulation, the scale and bias in the epilogue.
+
+The weight tile is read as bytes (one byte per weight: half the bytes of a bf16 GEMM's weight) and decoded in
+registers with integer operations, no FP8 instruction: the e4m3 code's low 7 bits shifted left by 7 (and the sign
+bit moved to bit 15) are the fp16 bit pattern of `code_value * 2**-8`, exactly, subnormals included (e4m3's
+exponent bias 7 against fp16's 15: a power-of-two factor; its 3 mantissa bits fit fp16's 10 and bf16's 7), so the
+dot sees the exact codes and the epilogue multiplies by `scale * 256`. Because nothing in it needs FP8 hardware,
+the same kernel serves Ampere (sm_80: no e4m3 tensor cores, and Triton refuses e4m3 types below sm_89), Ada and
+Hopper, and the CPU interpreter (TRITON_INTERPRET=1: the tests). NaN codes (0x7F / 0xFF) never occur: the weights
+are clamped to ±448 when quantized.
+
+One program per (BLOCK_M x BLOCK_N) output tile, grouped along M (GROUP_M) so programs in flight share weight tiles
+in L2; the launch settings come from `pick_config` (a table per size of M, measured on an H200: see
+docs/performance.md §11).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from h3render.kernels.utils import interpreting, next_power_of_2
+
+# The decoded fp16 values are the codes times 2**-8: the epilogue multiplies the scale back by 2**8.
+DECODE_FACTOR = 256.0
+
+
+@triton.jit
+def _wfp8_kernel(
+    x_ptr,  # [M, K] bf16 / fp16, unit stride over K
+    w_ptr,  # [N, K] uint8 (the e4m3 codes), row-major
+    s_ptr,  # [N] fp32 per-channel scale, times DECODE_FACTOR
+    b_ptr,  # [N] bias (HAS_BIAS)
+    y_ptr,  # [M, N] out, unit stride over N
+    M, N, K,
+    stride_xm, stride_wn, stride_ym,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    UPCAST: tl.constexpr,  # interpreter only: its bf16 dot is wrong, an fp32 dot of the same values is exact
+):
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_n = tl.cdiv(N, BLOCK_N)
+    group = GROUP_M * num_n
+    first_m = (pid // group) * GROUP_M
+    size_m = tl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % group) % size_m
+    pid_n = (pid % group) // size_m
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    x_ptrs = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm + offs_k[None, :]
+    w_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
+    m_ok = offs_m < M
+    n_ok = offs_n < N
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_ok = (offs_k + k0) < K
+        x = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        code = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0).to(tl.uint16)
+        bits = ((code & 0x7F) << 7) | ((code & 0x80) << 8)
+        w = bits.to(tl.float16, bitcast=True).to(x.dtype)  # exact: code value * 2**-8
+        if UPCAST:
+            acc += tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
+        else:
+            acc += tl.dot(x, tl.trans(w))
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    scale = tl.load(s_ptr + offs_n, mask=n_ok, other=0.0)
+    acc = acc * scale[None, :]
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    y_ptrs = y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+# (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages) by the smallest power of two >= M. None = the
+# measured default below; bench_fp8's `wfp8` stage sweeps `CANDIDATES` and prints the winner per row count.
+CONFIGS: dict[int, tuple[int, int, int, int, int, int]] = {}
+DEFAULT_SMALL = (64, 128, 128, 8, 4, 4)  # M <= 64
+DEFAULT = (128, 128, 64, 8, 8, 3)
+CANDIDATES = (
+    (64, 64, 128, 8, 4, 4), (64, 128, 128, 8, 4, 4), (64, 128, 64, 8, 4, 4), (64, 256, 64, 8, 8, 3),
+    (128, 128, 64, 8, 8, 3), (128, 128, 64, 8, 4, 4), (128, 256, 64, 8, 8, 3), (128, 128, 128, 8, 8, 3),
+)
+
+
+def pick_config(m: int) -> tuple[int, int, int, int, int, int]:
+    bucket = next_power_of_2(m)
+    if bucket in CONFIGS:
+        return CONFIGS[bucket]
+    return DEFAULT_SMALL if bucket <= 64 else DEFAULT
+
+
+def fp8_weight_linear_triton(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+                             bias: torch.Tensor | None = None, *, config=None,
+                             out: torch.Tensor | None = None) -> torch.Tensor:
+    """x `[M, K]` bf16/fp16 (unit stride over K), weight `[N, K]` float8_e4m3fn contiguous, scale `[1, N]` fp32,
+    bias `[N]` or None -> `[M, N]` in x's dtype (into `out` when given: `[M, N]`, unit stride over N).
+    `config`: a `CANDIDATES` entry (the benchmark's sweep); default `pick_config(M)`."""
+    m, k = x.shape
+    n = weight.shape[0]
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device) if out is None else out
+    if m == 0 or n == 0:
+        return y
+    bm, bn, bk, group, warps, stages = config or pick_config(m)
+    if interpreting():  # the interpreter runs one program at a time: fewer, larger k steps cost nothing there
+        warps, stages = 4, 1
+    codes = weight.view(torch.uint8)
+    s = (scale.reshape(-1).float() * DECODE_FACTOR).contiguous()
+    grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
+    _wfp8_kernel[grid](
+        x, codes, s, bias if bias is not None else s, y, m, n, k, x.stride(0), codes.stride(0), y.stride(0),
+        HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=group,
+        UPCAST=not x.is_cuda and interpreting(), num_warps=warps, num_stages=stages,
+    )
+    return y
