@@ -8,10 +8,11 @@ at the released shapes, before and after measured in the same process on the sam
            (`--tables-dir`): the first call builds and writes, the second reads and verifies (a second run's
            prepare); tables equal bit for bit.
   te-fp8   the text encoder (50 of 64 Qwen3-VL-32B layers) at `--te-tokens` tokens: bf16, then quantized in place
-           to FP8 (`quantize_text_encoder_fp8_`) with the old per-call dequantize (`Fp8WeightLinear.fused = False`)
-           and with the Triton weight-only GEMM (`kernels.fp8_weight`); rel. error of the read states against bf16.
-           Then every linear shape of a layer at each token count: bf16 `F.linear`, dequantize + `F.linear`, and the
-           Triton kernel at each `CANDIDATES` launch setting (the best per row count is what `CONFIGS` should say).
+           to FP8 (`quantize_text_encoder_fp8_`) in each `Fp8WeightLinear.mode`: the old per-call torch dequantize,
+           the Triton weight-only GEMM, the Triton dequantize + cuBLAS, and "auto"; rel. error of the read states
+           against bf16. Then every linear shape of a layer at `--te-gemm-rows` rows: bf16 `F.linear`, torch and
+           Triton dequantize + `F.linear`, and the Triton GEMM at each `CANDIDATES` launch setting (the best per row
+           count is what `CONFIGS` should say).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ def add_arguments(p) -> None:
     p.add_argument("--tables-k", default="5,50", help="tables stage: comma-separated timestep counts")
     p.add_argument("--tables-dir", default=None, help="tables stage: cache folder (default: a fresh temp folder)")
     p.add_argument("--te-tokens", default="77,256,2000", help="te-fp8 stage: comma-separated prompt lengths")
+    p.add_argument("--te-gemm-rows", default="16,77,256,2000", help="te-fp8 stage: row counts of the GEMM sweep")
 
 
 def _sync_time(fn) -> tuple[float, object]:
@@ -108,41 +110,50 @@ def stage_te_fp8(args, bench) -> None:
         rec(stage="te-fp8", what=f"text encoder {n} tokens, bf16", seconds=round(t, 4))
     t, count = _sync_time(lambda: quantize_text_encoder_fp8_(te))
     rec(stage="te-fp8", what="quantize the text encoder in place", seconds=round(t, 2), linears=count)
-    for fused in (False, True):
-        Fp8WeightLinear.fused = fused
-        label = "Triton weight-only GEMM (after)" if fused else "dequantize per call (before)"
+    labels = {"dequant": "torch dequantize per call (before)", "gemm": "Triton weight-only GEMM",
+              "dequant-fused": "Triton dequantize + cuBLAS", "auto": f"auto (GEMM up to "
+              f"{Fp8WeightLinear.GEMM_MAX_ROWS} rows, else dequantize + cuBLAS: after)"}
+    for mode, label in labels.items():
+        Fp8WeightLinear.mode = mode
         for n in tokens:
             t = bench.cuda_time(lambda: encode(n), reps=5)
             rec(stage="te-fp8", what=f"text encoder {n} tokens, fp8, {label}", seconds=round(t, 4),
                 rel_err_vs_bf16=bench.rel_err(encode(n), ref[n]))
-    Fp8WeightLinear.fused = True
+    Fp8WeightLinear.mode = "auto"
     del te, ref
     bench.peak_reset()
 
     # One layer's linears at each token count: which launch setting wins (CONFIGS) and the error at the real shape.
     g = torch.Generator("cuda").manual_seed(0)
+    from h3render.kernels.fp8_weight import fp8_dequantize
+
+    def bench_ms(fn):
+        return triton.testing.do_bench(fn, warmup=5, rep=25, return_mode="median")
+
     for name, k, n_out in _te_linear_shapes(cfg):
         w16 = (torch.randn(n_out, k, device="cuda", generator=g) * k ** -0.5).bfloat16()
         w8, s = quantize_weight(w16)
-        for m in tokens:
+        exact = torch.equal(fp8_dequantize(w8, s), (w8.float() * s.t()).to(torch.bfloat16))
+        for m in [int(n) for n in args.te_gemm_rows.split(",")]:
             x = torch.randn(m, k, device="cuda", generator=g).bfloat16()
-            ref = fp8_weight_linear_naive(x, w8, s)
+            ref = fp8_weight_linear_naive(x.float(), w8, s)
             flop = 2 * m * k * n_out
-            t_bf16 = triton.testing.do_bench(lambda: F.linear(x, w16), return_mode="median") / 1e3
-            t_old = triton.testing.do_bench(
-                lambda: F.linear(x, (w8.float() * s.t()).to(torch.bfloat16)), return_mode="median") / 1e3
+            t_bf16 = bench_ms(lambda: F.linear(x, w16)) / 1e3
+            t_old = bench_ms(lambda: F.linear(x, (w8.float() * s.t()).to(torch.bfloat16))) / 1e3
+            t_fused = bench_ms(lambda: F.linear(x, fp8_dequantize(w8, s))) / 1e3
             timings = {}
             for config in CANDIDATES:
                 try:
-                    timings[config] = triton.testing.do_bench(
-                        lambda: fp8_weight_linear_triton(x, w8, s, config=config), return_mode="median") / 1e3
+                    timings[config] = bench_ms(lambda: fp8_weight_linear_triton(x, w8, s, config=config)) / 1e3
                 except Exception as exc:  # noqa: BLE001  (out of shared memory for one setting: skip it)
                     rec(stage="te-fp8", what=f"config {config} failed", error=str(exc)[:120])
             best = min(timings, key=timings.get)
             picked = pick_config(m)
             err = bench.rel_err(fp8_weight_linear_triton(x, w8, s, config=picked), ref)
+            swapped_err = bench.rel_err(fp8_weight_linear_triton(x, w8, s, config=CANDIDATES[-1]), ref)
             rec(stage="te-fp8", what=f"GEMM {name} {k}->{n_out}, {m} rows", bf16_ms=round(t_bf16 * 1e3, 4),
-                dequant_ms=round(t_old * 1e3, 4), picked=list(picked),
+                dequant_ms=round(t_old * 1e3, 4), dequant_fused_ms=round(t_fused * 1e3, 4),
+                dequant_bit_exact=exact, swapped_rel_err=swapped_err, picked=list(picked),
                 picked_ms=round(timings.get(picked, float("nan")) * 1e3, 4), best=list(best),
                 best_ms=round(timings[best] * 1e3, 4), best_tflops=round(flop / timings[best] / 1e12, 1),
                 rel_err_vs_fp32=err, all_ms={str(c): round(v * 1e3, 4) for c, v in timings.items()})

@@ -209,22 +209,31 @@ class Fp8WeightLinear(_Fp8Weight):
     scale). Measured on the built-in tiny conditioner (tests/unit/test_fp8_model.py): 0.088 relative error at the
     read layer, against 0.115 with `Fp8Linear` (activations quantized per row as well); hence weight-only. The
     dequantized weight [N, K] exists only during the call (released: at most 25600 x 5120, 0.5 GB fp32 + 0.26 GB
-    bf16 transient) on the CPU; on CUDA with bf16 / fp16 activations the product is one Triton GEMM that decodes the
-    e4m3 codes in registers (`kernels.fp8_weight`, issue 26: no transient, 1 byte read per weight; it needs no FP8
-    hardware, so Ampere runs it too) and applies the scale to the fp32 accumulator: the weight enters the dot
-    exactly instead of rounded to bf16.
+    bf16 transient) on the CPU. On CUDA with bf16 / fp16 activations (`kernels.fp8_weight`, issue 26; neither needs
+    FP8 hardware, so Ampere runs them too): up to `GEMM_MAX_ROWS` rows one Triton GEMM that decodes the e4m3 codes
+    in registers (1 byte read per weight, the scale on the fp32 accumulator: the weight enters the dot exactly),
+    above that one Triton pass dequantizes the weight to bf16 bit for bit as on the CPU (3 bytes per weight instead
+    of 11) and cuBLAS multiplies: the choice measured fastest per row count on an H200 (docs/performance.md §11).
     """
 
-    # Class switch for the benchmark's before/after in one process (scripts/bench_fp8.py `te-fp8`); always on else.
-    fused = True
+    # "auto" (above), "gemm", "dequant-fused", or "dequant" (the torch expression: the path before issue 26); a class
+    # setting so that the benchmark measures each in one process (scripts/bench_prepare.py `te-fp8`).
+    mode = "auto"
+    GEMM_MAX_ROWS = 64
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [..., K] float -> [..., N] in x's dtype."""
         bias = None if self.bias is None else self.bias.to(x.dtype)
-        if self.fused and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16):
-            from h3render.kernels.fp8_weight import fp8_weight_linear
+        mode = self.mode
+        if mode != "dequant" and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16):
+            rows = x.numel() // max(x.shape[-1], 1)
+            if mode == "gemm" or (mode == "auto" and rows <= self.GEMM_MAX_ROWS):
+                from h3render.kernels.fp8_weight import fp8_weight_linear
 
-            return fp8_weight_linear(x.contiguous(), self.weight, self.weight_scale, bias)
+                return fp8_weight_linear(x.contiguous(), self.weight, self.weight_scale, bias)
+            from h3render.kernels.fp8_weight import fp8_dequantize
+
+            return F.linear(x, fp8_dequantize(self.weight, self.weight_scale, x.dtype), bias)
         return F.linear(x, self.dequantized_weight(x.dtype), bias)
 
 

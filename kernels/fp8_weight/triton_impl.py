@@ -80,7 +80,98 @@ def _wfp8_kernel(
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
-# (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages) by the smallest power of two >= M. None = the
+@triton.jit
+def _wfp8_swapped_kernel(
+    x_ptr, w_ptr, s_ptr, b_ptr, y_ptr,  # as `_wfp8_kernel`
+    M, N, K,
+    stride_xm, stride_wn, stride_ym,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    # The transposed product y^T = w @ x^T: the decoded weight, which lives in registers, is the dot's first operand
+    # (Hopper's wgmma takes its A operand from registers, its B only from shared memory), x^T the second.
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_n = tl.cdiv(N, BLOCK_N)
+    group = GROUP_M * num_m
+    first_n = (pid // group) * GROUP_M
+    size_n = tl.minimum(num_n - first_n, GROUP_M)
+    pid_n = first_n + (pid % group) % size_n
+    pid_m = (pid % group) // size_n
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    x_ptrs = x_ptr + offs_m.to(tl.int64)[None, :] * stride_xm + offs_k[:, None]  # [BLOCK_K, BLOCK_M]: x^T
+    w_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
+    m_ok = offs_m < M
+    n_ok = offs_n < N
+    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_ok = (offs_k + k0) < K
+        xt = tl.load(x_ptrs, mask=k_ok[:, None] & m_ok[None, :], other=0.0)
+        code = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0).to(tl.uint16)
+        bits = ((code & 0x7F) << 7) | ((code & 0x80) << 8)
+        w = bits.to(tl.float16, bitcast=True).to(xt.dtype)
+        if UPCAST:
+            acc += tl.dot(w.to(tl.float32), xt.to(tl.float32), input_precision="ieee")
+        else:
+            acc += tl.dot(w, xt)
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    scale = tl.load(s_ptr + offs_n, mask=n_ok, other=0.0)
+    acc = acc * scale[:, None]
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
+    y_ptrs = y_ptr + offs_m.to(tl.int64)[None, :] * stride_ym + offs_n[:, None]
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=n_ok[:, None] & m_ok[None, :])
+
+
+@triton.jit
+def _dequant_kernel(
+    w_ptr,  # [N, K] uint8 e4m3 codes
+    s_ptr,  # [N] fp32 scale times DECODE_FACTOR
+    out_ptr,  # [N, K] bf16 / fp16
+    N, K,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    RTNE_BF16: tl.constexpr,  # interpreter only: its fp32 -> bf16 cast truncates; round to nearest even by hand
+):
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    ok = (offs_n < N)[:, None] & (offs_k < K)[None, :]
+    where = offs_n.to(tl.int64)[:, None] * K + offs_k[None, :]
+    code = tl.load(w_ptr + where, mask=ok, other=0).to(tl.uint16)
+    bits = ((code & 0x7F) << 7) | ((code & 0x80) << 8)
+    scale = tl.load(s_ptr + offs_n, mask=offs_n < N, other=0.0)
+    # (code * 2**-8) * (scale * 2**8): both factors exact, one fp32 rounding = fl(code * scale), the reference's
+    # `data.float() * scale`; then one rounding to the output dtype, as the reference's `.to(dtype)`.
+    w = bits.to(tl.float16, bitcast=True).to(tl.float32) * scale[:, None]
+    if RTNE_BF16:  # finite values only (the codes have no NaN): add half an ulp (ties to even), drop the low half
+        u = w.to(tl.uint32, bitcast=True)
+        u = (u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000
+        w = u.to(tl.float32, bitcast=True)
+    tl.store(out_ptr + where, w.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def dequantize_triton(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """`(weight.float() * scale.t()).to(dtype)` in one pass (1 byte read, 2 written per weight), bit for bit: weight
+    `[N, K]` float8_e4m3fn contiguous, scale `[1, N]` fp32 -> `[N, K]` in `dtype`."""
+    n, k = weight.shape
+    out = torch.empty(n, k, dtype=dtype, device=weight.device)
+    s = (scale.reshape(-1).float() * DECODE_FACTOR).contiguous()
+    block_n, block_k = 16, 256
+    _dequant_kernel[(triton.cdiv(n, block_n), triton.cdiv(k, block_k))](
+        weight.view(torch.uint8), s, out, n, k, BLOCK_N=block_n, BLOCK_K=block_k,
+        RTNE_BF16=interpreting() and dtype == torch.bfloat16, num_warps=4)
+    return out
+
+
+# (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages[, swapped]) by the smallest power of two >= M. None = the
 # measured default below; bench_fp8's `wfp8` stage sweeps `CANDIDATES` and prints the winner per row count.
 CONFIGS: dict[int, tuple[int, int, int, int, int, int]] = {}
 DEFAULT_SMALL = (64, 128, 128, 8, 4, 4)  # M <= 64
@@ -88,6 +179,9 @@ DEFAULT = (128, 128, 64, 8, 8, 3)
 CANDIDATES = (
     (64, 64, 128, 8, 4, 4), (64, 128, 128, 8, 4, 4), (64, 128, 64, 8, 4, 4), (64, 256, 64, 8, 8, 3),
     (128, 128, 64, 8, 8, 3), (128, 128, 64, 8, 4, 4), (128, 256, 64, 8, 8, 3), (128, 128, 128, 8, 8, 3),
+    # swapped (y^T = w x^T, the decoded weight as the register operand)
+    (64, 128, 64, 8, 4, 3, 1), (128, 128, 64, 8, 4, 3, 1), (64, 128, 128, 8, 4, 3, 1), (128, 256, 64, 8, 8, 3, 1),
+    (256, 128, 64, 8, 8, 3, 1),
 )
 
 
@@ -109,13 +203,14 @@ def fp8_weight_linear_triton(x: torch.Tensor, weight: torch.Tensor, scale: torch
     y = torch.empty(m, n, dtype=x.dtype, device=x.device) if out is None else out
     if m == 0 or n == 0:
         return y
-    bm, bn, bk, group, warps, stages = config or pick_config(m)
+    bm, bn, bk, group, warps, stages, *swapped = config or pick_config(m)
     if interpreting():  # the interpreter runs one program at a time: fewer, larger k steps cost nothing there
         warps, stages = 4, 1
     codes = weight.view(torch.uint8)
     s = (scale.reshape(-1).float() * DECODE_FACTOR).contiguous()
     grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
-    _wfp8_kernel[grid](
+    kernel = _wfp8_swapped_kernel if swapped and swapped[0] else _wfp8_kernel
+    kernel[grid](
         x, codes, s, bias if bias is not None else s, y, m, n, k, x.stride(0), codes.stride(0), y.stride(0),
         HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=group,
         UPCAST=not x.is_cuda and interpreting(), num_warps=warps, num_stages=stages,

@@ -135,11 +135,12 @@ def _fine_kernel(
     tl.store(o_ptr + q_rows[:, None] * stride_os + h * stride_oh + offs_d[None, :], out, mask=q_valid[:, None])
 
 
-# Launch settings the fine kernel's autotuner tries on the first call of each shape (keyed on the tile counts, the
-# kept-set size and the head dim; Triton adds the tensors' dtypes): 4 warps / 2 stages was the fixed choice of
-# issue 14 (0.0619 s per layer at 1344x768x243); FastVideo's autotuned Triton kernel ran the same layer 9 % faster
-# (issue 26). One warpgroup per 64-row tile, or two, and 1 to 4 stages of K/V prefetch.
-FINE_CONFIGS = ((4, 2), (4, 3), (4, 1), (4, 4), (8, 2), (8, 3))
+# Launch settings the fine kernel's autotuner tries on the first call of each shape (keyed on the tile counts and
+# the kept-set size; Triton adds the tensors' dtypes). 4 warps / 2 stages was the fixed choice of issue 14; at
+# 1344x768x243, s = 0.9 on an H200 (2026-12-02, one call, docs/performance.md §11): 4/2 0.0648 s, 4/3 0.0627, 4/4
+# 0.0633, 4/1 0.0750, 8/2 0.1292, 8/3 0.1241; autotuned (it picked 4/3) 0.0617. The 1-stage and 8-warp settings
+# never won and each costs a compile on every new shape, so the autotuner tries the three below.
+FINE_CONFIGS = ((4, 2), (4, 3), (4, 4))
 _fine_tuned = triton.autotune(
     configs=[triton.Config({}, num_warps=w, num_stages=st) for w, st in FINE_CONFIGS],
     key=["num_tiles", "num_prefix", "topk", "dense_q"],

@@ -123,3 +123,16 @@ def _key_of(folder) -> str:
     (path,) = folder.glob("*.safetensors")
     with safe_open(str(path), "pt") as f:
         return f.metadata()["h3render_adaln_key"]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_tables_from_host_projections_equal_the_device_ones():
+    """`DiT.modulation_tables` with the projections in host memory (after `offload_adaln_`, the fp8 load) copies each
+    one to the device for its block alone: the same tables as with the projections on the device, and the modules
+    stay on the host."""
+    torch.manual_seed(0)
+    model = DiT(DIT_TINY).cuda().bfloat16().eval()
+    on_device = model.modulation_tables(TS, device="cuda")
+    model.offload_adaln_("cpu")
+    from_host = model.modulation_tables(TS, device="cuda")
+    assert _same(on_device, from_host) and model.blocks[0].adaln_proj.linear.weight.device.type == "cpu"

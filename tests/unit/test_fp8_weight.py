@@ -51,6 +51,22 @@ def test_triton_matches_reference_on_odd_shapes(m, k, n, dtype, bias):
     assert rel_err(got, fp8_weight_linear_naive(x.float(), w, s, b)) <= TOL
 
 
+@interpreted
+def test_swapped_kernel_and_fused_dequantize():
+    """The transposed-product variant computes the same function; the one-pass dequantize is the torch expression
+    bit for bit (both factors of its product are exact)."""
+    from h3render.kernels.fp8_weight.triton_impl import CANDIDATES, dequantize_triton, fp8_weight_linear_triton
+
+    w, s = _weights(40, 72, seed=3)
+    x = torch.randn(19, 72).bfloat16()
+    b = torch.randn(40).bfloat16()
+    swapped = [c for c in CANDIDATES if len(c) == 7 and c[6]][0]
+    got = fp8_weight_linear_triton(x, w, s, b, config=swapped, out=torch.full((19, 40), float("nan")).bfloat16())
+    assert not got.isnan().any() and rel_err(got, fp8_weight_linear_naive(x.float(), w, s, b)) <= TOL
+    w, s = _weights(37, 300, seed=4)
+    assert torch.equal(dequantize_triton(w, s), (w.float() * s.t()).to(torch.bfloat16))
+
+
 def test_public_api_dispatch_and_checks(monkeypatch):
     w, s = _weights(32, 48)
     x = torch.randn(2, 3, 48, dtype=torch.bfloat16)
@@ -71,13 +87,33 @@ def test_triton_on_cuda_matches_reference_and_the_linear():
         b = torch.randn(n, device="cuda").bfloat16()
         got = _run(x, w, s, b)
         assert not got.isnan().any() and rel_err(got, fp8_weight_linear_naive(x.float(), w, s, b)) <= TOL, (m, k, n)
+    from h3render.kernels.fp8_weight import fp8_dequantize
+    from h3render.kernels.fp8_weight.triton_impl import CANDIDATES
+
+    w, s = _weights(1000, 3000, "cuda")
+    assert torch.equal(fp8_dequantize(w, s), (w.float() * s.t()).to(torch.bfloat16))
+    x = torch.randn(77, 3000, device="cuda").bfloat16()
+    for config in CANDIDATES:  # every launch setting the benchmark may pick, the swapped ones too
+        got = _run_config(x, w, s, config)
+        assert not got.isnan().any() and rel_err(got, fp8_weight_linear_naive(x.float(), w, s)) <= TOL, config
     linear = torch.nn.Linear(256, 96, device="cuda").bfloat16()
     q = Fp8WeightLinear.from_linear(linear)
-    x = torch.randn(5, 7, 256, device="cuda").bfloat16()
-    fused = q(x)
-    Fp8WeightLinear.fused = False
-    try:
-        unfused = q(x)
-    finally:
-        Fp8WeightLinear.fused = True
-    assert rel_err(fused, unfused) <= TOL
+    outputs = {}
+    for rows in (5, 300):  # below and above GEMM_MAX_ROWS
+        x = torch.randn(rows, 256, device="cuda").bfloat16()
+        for mode in ("dequant", "gemm", "dequant-fused", "auto"):
+            Fp8WeightLinear.mode = mode
+            try:
+                outputs[mode] = q(x)
+            finally:
+                Fp8WeightLinear.mode = "auto"
+        assert torch.equal(outputs["dequant-fused"], outputs["dequant"])  # the same bf16 weight, the same GEMM
+        assert rel_err(outputs["gemm"], outputs["dequant"]) <= TOL
+        assert torch.equal(outputs["auto"], outputs["gemm" if rows <= q.GEMM_MAX_ROWS else "dequant-fused"])
+
+
+def _run_config(x, w, s, config):
+    from h3render.kernels.fp8_weight.triton_impl import fp8_weight_linear_triton
+
+    out = torch.full((x.shape[0], w.shape[0]), float("nan"), dtype=x.dtype, device=x.device)
+    return fp8_weight_linear_triton(x, w, s, config=config, out=out)
