@@ -12,7 +12,14 @@ are clamped to ±448 when quantized.
 
 One program per (BLOCK_M x BLOCK_N) output tile, grouped along M (GROUP_M) so programs in flight share weight tiles
 in L2; the launch settings come from `pick_config` (a table per size of M, measured on an H200: see
-docs/performance.md §11).
+docs/performance.md §11). Measured there at 16-77 rows: 0.04-0.26 ms per released text-encoder GEMM, 1.3-3x a
+bf16 cuBLAS GEMM of the same shape (it runs at 100-380 TFLOP/s where cuBLAS bf16 runs near 650) and 2-12x faster
+than dequantizing with torch first; from 256 rows on, and for the 25600-wide down projection at any row count,
+`dequantize_triton` + cuBLAS is faster. A variant computing y^T = w x^T (the decoded weight as the dot's register
+operand) was measured and dropped: faster than this kernel at 256 and 2000 rows, slower than dequantize + cuBLAS.
+
+`dequantize_triton` is the other half: one pass writes the bf16 weight bit for bit as the torch expression
+(`(code * 2**-8) * (scale * 2**8)`: both factors exact, one fp32 rounding), then cuBLAS multiplies.
 """
 
 from __future__ import annotations
@@ -81,57 +88,6 @@ def _wfp8_kernel(
 
 
 @triton.jit
-def _wfp8_swapped_kernel(
-    x_ptr, w_ptr, s_ptr, b_ptr, y_ptr,  # as `_wfp8_kernel`
-    M, N, K,
-    stride_xm, stride_wn, stride_ym,
-    HAS_BIAS: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr,
-    UPCAST: tl.constexpr,
-):
-    # The transposed product y^T = w @ x^T: the decoded weight, which lives in registers, is the dot's first operand
-    # (Hopper's wgmma takes its A operand from registers, its B only from shared memory), x^T the second.
-    pid = tl.program_id(0)
-    num_m = tl.cdiv(M, BLOCK_M)
-    num_n = tl.cdiv(N, BLOCK_N)
-    group = GROUP_M * num_m
-    first_n = (pid // group) * GROUP_M
-    size_n = tl.minimum(num_n - first_n, GROUP_M)
-    pid_n = first_n + (pid % group) % size_n
-    pid_m = (pid % group) // size_n
-
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
-    x_ptrs = x_ptr + offs_m.to(tl.int64)[None, :] * stride_xm + offs_k[:, None]  # [BLOCK_K, BLOCK_M]: x^T
-    w_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
-    m_ok = offs_m < M
-    n_ok = offs_n < N
-    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k_ok = (offs_k + k0) < K
-        xt = tl.load(x_ptrs, mask=k_ok[:, None] & m_ok[None, :], other=0.0)
-        code = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0).to(tl.uint16)
-        bits = ((code & 0x7F) << 7) | ((code & 0x80) << 8)
-        w = bits.to(tl.float16, bitcast=True).to(xt.dtype)
-        if UPCAST:
-            acc += tl.dot(w.to(tl.float32), xt.to(tl.float32), input_precision="ieee")
-        else:
-            acc += tl.dot(w, xt)
-        x_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K
-    scale = tl.load(s_ptr + offs_n, mask=n_ok, other=0.0)
-    acc = acc * scale[:, None]
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
-    y_ptrs = y_ptr + offs_m.to(tl.int64)[None, :] * stride_ym + offs_n[:, None]
-    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=n_ok[:, None] & m_ok[None, :])
-
-
-@triton.jit
 def _dequant_kernel(
     w_ptr,  # [N, K] uint8 e4m3 codes
     s_ptr,  # [N] fp32 scale times DECODE_FACTOR
@@ -171,25 +127,24 @@ def dequantize_triton(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dt
     return out
 
 
-# (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages[, swapped]) by the smallest power of two >= M. None = the
-# measured default below; bench_fp8's `wfp8` stage sweeps `CANDIDATES` and prints the winner per row count.
-CONFIGS: dict[int, tuple[int, int, int, int, int, int]] = {}
-DEFAULT_SMALL = (64, 128, 128, 8, 4, 4)  # M <= 64
+# (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages) by the smallest power of two >= M: the setting with the
+# least summed time over a released text-encoder layer's q, k, v, o, gate and up GEMMs, on an H200 (2026-12-02,
+# docs/performance.md §11), at 16 rows (buckets up to 32) and at 77 rows (buckets 64 and 128). Above 128 rows
+# `models.fp8.Fp8WeightLinear` dequantizes and calls cuBLAS instead (faster there); DEFAULT serves a forced call.
+CONFIGS: dict[int, tuple[int, int, int, int, int, int]] = {
+    1: (64, 64, 128, 8, 4, 4), 2: (64, 64, 128, 8, 4, 4), 4: (64, 64, 128, 8, 4, 4), 8: (64, 64, 128, 8, 4, 4),
+    16: (64, 64, 128, 8, 4, 4), 32: (64, 64, 128, 8, 4, 4), 64: (128, 128, 64, 8, 8, 3), 128: (128, 128, 64, 8, 8, 3),
+}
 DEFAULT = (128, 128, 64, 8, 8, 3)
+# What the benchmark (scripts/bench_prepare.py `te-fp8`) sweeps per linear shape and row count.
 CANDIDATES = (
     (64, 64, 128, 8, 4, 4), (64, 128, 128, 8, 4, 4), (64, 128, 64, 8, 4, 4), (64, 256, 64, 8, 8, 3),
     (128, 128, 64, 8, 8, 3), (128, 128, 64, 8, 4, 4), (128, 256, 64, 8, 8, 3), (128, 128, 128, 8, 8, 3),
-    # swapped (y^T = w x^T, the decoded weight as the register operand)
-    (64, 128, 64, 8, 4, 3, 1), (128, 128, 64, 8, 4, 3, 1), (64, 128, 128, 8, 4, 3, 1), (128, 256, 64, 8, 8, 3, 1),
-    (256, 128, 64, 8, 8, 3, 1),
 )
 
 
 def pick_config(m: int) -> tuple[int, int, int, int, int, int]:
-    bucket = next_power_of_2(m)
-    if bucket in CONFIGS:
-        return CONFIGS[bucket]
-    return DEFAULT_SMALL if bucket <= 64 else DEFAULT
+    return CONFIGS.get(next_power_of_2(m), DEFAULT)
 
 
 def fp8_weight_linear_triton(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
@@ -203,14 +158,13 @@ def fp8_weight_linear_triton(x: torch.Tensor, weight: torch.Tensor, scale: torch
     y = torch.empty(m, n, dtype=x.dtype, device=x.device) if out is None else out
     if m == 0 or n == 0:
         return y
-    bm, bn, bk, group, warps, stages, *swapped = config or pick_config(m)
+    bm, bn, bk, group, warps, stages = config or pick_config(m)
     if interpreting():  # the interpreter runs one program at a time: fewer, larger k steps cost nothing there
         warps, stages = 4, 1
     codes = weight.view(torch.uint8)
     s = (scale.reshape(-1).float() * DECODE_FACTOR).contiguous()
     grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
-    kernel = _wfp8_swapped_kernel if swapped and swapped[0] else _wfp8_kernel
-    kernel[grid](
+    _wfp8_kernel[grid](
         x, codes, s, bias if bias is not None else s, y, m, n, k, x.stride(0), codes.stride(0), y.stride(0),
         HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=group,
         UPCAST=not x.is_cuda and interpreting(), num_warps=warps, num_stages=stages,
