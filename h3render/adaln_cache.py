@@ -187,7 +187,9 @@ def cached_tables(dit, timesteps: torch.Tensor, device: torch.device | str, iden
     """
     root = cache_root() if root is None else root
     device = torch.device(device)
-    if root is None or not dit.has_adaln_weights:
+    if root is None or not dit.has_adaln_weights or any(
+            p.is_meta for b in [*dit.blocks, dit.final_layer] for p in b.adaln_proj.parameters()):
+        # Off, or no weights to fingerprint (dropped, or never loaded): `modulation_tables` says what is missing.
         return dit.modulation_tables(timesteps, device=device), {"cache": "off"}
     import time
 
@@ -208,7 +210,7 @@ def cached_tables(dit, timesteps: torch.Tensor, device: torch.device | str, iden
     t0 = time.perf_counter()
     try:
         _write(path, key, tables)
-    except OSError as exc:  # a read-only or full cache folder costs the cache, never the run
+    except Exception as exc:  # noqa: BLE001  a read-only or full cache folder costs the cache, never the run
         print(f"h3render: warning: AdaLN table cache {path} not written: {exc}", file=sys.stderr)
         record["why"] = f"not written: {exc}"[:200]
     record.setdefault("cache", "built")

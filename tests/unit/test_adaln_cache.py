@@ -86,6 +86,10 @@ def test_off_and_the_default_folder(dit, tmp_path, monkeypatch):
     monkeypatch.delenv(adaln_cache.ENV)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     assert adaln_cache.cache_root() == tmp_path / "h3render" / "adaln"
+    # A folder that cannot be made (a file is in the way) costs the cache, not the run.
+    (tmp_path / "file").write_text("x")
+    tables, rec = adaln_cache.cached_tables(dit, TS, "cpu", IDENT, root=tmp_path / "file" / "adaln")
+    assert rec["cache"] == "built" and "not written" in rec["why"] and _same(tables, dit.modulation_tables(TS))
 
 
 def test_engine_reads_the_tables_back_in_a_second_run(dit, tmp_path, monkeypatch):
