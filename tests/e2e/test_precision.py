@@ -94,9 +94,9 @@ def test_fp8_render_differs_from_bf16_but_stays_close(renders):
         assert 0 < err <= bound, (part, err)
     a, b = frames_of(renders["fp8"]).astype(np.float64), frames_of(renders["bf16"]).astype(np.float64)
     diff = float(np.abs(a - b).mean())
-    # mean |frame difference| in 8-bit code values: measured 4.38 (the random tiny VAE amplifies latent
-    # differences; the frames themselves spread 34 code values about their mean)
-    assert 0 < diff <= 9.0, diff
+    # mean |frame difference| in 8-bit code values: measured 5.78 with the FP8 video decoder (4.38 with a bf16 one;
+    # the random tiny VAE amplifies latent differences; the frames themselves spread 34 code values about their mean)
+    assert 0 < diff <= 12.0, diff
 
 
 def _manifest(folder: Path, job_precision: str | None = None, defaults: str = "fp8") -> Path:
