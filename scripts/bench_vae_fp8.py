@@ -101,6 +101,7 @@ def stage_vae_fp8(args, bench) -> None:
     t0 = time.perf_counter()
     replaced = quantize_video_decoder_fp8_(fp8)
     sync()
+    quantize_s = time.perf_counter() - t0
     models = {"bf16": bf16, "fp8": fp8}
     if cuda:
         from bench_vae import vae_attention
@@ -111,7 +112,7 @@ def stage_vae_fp8(args, bench) -> None:
                for name, m in models.items()}
     bench.rec(stage="vae-fp8", what="video VAE fp8 setup", device=str(device), model=args.vae_fp8_model,
               latents=[cfg.latent_channels, t_lat, h, w], batch=batch, modes=modes, fp8_linears=replaced,
-              quantize_s=round(time.perf_counter() - t0, 3), weights_gb=weights,
+              quantize_s=round(quantize_s, 3), weights_gb=weights,
               precision_components={k: precision_report(type("C", (), {"video_vae": m})())["video_vae"]
                                     for k, m in models.items()})
 
@@ -119,37 +120,52 @@ def stage_vae_fp8(args, bench) -> None:
     z = torch.randn(cfg.latent_channels, t_lat, h, w, device=device, generator=g)
     plan = bf16.plan_decode(t_lat, h, w)
     label = f"video VAE decode {t_lat} latents {w * cfg.spatial_ratio}x{h * cfg.spatial_ratio}"
+
+    def timed(name: str, vae, mode: str, reps: int) -> tuple[float, torch.Tensor]:
+        """Warm-up batch, then `reps` whole decodes: (median seconds, last frames as uint8); records a row."""
+        if mode == "compiled" and not getattr(vae, "pad_batches", False):
+            vae.compile_blocks_(dynamic=False)  # as Engine._warm_vae does
+        t0 = time.perf_counter()
+        vae.decode_items(z, plan.items[:batch], batch)  # the Engine's warm-up batch (compiles in compiled mode)
+        sync()
+        warm_s = time.perf_counter() - t0
+        runs, frames, peak = [], None, (None, None)
+        for _ in range(reps):
+            frames = None
+            if cuda:
+                bench.peak_reset()
+                base = torch.cuda.memory_allocated()
+            t0 = time.perf_counter()
+            out = vae.decode(z, batch_size=batch)
+            sync()
+            runs.append(time.perf_counter() - t0)
+            if cuda:
+                peak = (bench.peak_gb(), bench.gb(torch.cuda.max_memory_allocated() - base))
+            frames = to_uint8(out)
+            del out
+        runs.sort()
+        seconds = runs[len(runs) // 2]
+        bench.rec(stage="vae-fp8", what=f"{label} ({name}, {mode}, batch {batch})", ours_s=round(seconds, 3),
+                  min_s=round(runs[0], 3), reps=len(runs), warm_s=round(warm_s, 2), peak_gb=peak[0],
+                  decode_working_gb=peak[1], ms_per_frame=round(1e3 * seconds / plan.num_frames, 2),
+                  frames=plan.num_frames)
+        return seconds, frames
+
     set_gains_(list(models.values()), gains[0] if gains else 0.02)
     for mode in modes:
         frames, times = {}, {}
+        # eager beside compiled is the check that the eager CUDA path runs (and a rough time): one decode
+        reps = 1 if mode == "eager" and "compiled" in modes else max(1, args.vae_fp8_reps)
         for name, vae in models.items():
-            if mode == "compiled" and not getattr(vae, "pad_batches", False):
-                vae.compile_blocks_(dynamic=False)  # as Engine._warm_vae does
-            t0 = time.perf_counter()
-            vae.decode_items(z, plan.items[:batch], batch)  # the Engine's warm-up batch (compiles in compiled mode)
-            sync()
-            warm_s = time.perf_counter() - t0
-            runs = []
-            # eager beside compiled is the check that the eager CUDA path runs (and a rough time): one decode
-            reps = 1 if mode == "eager" and "compiled" in modes else max(1, args.vae_fp8_reps)
-            for _ in range(reps):
-                frames.pop(name, None)
-                if cuda:
-                    bench.peak_reset()
-                    base = torch.cuda.memory_allocated()
-                t0 = time.perf_counter()
-                out = vae.decode(z, batch_size=batch)
-                sync()
-                runs.append(time.perf_counter() - t0)
-                peak = (bench.peak_gb(), bench.gb(torch.cuda.max_memory_allocated() - base)) if cuda else (None, None)
-                frames[name] = to_uint8(out)
-                del out
-            runs.sort()
-            times[name] = runs[len(runs) // 2]
-            bench.rec(stage="vae-fp8", what=f"{label} ({name}, {mode}, batch {batch})", ours_s=round(times[name], 3),
-                      min_s=round(runs[0], 3), reps=len(runs), warm_s=round(warm_s, 2), peak_gb=peak[0],
-                      decode_working_gb=peak[1], ms_per_frame=round(1e3 * times[name] / plan.num_frames, 2),
-                      frames=plan.num_frames)
+            try:
+                times[name], frames[name] = timed(name, vae, mode, reps)
+            except Exception as exc:  # keep the other variants' numbers (a compile failure, say)
+                import traceback
+
+                traceback.print_exc()
+                bench.rec(stage="vae-fp8", what=f"{label} ({name}, {mode})", error=f"{type(exc).__name__}: {exc}"[:600])
+        if len(frames) < 2:
+            continue
         errors = frame_errors(frames["fp8"], frames["bf16"])
         bench.rec(stage="vae-fp8", what=f"{label} fp8 vs bf16 ({mode}, gains {gains[0] if gains else 0.02})",
                   ours_s=round(times["fp8"], 3), ref_s=round(times["bf16"], 3),
@@ -174,6 +190,9 @@ def print_table(rows) -> None:
     print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         if "what" not in r or r["what"] in ("video VAE fp8 setup", "stage wall") or "backend" in r:
+            continue
+        if "error" in r:
+            print(f"| {r['what']} | error: {r['error'][:200]} |")
             continue
         cells = [r.get(k, "") for k in ("ours_s", "min_s", "warm_s", "peak_gb", "psnr_db", "worst_frame_psnr_db",
                                         "max_abs", "codes_differing")]
