@@ -1,4 +1,5 @@
-"""FP8 (e4m3) linears for `--precision fp8`: the DiT block GEMMs and the text encoder's weights.
+"""FP8 (e4m3) linears for `--precision fp8`: the DiT block GEMMs, the video VAE decoder's block GEMMs and the text
+encoder's weights.
 
 * `Fp8Linear`: e4m3 weight with one fp32 scale per output channel, e4m3 activations with one scale per row
   (`kernels.fp8.Fp8Rows`), one `torch._scaled_mm` that applies both scales in its epilogue and writes bf16. The DiT's
@@ -390,7 +391,7 @@ def precision_report(components: Any) -> dict[str, str]:
         "dit_other": "bf16 (fp32: 0% of parameters)", "text_encoder": "fp8_e4m3 weights (per-channel scales,
         dequantized to bf16; 350 linears); other: bf16", "video_vae": "bf16 (fp32: ...)" or, with
         `quantize_video_decoder_fp8_`, "fp8_e4m3 decoder blocks (row-wise activations, per-channel weights;
-        144 linears); other: fp32 (...)", "audio_vae": "fp32"}.
+        144 linears); other: fp32 (bf16: 3% of parameters)", "audio_vae": "fp32"}.
     """
     report: dict[str, str] = {}
     dit = getattr(components, "dit", None)
