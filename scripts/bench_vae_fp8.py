@@ -152,6 +152,7 @@ def stage_vae_fp8(args, bench) -> None:
         return seconds, frames
 
     set_gains_(list(models.values()), gains[0] if gains else 0.02)
+    previous: dict = {}  # the first mode's frames: compiled vs eager, per precision (same gains)
     for mode in modes:
         frames, times = {}, {}
         # eager beside compiled is the check that the eager CUDA path runs (and a rough time): one decode
@@ -164,6 +165,12 @@ def stage_vae_fp8(args, bench) -> None:
 
                 traceback.print_exc()
                 bench.rec(stage="vae-fp8", what=f"{label} ({name}, {mode})", error=f"{type(exc).__name__}: {exc}"[:600])
+        for name in frames.keys() & previous.keys():
+            # compiled vs eager of one precision: for fp8 also Inductor's fused torch quantizer vs the Triton one
+            bench.rec(stage="vae-fp8", what=f"{label} {name} {mode} vs {modes[0]}",
+                      **frame_errors(frames[name], previous[name]))
+        if not previous:
+            previous = dict(frames)
         if len(frames) < 2:
             continue
         errors = frame_errors(frames["fp8"], frames["bf16"])
@@ -179,6 +186,7 @@ def stage_vae_fp8(args, bench) -> None:
                       ok=errors["psnr_db"] >= 40)
         set_gains_(list(models.values()), gains[0] if gains else 0.02)
         del frames
+    del previous
     print_table([r for r in bench.RESULTS if r.get("stage") == "vae-fp8"])
     del models, bf16, fp8
     if cuda:
