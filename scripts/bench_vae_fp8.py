@@ -194,7 +194,8 @@ def stage_vae_fp8(args, bench) -> None:
 
 
 def print_table(rows) -> None:
-    print("\n| vae-fp8 | s (median) | min s | warm s | peak GB | PSNR dB | worst frame dB | max abs | codes differing |")
+    print("\n| vae-fp8 | s (median) | min s | warm s | peak GB | PSNR dB | worst frame dB | max abs "
+          "| codes differing |")
     print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         if "what" not in r or r["what"] in ("video VAE fp8 setup", "stage wall") or "backend" in r:
