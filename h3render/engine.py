@@ -27,7 +27,7 @@ from h3render.graphs import ShapeGraphs
 from h3render.models.attention import attention as fast_attention
 from h3render.models.attention import fastest_for, select_backend
 from h3render.models.attention import runner as attention_runner
-from h3render.models.fp8 import fp8_problem
+from h3render.models.fp8 import fp8_problem, quantize_video_decoder_fp8_
 from h3render.packing import t2va_layout
 from h3render.parallel.groups import ParallelContext
 from h3render.parallel.plan import ParallelPlan
@@ -85,6 +85,10 @@ class Engine:
             self.warmup["attention_backend"] = "sdpa (CPU)"
         # One GEMM for the VAE decoder's q/k/v (weights are loaded; the decoder never saves a state dict).
         self.c.video_vae.fuse_qkv_()
+        if self.precision == "fp8":
+            # FP8 decoder block GEMMs (`models.fp8.quantize_video_decoder_fp8_`; DESIGN.md: VAE precision), after the
+            # fusion so that q/k/v are one FP8 GEMM; the sidecar's precision_components says so.
+            quantize_video_decoder_fp8_(self.c.video_vae)
         self.warmup["select_attention_s"] = time.perf_counter() - t0
         # The parallel plan is applied once, here: the DiT forward (per partition), the decode split and the audio
         # hand-over. Which DiT partitions stay resident is a memory decision, logged in the warm-up record.

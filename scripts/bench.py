@@ -35,6 +35,10 @@ Stages (`--stages`, comma-separated):
             through the on-disk cache, first and second run (scripts/bench_prepare.py; issue 26)
   te-fp8    FP8 text encoder, per-call dequantize vs the Triton weight-only GEMM, and that GEMM's launch settings
             per linear shape and prompt length (scripts/bench_prepare.py; issue 26)
+  vae-fp8   video VAE decode, bf16 vs FP8 decoder block linears (`--precision fp8`), eager and compiled, at
+            --vae-fp8-latents (72x48x84: 243 frames of 1344x768): time, peak memory, PSNR / max abs of the FP8 frames
+            vs the bf16 frames in uint8 (scripts/bench_vae_fp8.py; issue 26); `--vae-fp8-model tiny --vae-fp8-device
+            cpu --vae-fp8-latents 7x4x4 --vae-fp8-modes eager --vae-fp8-reps 1` is the CPU smoke run
   fp8-memory
             resident memory per component and load peak, per --precision (scripts/bench_e2e.py)
   fl2va     fl2va's extra cost over t2va at --fl2va-canvas (scripts/bench_fl2va.py): vision tower + processor for 2
@@ -125,6 +129,13 @@ def stage_tables(args) -> None:
     bench_prepare.stage_tables(args, bench_common)
 
 
+def stage_vae_fp8(args) -> None:
+    """Video VAE decode, bf16 vs FP8 decoder block linears (scripts/bench_vae_fp8.py)."""
+    import bench_vae_fp8
+
+    bench_vae_fp8.stage_vae_fp8(args, bench_common)
+
+
 def stage_te_fp8(args) -> None:
     """FP8 text encoder: per-call dequantize vs the Triton weight-only GEMM (scripts/bench_prepare.py)."""
     import bench_prepare
@@ -136,7 +147,7 @@ def stage_te_fp8(args) -> None:
 STAGES = {f.__name__: f for f in (
     stage_ceil, stage_attn, stage_kernels, stage_dit, stage_vae, stage_audio, stage_te, stage_ulysses, stage_vsa,
     stage_prof, stage_compare, stage_e2e, stage_fp8_gemm, stage_fp8_quant, stage_fp8_dit, stage_fp8_memory,
-    stage_fl2va, stage_batch, stage_media, stage_tables, stage_te_fp8)}
+    stage_fl2va, stage_batch, stage_media, stage_tables, stage_te_fp8, stage_vae_fp8)}
 
 
 def main() -> None:
@@ -188,9 +199,11 @@ def main() -> None:
     import bench_e2e  # scripts/ is sys.path[0] when run as a script
     import bench_fp8
     import bench_prepare
+    import bench_vae_fp8
 
     bench_fp8.add_arguments(p)
     bench_prepare.add_arguments(p)
+    bench_vae_fp8.add_arguments(p)
     bench_e2e.add_arguments(p)
     args = p.parse_args()
     args.vae_batches = [int(x) for x in args.vae_batches.split(",")]

@@ -1,4 +1,5 @@
-"""FP8 (e4m3) linears for `--precision fp8`: the DiT block GEMMs and the text encoder's weights.
+"""FP8 (e4m3) linears for `--precision fp8`: the DiT block GEMMs, the video VAE decoder's block GEMMs and the text
+encoder's weights.
 
 * `Fp8Linear`: e4m3 weight with one fp32 scale per output channel, e4m3 activations with one scale per row
   (`kernels.fp8.Fp8Rows`), one `torch._scaled_mm` that applies both scales in its epilogue and writes bf16. The DiT's
@@ -11,6 +12,9 @@
 * `quantize_dit_fp8_`, `quantize_text_encoder_fp8_`: in-place replacement of the covered linears, one at a time, so
   the peak grows by one linear's transient, not by a model. `empty_dit_fp8_` (and `quantize_text_encoder_fp8_` on
   an empty encoder) build the empty FP8 modules that `checkpoint.load` streams quantized weights into.
+* `quantize_video_decoder_fp8_`: the video VAE decoder's block linears as `Fp8Linear` (fed by `quantize_rows`;
+  under `torch.compile`, which the Engine applies to those blocks on CUDA, by the torch reference, which Inductor
+  fuses into the norm / SwiGLU product that writes the input).
 * `precision_report`: what precision each loaded component runs in, for the sidecar.
 
 Weight scales are per output channel, `amax(|w[n, :]|) / 448` (448 = largest finite e4m3, `kernels.fp8.E4M3_MAX`),
@@ -59,7 +63,8 @@ def fp8_problem(dtype: str, devices=()) -> str | None:
 
 __all__ = [
     "DIT_BLOCK_LINEARS", "FP8", "TEXT_ENCODER_LINEARS", "Fp8Linear", "Fp8WeightLinear", "precision_report",
-    "empty_dit_fp8_", "quantize_dit_fp8_", "quantize_text_encoder_fp8_", "quantize_weight",
+    "empty_dit_fp8_", "quantize_dit_fp8_", "quantize_text_encoder_fp8_", "quantize_video_decoder_fp8_",
+    "quantize_weight", "VIDEO_DECODER_LINEARS",
 ]
 
 FP8 = torch.float8_e4m3fn
@@ -73,6 +78,12 @@ _CHUNK_ELEMENTS = 1 << 26
 DIT_BLOCK_LINEARS = ("attn.qkv_proj", "attn.gate_proj", "attn.out_proj", "mlp.fc1", "mlp.fc2")
 # Qwen3-VL decoder-layer linears (transformers `Qwen3VLTextAttention` / `Qwen3VLTextMLP`): about 24 B of the released
 # conditioner's ≈25.7 B parameters (50 read layers x 487 M; embeddings 0.78 B and the norms stay bf16).
+# Video VAE decoder block linears (`models.video_vae.ViTBlock`): q/k/v (fused `to_qkv` as the Engine runs them, or
+# the checkpoint's three), the attention output and the SwiGLU in/out projections: the GEMMs that are ≈ 72 % of the
+# decoder's kernel time (docs/performance.md §6.1). proj_in (K = 24, not a multiple of 16), proj_out (the last
+# layer before the pixels, as the DiT's final layer), the norms, the fp32 residual stream and the encoder stay.
+VIDEO_DECODER_LINEARS = ("attn.to_qkv", "attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "ff.net.0.proj",
+                         "ff.net.2")
 TEXT_ENCODER_LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
                         "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
 
@@ -184,7 +195,10 @@ class Fp8Linear(_Fp8Weight):
             if x.shape[-1] != self.in_features:
                 raise ValueError(f"Fp8Linear: input has {x.shape[-1]} features, the weight expects {self.in_features}")
             lead = x.shape[:-1]
-            x = quantize_rows(x.reshape(-1, self.in_features).contiguous())
+            # Under torch.compile (the video VAE decoder's blocks) the torch reference, which Inductor fuses into
+            # the op that writes x; eager CUDA runs the one-pass Triton kernel. Same math (the kernels' tests).
+            x = quantize_rows(x.reshape(-1, self.in_features).contiguous(),
+                              use_triton=False if torch.compiler.is_compiling() else None)
         elif x.data.ndim != 2 or x.data.shape[1] != self.in_features:
             raise ValueError(f"Fp8Linear: Fp8Rows data must be [S, {self.in_features}], got {tuple(x.data.shape)}")
         if x.data.shape[0] == 0:  # a rank's empty shard: cuBLASLt takes no M = 0 problem
@@ -324,6 +338,27 @@ def quantize_text_encoder_fp8_(encoder: nn.Module) -> int:
     return count
 
 
+@torch.no_grad()
+def quantize_video_decoder_fp8_(vae: nn.Module) -> int:
+    """Replace the `VIDEO_DECODER_LINEARS` of every `vae.decoder.transformer_blocks[i]` (a loaded
+    `models.video_vae.VideoVAE`, block linears in bf16) by `Fp8Linear`, one at a time on their own device; the
+    output dtype stays the linear's (bf16), the blocks' fp32 residual stream and norms are untouched. Call after
+    `apply_precision_` and `fuse_qkv_` (the Engine does both); the encoder, quant convs, proj_in and proj_out stay.
+
+    Returns:
+        The number of linears replaced now: 4 per block fused (5 unfused); 0 when called again (idempotent).
+
+    Raises:
+        ValueError: a dimension not a multiple of 16 (the released 2048 / 6144 / 8192 / 16384 and the built-in
+            tiny and small sizes all are).
+    """
+    count = 0
+    for block in vae.decoder.transformer_blocks:
+        for path in VIDEO_DECODER_LINEARS:
+            count += _replace(block, path, Fp8Linear.from_linear)
+    return count
+
+
 _DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", FP8: "fp8_e4m3"}
 
 
@@ -354,7 +389,9 @@ def precision_report(components: Any) -> dict[str, str]:
     Returns:
         e.g. {"dit_blocks": "fp8_e4m3 (row-wise activations, per-channel weights; 200 linears)",
         "dit_other": "bf16 (fp32: 0% of parameters)", "text_encoder": "fp8_e4m3 weights (per-channel scales,
-        dequantized to bf16; 350 linears); other: bf16", "video_vae": "bf16 (fp32: ...)", "audio_vae": "fp32"}.
+        dequantized to bf16; 350 linears); other: bf16", "video_vae": "bf16 (fp32: ...)" or, with
+        `quantize_video_decoder_fp8_`, "fp8_e4m3 decoder blocks (row-wise activations, per-channel weights;
+        144 linears); other: fp32 (bf16: 3% of parameters)", "audio_vae": "fp32"}.
     """
     report: dict[str, str] = {}
     dit = getattr(components, "dit", None)
@@ -373,8 +410,13 @@ def precision_report(components: Any) -> dict[str, str]:
             rest = f"fp8_e4m3 weights (per-channel scales, dequantized to {to}; {len(fp8_linears)} linears); " \
                    f"other: {rest}"
         report["text_encoder"] = rest
-    for name in ("video_vae", "audio_vae"):
-        part = getattr(components, name, None)
-        if part is not None:
-            report[name] = _dtype_summary(part)
+    vae = getattr(components, "video_vae", None)
+    if vae is not None:
+        n = sum(isinstance(m, Fp8Linear) for m in vae.modules())
+        rest = _dtype_summary(vae)  # Fp8Linear holds buffers, no parameters: the rest of the VAE
+        report["video_vae"] = (f"fp8_e4m3 decoder blocks (row-wise activations, per-channel weights; {n} linears); "
+                               f"other: {rest}" if n else rest)
+    audio = getattr(components, "audio_vae", None)
+    if audio is not None:
+        report["audio_vae"] = _dtype_summary(audio)
     return report

@@ -98,7 +98,10 @@ class ViTAttention(nn.Module):
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.to_out[0].weight.dtype
+        """The dtype the block hands its linears (bf16 at release). An FP8 linear (`models.fp8.Fp8Linear`, stored
+        e4m3) takes and writes its `out_dtype`."""
+        out = self.to_out[0]
+        return getattr(out, "out_dtype", out.weight.dtype)
 
     def fuse_qkv_(self) -> None:
         """Replace to_q / to_k / to_v by one `to_qkv` projection `[3 * inner, dim]`: one GEMM that reads x once and

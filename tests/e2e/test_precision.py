@@ -70,7 +70,8 @@ def test_fp8_prompt_renders_a_playable_mp4_whose_sidecar_says_fp8(renders):
     assert parts["dit_blocks"].startswith(f"{FP8_PREFIX} (") and "; 8 linears)" in parts["dit_blocks"]
     assert parts["text_encoder"].startswith(f"{FP8_PREFIX} weights") and "14 linears" in parts["text_encoder"]
     assert parts["dit_other"].startswith("bf16") and parts["audio_vae"] == "fp32"
-    assert parts["video_vae"].startswith("bf16")
+    # VIDEO_VAE_TINY: 2 decoder blocks x (fused q/k/v, out, SwiGLU in, SwiGLU out)
+    assert parts["video_vae"].startswith(f"{FP8_PREFIX} decoder blocks (") and "; 8 linears)" in parts["video_vae"]
 
 
 def test_bf16_is_the_default_and_its_sidecar_says_so(renders):
@@ -78,6 +79,7 @@ def test_bf16_is_the_default_and_its_sidecar_says_so(renders):
     assert run["precision"] == "bf16" and run["dtype"] == "bfloat16"
     assert run["precision_components"]["dit_blocks"] == "bf16"
     assert run["precision_components"]["text_encoder"] == "bf16"
+    assert run["precision_components"]["video_vae"].startswith("bf16")  # no FP8 decoder blocks
     assert PRECISIONS[0] == "bf16"  # h3render.manifest.DEFAULT_PRECISION restates it (kept torch-free)
     from h3render.manifest import DEFAULT_PRECISION
 
@@ -92,9 +94,9 @@ def test_fp8_render_differs_from_bf16_but_stays_close(renders):
         assert 0 < err <= bound, (part, err)
     a, b = frames_of(renders["fp8"]).astype(np.float64), frames_of(renders["bf16"]).astype(np.float64)
     diff = float(np.abs(a - b).mean())
-    # mean |frame difference| in 8-bit code values: measured 4.38 (the random tiny VAE amplifies latent
-    # differences; the frames themselves spread 34 code values about their mean)
-    assert 0 < diff <= 9.0, diff
+    # mean |frame difference| in 8-bit code values: measured 5.78 with the FP8 video decoder (4.38 with a bf16 one;
+    # the random tiny VAE amplifies latent differences; the frames themselves spread 34 code values about their mean)
+    assert 0 < diff <= 12.0, diff
 
 
 def _manifest(folder: Path, job_precision: str | None = None, defaults: str = "fp8") -> Path:
