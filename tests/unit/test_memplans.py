@@ -1,0 +1,198 @@
+"""Memory plans (issue #27): the phased and streamed renders are bit-equal to the all-resident one, a prompt that
+fails to encode in the text phase fails its job alone, the text store spills past its bound, the chooser picks the
+expected plan for given memory sizes (and its size model matches the H200 measurements), refuses in one line
+before loading, and the sidecar records the plan."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from h3render import memplan
+from h3render.batch import run_batch
+from h3render.checkpoint.layouts import read_checkpoint_info
+from h3render.checkpoint.releases import RELEASES
+from h3render.engine import Engine
+from h3render.jobs import Job
+from h3render.parallel.groups import ParallelContext
+from h3render.settings import RunSettings
+from h3render.render import generate
+from h3render.tasks import t2va
+from h3render.tasks.base import Encoded
+from h3render.timing import StageTimer
+from h3render.text_phase import TextStore
+from tests._cli import invoke, one_error_line
+
+CPU = ParallelContext(0, 1, 0, torch.device("cpu"))
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _job(name: str, prompt: str, seed: int) -> Job:
+    return Job(id=name, prompt=prompt, width=128, height=64, frames=22, seed=seed, steps=2, mode="t2va",
+               output=name)
+
+
+A = _job("a", "Rain on a tin roof", 3)
+B = _job("b", "A kettle whistles", 4)
+C = _job("c", "", 5)  # tokenizes to nothing: fails in the text phase
+GOOD = (A, B)
+
+
+def _latents(out: Path, name: str) -> dict:
+    return torch.load(out / f"{name}.latents.pt")
+
+
+@pytest.fixture(scope="module")
+def renders(tmp_path_factory):
+    """A's latents from the resident engine (denoise only: no MP4 needed for the reference); a phased queue
+    A, B, C through `run_batch` with the runner's warm-up; a streamed queue of A."""
+    info = read_checkpoint_info("tiny")
+    base = RunSettings(progress=False, save_latents=True)
+    engine = Engine.load(base, CPU)
+    timer = StageTimer(engine.device)
+    latents = generate(engine, A, t2va.prepare(engine, A, timer), engine.schedule(A), timer)
+    out = {"resident": {"video": latents.video, "audio": latents.audio}}
+    del engine
+    engines = {}
+    for plan, queue in (("phased", [A, B, C]), ("streamed", [A])):
+        run, chosen = memplan.plan_run(replace(base, memory_plan=plan), info, queue)
+        folder = out[plan] = tmp_path_factory.mktemp(plan)
+
+        def factory(run=run, queue=queue):
+            engine = Engine.load(run, CPU, jobs=queue)
+            if run.memory_plan == "phased":
+                engine.prepare(queue)  # the warm-up's task prepare reads the text store too
+            engines[run.memory_plan] = engine
+            return engine
+
+        out[plan + "_report"] = run_batch(queue, factory, folder, quiet=True, progress=False)
+    return out, engines
+
+
+def test_phased_and_streamed_renders_equal_the_resident_one(renders):
+    out, engines = renders
+    ref = out["resident"]
+    for plan in ("phased", "streamed"):
+        got = _latents(out[plan], "a")
+        assert torch.equal(got["video"], ref["video"]) and torch.equal(got["audio"], ref["audio"]), plan
+    # the phases really ran: no text encoder in either engine, the streamer copied every block of every forward
+    assert engines["phased"].c.text_encoder is None and engines["streamed"].c.text_encoder is None
+    streamer = engines["streamed"].streamer
+    blocks = len(engines["streamed"].c.dit.blocks)
+    assert streamer is not None and streamer.copies >= blocks * 1  # >= 1 forward of every block
+    assert all(p.numel() == 0 for p in engines["streamed"].c.dit.blocks[0].mlp.parameters())  # no resident copy
+    assert engines["phased"].streamer is None
+
+
+def test_a_prompt_that_fails_to_encode_fails_its_job_alone(renders):
+    out, engines = renders
+    report = out["phased_report"]
+    assert [j.status for j in report.jobs] == ["succeeded", "succeeded", "failed"]
+    assert "failed to encode in the text phase: ValueError: prompt is empty" in report.jobs[2].error
+    phase = engines["phased"].warmup["text_phase"]
+    assert phase["prompts"] == 2 and phase["failed"] == 1 and phase["host_bytes"] > 0
+    assert (out["phased"] / "b.mp4").is_file() and not (out["phased"] / "c.mp4").exists()
+
+
+def test_the_sidecar_records_the_plan(renders):
+    jsonschema = pytest.importorskip("jsonschema")
+    out, _ = renders
+    schema = json.loads((REPO / "docs/schema/sidecar.schema.json").read_text())
+    for plan in ("phased", "streamed"):
+        side = json.loads((out[plan] / "a.json").read_text())
+        jsonschema.validate(side, schema)
+        memory = side["run"]["memory"]
+        assert memory["plan"] == plan
+        assert side["run"]["dtypes"]["text_encoder"] == "float32"  # from the text phase when the encoder is freed
+        assert side["run"]["precision_components"]["text_encoder"].startswith("fp32")
+        assert memory["reason"] == f"--memory-plan {plan}" and memory["expected_peak_gb"] >= 0
+        assert memory["canvas"] == "128x64x22" and memory["limit_gb"] is None
+        assert side["extra"]["warmup"]["memory_plan"] == plan
+
+
+def test_the_text_store_spills_past_its_bound(tmp_path):
+    store = TextStore(bound=100 * 4, spill_dir=tmp_path)  # room for one [1, 100] float32 entry
+    first, second = torch.arange(100.0)[None], torch.arange(200.0).view(2, 100)
+    store.put("x", Encoded(first, "kept"))
+    store.put("y", Encoded(second, {"extra": 1}))
+    assert store.host_bytes == 400 and store.disk_bytes > 0 and len(list(tmp_path.rglob("*.pt"))) == 1
+    got = store.get("y", torch.device("cpu"))
+    assert torch.equal(got.states, second) and got.extra == {"extra": 1}
+    assert store.get("x", torch.device("cpu")).extra == "kept"
+    folder = next(tmp_path.iterdir())
+    store.close()
+    assert not folder.exists()
+
+
+# -- the chooser, at the released sizes ---------------------------------------------------------------------------
+
+RELEASED = RELEASES["released"]
+BIG = SimpleNamespace(width=1344, height=768, frames=243, task="t2va")  # the issue's 10.125 s 1344x768 clip
+AMPERE = "fp8 needs compute capability 8.9"
+
+
+@pytest.fixture(scope="module")
+def sizes():
+    from h3render.checkpoint.sizes import part_sizes
+
+    return {p: part_sizes(RELEASED, p, vsa=True) for p in ("bf16", "fp8")}  # what the chooser tests use
+
+
+def test_the_size_model_matches_the_h200_measurements(sizes):
+    """docs/performance.md §9.3/§9.4: resident GB per part, and the VSA renders' denoise peaks (256 text rows)."""
+    measured = {("bf16", "text_encoder"): 50.32, ("bf16", "dit"): 40.20, ("fp8", "text_encoder"): 25.95,
+                ("fp8", "dit"): 20.95, ("bf16", "video_vae"): 5.57, ("bf16", "audio_vae"): 0.61}
+    cfg = RELEASED.dit
+    gates = cfg.num_layers * cfg.num_attention_heads * cfg.attention_head_dim * cfg.hidden_size  # VSA gate weights
+    for (precision, part), gb in measured.items():
+        got = sizes[precision][part].resident - (gates * (2 if precision == "bf16" else 1) if part == "dit" else 0)
+        assert got / 1e9 == pytest.approx(gb, rel=0.01), (precision, part)
+    assert sizes["bf16"]["dit"].resident / 1e9 == pytest.approx(44.06, rel=0.01)  # with the gates, measured too
+    peaks = {("bf16", 1344, 768, 243): 113.70, ("fp8", 1344, 768, 243): 67.76, ("bf16", 960, 544, 124): 104.43,
+             ("fp8", 960, 544, 124): 58.78}
+    for (precision, w, h, f), gb in peaks.items():
+        phases = memplan.expected_phases(sizes[precision], "resident", memplan.Canvas(w, h, f, 256), 5376,
+                                         text_hidden=5120, text_intermediate=25600)
+        assert phases["denoise"] / 1e9 == pytest.approx(gb, rel=0.01), (precision, w)
+
+
+@pytest.mark.parametrize("gb, problem, given, plan", [
+    (140.8, None, False, "resident bf16"),  # an H200 less the reserve
+    (80, None, False, "phased bf16"),  # H100 80 GB
+    (48, None, False, "phased fp8"),  # L40S
+    (24, None, False, "streamed fp8"),  # a 24 GB card
+    (80, AMPERE, False, "phased bf16"),  # A100 80 GB
+    (40, AMPERE, False, "streamed bf16"),  # A100 40 GB: no fp8 rung
+    (48, None, True, "streamed bf16"),  # --precision bf16 given: the chooser keeps it
+])
+def test_the_chooser_picks_the_expected_plan(sizes, gb, problem, given, plan):
+    chosen = memplan.choose(RELEASED, [BIG], limit=int(gb * 1e9), limit_source="--max-gpu-memory",
+                            fp8_problem=problem, precision_given=given, vsa=True)
+    assert chosen.label == plan and chosen.peak <= gb * 1e9
+    assert f"memory plan {plan}: " in chosen.log_line() and chosen.record()["plan"] == plan.split()[0]
+    if problem is not None:
+        assert "fp8 plans refused on this GPU" in chosen.reason
+
+
+def test_the_chooser_refuses_what_cannot_fit(sizes):
+    with pytest.raises(memplan.PlanError) as caught:
+        memplan.choose(RELEASED, [BIG], limit=int(14e9), limit_source="--max-gpu-memory", vsa=True)
+    assert str(caught.value).startswith("no memory plan fits 14.0 GB (--max-gpu-memory) for the 1344x768x243 job: "
+                                        "the smallest, streamed fp8, needs 15.4 GB expected peak (text 2.6, "
+                                        "denoise 15.4, decode 10.8)")
+    with pytest.raises(memplan.PlanError, match=r"^--memory-plan resident fits 80.0 GB .* the smallest, resident "
+                                                r"bf16, needs 113.5 GB"):
+        memplan.choose(RELEASED, [BIG], asked="resident", limit=int(80e9), limit_source="--max-gpu-memory", vsa=True)
+
+
+def test_the_cli_refuses_before_loading(tmp_path):
+    line = one_error_line(invoke("prompt", "a cat", "-o", str(tmp_path / "a.mp4"), "--device", "cpu",
+                                 "--max-gpu-memory", "0.0001", "--frames", "22"))
+    assert line.startswith("h3render: error: no memory plan fits 0.0 GB (--max-gpu-memory) for the ") and \
+        "the smallest, streamed fp8, needs" in line  # fp8 may be chosen: no --precision
+    assert list(tmp_path.iterdir()) == []
