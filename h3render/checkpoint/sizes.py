@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from h3render.checkpoint.load import _empty_audio_vae, _empty_dit, _empty_text_encoder, _empty_video_vae, check_precision
+from h3render.checkpoint.load import _empty_dit, _empty_text_encoder, _empty_video_vae, check_precision
 from h3render.checkpoint.releases import Release
 from h3render.models.fp8 import empty_dit_fp8_
 
@@ -91,11 +91,21 @@ def _part_sizes(release: Release, precision: str, dtype: torch.dtype, vsa: bool)
     key = (release.config_hash(), dtype)
     if key not in _VAE_CACHE:  # the same at both precisions
         _VAE_CACHE[key] = {"video_vae": PartSize(resident=_bytes(_empty_video_vae(release, dtype))),
-                           "audio_vae": PartSize(resident=_bytes(_empty_audio_vae(release)))}
+                           "audio_vae": PartSize(resident=_bytes(_meta_audio_vae(release)))}
     return {**sizes, **_VAE_CACHE[key]}
 
 
 _VAE_CACHE: dict[tuple, dict[str, PartSize]] = {}
+
+
+def _meta_audio_vae(release: Release) -> nn.Module:
+    """The audio VAE (fp32 always) built on the meta device entirely: the loader's empty build draws its
+    weight-norm initial values with torch.randn on the host first (9 s for the release on a busy 2-core machine)."""
+    from h3render.models.audio_vae import AudioVAE
+
+    with torch.device("meta"):
+        model = AudioVAE(release.audio_vae)
+    return model.float()
 
 
 def vision_bytes(release: Release, dtype: torch.dtype = torch.bfloat16) -> int:
