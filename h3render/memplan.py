@@ -193,8 +193,7 @@ def ladder(asked: str, precision: str, *, precision_given: bool, fp8_problem: st
     fp8_ok = fp8_problem is None
     may_switch = precision == "bf16" and not precision_given
     if may_switch and not fp8_ok:
-        out.skipped.append("fp8 plans refused on this GPU (FP8 GEMMs need compute capability 8.9; weight-only FP8 "
-                           "for Ampere is not built)")
+        out.skipped.append(f"fp8 plans refused here ({fp8_problem})")
     stream_precision = "fp8" if may_switch and fp8_ok else precision
     if asked != "auto":
         out.rungs = [(asked, precision)]  # a plan asked for runs at the run's precision
@@ -284,13 +283,11 @@ def plan_run(run, info, jobs: Sequence, world: int = 1):
     """
     from dataclasses import replace
 
-    from h3render.models.fp8 import fp8_problem
-
     if not jobs:  # an empty shard: nothing loads
         return run, None
 
     limit, source = device_limit(run, world)
-    problem = fp8_problem("bf16", run.devices(world)) if run.device == "cuda" else None
+    problem = _fp8_problem(run, world)
     student = run.adapter is not None or info.layout != "builtin" and _has_contract(run.checkpoint)
     plan = choose(info.release, jobs, asked=run.memory_plan, precision=run.precision,
                   precision_given=run.precision_given, limit=limit, limit_source=source, fp8_problem=problem,
@@ -298,8 +295,19 @@ def plan_run(run, info, jobs: Sequence, world: int = 1):
     if plan.name == "streamed" and run.adapter is not None and any(j.mode != "fasth3" for j in jobs):
         raise PlanError(f"the streamed memory plan ({plan.reason}) cannot render a mixed queue (t2va jobs beside a "
                         "FastH3 adapter: the student is fused into resident weights); render them in two runs")
-    dtype = "bf16" if plan.precision == "fp8" else run.dtype  # fp8 runs bf16 activations (`fp8_problem`)
-    return replace(run, memory_plan=plan.name, precision=plan.precision, dtype=dtype, memory=plan.record()), plan
+    return replace(run, memory_plan=plan.name, precision=plan.precision, memory=plan.record()), plan
+
+
+def _fp8_problem(run, world: int) -> str | None:
+    """Why the chooser may not switch this run to fp8 (`models.fp8.fp8_problem`, shortened), or None."""
+    from h3render.models.fp8 import fp8_problem
+
+    if run.dtype != "bf16":
+        return f"FP8 runs bf16 activations, this run's are {run.dtype}"
+    if fp8_problem(run.dtype, run.devices(world)) is not None:
+        return ("FP8 GEMMs need compute capability 8.9 or newer; weight-only FP8 for Ampere, issue #27 item 2, is "
+                "not built")
+    return None
 
 
 def _has_contract(checkpoint: str) -> bool:

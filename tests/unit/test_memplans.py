@@ -133,7 +133,7 @@ def test_the_text_store_spills_past_its_bound(tmp_path):
 
 RELEASED = RELEASES["released"]
 BIG = SimpleNamespace(width=1344, height=768, frames=243, task="t2va")  # the issue's 10.125 s 1344x768 clip
-AMPERE = "fp8 needs compute capability 8.9"
+AMPERE = "FP8 GEMMs need compute capability 8.9 or newer"
 
 
 @pytest.fixture(scope="module")
@@ -176,7 +176,7 @@ def test_the_chooser_picks_the_expected_plan(sizes, gb, problem, given, plan):
     assert chosen.label == plan and chosen.peak <= gb * 1e9
     assert f"memory plan {plan}: " in chosen.log_line() and chosen.record()["plan"] == plan.split()[0]
     if problem is not None:
-        assert "fp8 plans refused on this GPU" in chosen.reason
+        assert f"fp8 plans refused here ({AMPERE})" in chosen.reason
 
 
 def test_the_chooser_refuses_what_cannot_fit(sizes):
@@ -194,5 +194,28 @@ def test_the_cli_refuses_before_loading(tmp_path):
     line = one_error_line(invoke("prompt", "a cat", "-o", str(tmp_path / "a.mp4"), "--device", "cpu",
                                  "--max-gpu-memory", "0.0001", "--frames", "22"))
     assert line.startswith("h3render: error: no memory plan fits 0.0 GB (--max-gpu-memory) for the ") and \
-        "the smallest, streamed fp8, needs" in line  # fp8 may be chosen: no --precision
+        "the smallest, streamed bf16, needs" in line  # fp32 activations on CPU: no fp8 rung
     assert list(tmp_path.iterdir()) == []
+
+
+def test_fl2va_presentations_encode_in_a_streamed_text_phase(tmp_path):
+    """An fl2va job's presentation (vision tower loaded in the text phase) through the streamed text encoder equals
+    its encode on the resident one, and its `Presentation` comes back from the store."""
+    import numpy as np
+    from PIL import Image
+
+    from h3render.checkpoint.load import load_components
+    from h3render.manifest import job_from_fields
+    from h3render.tasks import fl2va
+    from h3render.text_phase import TextHost, run_text_phase
+
+    png = tmp_path / "a.png"
+    Image.fromarray(np.random.default_rng(0).integers(0, 256, (96, 128, 3), dtype=np.uint8)).save(png)
+    info = read_checkpoint_info("tiny")
+    job = job_from_fields({"prompt": "A door opens", "first_frame": str(png), "output": "f", "frames": 22},
+                          info.limits())
+    ref = fl2va.encode_text(TextHost(load_components("tiny", parts=("text_encoder",)), CPU.device), job)
+    store, record = run_text_phase(RunSettings(progress=False), CPU.device, [job], streamed=True)
+    got = store.get(fl2va.text_key(job), CPU.device)
+    assert torch.equal(got.states, ref.states) and got.extra.describe() == ref.extra.describe()
+    assert record["vision_load_s"] > 0 and record["streamed"]["layers"] == 2 and record["prompts"] == 1
