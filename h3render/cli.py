@@ -58,15 +58,16 @@ def _check(run: RunSettings, info, mode: str | None = None, jobs=None) -> int:
 
 def _plan_memory(run: RunSettings, info, jobs, world: int) -> RunSettings:
     """The run with its memory plan (`h3render.memplan`: --memory-plan / --max-gpu-memory / the GPU's size),
-    announced in one line; no plan fits: one line, exit 2, before anything loads."""
+    announced in one line (unless a CPU run without a limit stays resident); no plan fits: one line, exit 2,
+    before anything loads."""
     from h3render.memplan import PlanError, plan_run
 
     try:
         run, plan = plan_run(run, info, jobs, world)
     except PlanError as exc:
         raise SettingsError(str(exc)) from None
-    if plan is not None:
-        _say(plan.log_line())
+    if plan is not None and (plan.limit is not None or run.memory_plan != "resident"):
+        _say(plan.log_line())  # a CPU run with no limit runs resident, as always: the sidecar says so
     return run
 
 
