@@ -20,7 +20,7 @@ them itself) are not streamed and stay where they are.
 What a transfer costs and hides: a released bf16 DiT block is 0.77 GB (fp8 0.39 GB) and PCIe 5.0 x16 moves about
 50 GB/s (H200 NVL / PCIe boards; 25 GB/s on PCIe 4.0), so a block arrives in ~15 ms (8 ms fp8), under a block's
 compute at 1344x768x243 (8.4 s / 50 blocks = 168 ms a VSA forward): fully hidden there, exposed only for short
-clips of few rows (docs/performance.md §11 has the measured figures).
+clips of few rows (docs/performance.md §12.2: predicted; §12.3 gives the device runs that measure it).
 """
 
 from __future__ import annotations

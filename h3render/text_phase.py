@@ -24,7 +24,7 @@ from h3render.tasks import task_of
 from h3render.tasks.base import Encoded
 
 # Host memory held by encoded prompts before entries spill to disk. Released conditioner: 5120 bf16 values per row,
-# 10 KB a row, 2.6 MB for a 256-token prompt, so 8 GB holds about 3,000 such prompts (docs/performance.md §11).
+# 10 KB a row, 2.6 MB for a 256-token prompt, so 8 GB holds about 3,000 such prompts (docs/performance.md §12).
 HOST_BOUND_BYTES = 8 * 10**9
 
 
