@@ -175,3 +175,20 @@ def stream_layers_(model: nn.Module, layers: nn.ModuleList, device: torch.device
             if b is not None:
                 module._buffers[attr] = b.to(device)
     return streamer
+
+
+def stream_parts(components, device: torch.device):
+    """The streamed plan's placement (wherever the parts were loaded; `Engine.load` loads them in host memory): the
+    DiT's blocks stream (`block_stream.stream_layers_`; their AdaLN projections go to host memory, as
+    `DiT.offload_adaln_` would put them), the rest of the DiT and the audio VAE go to `device`, the video VAE to
+    host memory until a decode (`Engine.vae_on_device`). Returns the DiT blocks' streamer."""
+    dit = components.dit
+    dit.offload_adaln_("cpu")
+    streamer = stream_layers_(dit, dit.blocks, device, keep=("adaln_proj",))
+    if dit.final_layer.adaln_proj is not None:
+        dit.final_layer.adaln_proj.to("cpu")
+    components.audio_vae.to(device)
+    if device.type == "cuda":
+        components.video_vae.to("cpu")
+        torch.cuda.empty_cache()
+    return streamer

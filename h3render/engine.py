@@ -150,7 +150,7 @@ class Engine:
             from h3render.text_phase import run_text_phase
 
             texts, text_record = run_text_phase(run, ctx.device, list(jobs or []), streamed=memory == "streamed")
-        home = torch.device("cpu") if memory == "streamed" else ctx.device  # streamed: placed by `stream_parts`
+        home = torch.device("cpu") if memory == "streamed" else ctx.device  # streamed: `block_stream.stream_parts`
         info = read_checkpoint_info(checkpoint)
         plan = students.plan_student(checkpoint, info, adapter, variant=run.adapter_variant,
                                      positions=run.fasth3_positions, device=ctx.device)
@@ -194,9 +194,14 @@ class Engine:
     def use_memory_plan(self, plan: str, texts=None, text_record: dict[str, Any] | None = None) -> None:
         """Run `plan` ("resident", "phased", "streamed"; `h3render.memplan`) from now on: `texts` is the text
         phase's `text_phase.TextStore` (phased, streamed: the text encoder is not loaded), and "streamed" places the
-        loaded parts (`stream_parts`). Recorded in the warm-up (`memory_plan`, `text_phase`, `dit_streaming`)."""
+        loaded parts (`block_stream.stream_parts`). Recorded in the warm-up (`memory_plan`, `text_phase`, `dit_streaming`)."""
         self.texts = texts
-        self.streamer = stream_parts(self.c, self.device) if plan == "streamed" else None
+        if plan == "streamed":
+            from h3render.block_stream import stream_parts
+
+            self.streamer = stream_parts(self.c, self.device)
+        else:
+            self.streamer = None
         self.warmup["memory_plan"] = plan
         if text_record is not None:
             self.warmup["text_phase"] = text_record
@@ -531,25 +536,6 @@ class Engine:
             self.model_fn(prepared, tables)(video, audio, tables.timesteps[0], tables.timesteps[0])
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
-
-
-def stream_parts(components, device: torch.device):
-    """The streamed plan's placement (wherever the parts were loaded; `Engine.load` loads them in host memory): the
-    DiT's blocks stream (`block_stream.stream_layers_`; their AdaLN projections go to host memory, as
-    `DiT.offload_adaln_` would put them), the rest of the DiT and the audio VAE go to `device`, the video VAE to
-    host memory until a decode (`Engine.vae_on_device`). Returns the DiT blocks' streamer."""
-    from h3render.block_stream import stream_layers_
-
-    dit = components.dit
-    dit.offload_adaln_("cpu")
-    streamer = stream_layers_(dit, dit.blocks, device, keep=("adaln_proj",))
-    if dit.final_layer.adaln_proj is not None:
-        dit.final_layer.adaln_proj.to("cpu")
-    components.audio_vae.to(device)
-    if device.type == "cuda":
-        components.video_vae.to("cpu")
-        torch.cuda.empty_cache()
-    return streamer
 
 
 def _heads_first(fn):

@@ -10,7 +10,8 @@ of the same precision in the same call.
             and sidecar stage times, the job's allocator peak (sidecar `timings.peak_memory_bytes`) and per-stage
             peaks, the chooser's expected peak of that plan (`memplan.expected_phases`), the wall ratio to the
             uncapped run of its precision (run `resident:<precision>` first), whether the final latents equal the
-            uncapped run's, the streamer's copies; an OOM is a row saying so. Then `--memplan-queue` distinct
+            uncapped run's, the streamer's copies and the time one forward's block transfers take alone (with the
+            host-to-device GB/s: what the side stream must hide); an OOM is a row saying so. Then `--memplan-queue` distinct
             prompts (default 16) through the text phase at each precision: seconds per prompt and the host memory
             the store holds.
 
@@ -152,8 +153,19 @@ def _render(args, bench, ctx, plan: str, precision: str, cap: float | None, job,
         row["stage_peak_gb"] = {k: bench.gb(v) for k, v in (timings.get("stage_peak_memory_bytes") or {}).items()}
         row["memory"] = side["run"]["memory"]
         if engine.streamer is not None:
-            row["streamer"] = {"copies": engine.streamer.copies, "issue_s": round(engine.streamer.copy_seconds, 3),
-                               **engine.streamer.record()}
+            streamer = engine.streamer
+            row["streamer"] = {"copies": streamer.copies, "issue_s": round(streamer.copy_seconds, 3),
+                               **streamer.record()}
+            # The transfer a forward needs, alone (every block into one slot, nothing computing): what streaming
+            # has to hide behind the blocks' compute (compare the denoise step with the uncapped run's).
+            sync(device)
+            t0 = time.perf_counter()
+            for i in range(len(streamer.layers)):
+                streamer._fetch(i, 0)
+            sync(device)
+            copy_s = time.perf_counter() - t0
+            row["streamer"].update(copy_s_per_forward=round(copy_s, 4),
+                                   h2d_gb_s=round(streamer.slot_bytes * len(streamer.layers) / copy_s / 1e9, 2))
     except torch.cuda.OutOfMemoryError as exc:
         row["error"] = f"OutOfMemoryError: {str(exc).splitlines()[0][:200]}"
     finally:

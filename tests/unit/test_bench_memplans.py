@@ -35,6 +35,7 @@ def test_memplans_stage_runs_on_cpu(tmp_path):
     assert resident["plan"] == "resident" and streamed["plan"] == "streamed" and streamed["cap_gb"] == 1.0
     assert streamed["latents_equal_uncapped"] is True and math.isfinite(streamed["vs_uncapped"])
     assert streamed["streamer"]["copies"] >= 2 and streamed["text_phase"]["prompts"] == 1
+    assert streamed["streamer"]["copy_s_per_forward"] > 0 and streamed["streamer"]["h2d_gb_s"] > 0
     assert streamed["expected_gb"]["denoise"] >= 0 and streamed["memory"]["plan"] == "streamed"
     assert queue["text_phase"]["prompts"] == 2 and queue["text_phase"]["seconds_per_prompt"] > 0
     assert queue["text_phase"]["host_bytes"] > 0
