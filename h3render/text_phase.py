@@ -179,6 +179,8 @@ def run_text_phase(run, device: torch.device, jobs: Sequence, *, streamed: bool,
     from h3render.models.fp8 import precision_report
 
     t0 = time.perf_counter()
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)  # the phase's own peak (`peak_gb`)
     components = load_components(run.checkpoint, "cpu" if streamed else device, run.torch_dtype,
                                  parts=("text_encoder",), precision=run.precision)
     record: dict[str, Any] = {}
