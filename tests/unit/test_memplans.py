@@ -50,7 +50,7 @@ def _latents(out: Path, name: str) -> dict:
 @pytest.fixture(scope="module")
 def renders(tmp_path_factory):
     """A's latents from the resident engine (denoise only: no MP4 needed for the reference); a phased queue
-    A, B, C through `run_batch` with the runner's warm-up; a streamed queue of A."""
+    A, B, C through `run_batch` with the runner's warm-up; A streamed through `h3render prompt`."""
     info = read_checkpoint_info("tiny")
     base = RunSettings(progress=False, save_latents=True)
     engine = Engine.load(base, CPU)
@@ -59,34 +59,67 @@ def renders(tmp_path_factory):
     out = {"resident": {"video": latents.video, "audio": latents.audio}}
     del engine
     engines = {}
-    for plan, queue in (("phased", [A, B, C]), ("streamed", [A])):
-        run, chosen = memplan.plan_run(replace(base, memory_plan=plan), info, queue)
-        folder = out[plan] = tmp_path_factory.mktemp(plan)
+    run, chosen = memplan.plan_run(replace(base, memory_plan="phased"), info, [A, B, C])
+    out["phased"] = tmp_path_factory.mktemp("phased")
 
-        def factory(run=run, queue=queue):
-            engine = Engine.load(run, CPU, jobs=queue)
-            if run.memory_plan == "phased":
-                engine.prepare(queue)  # the warm-up's task prepare reads the text store too
-            engines[run.memory_plan] = engine
-            return engine
+    def factory():
+        engine = engines["phased"] = Engine.load(run, CPU, jobs=[A, B, C])
+        engine.prepare([A, B, C])  # as the runner does: the warm-up's task prepare reads the text store too
+        return engine
 
-        out[plan + "_report"] = run_batch(queue, factory, folder, quiet=True, progress=False)
+    out["phased_report"] = run_batch([A, B, C], factory, out["phased"], quiet=True, progress=False)
+    # streamed through the command line (the runner's load, `prompt`), in this process
+    out["streamed"] = tmp_path_factory.mktemp("streamed")
+    out["streamed_cli"] = invoke("prompt", A.prompt, "-o", str(out["streamed"] / "a.mp4"), "--device", "cpu",
+                                 "--memory-plan", "streamed", "--width", "128", "--height", "64", "--frames", "22",
+                                 "--steps", "2", "--seed", "3", "--save-latents", "--quiet")
     return out, engines
 
 
 def test_phased_and_streamed_renders_equal_the_resident_one(renders):
     out, engines = renders
+    assert out["streamed_cli"].exit_code == 0, out["streamed_cli"].output
     ref = out["resident"]
     for plan in ("phased", "streamed"):
         got = _latents(out[plan], "a")
         assert torch.equal(got["video"], ref["video"]) and torch.equal(got["audio"], ref["audio"]), plan
-    # the phases really ran: no text encoder in either engine, the streamer copied every block of every forward
-    assert engines["phased"].c.text_encoder is None and engines["streamed"].c.text_encoder is None
-    streamer = engines["streamed"].streamer
-    blocks = len(engines["streamed"].c.dit.blocks)
-    assert streamer is not None and streamer.copies >= blocks * 1  # >= 1 forward of every block
-    assert all(p.numel() == 0 for p in engines["streamed"].c.dit.blocks[0].mlp.parameters())  # no resident copy
-    assert engines["phased"].streamer is None
+    assert engines["phased"].c.text_encoder is None and engines["phased"].streamer is None  # the encoder was freed
+    warmup = json.loads((out["streamed"] / "a.json").read_text())["extra"]["warmup"]
+    assert warmup["dit_streaming"]["layers"] == 2 and warmup["text_phase"]["streamed"]["layers"] == 2
+
+
+def test_layers_stream_through_two_slots_bit_exactly():
+    """`LayerStreamer` over 3 layers (odd: the wrap-around prefetch lands in the slot the last layer left) and over
+    the tiny DiT's blocks: the same outputs as resident, one copy per layer per forward, no resident copy left."""
+    import copy
+
+    from h3render.block_stream import stream_layers_
+    from h3render.checkpoint.load import build_tiny
+    from h3render.packing import t2va_layout
+
+    torch.manual_seed(0)
+    stack = torch.nn.Sequential(*(torch.nn.Linear(8, 8) for _ in range(3)))
+    x = torch.randn(4, 8)
+    ref = stack(x)
+    streamer = stream_layers_(stack, torch.nn.ModuleList(list(stack)), torch.device("cpu"))
+    for forward in range(3):
+        assert torch.equal(stack(x), ref)
+    # layer 0 on demand once, then each layer's copy ahead of it (the last one's: layer 0 of the next forward)
+    assert streamer.copies == 1 + 3 * 3 and all(p.numel() == 0 for p in stack.parameters())
+    dit = build_tiny(parts=("dit",)).dit
+    layout = t2va_layout(5, 64, 128, 22)
+    tables = dit.modulation_tables(torch.tensor([0.0, 0.5]))
+    args = (torch.randn(layout.video_index.numel(), dit.cfg.video_patch_dim),
+            torch.randn(layout.audio_index.numel(), dit.cfg.audio_in_channels), torch.randn(5, dit.cfg.text_dim),
+            layout, tables, torch.ones(layout.seq_len, dtype=torch.long))
+    ref = dit(*args)
+    streamed = copy.deepcopy(dit)
+    streamer = stream_layers_(streamed, streamed.blocks, torch.device("cpu"), keep=("adaln_proj",))
+    for forward in range(2):
+        got = streamed(*args)
+        assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
+    assert streamer.copies == 1 + 2 * len(dit.blocks)
+    assert streamed.blocks[0].adaln_proj.linear.weight.numel() > 0  # kept: the tables read it
 
 
 def test_a_prompt_that_fails_to_encode_fails_its_job_alone(renders):
@@ -112,6 +145,7 @@ def test_the_sidecar_records_the_plan(renders):
     jsonschema = pytest.importorskip("jsonschema")
     out, _ = renders
     schema = json.loads((REPO / "docs/schema/sidecar.schema.json").read_text())
+    assert "h3render: memory plan streamed bf16: " in out["streamed_cli"].stderr  # the log line of the CLI run
     for plan in ("phased", "streamed"):
         side = json.loads((out[plan] / "a.json").read_text())
         jsonschema.validate(side, schema)
@@ -205,6 +239,8 @@ def test_the_cli_refuses_before_loading(tmp_path):
     assert line.startswith("h3render: error: no memory plan fits 0.0 GB (--max-gpu-memory) for the ") and \
         "the smallest, streamed bf16, needs" in line  # fp32 activations on CPU: no fp8 rung
     assert list(tmp_path.iterdir()) == []
+    line = one_error_line(invoke("prompt", "a cat", "-o", str(tmp_path / "b.mp4"), "--max-gpu-memory", "0"))
+    assert line == "h3render: error: --max-gpu-memory 0.0: GB of device memory, must be > 0"
 
 
 def test_fl2va_presentations_encode_in_a_streamed_text_phase(tmp_path):
@@ -228,3 +264,4 @@ def test_fl2va_presentations_encode_in_a_streamed_text_phase(tmp_path):
     got = store.get(fl2va.text_key(job), CPU.device)
     assert torch.equal(got.states, ref.states) and got.extra.describe() == ref.extra.describe()
     assert record["vision_load_s"] > 0 and record["streamed"]["layers"] == 2 and record["prompts"] == 1
+
