@@ -194,7 +194,8 @@ class Engine:
     def use_memory_plan(self, plan: str, texts=None, text_record: dict[str, Any] | None = None) -> None:
         """Run `plan` ("resident", "phased", "streamed"; `h3render.memplan`) from now on: `texts` is the text
         phase's `text_phase.TextStore` (phased, streamed: the text encoder is not loaded), and "streamed" places the
-        loaded parts (`block_stream.stream_parts`). Recorded in the warm-up (`memory_plan`, `text_phase`, `dit_streaming`)."""
+        loaded parts (`block_stream.stream_parts`). Recorded in the warm-up (`memory_plan`, `text_phase`,
+        `dit_streaming`)."""
         self.texts = texts
         if plan == "streamed":
             from h3render.block_stream import stream_parts

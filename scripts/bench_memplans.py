@@ -11,9 +11,9 @@ of the same precision in the same call.
             peaks, the chooser's expected peak of that plan (`memplan.expected_phases`), the wall ratio to the
             uncapped run of its precision (run `resident:<precision>` first), whether the final latents equal the
             uncapped run's, the streamer's copies and the time one forward's block transfers take alone (with the
-            host-to-device GB/s: what the side stream must hide); an OOM is a row saying so. Then `--memplan-queue` distinct
-            prompts (default 16) through the text phase at each precision: seconds per prompt and the host memory
-            the store holds.
+            host-to-device GB/s: what the side stream must hide); an OOM is a row saying so. Then
+            `--memplan-queue` distinct prompts (default 16) through the text phase at each precision: seconds per
+            prompt and the host memory the store holds.
 
 Random components as in scripts/bench_e2e.py (made on the GPU, streamed through the loader at `precision`); the cap
 is set after the components are built and placed (a streamed plan's blocks copied to pinned host memory), so it
@@ -43,7 +43,8 @@ def add_arguments(p) -> None:
     p.add_argument("--memplan-model", default="released", choices=["released", "tiny", "small"])
     p.add_argument("--memplan-device", default=None, choices=["cuda", "cpu"], help="default: cuda when available")
     p.add_argument("--memplan-canvas", default="1344x768x243", help="memplans: WxHxFRAMES of the rendered job")
-    p.add_argument("--memplan-queue", type=int, default=16, help="memplans: prompts of the queue's text phase (0: none)")
+    p.add_argument("--memplan-queue", type=int, default=16,
+                   help="memplans: prompts of the queue's text phase (0: none)")
     p.add_argument("--memplan-dir", default="/tmp/h3render-memplans", help="memplans: MP4s and sidecars")
 
 
