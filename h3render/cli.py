@@ -56,6 +56,21 @@ def _check(run: RunSettings, info, mode: str | None = None, jobs=None) -> int:
     return world
 
 
+def _plan_memory(run: RunSettings, info, jobs, world: int) -> RunSettings:
+    """The run with its memory plan (`h3render.memplan`: --memory-plan / --max-gpu-memory / the GPU's size),
+    announced in one line (unless a CPU run without a limit stays resident); no plan fits: one line, exit 2,
+    before anything loads."""
+    from h3render.memplan import PlanError, plan_run
+
+    try:
+        run, plan = plan_run(run, info, jobs, world)
+    except PlanError as exc:
+        raise SettingsError(str(exc)) from None
+    if plan is not None and (plan.limit is not None or run.memory_plan != "resident"):
+        _say(plan.log_line())  # a CPU run with no limit runs resident, as always: the sidecar says so
+    return run
+
+
 def _check_writable(folder: Path) -> None:
     if folder.exists() and not folder.is_dir():
         raise SettingsError(f"output folder {folder} is not a directory")
@@ -144,6 +159,7 @@ def _prompt(text: str, output: str, quiet: bool, opts: dict) -> int:
     _say(f"h3render: {job.canvas_note()}, {job.time_note(info.limits())}")
     if job.task == "fl2va":
         _say("h3render: fl2va: " + "; ".join(k.describe() for k in job.keyframes))
+    run = _plan_memory(run, info, [job], world)
     return run_jobs(run, [job], world, info.release.dit.num_attention_heads, quiet=quiet,
                     single=(out, out.with_suffix(".json")))
 
@@ -204,6 +220,7 @@ def _batch(manifest, out_dir, shard, skip_existing, fail_fast, dry_run, quiet, o
                                             current=run.record(), run=run.summary(), limits=info.limits())))
         return EXIT_OK
     world = _check(run, info, jobs=jobs)
+    run = _plan_memory(run, info, jobs, world)
     _check_writable(Path(out_dir))
     prepare_out_dir(out_dir)  # a file or a broken/looping symlink in the way: exit 2 before any rank starts
     queue = Queue(out_dir, shard=shard_spec, overwrite=not skip_existing, fail_fast=fail_fast)

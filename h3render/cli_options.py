@@ -74,6 +74,12 @@ def engine_options(f):
                           "torch SDPA always runs. The sidecar's run.attention says what ran."),
         click.option("--save-latents", is_flag=True, hidden=True,
                      help="Also write <name>.latents.pt (final latents) beside each MP4, for comparing runs."),
+        click.option("--max-gpu-memory", type=float, default=None, metavar="GB",
+                     help="Device memory (GB) the run must fit: picks the memory plan (resident, phased text, fp8, "
+                          "streamed blocks) and caps the allocator there; default: the GPU's own size."),
+        click.option("--memory-plan", type=click.Choice(("auto", "resident", "phased", "streamed")), default=None,
+                     help="Force a memory plan (default auto: the fastest that fits; the log and the sidecar's "
+                          "run.memory say which ran and why)."),
         click.option("--vae-batch", type=click.IntRange(1, 256), default=RunSettings.vae_batch, show_default=True,
                      help="Video VAE work items (window x tile) per decoder forward."),
     ]

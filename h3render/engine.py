@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import sys
 import time
+from contextlib import contextmanager
 from concurrent.futures import Future
 from dataclasses import replace
 from pathlib import Path
@@ -70,6 +71,8 @@ class Engine:
         self.transformer: dict[str, Any] | None = None  # the --transformer file, when the DiT came from one
         self.load_seconds = load_seconds
         self.warmup: dict[str, Any] = {}
+        self.texts = None  # `text_phase.TextStore` of the phased / streamed memory plans (set by `load`)
+        self.streamer = None  # `block_stream.LayerStreamer` of the DiT blocks (streamed plan)
         self._tables: dict[tuple[float, ...], Any] = {}
         self.stager = PinnedFrameStager(num_buffers=8)
         self.audio_decode = ShapeGraphs(components.audio_vae.decode, name="audio VAE decode",
@@ -98,7 +101,7 @@ class Engine:
         self.warmup["dit_partitions"] = {BASE_PARTITION: "resident"}
 
     @classmethod
-    def load(cls, run, ctx: ParallelContext, *, base_jobs_first: bool = False) -> "Engine":
+    def load(cls, run, ctx: ParallelContext, *, base_jobs_first: bool = False, jobs=None) -> "Engine":
         """Load `run.checkpoint` (a path, or "tiny"/"small" for a built-in random model) onto this rank's device,
         in `run.dtype` activations.
 
@@ -119,6 +122,13 @@ class Engine:
         (fusion in place needs its bf16 parameters): the base jobs run a bf16 DiT (announced on stderr) and
         `fuse_student` quantizes the DiT right after fusing, so the fasth3 jobs run FP8.
 
+        `run.memory_plan` (`h3render.memplan`, chosen before the load): "phased" and "streamed" first run the
+        text phase on `jobs` (`text_phase.run_text_phase`: the text encoder alone, every job's text into host
+        memory, the encoder freed), then load the rest without it; "streamed" also keeps the DiT blocks in host
+        memory and streams them (`block_stream`) and brings the video VAE onto the device for decodes only
+        (`vae_on_device`). With --max-gpu-memory on CUDA the allocator is capped there
+        (`torch.cuda.set_per_process_memory_fraction`).
+
         Raises:
             CheckpointError, AdapterError, ValueError: unreadable or mismatched checkpoint / adapter / contract,
                 missing or zero VSA gates, a bundle root without a variant (naming file, field and blocks); a
@@ -134,6 +144,17 @@ class Engine:
         from h3render.checkpoint.load import PARTS, load_components
 
         t0 = time.perf_counter()
+        memory = getattr(run, "memory_plan", "auto")
+        memory = memory if memory in ("phased", "streamed") else "resident"  # "auto" unresolved: as before #27
+        if ctx.device.type == "cuda" and getattr(run, "max_gpu_memory", None):
+            total = torch.cuda.get_device_properties(ctx.device).total_memory
+            torch.cuda.set_per_process_memory_fraction(min(1.0, run.max_gpu_memory * 1e9 / total), ctx.device)
+        texts = text_record = None
+        if memory in ("phased", "streamed"):
+            from h3render.text_phase import run_text_phase
+
+            texts, text_record = run_text_phase(run, ctx.device, list(jobs or []), streamed=memory == "streamed")
+        home = torch.device("cpu") if memory == "streamed" else ctx.device  # streamed: `block_stream.stream_parts`
         info = read_checkpoint_info(checkpoint)
         plan = students.plan_student(checkpoint, info, adapter, variant=run.adapter_variant,
                                      positions=run.fasth3_positions, device=ctx.device)
@@ -141,6 +162,10 @@ class Engine:
             for warning in plan.warnings:
                 print(f"h3render: warning: {warning}", file=sys.stderr)
         deferred = plan.hook if base_jobs_first and adapter is not None else None
+        if deferred is not None and memory == "streamed":
+            # `fuse_student` adds the adapter to the blocks' parameters in place; streamed ones are host copies.
+            raise ValueError("the streamed memory plan cannot render a mixed queue (t2va jobs beside a FastH3 "
+                             "adapter): render the t2va and the fasth3 jobs in two runs")
         if precision == "fp8" and deferred is not None:
             # `fuse_student` adds the adapter to nn.Parameters in place, which FP8 buffers are not: the DiT loads in
             # bf16 (the other parts in fp8) and is quantized right after the fusion.
@@ -148,18 +173,20 @@ class Engine:
                 print("h3render: warning: --precision fp8 with a mixed queue: its t2va jobs run the DiT in bf16 "
                       "(the FastH3 student is fused into bf16 weights, then quantized for the fasth3 jobs)",
                       file=sys.stderr)
-            dit = load_components(checkpoint, ctx.device, dtype, parts=("dit",),
+            dit = load_components(checkpoint, home, dtype, parts=("dit",),
                                        transformer_file=transformer_file).dit
-            rest = tuple(p for p in PARTS if p != "dit")
-            components = load_components(checkpoint, ctx.device, dtype, parts=rest, precision=precision)
+            rest = tuple(p for p in PARTS if p != "dit" and not (texts is not None and p == "text_encoder"))
+            components = load_components(checkpoint, home, dtype, parts=rest, precision=precision)
             components.dit = dit
         else:
-            components = load_components(checkpoint, ctx.device, dtype, transformer_file=transformer_file,
+            parts = tuple(p for p in PARTS if not (texts is not None and p == "text_encoder"))
+            components = load_components(checkpoint, home, dtype, transformer_file=transformer_file, parts=parts,
                                               tensor_hook=None if deferred else plan.hook, precision=precision)
+        engine = cls(components, ctx, run, fasth3=plan.schedule, adapter=plan.sidecar, deferred_fusion=deferred)
+        engine.use_memory_plan(memory, texts, text_record)
         if ctx.device.type == "cuda":
             torch.cuda.synchronize(ctx.device)
-        engine = cls(components, ctx, run, fasth3=plan.schedule, load_seconds=time.perf_counter() - t0,
-                     adapter=plan.sidecar, deferred_fusion=deferred)
+        engine.load_seconds = time.perf_counter() - t0
         engine.student_attention = plan.attention
         if transformer_file is not None:
             # The DiT came from this file, not from the checkpoint folder: the sidecar says so.
@@ -167,6 +194,24 @@ class Engine:
             engine.transformer = {"path": str(Path(transformer_file).resolve()), "bytes": stat.st_size,
                                   "mtime": stat.st_mtime}
         return engine
+
+    def use_memory_plan(self, plan: str, texts=None, text_record: dict[str, Any] | None = None) -> None:
+        """Run `plan` ("resident", "phased", "streamed"; `h3render.memplan`) from now on: `texts` is the text
+        phase's `text_phase.TextStore` (phased, streamed: the text encoder is not loaded), and "streamed" places the
+        loaded parts (`block_stream.stream_parts`). Recorded in the warm-up (`memory_plan`, `text_phase`,
+        `dit_streaming`)."""
+        self.texts = texts
+        if plan == "streamed":
+            from h3render.block_stream import stream_parts
+
+            self.streamer = stream_parts(self.c, self.device)
+        else:
+            self.streamer = None
+        self.warmup["memory_plan"] = plan
+        if text_record is not None:
+            self.warmup["text_phase"] = text_record
+        if self.streamer is not None:
+            self.warmup["dit_streaming"] = self.streamer.record()
 
     # -- one job ------------------------------------------------------------------------------------------------
 
@@ -288,21 +333,38 @@ class Engine:
         Raises:
             CheckpointError: the checkpoint has no vision tower config or no processor config.
         """
-        te = self.c.text_encoder
-        if te.has_vision and te.image_processor is not None:
+        from h3render.text_phase import ensure_vision
+
+        ensure_vision(self, timer)
+
+    def encoded_text(self, job, timer):
+        """The job's text conditioning (`tasks.base.Encoded`, states on this device), timed as stage `text_encode`:
+        from the text phase's store in the phased / streamed plans, else encoded now by the job's task.
+
+        Raises:
+            RenderError: its prompt failed to encode in the text phase (that job fails alone).
+            ValueError: the task's own encode errors (an empty prompt).
+        """
+        task = task_of(job)
+        with timer.stage("text_encode"):
+            if self.texts is not None:
+                return self.texts.get(task.text_key(job), self.device)
+            return task.encode_text(self, job)
+
+    @contextmanager
+    def vae_on_device(self):
+        """The video VAE on the device for the block inside: the streamed plan keeps it in host memory between
+        decodes (5.6 GB at release); in the other plans it is always there and this does nothing."""
+        vae = self.c.video_vae
+        if self.streamer is None or self.device.type != "cuda":
+            yield
             return
-        from contextlib import nullcontext
-
-        from h3render.checkpoint.load import load_vision
-
-        t0 = time.perf_counter()
-        with timer.warmup("vision_load") if timer is not None else nullcontext():
-            tower, processor = load_vision(self.c.info, self.device, te.embed_tokens.weight.dtype)
-        if tower.config.out_hidden_size != te.text_dim:
-            raise RenderError(f"vision tower out_hidden_size {tower.config.out_hidden_size} is not the text width "
-                              f"{te.text_dim}")
-        te.visual, te.image_processor = tower, processor
-        self.warmup["vision_load_s"] = time.perf_counter() - t0
+        vae.to(self.device)
+        try:
+            yield
+        finally:
+            vae.to("cpu")
+            torch.cuda.empty_cache()
 
     def decode_audio(self, latent: torch.Tensor, timer) -> tuple[torch.Tensor | None, dict[str, Any]]:
         """Audio latent `[2, 32, Ta]` -> (waveform `[2, Ta * 800]` float32 on the rank that decodes audio, else None;
@@ -367,7 +429,8 @@ class Engine:
             for job in firsts.values():
                 self._warm_task(job)
         if self.device.type == "cuda" and jobs:
-            self._warm_vae(jobs)
+            with self.vae_on_device():
+                self._warm_vae(jobs)
             if self.plan.decodes_audio and "audio_activations" not in self.warmup:
                 self._choose_audio_activations()
         lengths = sorted({spec.audio_latents(j.frames) for j in jobs} - self._audio_lengths)

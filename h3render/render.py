@@ -91,7 +91,7 @@ def render_windows(engine, job, windows: Sequence, mp4_path: Path, sidecar_path:
             schedule = engine.schedule(window)  # a mixed queue's first fasth3 job fuses (and, fp8, quantizes) the DiT
             # What each component computes in, read now: the sidecar is written on the writer's thread, by when the
             # next job may have fused and quantized the DiT.
-            precision = precision or precision_report(engine.c)
+            precision = precision or _precision_report(engine)
             with progress.stage(label, task_of(window).ENCODE_STAGE):
                 prepared = task_of(window).prepare(engine, window, timer)
             latents = generate(engine, window, prepared, schedule, timer, progress, label)
@@ -100,7 +100,8 @@ def render_windows(engine, job, windows: Sequence, mp4_path: Path, sidecar_path:
                 _save_latents(mp4_path, i, latents)
             first = first or latents
             t1 = timer.now() - t_start
-            deliver(engine, window, latents, sink, timer)
+            with engine.vae_on_device():  # the streamed memory plan keeps the video VAE off the device till now
+                deliver(engine, window, latents, sink, timer)
             records.append({"index": i, "frames": window.frames, "seed": window.seed, "task": window.task,
                             "sigmas": latents.schedule.to_dict(), "started_s": t0, "generated_s": t1,
                             "delivered_s": timer.now() - t_start, **latents.record})
@@ -296,7 +297,9 @@ def run_facts(engine, mp4_path: Path, started_at: str, components: dict[str, str
         # The VAE decoder runs the process-wide choice until prepare() measures its own shape (auto only).
         vae_attention = str(engine.warmup.get("vae_attention_backend", dit_attention))
     c = engine.c
-    dtypes = {"dit": str(c.dit.dtype).removeprefix("torch."), "text_encoder": _main_dtype(c.text_encoder),
+    text_phase = engine.warmup.get("text_phase", {})  # phased / streamed plans: the encoder is freed by now
+    te_dtype = _main_dtype(c.text_encoder) if c.text_encoder is not None else text_phase.get("dtype", "none")
+    dtypes = {"dit": str(c.dit.dtype).removeprefix("torch."), "text_encoder": te_dtype,
               "video_vae": _main_dtype(c.video_vae), "audio_vae": _main_dtype(c.audio_vae),
               "float32_matmul": torch.get_float32_matmul_precision()}
     return {"output": str(Path(mp4_path).resolve()), "started_at": started_at, "argv": list(sys.argv),
@@ -304,7 +307,27 @@ def run_facts(engine, mp4_path: Path, started_at: str, components: dict[str, str
             "dtype": dtypes["dit"], "dtypes": dtypes, "precision": engine.precision,
             "precision_components": dict(components),
             "attention": {"requested": requested, "dit": dit_attention, "vae": vae_attention},
-            "encoder": {"crf": engine.settings.crf, "x264_preset": engine.settings.x264_preset}}
+            "encoder": {"crf": engine.settings.crf, "x264_preset": engine.settings.x264_preset},
+            "memory": _memory_facts(engine)}
+
+
+def _precision_report(engine) -> dict[str, str]:
+    """`models.fp8.precision_report` of the engine's parts; the text encoder's from the text phase when freed."""
+    report = precision_report(engine.c)
+    text_phase = engine.warmup.get("text_phase")
+    if "text_encoder" not in report and text_phase is not None:
+        report["text_encoder"] = text_phase["precision"]
+    return {k: report[k] for k in ("dit_blocks", "dit_other", "text_encoder", "video_vae", "audio_vae") if k in report}
+
+
+def _memory_facts(engine) -> dict[str, Any]:
+    """The sidecar's `run.memory` (docs/sidecar.md): the plan that ran, why, and its expected peaks
+    (`memplan.MemoryPlan.record`, chosen before the load); just the plan for an engine built without the chooser."""
+    chosen = getattr(engine.settings, "memory", None)
+    facts = dict(chosen) if chosen else {"plan": engine.warmup.get("memory_plan", "resident"),
+                                         "precision": engine.precision}
+    facts["plan"] = engine.warmup.get("memory_plan", facts["plan"])
+    return facts
 
 
 def _main_dtype(module: torch.nn.Module) -> str:

@@ -97,7 +97,7 @@ def _rank_main(run: RunSettings, jobs: list, heads: int, quiet: bool, single, qu
         # A queue with t2va jobs beside a student adapter renders them on the base weights first, then fuses the
         # student once (Engine.fuse_student) for the fasth3 jobs.
         base_first = run.adapter is not None and any(j.mode == "t2va" for j in jobs)
-        engine = Engine.load(run, ctx, base_jobs_first=base_first)
+        engine = Engine.load(run, ctx, base_jobs_first=base_first, jobs=_to_render(jobs, queue))
         engine.prepare(distinct_setups(jobs))
         return engine
 
@@ -161,6 +161,17 @@ def _render_single(factory, job, mp4: Path, sidecar: Path) -> int:
         return EXIT_FAILED
     print(f"h3render: wrote {mp4} and {sidecar} in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
     return EXIT_OK
+
+
+def _to_render(jobs, queue: Queue | None) -> list:
+    """The jobs the queue will render (resume: finished, current ones left out), for the text phase of the phased
+    and streamed memory plans, which encodes only those."""
+    if queue is None:
+        return list(jobs)
+    from h3render.outputs import output_paths, render_reason
+
+    out = Path(queue.out_dir)
+    return [j for j in jobs if render_reason(j, *output_paths(out, j), overwrite=queue.overwrite) is not None]
 
 
 def distinct_setups(jobs):

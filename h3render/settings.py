@@ -60,6 +60,13 @@ class RunSettings:
             (h3render/graphs.py).
         save_latents: also write the final latents (`<name>.latents.pt`: video `[24, T, h, w]`, audio
             `[2, 32, Ta]`, float32) beside the MP4, for comparing runs (e.g. 1 vs N GPUs).
+        memory_plan: "auto" (chosen from the GPU's memory, `h3render.memplan`), "resident", "phased" or
+            "streamed"; after `memplan.plan_run` the plan that runs.
+        max_gpu_memory: --max-gpu-memory, GB (1e9 bytes) of device memory the plan must fit (CUDA: the allocator
+            is capped there too); None: the device's own size.
+        precision_given: --precision was given, or a manifest's defaults set fp8 (the chooser keeps it; else it
+            may pick fp8 when bf16 does not fit; a manifest stating bf16 is not told apart from the default).
+        memory: the chosen plan's record for the sidecar's `run.memory` (`MemoryPlan.record`), or None.
         precision_from: where a manifest set the precision (its path), for the refusal's message; None otherwise.
         progress, step_bar_position: UI, not run settings (never recorded or compared): each job's stage
             progress, a `h3render.progress.Progress` (bars on a terminal, lines in a log), or True for tqdm bars at
@@ -84,6 +91,10 @@ class RunSettings:
     compile_vae: bool = True
     graph_audio: bool = True
     save_latents: bool = False
+    memory_plan: str = "auto"
+    max_gpu_memory: float | None = None
+    precision_given: bool = field(default=False, compare=False)
+    memory: dict | None = field(default=None, compare=False)
     precision_from: str | None = field(default=None, compare=False)
     progress: Any = field(default=True, compare=False)  # bool | h3render.progress.Progress
     step_bar_position: int = field(default=1, compare=False)
@@ -116,7 +127,8 @@ class RunSettings:
         if cli.get("precision") is None and m is not None and precision != cls.precision:
             precision_from = str(m.path)  # only the defaults can set another precision than the default
         given = {name: cli[name] for name in ("gpus", "attention", "crf", "x264_preset", "vae_batch", "compile_vae",
-                                              "graph_audio", "save_latents") if cli.get(name) is not None}
+                                              "graph_audio", "save_latents", "memory_plan", "max_gpu_memory")
+                 if cli.get(name) is not None}
         adapter = pick("adapter", m and m.adapter)
         return cls(checkpoint=checkpoint,
                    checkpoint_path=None if info is None else info.recorded_path,
@@ -126,6 +138,7 @@ class RunSettings:
                    adapter_variant=pick("adapter_variant", m and m.adapter_variant),
                    fasth3_positions=pick("fasth3_positions", m and m.fasth3_positions),
                    precision=precision, precision_from=precision_from, dtype=cli.get("dtype"),
+                   precision_given=cli.get("precision") is not None or precision_from is not None,
                    device=resolve_device(cli.get("device")), **given)
 
     # -- check --------------------------------------------------------------------------------------------------
@@ -154,6 +167,8 @@ class RunSettings:
             raise SettingsError(f"--crf {problem}")
         if self.vae_batch < 1:
             raise SettingsError(f"--vae-batch {self.vae_batch}: must be >= 1")
+        if self.max_gpu_memory is not None and not self.max_gpu_memory > 0:
+            raise SettingsError(f"--max-gpu-memory {self.max_gpu_memory}: GB of device memory, must be > 0")
         if self.dtype not in DTYPES or self.device not in DEVICES:
             raise SettingsError(f"--dtype {self.dtype} / --device {self.device}: one of {DTYPES} / {DEVICES}")
         usage(check_x264_preset, self.x264_preset)

@@ -45,6 +45,10 @@ Stages (`--stages`, comma-separated):
             keyframes, their VAE encode, the text encoder's longer presentation, one DiT forward with the +2,016
             condition rows vs without, summed for --fl2va-forwards forwards; `--fl2va-model tiny --fl2va-device
             cpu --fl2va-canvas 224x128x39` is the CPU smoke run
+  memplans  issue 27 (scripts/bench_memplans.py): the memory plans (resident / phased text / streamed blocks, bf16 /
+            fp8) on one GPU capped by set_per_process_memory_fraction, the allocator's peak, the wall against the
+            uncapped resident run of the same call; the text phase of a --memplan-queue-job queue; `--memplan-model
+            tiny --memplan-device cpu --memplan-canvas 128x64x22 --forwards 1` is the CPU smoke run
   batch     queue throughput on 1 GPU: --batch-jobs jobs of --forwards DiT forwards at --batch-canvas through
             `run_batch` with one resident Engine (each job's MP4 tail beside the next job's start). Warm-up
             (prepare, and one untimed job of the queue's shape for Triton JIT / first-call costs) is outside the
@@ -115,6 +119,13 @@ def stage_fp8_memory(args) -> None:
     bench_e2e.stage_memory(args, bench_common)
 
 
+def stage_memplans(args) -> None:
+    """The memory plans capped on one GPU (scripts/bench_memplans.py, issue #27)."""
+    import bench_memplans
+
+    bench_memplans.stage_memplans(args, bench_common)
+
+
 def stage_fl2va(args) -> None:
     """fl2va's extra cost over t2va (scripts/bench_fl2va.py)."""
     import bench_fl2va
@@ -147,7 +158,7 @@ def stage_te_fp8(args) -> None:
 STAGES = {f.__name__: f for f in (
     stage_ceil, stage_attn, stage_kernels, stage_dit, stage_vae, stage_audio, stage_te, stage_ulysses, stage_vsa,
     stage_prof, stage_compare, stage_e2e, stage_fp8_gemm, stage_fp8_quant, stage_fp8_dit, stage_fp8_memory,
-    stage_fl2va, stage_batch, stage_media, stage_tables, stage_te_fp8, stage_vae_fp8)}
+    stage_fl2va, stage_batch, stage_media, stage_tables, stage_te_fp8, stage_vae_fp8, stage_memplans)}
 
 
 def main() -> None:
@@ -199,12 +210,14 @@ def main() -> None:
     import bench_e2e  # scripts/ is sys.path[0] when run as a script
     import bench_fp8
     import bench_prepare
+    import bench_memplans
     import bench_vae_fp8
 
     bench_fp8.add_arguments(p)
     bench_prepare.add_arguments(p)
     bench_vae_fp8.add_arguments(p)
     bench_e2e.add_arguments(p)
+    bench_memplans.add_arguments(p)
     args = p.parse_args()
     args.vae_batches = [int(x) for x in args.vae_batches.split(",")]
     args.ulysses_chunks = [int(x) for x in args.ulysses_chunks.split(",")]

@@ -16,6 +16,8 @@ ENCODE_STAGE = "text encode"
 FEW_STEP = True
 PARTITION = t2va.PARTITION
 timesteps = t2va.timesteps
+text_key = t2va.text_key  # the prompt alone conditions it, as t2va
+encode_text = t2va.encode_text
 calls: list[str] = []  # what the job path asked of this task, in order
 
 

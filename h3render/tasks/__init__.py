@@ -7,7 +7,11 @@ A task module has:
     FEW_STEP       whether the FastH3 few-step students can render it (they are t2va students)
     PARTITION      the checkpoint's DiT partition it runs (`base.BASE_PARTITION`; ref2va: "transformer_ref")
     timesteps(schedule) -> [K] float32   every distinct timestep its forwards see (the AdaLN tables' rows)
-    prepare(engine, job, timer) -> Prepared   text rows, layout, noise, condition rows, sidecar record
+    text_key(job) -> hashable        what its text conditioning depends on (equal keys share one encode)
+    encode_text(host, job) -> Encoded   its text conditioning on `host.c.text_encoder` (the engine, or
+                                    `text_phase.TextHost` in the phased memory plans' text phase, issue #27)
+    prepare(engine, job, timer) -> Prepared   text rows (`engine.encoded_text(job, timer)`), layout, noise,
+                                    condition rows, sidecar record
     warm_job(job) -> Job            the cheap job (same canvas, shortest clip) the engine's warm-up runs the task's
                                     own `prepare` and one DiT forward on, so first-call costs stay out of job timings
 

@@ -16,6 +16,16 @@ BASE_PARTITION = "transformer"
 
 
 @dataclass(eq=False)
+class Encoded:
+    """A job's text conditioning from its task's `encode_text`: `states` `[N, text_dim]` (text-encoder dtype) and
+    what the task keeps beside them (fl2va: the `Presentation`; t2va: None). Held in host memory between the text
+    phase and the job in the phased memory plans (`h3render.text_phase`)."""
+
+    states: torch.Tensor
+    extra: Any = None
+
+
+@dataclass(eq=False)
 class Prepared:
     """One job's (or one window's) inputs to the denoising loop, on the engine's device.
 

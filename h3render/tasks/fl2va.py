@@ -28,7 +28,7 @@ from h3render.errors import RenderError
 from h3render.keyframes import keyframe_pixels, load_keyframe, prepare_keyframes
 from h3render.packing import fl2va_layout, noise_keyframes, patchify_video
 from h3render.sampling import Schedule, draw_noise, schedule_timesteps
-from h3render.tasks.base import BASE_PARTITION, Prepared
+from h3render.tasks.base import BASE_PARTITION, Encoded, Prepared
 
 NAME = "fl2va"
 ENCODE_STAGE = "text + keyframes encode"
@@ -73,18 +73,12 @@ def prepare(engine, job, timer) -> Prepared:
         CheckpointError: the checkpoint has no vision tower or processor config (`Engine.ensure_vision`).
     """
     c, dev = engine.c, engine.device
-    engine.ensure_vision(timer)
-    try:
-        loaded = read_job_keyframes(job)
-    except ValueError as exc:
-        raise RenderError(f"job {job.output!r}: {exc}") from None
-    limits = c.info.release
-    prepared = prepare_keyframes(loaded["first"], loaded["last"], job.width, job.height,
-                                 short_edge=limits.canvas_short_edge, max_pixels=limits.canvas_max_pixels)
-    with timer.stage("text_encode"):
-        text, presentation = c.text_encoder.encode_presentation(job.prompt, prepared.images)
-        text = text.to(dev)  # [N, text_dim]
-    with timer.stage("vae_encode"):
+    if c.text_encoder is not None:  # resident: the vision tower's first load is this job's warm-up, timed apart
+        engine.ensure_vision(timer)
+    prepared = _keyframes(engine, job)
+    encoded = engine.encoded_text(job, timer)  # encoded now, or in the text phase
+    text, presentation = encoded.states, encoded.extra  # [N, text_dim]
+    with timer.stage("vae_encode"), engine.vae_on_device():
         latents = [c.video_vae.encode_condition(keyframe_pixels(image).to(dev)) for image in prepared.images]
     layout = fl2va_layout(presentation.tags, prepared.height, prepared.width, job.frames, prepared.anchors).to(dev)
     generator = torch.Generator("cpu").manual_seed(job.seed)
@@ -101,6 +95,40 @@ def prepare(engine, job, timer) -> Prepared:
     return Prepared(text=text, layout=layout, output_layout=layout.target_layout(),
                     video_rows=patchify_video(video_noise[0]).to(dev), audio_rows=audio_rows.to(dev),
                     condition_rows=rows, record={"fl2va": record})
+
+
+def _keyframes(host, job):
+    """The job's keyframes re-read, checked and put onto its canvas (`keyframes.prepare_keyframes`).
+
+    Raises:
+        RenderError: a keyframe changed since validation or can no longer be read.
+    """
+    try:
+        loaded = read_job_keyframes(job)
+    except ValueError as exc:
+        raise RenderError(f"job {job.output!r}: {exc}") from None
+    limits = host.c.info.release
+    return prepare_keyframes(loaded["first"], loaded["last"], job.width, job.height,
+                             short_edge=limits.canvas_short_edge, max_pixels=limits.canvas_max_pixels)
+
+
+def text_key(job):
+    """What the presentation's encoding depends on: the prompt, the keyframes' content and anchors, the canvas."""
+    return (NAME, job.prompt, tuple((ref.anchor, ref.sha256) for ref in job.keyframes), job.width, job.height)
+
+
+def encode_text(host, job) -> Encoded:
+    """Step 2 of the module docstring on `host` (the engine, or `text_phase.TextHost`): the presentation's states
+    `[N, text_dim]` on its device, with the `Presentation` as `extra`. Loads the vision tower first if needed.
+
+    Raises:
+        RenderError: a keyframe changed since validation or can no longer be read.
+        CheckpointError: the checkpoint has no vision tower or processor config.
+    """
+    host.ensure_vision(None)
+    prepared = _keyframes(host, job)
+    text, presentation = host.c.text_encoder.encode_presentation(job.prompt, prepared.images)
+    return Encoded(text, presentation)
 
 
 def warm_job(job):

@@ -10,7 +10,7 @@ import torch
 from h3render.packing import patchify_video, t2va_layout
 from h3render.sampling import Schedule, draw_noise, schedule_timesteps
 from h3render.spec import FRAMES_REMAINDER
-from h3render.tasks.base import BASE_PARTITION, Prepared
+from h3render.tasks.base import BASE_PARTITION, Encoded, Prepared
 
 NAME = "t2va"
 ENCODE_STAGE = "text encode"  # the progress line of `prepare`
@@ -33,12 +33,25 @@ def prepare(engine, job, timer) -> Prepared:
         timer: `h3render.timing.StageTimer` of the job.
     """
     dev = engine.device
-    with timer.stage("text_encode"):
-        text = engine.c.text_encoder.encode(job.prompt).to(dev)  # [Nt, text_dim]
+    text = engine.encoded_text(job, timer).states  # [Nt, text_dim]: encoded now, or in the text phase
     layout = t2va_layout(text.shape[0], job.height, job.width, job.frames).to(dev)
     video_noise, audio_rows = draw_noise(job.seed, layout)  # CPU generator, as released
     return Prepared(text=text, layout=layout, output_layout=layout, video_rows=patchify_video(video_noise[0]).to(dev),
                     audio_rows=audio_rows.to(dev))
+
+
+def text_key(job):
+    """What the encoding depends on (jobs with equal keys share one encode in the text phase)."""
+    return (NAME, job.prompt)
+
+
+def encode_text(host, job) -> Encoded:
+    """The prompt's text-encoder states `[Nt, text_dim]` on `host`'s device (`host.c.text_encoder`).
+
+    Raises:
+        ValueError: an empty prompt or one with no tokens (`TextEncoder.tokenize`).
+    """
+    return Encoded(host.c.text_encoder.encode(job.prompt))
 
 
 def warm_job(job):

@@ -11,7 +11,7 @@ layer  name            modules (and why they sit there)
                        job_keyframes, batch, report, locks, signals: torch-free on import (manifest lines to `Job`s and run
                        settings, the batch loop); they reach the job path's torch modules only inside functions.
   6    job path        engine, adaln_cache, render, tasks/, sidecar, keyframes, media, staging, colour, graphs, timing, outputs,
-                       progress, parallel/: what renders one job (torch, PyAV, process groups). sidecar (the
+                       progress, parallel/, memplan, text_phase, block_stream: what renders one job (torch, PyAV, process groups). sidecar (the
                        sidecar's format, its write, read and compare), outputs (a job's file paths, the resume
                        check) and progress (the denoise loop's step display) are torch-free themselves: the front
                        end imports them at load, and the job path may too.
@@ -56,7 +56,7 @@ LAYERS: dict[int, tuple[str, ...]] = {
     6: ("h3render.engine", "h3render.adaln_cache", "h3render.render", "h3render.tasks", "h3render.tasks.*", "h3render.sidecar",
         "h3render.keyframes", "h3render.media", "h3render.soundtrack", "h3render.staging", "h3render.colour",
         "h3render.graphs", "h3render.timing", "h3render.outputs", "h3render.progress", "h3render.parallel",
-        "h3render.parallel.*"),
+        "h3render.parallel.*", "h3render.memplan", "h3render.text_phase", "h3render.block_stream"),
     5: ("h3render.make_checkpoint", "h3render.make_checkpoint.*"),
     4: ("h3render.checkpoint", "h3render.checkpoint.*"),
     3: ("h3render.sampling",),
