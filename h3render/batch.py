@@ -516,7 +516,7 @@ class _Attempt:
         try:
             real = folder.resolve()
         except (OSError, RuntimeError) as exc:  # RuntimeError: a symlink loop, before Python 3.13
-            raise JobPathError(f"{folder}: cannot resolve the job's folder: {exc}") from None
+            raise JobPathError(f"{folder}: cannot resolve the job's folder: {exc}") from exc
         if real != queue.out_real and queue.out_real not in real.parents:
             raise JobPathError(f"{folder}: the job's folder leads out of the out dir {queue.out_dir} (it resolves "
                                f"to {real}: a symlinked folder); nothing is written outside the out dir")
@@ -526,7 +526,8 @@ class _Attempt:
         try:
             folder.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
-            raise JobPathError(f"cannot create the job's folder {folder}: {exc.strerror or exc}") from None
+            # `from exc`: the report's traceback keeps the system call's own error (errno, path) as its cause
+            raise JobPathError(f"cannot create the job's folder {folder}: {exc.strerror or exc}") from exc
         for final in (self.mp4, self.sidecar):  # found before the render, not by the rename after it
             if final.is_dir():
                 raise JobPathError(f"{final}: a folder stands at the job's output name; nothing can be written there")

@@ -55,6 +55,27 @@ def test_an_unwritable_job_folder_fails_that_job_only(tmp_path, monkeypatch):
     assert str(tmp_path / "ro/a.lock") in report.jobs[0].error and "Permission denied" in report.jobs[0].error
 
 
+def test_a_job_folder_fault_is_recorded_with_its_traceback_and_cause(tmp_path, monkeypatch):
+    """A job whose folder cannot be made is recorded as any failed job is: its error and a traceback that keeps the
+    system call's own error as the cause (the JobPathError used to drop it: `from None`)."""
+    real_mkdir = Path.mkdir
+
+    def mkdir(self, *args, **kw):
+        if self.name == "ro":
+            raise PermissionError(errno.EACCES, "Permission denied", str(self))
+        return real_mkdir(self, *args, **kw)
+
+    monkeypatch.setattr(Path, "mkdir", mkdir)
+    jobs = [FakeJob("a", "p", 0, "ro/a"), FakeJob("b", "q", 1, "b")]
+    report = run_batch(jobs, Factory(FakeRenderer()), tmp_path, progress=False)
+    assert statuses(report) == ["failed", "succeeded"]
+    recorded = read_report(tmp_path)["jobs"][0]
+    assert recorded["error"] == f"JobPathError: cannot create the job's folder {tmp_path / 'ro'}: Permission denied"
+    tb = recorded["traceback"]
+    assert f"PermissionError: [Errno 13] Permission denied: '{tmp_path / 'ro'}'" in tb, tb
+    assert "direct cause" in tb and tb.rstrip().splitlines()[-1].startswith("h3render.outputs.JobPathError: "), tb
+
+
 @pytest.mark.skipif(os.geteuid() == 0, reason="root ignores the folder's mode bits; the injected case covers it")
 def test_a_read_only_job_folder_fails_that_job_only(tmp_path):
     (tmp_path / "ro").mkdir()
