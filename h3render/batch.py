@@ -348,9 +348,10 @@ class _Queue:
             busy = attempt.claim(self)
             if busy is not None:
                 outcome.status, outcome.error = ELSEWHERE, f"in progress elsewhere ({busy})"
+                self.current = self.attempt = None
+                self.wait_tails()  # its line after those of the jobs started before it
                 self.log.line(f"job {i + 1}/{len(self.jobs)} {_name(outcome)}: in progress elsewhere ({busy}); "
                               f"moving on")
-                self.current = self.attempt = None
                 self.record(i)
                 return True
             # Under the lock: another queue may have finished the job since `start` looked.
@@ -359,6 +360,7 @@ class _Queue:
                 attempt.release()
                 outcome.status = SKIPPED
                 self.current = self.attempt = None
+                self.wait_tails()
                 self.log.skipped_late(i, len(self.jobs), outcome)
                 self.record(i)
                 return True
@@ -387,6 +389,9 @@ class _Queue:
             attempt.release()
             outcome.seconds = time.perf_counter() - t0
             _release_memory()  # the cycles a failed job's traceback left hold its tensors
+            # The job lines come out in render order: a job that fails before its tail waits for the tails of the
+            # jobs started before it (their lines are printed when they end, on the writer's thread).
+            self.wait_tails()
             self._job_done(i)
             return True
         recorded = threading.Event()
