@@ -16,7 +16,8 @@ and the job tried once more (finished by the holder: ``skipped``, success here t
 a dead holder's lock is free again, so a later run picks the job up. Every temp name of a job is written only
 under that lock, so the stale-temp sweep (under the lock, also for skipped jobs) removes only what a dead process
 left. The report belongs to one process: the first queue holds ``batch-report.json.lock``; a second queue on the
-same report name writes ``batch-report.<host>-<pid>.json`` instead, so each report says what its process did.
+same report name writes ``batch-report.<host>-<pid>.json`` instead, so each report says what its process did; a
+report an earlier (ended) queue left is kept under its start time (`report.keep_earlier_report`), never replaced.
 
 Exit codes (``BatchReport.exit_code``; the CLI exits with it):
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import gc
 import json
 import os
+import re
 import signal
 import sys
 import threading
@@ -87,6 +88,12 @@ def read_report(out: Path, name: str = "batch-report.json") -> dict:
 
 def files_under(out: Path) -> set[str]:
     return {p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file()}
+
+
+def kept_reports(out: Path) -> set[str]:
+    """The earlier queues' reports, kept under their start times (`report.keep_earlier_report`)."""
+    dated = re.compile(r"batch-report\.\d{8}T\d{6}Z(-\d+)?\.json")
+    return {p.name for p in out.glob("batch-report.*.json") if dated.fullmatch(p.name)}
 
 
 def test_all_succeed_and_report_lists_every_job(tmp_path):
