@@ -31,18 +31,10 @@ from h3render.signals import ProcessGuard, signal_name, signum_of
 
 def _say(message: str) -> None:
     """Print on the launcher's rank 0 only (under torchrun/srun every rank parses the command line)."""
-    from h3render.parallel.groups import launcher_env
+    from h3render.parallel.launcher import launcher_env  # torch-free: an error line prints at once
 
     if launcher_env()[0] == 0:
         print(message, file=sys.stderr)
-
-
-def _checkpoint(given: str | None) -> str:
-    """--checkpoint, $H3RENDER_CHECKPOINT or the built-in tiny model (announced)."""
-    checkpoint, notice = resolve_checkpoint(given, os.environ)
-    if notice:
-        _say(notice)
-    return checkpoint
 
 
 def _check(run: RunSettings, info, mode: str | None = None, jobs=None) -> int:
@@ -106,7 +98,8 @@ def cli(ctx: click.Context) -> None:
 @cli.command("prompt", short_help="Render one prompt to an MP4 and its JSON sidecar.")
 @click.argument("text")
 @click.option("-o", "--output", required=True, help="Output .mp4 path (sidecar: same name, .json).")
-@click.option("--quiet", is_flag=True, help="No stage progress (bars on a terminal, else a line per stage).")
+@click.option("--quiet", is_flag=True, help="Print only warnings and errors: no notices, plan line, progress or "
+                                            "final line.")
 @click.option("--first-frame", default=None, help="fl2va: image (PNG/JPEG/WebP) the video starts from.")
 @click.option("--last-frame", default=None, help="fl2va: image (PNG/JPEG/WebP) the video ends on.")
 @canvas_time_options
@@ -130,20 +123,24 @@ def _prompt(text: str, output: str, quiet: bool, opts: dict) -> int:
         if final.is_dir():
             raise SettingsError(f"output {final} is a folder; nothing can be written there")
     _check_writable(out.parent if str(out.parent) else Path("."))
-    checkpoint = _checkpoint(opts["checkpoint"])
+    # The checks that need no torch come first (option values and files, the checkpoint's configs, the job's
+    # fields and keyframes), so a typo answers at once; then the device and the weights' headers.
+    checkpoint, notice = resolve_checkpoint(opts["checkpoint"], os.environ)
     mode, note = prompt_mode(opts["mode"], opts["adapter"])
-    if note:
-        _say(note)
     info = checkpoint_info(checkpoint)
-    run = RunSettings.resolve(opts, checkpoint=checkpoint, info=info)
-    world = _check(run, info, mode=mode)
+    RunSettings.check_options(opts, info)
     fields = {k: opts[k] for k in ("preset", "aspect", "width", "height", "duration", "frames", "steps", "seed",
                                    "first_frame", "last_frame")}
     fields.update(prompt=text, output=out.stem, mode=mode)
     job = job_from_fields(fields, info.limits())
-    _say(f"h3render: {job.canvas_note()}, {job.time_note(info.limits())}")
-    if job.task == "fl2va":
-        _say("h3render: fl2va: " + "; ".join(k.describe() for k in job.keyframes))
+    run = RunSettings.resolve(opts, checkpoint=checkpoint, info=info)
+    world = _check(run, info, mode=mode)
+    if not quiet:  # checked: the run renders, and these say what it renders (never before an unrelated error)
+        for line in (notice, note, f"h3render: {job.canvas_note()}, {job.time_note(info.limits())}"):
+            if line:
+                _say(line)
+        if job.task == "fl2va":
+            _say("h3render: fl2va: " + "; ".join(k.describe() for k in job.keyframes))
     return run_jobs(run, [job], world, info.release.dit.num_attention_heads, quiet=quiet,
                     single=(out, out.with_suffix(".json")))
 
@@ -185,27 +182,34 @@ def batch_command(manifest, out_dir, shard, skip_existing, fail_fast, dry_run, q
 
 
 def _batch(manifest, out_dir, shard, skip_existing, fail_fast, dry_run, quiet, opts) -> int:
-    checkpoint = _checkpoint(opts["checkpoint"])
+    # As `_prompt`: the torch-free checks (options, files, the checkpoint's configs, the manifest) first.
+    checkpoint, notice = resolve_checkpoint(opts["checkpoint"], os.environ)
     info = checkpoint_info(checkpoint)
+    RunSettings.check_options(opts, info)
     # Command-line defaults, passed like --mode: read_manifest applies them below each job's own fields.
     overrides = {k: opts[k] for k in ("mode", "seed", "steps", "preset")}
     student = opts["adapter"] is not None or has_v2_contract(checkpoint)  # else fasth3 jobs are manifest errors
     m = read_manifest(manifest, info.limits(), overrides, adapter_available=student, precision=opts["precision"])
-    run = RunSettings.resolve(opts, checkpoint=checkpoint, info=info, manifest=m)
     try:
         shard_spec = parse_shard(shard) if shard else shard_from_slurm(os.environ)
     except ValueError as exc:
         raise SettingsError(str(exc)) from None
     jobs = m.jobs if shard_spec is None else shard_jobs(m.jobs, *shard_spec)
+    if not dry_run:
+        _check_writable(Path(out_dir))
+    run = RunSettings.resolve(opts, checkpoint=checkpoint, info=info, manifest=m)
     if dry_run:
         for line in run.check(info, jobs=jobs):  # against the dtype only: nothing is created
             _say(line)
+        if notice:  # what the run would render with, once the plan holds
+            _say(notice)
         print("\n".join(jobs_mod.plan_lines(jobs, Path(out_dir), overwrite=not skip_existing,
                                             current=run.record(), run=run.summary(), limits=info.limits())))
         return EXIT_OK
     world = _check(run, info, jobs=jobs)
-    _check_writable(Path(out_dir))
     prepare_out_dir(out_dir)  # a file or a broken/looping symlink in the way: exit 2 before any rank starts
+    if notice:  # checked: the queue runs
+        _say(notice)
     queue = Queue(out_dir, shard=shard_spec, overwrite=not skip_existing, fail_fast=fail_fast)
     return run_jobs(run, jobs, world, info.release.dit.num_attention_heads, quiet=quiet, queue=queue)
 
@@ -219,7 +223,11 @@ def presets_command(checkpoint) -> None:
     """List the canvas presets with canvas, frames and packed row counts, for the checkpoint `prompt` would use."""
 
     def run() -> int:
-        for line in jobs_mod.preset_lines(checkpoint_info(_checkpoint(checkpoint)).limits()):
+        name = resolve_checkpoint(checkpoint, os.environ)[0]
+        info = checkpoint_info(name)
+        model = (f"the built-in {name} model (random weights)" if info.layout == "builtin" else
+                 f"checkpoint {info.path}")
+        for line in jobs_mod.preset_lines(info.limits(), model=model):
             print(line)
         return EXIT_OK
 

@@ -126,7 +126,7 @@ class Engine:
         checkpoint, adapter, transformer_file = run.checkpoint, run.adapter, run.transformer
         precision, dtype = run.precision, run.torch_dtype
         from h3render.checkpoint import students
-        from h3render.checkpoint.layouts import read_checkpoint_info
+        from h3render.checkpoint.info import read_checkpoint_info
         from h3render.checkpoint.load import PARTS, load_components
 
         t0 = time.perf_counter()

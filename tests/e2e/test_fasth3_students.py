@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 from h3render.checkpoint import adapter as fasth3
 from h3render.checkpoint.adapter import read_adapter
 from h3render.checkpoint.errors import AdapterError, CheckpointError
-from h3render.checkpoint.layouts import read_checkpoint_info
+from h3render.checkpoint.info import read_checkpoint_info
 from h3render.checkpoint.load import load_components
 from h3render.checkpoint.releases import RELEASES
 from h3render.checkpoint.students import plan_student, resolve_adapter
