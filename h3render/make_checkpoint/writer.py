@@ -15,6 +15,11 @@ islands (patch projections, time embedder, output heads), text encoder bf16, bot
   `text_encoder/`, `tokenizer/`, `processor/` (image and video processor configs). diffusers 0.42.1 loads it with
   `load_components` (accelerate installed); it cannot *run* the tiny or small model's text encode, which it reads at
   a hard-coded `hidden_states[50]` (`MiniMaxH3ModularPipeline.text_encoder_layer`) from a 3- or 4-layer encoder.
+  Deliberately so (issue #29, round 2): a deeper encoder in this layout alone would make the diffusers folder
+  another model than the built-in tiny one its other layouts hold bit for bit (same config hash, same encode:
+  tests/unit/test_checkpoint.py). The consistent fix deepens the tiny registry entry itself to 51 text layers read
+  at 50, as released (+1.1 M parameters, +2.2 MB bf16 per written checkpoint), which changes every tiny render; and
+  diffusers' t2va text-encode block also needs `processor/` built as a `Qwen3VLProcessor`, which needs torchvision.
 * "single-file": `OUT` is one `.safetensors` file holding the DiT, native names with q/k/v stacked `[q; k; v]`
   (ComfyUI style), the DiT config in its `config` metadata.
 """
