@@ -390,9 +390,7 @@ class _Queue:
             attempt.release()
             outcome.seconds = time.perf_counter() - t0
             _release_memory()  # the cycles a failed job's traceback left hold its tensors
-            # The job lines come out in render order: a job that fails before its tail waits for the tails of the
-            # jobs started before it (their lines are printed when they end, on the writer's thread).
-            self.wait_tails()
+            self.wait_tails()  # job lines in render order: the earlier jobs' tails print theirs first
             self._job_done(i)
             return True
         recorded = threading.Event()
