@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import sys
 import threading
@@ -230,8 +231,8 @@ def mark_dead_reports(out_dir: Path, own: Path) -> list[str]:
     ``running`` forever. Returns their names. Best effort: a report that cannot be read or locked is left as is."""
     marked = []
     for path in sorted(out_dir.glob("batch-report*.json")):
-        if path == own or path.is_symlink():
-            continue
+        if path == own or path.is_symlink() or _KEPT.search(path.name):
+            continue  # a kept report is final (`keep_earlier_report`): not read, however many a requeued task left
         try:
             if json.loads(path.read_text(encoding="utf-8")).get("state") != "running":
                 continue
@@ -259,6 +260,10 @@ def _mark_killed(path: Path) -> bool:
         return True
     except (OSError, ValueError):
         return False
+
+
+# The names `keep_earlier_report` gives: ``<stem>.<YYYYmmddTHHMMSSZ>[-n].json``.
+_KEPT = re.compile(r"\.\d{8}T\d{6}Z(-\d+)?\.json$")
 
 
 def keep_earlier_report(path: Path) -> str | None:

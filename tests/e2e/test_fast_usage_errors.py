@@ -6,6 +6,7 @@ those, and without the tiny-model notice in front of them. And `prompt --quiet` 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -51,7 +52,8 @@ def test_usage_errors_come_before_torch_is_imported(tmp_path):
     }
     probe = subprocess.run([sys.executable, "-c", _PROBE, json.dumps([args for args, _ in cases.values()])],
                            capture_output=True, text=True, cwd=REPO, timeout=300,
-                           env={"PYTHONPATH": repo_pythonpath(), "PATH": "/usr/bin:/bin"})
+                           env={**{k: v for k, v in os.environ.items() if k != "H3RENDER_CHECKPOINT"},
+                                "PYTHONPATH": repo_pythonpath()})
     assert probe.returncode == 0, probe.stderr
     out = json.loads(probe.stdout.splitlines()[-1])
     for (name, (_, needle)), (code, stderr) in zip(cases.items(), out["results"]):

@@ -43,6 +43,11 @@ def t2va(tmp_path_factory):
 def test_t2va_sidecar_matches_the_schema_and_says_what_ran(t2va):
     side, stderr, before, after, out = t2va
     validate(side, "sidecar")
+    # The tiny model's notice comes once the run is checked (after the --attention warning), then the plan line.
+    lines = stderr.splitlines()
+    notice = next(i for i, line in enumerate(lines) if "no checkpoint given" in line)
+    assert "--attention fa3 applies on CUDA only" in "".join(lines[:notice]), stderr
+    assert " frames = " in lines[notice + 1] and lines[-1].startswith("h3render: wrote "), stderr
     run = side["run"]
     assert run["output"] == str(out.resolve())
     assert before - timedelta(seconds=1) <= datetime.fromisoformat(run["started_at"]) <= after
