@@ -102,6 +102,8 @@ def test_the_sidecar_reports_the_soundtrack_level_and_a_real_model_warns_of_clip
     clipped = json.loads(out.with_suffix(".json").read_text())["extra"]["audio"]["clipped_samples"]
     assert clipped > 0 and len(warned) == 1 and warned[0].startswith(
         f"h3render: warning: real.mp4: {clipped} of "), r.stderr
+    # --quiet: the warning alone (no plan line, no "wrote" line: they printed before, issue #29 round 2)
+    assert r.stderr.splitlines() == warned and r.stdout == "", r.stderr
 
 
 def test_writer_stats_are_durations_on_the_jobs_scale(t2va):
