@@ -10,9 +10,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import json
 from pathlib import Path
-from typing import Any, Callable, Collection, Iterable, Iterator, NamedTuple
+from typing import Callable, Collection, Iterable, Iterator, NamedTuple
 
 import torch
 from safetensors import safe_open
