@@ -294,6 +294,11 @@ def keep_earlier_report(path: Path) -> str | None:
             os.link(path, target)  # fails on a taken name (a rename would replace it)
         except FileExistsError:
             continue
+        except OSError:  # a filesystem without hard links: only this report's lock holder makes these names
+            if os.path.lexists(target):
+                continue
+            os.rename(path, target)
+            return target.name
         os.unlink(path)
         return target.name
     return None

@@ -205,3 +205,16 @@ def test_a_later_batch_keeps_the_earlier_report_under_its_start_time(tmp_path, c
     assert not (tmp_path / "batch-report.json.jobs.jsonl").exists()
     assert sorted(p.name for p in tmp_path.glob("batch-report*")) == sorted(
         ["batch-report.json", kept.name, f"batch-report.{stamp}-2.json"])
+
+
+def test_without_hard_links_the_earlier_report_is_still_kept(tmp_path, monkeypatch):
+    run_batch(make_jobs(1), Factory(FakeRenderer()), tmp_path, progress=False)
+    first = json.loads((tmp_path / "batch-report.json").read_text())
+
+    def no_links(*args):
+        raise PermissionError(errno.EPERM, "Operation not permitted")
+
+    monkeypatch.setattr(report_mod.os, "link", no_links)
+    run_batch(make_jobs(1), Factory(FakeRenderer()), tmp_path, progress=False)
+    stamp = datetime.fromisoformat(first["started_at"]).strftime("%Y%m%dT%H%M%SZ")
+    assert json.loads((tmp_path / f"batch-report.{stamp}.json").read_text()) == first
