@@ -30,10 +30,16 @@ from h3render.signals import ProcessGuard, signal_name, signum_of
 
 
 def _say(message: str) -> None:
-    """Print on the launcher's rank 0 only (under torchrun/srun every rank parses the command line)."""
+    """Print on the launcher's rank 0 only (under torchrun/srun every rank parses the command line). A rank variable
+    that is no number (RANK=x) prints everywhere: the rank is unknown, and the one check (`plan_ranks`) refuses the
+    variable as a usage error, whose line must print rather than raise a second ValueError from its handler."""
     from h3render.parallel.groups import launcher_env
 
-    if launcher_env()[0] == 0:
+    try:
+        rank = launcher_env()[0]
+    except ValueError:
+        rank = 0
+    if rank == 0:
         print(message, file=sys.stderr)
 
 
