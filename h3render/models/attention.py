@@ -43,6 +43,15 @@ _PROBE_SHAPE = (1, 16384, 16, 128)
 _PROBE_REPEATS = 7
 _PROBE_REL_TOL = 2e-2
 
+# CPU attention runs in query-row chunks of about this much work (query rows x key rows x heads x head dim, times
+# the batch): Python runs a signal handler only between bytecodes, and one SDPA call at the tiny model's largest canvas
+# (24k video rows, 8 heads x 16) held SIGTERM for ~11 s on a 2-core host (issue #28 item 5). Any attention below it
+# (every test render) is one call, as before. Chunks are whole multiples of CPU_CHUNK_ALIGN rows and at least
+# CPU_CHUNK_MIN_ROWS: torch's CPU flash kernel cuts queries into blocks of 256 rows from 768 rows on, so such chunks
+# cut the call where it cuts itself, and the output is bit-identical to one call (tests/unit/test_attention.py).
+CPU_CHUNK_WORK = 1 << 31
+CPU_CHUNK_ALIGN, CPU_CHUNK_MIN_ROWS = 256, 768
+
 _selected: str | None = None
 _fa3_func: Callable | None = None
 # Median probe seconds per backend from the last automatic selection (inf: failed or disagreed); for logs.
@@ -258,8 +267,30 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor
     if q.device.type != "cuda":
         # The process-wide choice is measured on the GPU; a CPU render on a GPU host (`--device cpu`, gloo ranks)
         # must not run cuDNN / FA3 on host tensors.
-        return sdpa_attention(q, k, v)
+        return cpu_attention(q, k, v)
     return REGISTRY[current_backend()].run(q, k, v)
+
+
+def cpu_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk_work: int = CPU_CHUNK_WORK) -> torch.Tensor:
+    """`sdpa_attention` in query-row chunks of about `chunk_work` (`CPU_CHUNK_WORK`; whole `CPU_CHUNK_ALIGN` row
+    blocks, at least `CPU_CHUNK_MIN_ROWS`), so a signal is handled between chunks instead of after the whole call
+    (seconds at a large canvas on CPU). Each query row's output depends only on that row and all keys, so the chunks
+    concatenate to the whole call's output, bit for bit.
+
+    Args:
+        q, k, v: `[B, S, H, D]` host tensors.
+    Returns:
+        `[B, S, H, D]` in q's dtype.
+    """
+    batch, rows, heads, dim = q.shape
+    per_chunk = chunk_work // max(1, batch * rows * heads * dim) // CPU_CHUNK_ALIGN * CPU_CHUNK_ALIGN
+    per_chunk = max(per_chunk, CPU_CHUNK_MIN_ROWS)
+    if per_chunk >= rows:
+        return sdpa_attention(q, k, v)
+    out = torch.empty_like(q)
+    for start in range(0, rows, per_chunk):
+        out[:, start:start + per_chunk] = sdpa_attention(q[:, start:start + per_chunk], k, v)
+    return out
 
 
 # ---------------------------------------------------------------------------------------------------------------------
