@@ -90,13 +90,20 @@ def naive_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.
 
 
 def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """Full non-causal attention, no mask, default scale 1/sqrt(head_dim) (the DiT's default attention).
+    """Full non-causal attention, no mask, default scale 1/sqrt(head_dim) (the DiT's default attention). Host
+    tensors go through `cpu_attention` (query chunks, so a signal is handled within a chunk; bit-identical).
 
     Args:
         q, k, v: `[B, S, H, D]`.
     Returns:
         `[B, S, H, D]`, dtype of `q`.
     """
+    if q.device.type == "cpu":
+        return cpu_attention(q, k, v)
+    return _sdpa(q, k, v)
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     # SDPA wants [B, H, S, D]; transposed views avoid a copy on the way in and out.
     out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
     return out.transpose(1, 2)
@@ -267,7 +274,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor
     if q.device.type != "cuda":
         # The process-wide choice is measured on the GPU; a CPU render on a GPU host (`--device cpu`, gloo ranks)
         # must not run cuDNN / FA3 on host tensors.
-        return cpu_attention(q, k, v)
+        return sdpa_attention(q, k, v)
     return REGISTRY[current_backend()].run(q, k, v)
 
 
@@ -286,10 +293,10 @@ def cpu_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk_work:
     per_chunk = chunk_work // max(1, batch * rows * heads * dim) // CPU_CHUNK_ALIGN * CPU_CHUNK_ALIGN
     per_chunk = max(per_chunk, CPU_CHUNK_MIN_ROWS)
     if per_chunk >= rows:
-        return sdpa_attention(q, k, v)
+        return _sdpa(q, k, v)
     out = torch.empty_like(q)
     for start in range(0, rows, per_chunk):
-        out[:, start:start + per_chunk] = sdpa_attention(q[:, start:start + per_chunk], k, v)
+        out[:, start:start + per_chunk] = _sdpa(q[:, start:start + per_chunk], k, v)
     return out
 
 

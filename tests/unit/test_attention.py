@@ -113,20 +113,23 @@ def test_cpu_attention_in_chunks_is_bit_identical_to_one_call():
     torch.manual_seed(0)
     for dtype in (torch.float32, torch.bfloat16):
         q, k, v = (torch.randn(1, 2000, 4, 16).to(dtype) for _ in range(3))
-        whole = attn_mod.sdpa_attention(q, k, v)
+        whole = attn_mod._sdpa(q, k, v)
         chunked = attn_mod.cpu_attention(q, k, v, chunk_work=1)  # the smallest chunk: CPU_CHUNK_MIN_ROWS rows
         assert torch.equal(chunked, whole), dtype
         assert torch.equal(attn_mod.cpu_attention(q, k, v, chunk_work=1 << 40), whole)
 
 
-def test_a_signal_during_cpu_attention_at_the_largest_tiny_canvas_is_handled_within_a_chunk(monkeypatch):
+def test_a_signal_during_the_dits_attention_at_the_largest_tiny_canvas_is_handled_within_a_chunk(monkeypatch):
     """One SDPA call over the tiny model's largest canvas (max_video_rows query rows) held a signal until it
-    returned: ~11 s on a 2-core host, so SIGTERM was not honoured for that long. Now the signal (here SIGALRM, 20 ms
-    into the first chunk) is handled after the chunk it arrived in: the call stops part-way, each chunk short."""
+    returned: ~11 s on a 2-core host (27 s under load), so SIGTERM was not honoured for that long. Now the signal
+    (here SIGALRM, 20 ms into the first chunk) is handled after the chunk it arrived in: the call stops part-way,
+    within a chunk's time. Through the DiT block's own attention function (`sdpa_attention` off CUDA) and through
+    `attention` (the Ulysses ranks' base)."""
     import signal
     import time
 
     from h3render.checkpoint.releases import RELEASES
+    from h3render.models.dit import Attention
 
     class Stop(Exception):
         pass
@@ -136,8 +139,9 @@ def test_a_signal_during_cpu_attention_at_the_largest_tiny_canvas_is_handled_wit
 
     rows = RELEASES["tiny"].limits().max_video_rows
     cfg = RELEASES["tiny"].dit
+    block = Attention(cfg.hidden_size, cfg.num_attention_heads, cfg.attention_head_dim, cfg.qk_norm_eps)
     q = torch.randn(1, rows, cfg.num_attention_heads, cfg.attention_head_dim)
-    real, started = attn_mod.sdpa_attention, []
+    real, started = attn_mod._sdpa, []
 
     def counted(q_, k_, v_):
         if not started:
@@ -145,15 +149,17 @@ def test_a_signal_during_cpu_attention_at_the_largest_tiny_canvas_is_handled_wit
         started.append(q_.shape[1])
         return real(q_, k_, v_)
 
-    monkeypatch.setattr(attn_mod, "sdpa_attention", counted)
+    monkeypatch.setattr(attn_mod, "_sdpa", counted)
     previous = signal.signal(signal.SIGALRM, stop)
     try:
-        t0 = time.perf_counter()
-        with pytest.raises(Stop):
-            attention(q, q, q)
-        seconds = time.perf_counter() - t0
+        for fn in (block.attention, attention):
+            started.clear()
+            t0 = time.perf_counter()
+            with pytest.raises(Stop):
+                fn(q, q, q)
+            seconds = time.perf_counter() - t0
+            assert sum(started) < rows / 4, started  # stopped after a chunk, not after the whole call
+            assert seconds < 3.0, (seconds, started)  # a chunk or two: ~0.3 s each on an idle core
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
-    assert sum(started) < rows / 4, started  # stopped after a chunk, not after the whole call
-    assert seconds < 3.0, (seconds, started)  # a chunk or two: ~0.3 s each on an idle core (the whole call: ~11 s)
