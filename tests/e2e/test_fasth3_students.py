@@ -179,6 +179,36 @@ def test_deferred_in_place_fusion_turns_vsa_on_with_the_gates(bundle):
     torch.testing.assert_close(dit.blocks[1].attn.gate_proj.weight, gate_of(path, 1).float(), rtol=0, atol=0)
 
 
+def test_a_failed_in_place_fusion_fails_every_later_fasth3_job(tmp_path):
+    """`fuse_student` cleared its pending fusion before fusing: when a parameter failed half-way (factors within
+    bounds whose product overflows, which only the fusion can see), the first fasth3 job failed and every later one
+    rendered, "succeeded", on the half-fused DiT. Now each later one fails naming the fusion's error."""
+    from h3render.engine import Engine
+    from h3render.errors import RenderError
+    from h3render.jobs import Job
+    from h3render.parallel.groups import ParallelContext
+    from h3render.settings import RunSettings
+
+    path = write_synthetic_adapter(tmp_path / "o.safetensors", CFG, seed=6)
+    from h3render.checkpoint.adapter_checks import MAX_ABS as big
+
+    def overflow(tensors, meta):  # the last block's FFN output: parameters before it fuse first
+        for role in ("lora_A", "lora_B"):
+            key = f"transformer_blocks.{CFG.num_layers - 1}.ff.net.2.{role}.weight"
+            tensors[key] = torch.full_like(tensors[key], big)
+    rewrite(path, overflow)
+    ctx = ParallelContext(0, 1, 0, torch.device("cpu"))
+    engine = Engine.load(RunSettings(progress=False, adapter=str(path)), ctx, base_jobs_first=True)
+    before = engine.c.dit.blocks[0].attn.qkv_proj.weight.clone()
+    job = Job(id=None, prompt="x", width=224, height=128, frames=22, seed=0, steps=None, mode="fasth3",
+              output="x")
+    with pytest.raises(AdapterError, match="gives non-finite weights"):
+        engine.schedule(job)
+    assert not torch.equal(engine.c.dit.blocks[0].attn.qkv_proj.weight, before)  # half fused indeed
+    with pytest.raises(RenderError, match="could not be fused.*AdapterError.*gives non-finite weights"):
+        engine.schedule(job)
+
+
 # ---------------------------------------------------------------------------------------------- FastVideo's semantics
 
 
