@@ -46,9 +46,11 @@ _PROBE_REL_TOL = 2e-2
 # CPU attention runs in query-row chunks of about this much work (query rows x key rows x heads x head dim, times
 # the batch): Python runs a signal handler only between bytecodes, and one SDPA call at the tiny model's largest canvas
 # (24k video rows, 8 heads x 16) held SIGTERM for ~11 s on a 2-core host (issue #28 item 5). Any attention below it
-# (every test render) is one call, as before. Chunks are whole multiples of CPU_CHUNK_ALIGN rows and at least
-# CPU_CHUNK_MIN_ROWS: torch's CPU flash kernel cuts queries into blocks of 256 rows from 768 rows on, so such chunks
-# cut the call where it cuts itself, and the output is bit-identical to one call (tests/unit/test_attention.py).
+# (every test render) is one call, as before. Chunks start at multiples of CPU_CHUNK_ALIGN rows and hold at least
+# CPU_CHUNK_MIN_ROWS (the last one takes the remainder): torch's CPU flash kernel cuts queries into blocks of 256 rows
+# once a call has 768 or more (32 or 64 below), so each chunk is cut into the very blocks the whole call is cut into,
+# and the output is bit-identical to one call. A short last chunk was not: its blocks of 32 rows gave other fp32 bits
+# than the whole call's one partial block (measured, torch 2.13 CPU; tests/unit/test_attention.py).
 CPU_CHUNK_WORK = 1 << 31
 CPU_CHUNK_ALIGN, CPU_CHUNK_MIN_ROWS = 256, 768
 
@@ -292,11 +294,14 @@ def cpu_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk_work:
     batch, rows, heads, dim = q.shape
     per_chunk = chunk_work // max(1, batch * rows * heads * dim) // CPU_CHUNK_ALIGN * CPU_CHUNK_ALIGN
     per_chunk = max(per_chunk, CPU_CHUNK_MIN_ROWS)
-    if per_chunk >= rows:
+    if per_chunk + CPU_CHUNK_MIN_ROWS > rows:
         return _sdpa(q, k, v)
     out = torch.empty_like(q)
-    for start in range(0, rows, per_chunk):
-        out[:, start:start + per_chunk] = _sdpa(q[:, start:start + per_chunk], k, v)
+    start = 0
+    while start < rows:
+        end = start + per_chunk if rows - (start + per_chunk) >= CPU_CHUNK_MIN_ROWS else rows
+        out[:, start:end] = _sdpa(q[:, start:end], k, v)
+        start = end
     return out
 
 
