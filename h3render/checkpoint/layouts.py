@@ -110,13 +110,19 @@ def _registry_defaults(dit: DiTConfig) -> Release:
 
 
 def _config(path: Path, parse: Callable[[dict], Any]) -> Any:
+    """`parse(data)` of a config file; a missing key takes the config dataclass's default (the released value). When
+    the result is inconsistent, the error names the keys the file does not state, whose defaults did not fit."""
     data = read_json(path)
     try:
         return parse(data)
     except CheckpointError:
         raise
     except (TypeError, ValueError) as exc:
-        raise CheckpointError(f"{path}: bad config: {exc}") from None
+        cls = getattr(parse, "__self__", None)  # `DiTConfig.from_dict` etc.: the dataclass
+        missing = [f.name for f in dataclasses.fields(cls) if f.name not in data] if dataclasses.is_dataclass(cls) else []
+        note = (f" (not stated: {', '.join(missing)}; the released model's default was used, which does not fit the "
+                f"rest)") if missing else ""
+        raise CheckpointError(f"{path}: bad config: {exc}{note}") from None
 
 
 def _number(value: Any, where: str) -> float:
@@ -149,12 +155,16 @@ def _frame_limits(meta: Mapping[str, Any], default: Release, where: str) -> tupl
     return limits["min"], limits["max"]
 
 
-def _read_layer(meta: Mapping[str, Any], text_encoder: Mapping[str, Any], where: str) -> int:
+def _read_layer(meta: Mapping[str, Any], text_encoder: Mapping[str, Any], where: str, text_path: Path) -> int:
     layer = meta.get("text_encoder_layer", 50)  # released: hidden_states[50]
     depth = text_encoder.get("text_config", {}).get("num_hidden_layers")
-    if not isinstance(layer, int) or not isinstance(depth, int) or not 1 <= layer < depth:
-        raise CheckpointError(f"{where}: text_encoder_layer {layer!r} must be in 1..{depth}-1 for this "
-                              f"{depth}-layer text encoder")
+    if not isinstance(depth, int) or isinstance(depth, bool) or depth < 2:
+        raise CheckpointError(f"{text_path}: text_config.num_hidden_layers must be an integer >= 2 (the text "
+                              f"encoder's depth, which bounds the read layer), got {depth!r}")
+    if not isinstance(layer, int) or not 1 <= layer < depth:
+        stated = "" if "text_encoder_layer" in meta else " (not stated: the released default)"
+        raise CheckpointError(f"{where}: _minimax_h3.text_encoder_layer {layer!r}{stated} must be in 1..{depth - 1} "
+                              f"for this {depth}-layer text encoder")
     return layer
 
 
@@ -245,7 +255,7 @@ def read_checkpoint_info(path: str | Path) -> CheckpointInfo:
     processor_file, image_processor = _image_processor_config(part)
     release = dataclasses.replace(
         defaults, dit=dit, video_vae=video_vae, audio_vae=audio_vae, text_encoder=text_encoder,
-        text_read_layer=_read_layer(meta, text_encoder, str(index_path)), video_shift=video_shift,
+        text_read_layer=_read_layer(meta, text_encoder, str(index_path), text_path), video_shift=video_shift,
         audio_shift=audio_shift, min_frames=min_frames, max_frames=max_frames, image_processor=image_processor,
     )
     return CheckpointInfo(
