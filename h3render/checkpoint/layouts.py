@@ -27,8 +27,8 @@ from torch import Tensor
 
 from h3render.checkpoint.errors import CheckpointError
 from h3render.checkpoint.names import (FC1_NATIVE, IGNORED_DIT_TENSORS, QKV_DIFFUSERS, QKV_NATIVE,
-                                       dit_name_from_diffusers, dit_shapes, interleave_qkv, native_gate_name,
-                                       swap_halves)
+                                       dit_name_from_diffusers, dit_shapes, dit_state_dict_to_diffusers,
+                                       interleave_qkv, native_gate_name, swap_halves)
 from h3render.checkpoint.releases import BUILTIN, RELEASES, Release
 from h3render.checkpoint.stream import Entry, file_entries, open_safetensors, read_json, safetensors_entries
 from h3render.models.audio_vae import AudioVAEConfig
@@ -123,6 +123,51 @@ def _config(path: Path, parse: Callable[[dict], Any]) -> Any:
         note = (f" (not stated: {', '.join(missing)}; the released model's default was used, which does not fit the "
                 f"rest)") if missing else ""
         raise CheckpointError(f"{path}: bad config: {exc}{note}") from None
+
+
+def _header_shapes(folder: Path) -> dict[str, tuple[int, ...]]:
+    """Tensor name -> shape of a model folder's weights (its index's shards, or its one file), from the headers."""
+    from safetensors import safe_open
+
+    indexes = sorted(folder.glob("*.safetensors.index.json"))
+    files = sorted({folder / shard for shard in read_json(indexes[0]).get("weight_map", {}).values()} if indexes
+                   else folder.glob("*.safetensors"))
+    shapes: dict[str, tuple[int, ...]] = {}
+    for file in files:
+        with safe_open(str(file), framework="pt") as handle:
+            shapes.update((key, tuple(handle.get_slice(key).get_shape())) for key in handle.keys())
+    return shapes
+
+
+def _check_unstated_dit_keys(path: Path, dit: DiTConfig, transformer: Path, names: str) -> None:
+    """A DiT `config.json` that leaves keys to their defaults (the released model's) must still fit its weights:
+    the tensors the config implies are compared with the shapes the weight headers state (no data read). Without
+    this, a tiny checkpoint lacking `num_layers` passed every check as a 50-block DiT and failed each job at load
+    ("missing tensor 'blocks.2.norm1.weight'"). A config stating every key is left to the loader, as before.
+
+    Raises:
+        CheckpointError: naming the config file, the keys it does not state, and the first tensor that does not fit.
+    """
+    data = read_json(path)
+    unstated = [f.name for f in dataclasses.fields(DiTConfig) if f.name not in data]
+    if not unstated:
+        return
+    try:
+        stored = _header_shapes(transformer)
+    except Exception:  # an unreadable index or header: the loader names it, with its own message
+        return
+    expected = dit_shapes(dit)
+    if names == "diffusers":
+        meta = {name: torch.empty(shape, device="meta") for name, shape in expected.items()}
+        expected = {name: tuple(t.shape) for name, t in dit_state_dict_to_diffusers(meta, dit).items()}
+    absent = [name for name in expected if name not in stored]
+    wrong = [name for name in expected if name in stored and tuple(stored[name]) != tuple(expected[name])]
+    if not absent and not wrong:
+        return
+    misfit = (f"tensor {wrong[0]!r} is {list(stored[wrong[0]])}, the config gives {list(expected[wrong[0]])}" if wrong
+              else f"no tensor {absent[0]!r} ({len(absent)} of the config's {len(expected)} absent)")
+    raise CheckpointError(f"{path}: not stated: {', '.join(unstated)}; the released model's defaults used for them "
+                          f"do not fit the weights in {transformer}: {misfit}")
 
 
 def _number(value: Any, where: str) -> float:
@@ -236,6 +281,7 @@ def read_checkpoint_info(path: str | Path) -> CheckpointInfo:
     video_dir, audio_dir, transformer_names = names[layout]
 
     dit = _config(part / "transformer" / "config.json", DiTConfig.from_dict)
+    _check_unstated_dit_keys(part / "transformer" / "config.json", dit, part / "transformer", transformer_names)
     video_vae = _config(part / video_dir / "config.json", VideoVAEConfig.from_dict)
     audio_vae = _config(part / audio_dir / "config.json", AudioVAEConfig.from_dict)
     text_path = part / "text_encoder" / "config.json"
