@@ -30,10 +30,16 @@ from h3render.signals import ProcessGuard, signal_name, signum_of
 
 
 def _say(message: str) -> None:
-    """Print on the launcher's rank 0 only (under torchrun/srun every rank parses the command line)."""
+    """Print on the launcher's rank 0 only (under torchrun/srun every rank parses the command line). A rank variable
+    that is no number (RANK=x) prints everywhere: the rank is unknown, and the one check (`plan_ranks`) refuses the
+    variable as a usage error, whose line must print rather than raise a second ValueError from its handler."""
     from h3render.parallel.launcher import launcher_env  # torch-free: an error line prints at once
 
-    if launcher_env()[0] == 0:
+    try:
+        rank = launcher_env()[0]
+    except ValueError:
+        rank = 0
+    if rank == 0:
         print(message, file=sys.stderr)
 
 
@@ -234,25 +240,58 @@ def presets_command(checkpoint) -> None:
     sys.exit(_main_guard(run))
 
 
-@cli.command("make-checkpoint", short_help="Write a random checkpoint in a real on-disk layout.")
+@cli.command("make-checkpoint", short_help="Write a random checkpoint (or FastH3 student) in a real on-disk layout.")
 @click.argument("out", type=click.Path(file_okay=False))
 @click.option("--config", "config", type=click.Choice(["tiny", "small"]), default="tiny", show_default=True)
 @click.option("--layout", type=click.Choice(["official", "diffusers", "single-file"]), default="official",
               show_default=True, help="single-file: OUT is one .safetensors DiT (ComfyUI style, q/k/v stacked).")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--adapter", type=click.Path(dir_okay=False), default=None,
-              help="Also write a synthetic FastH3 adapter for this config to this file.")
-def make_checkpoint_command(out, config, layout, seed, adapter) -> None:
-    """Write a random checkpoint in the real on-disk format (no downloads)."""
+              help="Also write a synthetic FastH3 adapter (fastvideo-lora-v2) for this config to this new file.")
+@click.option("--adapter-kind", type=click.Choice(["dense", "vsa"]), default=None,
+              help="The --adapter's kind: dense (default; no gates) or vsa (an attn.to_gate_compress.set_weight "
+                   "gate per DiT block, as the VSA students carry).")
+@click.option("--adapter-bundle", type=click.Path(file_okay=False), default=None,
+              help="Also write the v1 LoRA bundle (vsa-datafree, vsa-synthetic-step1300, vsa-synthetic-step1900, "
+                   "dense-datafree and adapter_manifest.json) to this new folder; pick one with --adapter-variant.")
+@click.option("--student", type=click.Choice(["v2", "v1-vsa-datafree", "v1-vsa-synthetic-step1300",
+                                              "v1-vsa-synthetic-step1900", "v1-dense-datafree"]), default=None,
+              help="OUT is a full FastH3 student checkpoint instead: the base weights, the VSA gates in the "
+                   "transformer (not for the dense student) and fastvideo_inference.json; render it with --mode "
+                   "fasth3 (official or diffusers layout).")
+def make_checkpoint_command(out, config, layout, seed, adapter, adapter_kind, adapter_bundle, student) -> None:
+    """Write a random checkpoint in the real on-disk format (no downloads), and with the options every published
+    FastH3 student kind for it: a dense or VSA adapter file, the v1 LoRA bundle, or a full student checkpoint."""
 
     def run() -> int:
-        from h3render.make_checkpoint.writer import check_output, make_checkpoint
+        from h3render.make_checkpoint.writer import check_extras, check_output, make_checkpoint, \
+            write_synthetic_full_student
 
-        usage(check_output, out, layout)  # before anything is written (make_checkpoint checks it again)
-        path = make_checkpoint(out, config=config, layout=layout, seed=seed, adapter=adapter or None)
+        # Before anything is written (the writers check again).
+        if adapter_kind is not None and adapter is None:
+            raise SettingsError("--adapter-kind needs --adapter FILE")
+        if student is not None and layout == "single-file":
+            raise SettingsError(f"--student {student}: a full FastH3 student is a checkpoint folder; use --layout "
+                                f"official or diffusers")
+        if student is not None and (adapter or adapter_bundle):
+            raise SettingsError(f"--student {student} writes a full FastH3 checkpoint, which takes no adapter; "
+                                f"drop --adapter / --adapter-bundle")
+        usage(check_output, out, layout)
+        usage(check_extras, adapter, adapter_bundle)
+        if student is not None:
+            path = write_synthetic_full_student(out, student, config, layout, seed)
+            print(f"h3render: wrote a random {config} FastH3 {student} student checkpoint ({layout} layout) to "
+                  f"{path}; render it with --checkpoint {path} --mode fasth3", file=sys.stderr)
+            return EXIT_OK
+        path = make_checkpoint(out, config=config, layout=layout, seed=seed, adapter=adapter or None,
+                               adapter_kind=adapter_kind or "dense", bundle=adapter_bundle or None)
         print(f"h3render: wrote a random {config} checkpoint ({layout} layout) to {path}", file=sys.stderr)
         if adapter:
-            print(f"h3render: wrote a synthetic FastH3 adapter to {adapter}", file=sys.stderr)
+            print(f"h3render: wrote a synthetic {adapter_kind or 'dense'} FastH3 adapter to {adapter}",
+                  file=sys.stderr)
+        if adapter_bundle:
+            print(f"h3render: wrote a synthetic FastH3 v1 LoRA bundle to {adapter_bundle} (choose a variant with "
+                  f"--adapter-variant)", file=sys.stderr)
         return EXIT_OK
 
     sys.exit(_main_guard(run))

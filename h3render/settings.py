@@ -150,7 +150,8 @@ class RunSettings:
             SettingsError: the first problem, one line: bad crf/vae_batch/x264 preset/dtype/device, fasth3
                 without a student, a t2va job on a full FastH3 checkpoint, a missing adapter or one the loader
                 refuses (a bundle root without its variant, an unknown variant, an unreadable header, tensors that
-                do not fit the DiT: `students.read_student`), an unusable --transformer, fp8 with fp32
+                do not fit the DiT: `students.read_student`; a NaN/Inf/huge value: `adapter.scan_adapter`), an
+                unusable --transformer, fp8 with fp32
                 activations or on a GPU older than sm_89, an attention backend this machine lacks.
         """
         self.check_options({name: getattr(self, name) for name in OPTION_FIELDS}, info)
@@ -199,13 +200,17 @@ class RunSettings:
         """The student the load would fuse, found and read as the loader does (`students.locate_student`: listings
         and JSON; with `info`, `students.read_student`: the adapter's header against the DiT config too), against
         the jobs' modes."""
+        from h3render.checkpoint.adapter import scan_adapter
         from h3render.checkpoint.students import locate_student, read_student
 
         contract, source = usage(locate_student, self.checkpoint, self.adapter, self.adapter_variant,
                                  self.fasth3_positions)
         if info is not None and (source is not None or contract is not None):
-            usage(lambda: read_student(self.checkpoint, info, self.adapter, variant=self.adapter_variant,
-                                       positions=self.fasth3_positions))
+            parts = usage(lambda: read_student(self.checkpoint, info, self.adapter, variant=self.adapter_variant,
+                                               positions=self.fasth3_positions))
+            if parts is not None and parts.adapter is not None:
+                # Every value (NaN/Inf/huge, a NaN gate), in the pass that hashes the file for the sidecar anyway.
+                usage(scan_adapter, parts.adapter)
         if mode == FASTH3_MODE and self.adapter is None and contract is None:
             raise SettingsError("--mode fasth3 needs --adapter PATH (the FastH3 student adapter) or a FastH3 V2 "
                                 "checkpoint")

@@ -127,13 +127,68 @@ def _registry_defaults(dit: DiTConfig) -> Release:
 
 
 def _config(path: Path, parse: Callable[[dict], Any]) -> Any:
+    """`parse(data)` of a config file; a missing key takes the config dataclass's default (the released value). When
+    the result is inconsistent, the error names the keys the file does not state, whose defaults did not fit."""
     data = read_json(path)
     try:
         return parse(data)
     except CheckpointError:
         raise
     except (TypeError, ValueError) as exc:
-        raise CheckpointError(f"{path}: bad config: {exc}") from None
+        cls = getattr(parse, "__self__", None)  # `DiTConfig.from_dict` etc.: the dataclass
+        missing = [f.name for f in dataclasses.fields(cls) if f.name not in data] if dataclasses.is_dataclass(cls) else []
+        note = (f" (not stated: {', '.join(missing)}; the released model's default was used, which does not fit the "
+                f"rest)") if missing else ""
+        raise CheckpointError(f"{path}: bad config: {exc}{note}") from None
+
+
+def _header_shapes(folder: Path) -> dict[str, tuple[int, ...]]:
+    """Tensor name -> shape of a model folder's weights (its index's shards, or its one file), from the headers."""
+    from safetensors import safe_open
+
+    indexes = sorted(folder.glob("*.safetensors.index.json"))
+    files = sorted({folder / shard for shard in read_json(indexes[0]).get("weight_map", {}).values()} if indexes
+                   else folder.glob("*.safetensors"))
+    shapes: dict[str, tuple[int, ...]] = {}
+    for file in files:
+        with safe_open(str(file), framework="numpy") as handle:
+            shapes.update((key, tuple(handle.get_slice(key).get_shape())) for key in handle.keys())
+    return shapes
+
+
+def _check_unstated_dit_keys(path: Path, dit: DiTConfig, transformer: Path, names: str) -> None:
+    """A DiT `config.json` that leaves keys to their defaults (the released model's) must still fit its weights:
+    the tensors the config implies are compared with the shapes the weight headers state (no data read). Without
+    this, a tiny checkpoint lacking `num_layers` passed every check as a 50-block DiT and failed each job at load
+    ("missing tensor 'blocks.2.norm1.weight'"). A config stating every key is left to the loader, as before.
+
+    Raises:
+        CheckpointError: naming the config file, the keys it does not state, and the first tensor that does not fit.
+    """
+    data = read_json(path)
+    unstated = [f.name for f in dataclasses.fields(DiTConfig) if f.name not in data]
+    if not unstated:
+        return
+    try:
+        stored = _header_shapes(transformer)
+    except Exception:  # an unreadable index or header: the loader names it, with its own message
+        return
+    import torch  # here only: a config that states every key (every written checkpoint) never needs it
+
+    from h3render.checkpoint.names import dit_shapes, dit_state_dict_to_diffusers
+
+    expected = dit_shapes(dit)
+    if names == "diffusers":
+        meta = {name: torch.empty(shape, device="meta") for name, shape in expected.items()}
+        expected = {name: tuple(t.shape) for name, t in dit_state_dict_to_diffusers(meta, dit).items()}
+    absent = [name for name in expected if name not in stored]
+    wrong = [name for name in expected if name in stored and tuple(stored[name]) != tuple(expected[name])]
+    if not absent and not wrong:
+        return
+    misfit = (f"tensor {wrong[0]!r} is {list(stored[wrong[0]])}, the config gives {list(expected[wrong[0]])}" if wrong
+              else f"no tensor {absent[0]!r} ({len(absent)} of the config's {len(expected)} absent)")
+    raise CheckpointError(f"{path}: not stated: {', '.join(unstated)}; the released model's defaults used for them "
+                          f"do not fit the weights in {transformer}: {misfit}")
 
 
 def _number(value: Any, where: str) -> float:
@@ -166,12 +221,16 @@ def _frame_limits(meta: Mapping[str, Any], default: Release, where: str) -> tupl
     return limits["min"], limits["max"]
 
 
-def _read_layer(meta: Mapping[str, Any], text_encoder: Mapping[str, Any], where: str) -> int:
+def _read_layer(meta: Mapping[str, Any], text_encoder: Mapping[str, Any], where: str, text_path: Path) -> int:
     layer = meta.get("text_encoder_layer", 50)  # released: hidden_states[50]
     depth = text_encoder.get("text_config", {}).get("num_hidden_layers")
-    if not isinstance(layer, int) or not isinstance(depth, int) or not 1 <= layer < depth:
-        raise CheckpointError(f"{where}: text_encoder_layer {layer!r} must be in 1..{depth}-1 for this "
-                              f"{depth}-layer text encoder")
+    if not isinstance(depth, int) or isinstance(depth, bool) or depth < 2:
+        raise CheckpointError(f"{text_path}: text_config.num_hidden_layers must be an integer >= 2 (the text "
+                              f"encoder's depth, which bounds the read layer), got {depth!r}")
+    if not isinstance(layer, int) or not 1 <= layer < depth:
+        stated = "" if "text_encoder_layer" in meta else " (not stated: the released default)"
+        raise CheckpointError(f"{where}: _minimax_h3.text_encoder_layer {layer!r}{stated} must be in 1..{depth - 1} "
+                              f"for this {depth}-layer text encoder")
     return layer
 
 
@@ -243,6 +302,7 @@ def read_checkpoint_info(path: str | Path) -> CheckpointInfo:
     video_dir, audio_dir, transformer_names = names[layout]
 
     dit = _config(part / "transformer" / "config.json", DiTConfig.from_dict)
+    _check_unstated_dit_keys(part / "transformer" / "config.json", dit, part / "transformer", transformer_names)
     video_vae = _config(part / video_dir / "config.json", VideoVAEConfig.from_dict)
     audio_vae = _config(part / audio_dir / "config.json", AudioVAEConfig.from_dict)
     text_path = part / "text_encoder" / "config.json"
@@ -262,7 +322,7 @@ def read_checkpoint_info(path: str | Path) -> CheckpointInfo:
     processor_file, image_processor = _image_processor_config(part)
     release = dataclasses.replace(
         defaults, dit=dit, video_vae=video_vae, audio_vae=audio_vae, text_encoder=text_encoder,
-        text_read_layer=_read_layer(meta, text_encoder, str(index_path)), video_shift=video_shift,
+        text_read_layer=_read_layer(meta, text_encoder, str(index_path), text_path), video_shift=video_shift,
         audio_shift=audio_shift, min_frames=min_frames, max_frames=max_frames, image_processor=image_processor,
     )
     return CheckpointInfo(
