@@ -16,7 +16,8 @@ and the job tried once more (finished by the holder: ``skipped``, success here t
 a dead holder's lock is free again, so a later run picks the job up. Every temp name of a job is written only
 under that lock, so the stale-temp sweep (under the lock, also for skipped jobs) removes only what a dead process
 left. The report belongs to one process: the first queue holds ``batch-report.json.lock``; a second queue on the
-same report name writes ``batch-report.<host>-<pid>.json`` instead, so each report says what its process did.
+same report name writes ``batch-report.<host>-<pid>.json`` instead, so each report says what its process did; a
+report an earlier (ended) queue left is kept under its start time (`report.keep_earlier_report`), never replaced.
 
 Exit codes (``BatchReport.exit_code``; the CLI exits with it):
 
@@ -348,9 +349,10 @@ class _Queue:
             busy = attempt.claim(self)
             if busy is not None:
                 outcome.status, outcome.error = ELSEWHERE, f"in progress elsewhere ({busy})"
+                self.current = self.attempt = None
+                self.wait_tails()  # its line after those of the jobs started before it
                 self.log.line(f"job {i + 1}/{len(self.jobs)} {_name(outcome)}: in progress elsewhere ({busy}); "
                               f"moving on")
-                self.current = self.attempt = None
                 self.record(i)
                 return True
             # Under the lock: another queue may have finished the job since `start` looked.
@@ -359,6 +361,7 @@ class _Queue:
                 attempt.release()
                 outcome.status = SKIPPED
                 self.current = self.attempt = None
+                self.wait_tails()
                 self.log.skipped_late(i, len(self.jobs), outcome)
                 self.record(i)
                 return True
@@ -387,6 +390,7 @@ class _Queue:
             attempt.release()
             outcome.seconds = time.perf_counter() - t0
             _release_memory()  # the cycles a failed job's traceback left hold its tensors
+            self.wait_tails()  # job lines in render order: the earlier jobs' tails print theirs first
             self._job_done(i)
             return True
         recorded = threading.Event()
@@ -516,7 +520,7 @@ class _Attempt:
         try:
             real = folder.resolve()
         except (OSError, RuntimeError) as exc:  # RuntimeError: a symlink loop, before Python 3.13
-            raise JobPathError(f"{folder}: cannot resolve the job's folder: {exc}") from None
+            raise JobPathError(f"{folder}: cannot resolve the job's folder: {exc}") from exc
         if real != queue.out_real and queue.out_real not in real.parents:
             raise JobPathError(f"{folder}: the job's folder leads out of the out dir {queue.out_dir} (it resolves "
                                f"to {real}: a symlinked folder); nothing is written outside the out dir")
@@ -526,7 +530,8 @@ class _Attempt:
         try:
             folder.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
-            raise JobPathError(f"cannot create the job's folder {folder}: {exc.strerror or exc}") from None
+            # `from exc`: the report's traceback keeps the system call's own error (errno, path) as its cause
+            raise JobPathError(f"cannot create the job's folder {folder}: {exc.strerror or exc}") from exc
         for final in (self.mp4, self.sidecar):  # found before the render, not by the rename after it
             if final.is_dir():
                 raise JobPathError(f"{final}: a folder stands at the job's output name; nothing can be written there")

@@ -30,19 +30,17 @@ from h3render.signals import ProcessGuard, signal_name, signum_of
 
 
 def _say(message: str) -> None:
-    """Print on the launcher's rank 0 only (under torchrun/srun every rank parses the command line)."""
-    from h3render.parallel.groups import launcher_env
+    """Print on the launcher's rank 0 only (under torchrun/srun every rank parses the command line). A rank variable
+    that is no number (RANK=x) prints everywhere: the rank is unknown, and the one check (`plan_ranks`) refuses the
+    variable as a usage error, whose line must print rather than raise a second ValueError from its handler."""
+    from h3render.parallel.launcher import launcher_env  # torch-free: an error line prints at once
 
-    if launcher_env()[0] == 0:
+    try:
+        rank = launcher_env()[0]
+    except ValueError:
+        rank = 0
+    if rank == 0:
         print(message, file=sys.stderr)
-
-
-def _checkpoint(given: str | None) -> str:
-    """--checkpoint, $H3RENDER_CHECKPOINT or the built-in tiny model (announced)."""
-    checkpoint, notice = resolve_checkpoint(given, os.environ)
-    if notice:
-        _say(notice)
-    return checkpoint
 
 
 def _check(run: RunSettings, info, mode: str | None = None, jobs=None) -> int:
@@ -121,7 +119,8 @@ def cli(ctx: click.Context) -> None:
 @cli.command("prompt", short_help="Render one prompt to an MP4 and its JSON sidecar.")
 @click.argument("text")
 @click.option("-o", "--output", required=True, help="Output .mp4 path (sidecar: same name, .json).")
-@click.option("--quiet", is_flag=True, help="No stage progress (bars on a terminal, else a line per stage).")
+@click.option("--quiet", is_flag=True, help="Print only warnings and errors: no notices, plan line, progress or "
+                                            "final line.")
 @click.option("--first-frame", default=None, help="fl2va: image (PNG/JPEG/WebP) the video starts from.")
 @click.option("--last-frame", default=None, help="fl2va: image (PNG/JPEG/WebP) the video ends on.")
 @canvas_time_options
@@ -145,21 +144,25 @@ def _prompt(text: str, output: str, quiet: bool, opts: dict) -> int:
         if final.is_dir():
             raise SettingsError(f"output {final} is a folder; nothing can be written there")
     _check_writable(out.parent if str(out.parent) else Path("."))
-    checkpoint = _checkpoint(opts["checkpoint"])
+    # The checks that need no torch come first (option values and files, the checkpoint's configs, the job's
+    # fields and keyframes), so a typo answers at once; then the device and the weights' headers.
+    checkpoint, notice = resolve_checkpoint(opts["checkpoint"], os.environ)
     mode, note = prompt_mode(opts["mode"], opts["adapter"])
-    if note:
-        _say(note)
     info = checkpoint_info(checkpoint)
-    run = RunSettings.resolve(opts, checkpoint=checkpoint, info=info)
-    world = _check(run, info, mode=mode)
+    RunSettings.check_options(opts, info)
     fields = {k: opts[k] for k in ("preset", "aspect", "width", "height", "duration", "frames", "steps", "seed",
                                    "first_frame", "last_frame")}
     fields.update(prompt=text, output=out.stem, mode=mode)
     job = job_from_fields(fields, info.limits())
-    _say(f"h3render: {job.canvas_note()}, {job.time_note(info.limits())}")
-    if job.task == "fl2va":
-        _say("h3render: fl2va: " + "; ".join(k.describe() for k in job.keyframes))
+    run = RunSettings.resolve(opts, checkpoint=checkpoint, info=info)
+    world = _check(run, info, mode=mode)
     run = _plan_memory(run, info, [job], world)
+    if not quiet:  # checked: the run renders, and these say what it renders (never before an unrelated error)
+        for line in (notice, note, f"h3render: {job.canvas_note()}, {job.time_note(info.limits())}"):
+            if line:
+                _say(line)
+        if job.task == "fl2va":
+            _say("h3render: fl2va: " + "; ".join(k.describe() for k in job.keyframes))
     return run_jobs(run, [job], world, info.release.dit.num_attention_heads, quiet=quiet,
                     single=(out, out.with_suffix(".json")))
 
@@ -201,28 +204,35 @@ def batch_command(manifest, out_dir, shard, skip_existing, fail_fast, dry_run, q
 
 
 def _batch(manifest, out_dir, shard, skip_existing, fail_fast, dry_run, quiet, opts) -> int:
-    checkpoint = _checkpoint(opts["checkpoint"])
+    # As `_prompt`: the torch-free checks (options, files, the checkpoint's configs, the manifest) first.
+    checkpoint, notice = resolve_checkpoint(opts["checkpoint"], os.environ)
     info = checkpoint_info(checkpoint)
+    RunSettings.check_options(opts, info)
     # Command-line defaults, passed like --mode: read_manifest applies them below each job's own fields.
     overrides = {k: opts[k] for k in ("mode", "seed", "steps", "preset")}
     student = opts["adapter"] is not None or has_v2_contract(checkpoint)  # else fasth3 jobs are manifest errors
     m = read_manifest(manifest, info.limits(), overrides, adapter_available=student, precision=opts["precision"])
-    run = RunSettings.resolve(opts, checkpoint=checkpoint, info=info, manifest=m)
     try:
         shard_spec = parse_shard(shard) if shard else shard_from_slurm(os.environ)
     except ValueError as exc:
         raise SettingsError(str(exc)) from None
     jobs = m.jobs if shard_spec is None else shard_jobs(m.jobs, *shard_spec)
+    if not dry_run:
+        _check_writable(Path(out_dir))
+    run = RunSettings.resolve(opts, checkpoint=checkpoint, info=info, manifest=m)
     if dry_run:
         for line in run.check(info, jobs=jobs):  # against the dtype only: nothing is created
             _say(line)
+        if notice:  # what the run would render with, once the plan holds
+            _say(notice)
         print("\n".join(jobs_mod.plan_lines(jobs, Path(out_dir), overwrite=not skip_existing,
                                             current=run.record(), run=run.summary(), limits=info.limits())))
         return EXIT_OK
     world = _check(run, info, jobs=jobs)
     run = _plan_memory(run, info, jobs, world)
-    _check_writable(Path(out_dir))
     prepare_out_dir(out_dir)  # a file or a broken/looping symlink in the way: exit 2 before any rank starts
+    if notice:  # checked: the queue runs
+        _say(notice)
     queue = Queue(out_dir, shard=shard_spec, overwrite=not skip_existing, fail_fast=fail_fast)
     return run_jobs(run, jobs, world, info.release.dit.num_attention_heads, quiet=quiet, queue=queue)
 
@@ -236,32 +246,69 @@ def presets_command(checkpoint) -> None:
     """List the canvas presets with canvas, frames and packed row counts, for the checkpoint `prompt` would use."""
 
     def run() -> int:
-        for line in jobs_mod.preset_lines(checkpoint_info(_checkpoint(checkpoint)).limits()):
+        name = resolve_checkpoint(checkpoint, os.environ)[0]
+        info = checkpoint_info(name)
+        model = (f"the built-in {name} model (random weights)" if info.layout == "builtin" else
+                 f"checkpoint {info.path}")
+        for line in jobs_mod.preset_lines(info.limits(), model=model):
             print(line)
         return EXIT_OK
 
     sys.exit(_main_guard(run))
 
 
-@cli.command("make-checkpoint", short_help="Write a random checkpoint in a real on-disk layout.")
+@cli.command("make-checkpoint", short_help="Write a random checkpoint (or FastH3 student) in a real on-disk layout.")
 @click.argument("out", type=click.Path(file_okay=False))
 @click.option("--config", "config", type=click.Choice(["tiny", "small"]), default="tiny", show_default=True)
 @click.option("--layout", type=click.Choice(["official", "diffusers", "single-file"]), default="official",
               show_default=True, help="single-file: OUT is one .safetensors DiT (ComfyUI style, q/k/v stacked).")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--adapter", type=click.Path(dir_okay=False), default=None,
-              help="Also write a synthetic FastH3 adapter for this config to this file.")
-def make_checkpoint_command(out, config, layout, seed, adapter) -> None:
-    """Write a random checkpoint in the real on-disk format (no downloads)."""
+              help="Also write a synthetic FastH3 adapter (fastvideo-lora-v2) for this config to this new file.")
+@click.option("--adapter-kind", type=click.Choice(["dense", "vsa"]), default=None,
+              help="The --adapter's kind: dense (default; no gates) or vsa (an attn.to_gate_compress.set_weight "
+                   "gate per DiT block, as the VSA students carry).")
+@click.option("--adapter-bundle", type=click.Path(file_okay=False), default=None,
+              help="Also write the v1 LoRA bundle (vsa-datafree, vsa-synthetic-step1300, vsa-synthetic-step1900, "
+                   "dense-datafree and adapter_manifest.json) to this new folder; pick one with --adapter-variant.")
+@click.option("--student", type=click.Choice(["v2", "v1-vsa-datafree", "v1-vsa-synthetic-step1300",
+                                              "v1-vsa-synthetic-step1900", "v1-dense-datafree"]), default=None,
+              help="OUT is a full FastH3 student checkpoint instead: the base weights, the VSA gates in the "
+                   "transformer (not for the dense student) and fastvideo_inference.json; render it with --mode "
+                   "fasth3 (official or diffusers layout).")
+def make_checkpoint_command(out, config, layout, seed, adapter, adapter_kind, adapter_bundle, student) -> None:
+    """Write a random checkpoint in the real on-disk format (no downloads), and with the options every published
+    FastH3 student kind for it: a dense or VSA adapter file, the v1 LoRA bundle, or a full student checkpoint."""
 
     def run() -> int:
-        from h3render.make_checkpoint.writer import check_output, make_checkpoint
+        from h3render.make_checkpoint.writer import check_extras, check_output, make_checkpoint, \
+            write_synthetic_full_student
 
-        usage(check_output, out, layout)  # before anything is written (make_checkpoint checks it again)
-        path = make_checkpoint(out, config=config, layout=layout, seed=seed, adapter=adapter or None)
+        # Before anything is written (the writers check again).
+        if adapter_kind is not None and adapter is None:
+            raise SettingsError("--adapter-kind needs --adapter FILE")
+        if student is not None and layout == "single-file":
+            raise SettingsError(f"--student {student}: a full FastH3 student is a checkpoint folder; use --layout "
+                                f"official or diffusers")
+        if student is not None and (adapter or adapter_bundle):
+            raise SettingsError(f"--student {student} writes a full FastH3 checkpoint, which takes no adapter; "
+                                f"drop --adapter / --adapter-bundle")
+        usage(check_output, out, layout)
+        usage(check_extras, adapter, adapter_bundle)
+        if student is not None:
+            path = write_synthetic_full_student(out, student, config, layout, seed)
+            print(f"h3render: wrote a random {config} FastH3 {student} student checkpoint ({layout} layout) to "
+                  f"{path}; render it with --checkpoint {path} --mode fasth3", file=sys.stderr)
+            return EXIT_OK
+        path = make_checkpoint(out, config=config, layout=layout, seed=seed, adapter=adapter or None,
+                               adapter_kind=adapter_kind or "dense", bundle=adapter_bundle or None)
         print(f"h3render: wrote a random {config} checkpoint ({layout} layout) to {path}", file=sys.stderr)
         if adapter:
-            print(f"h3render: wrote a synthetic FastH3 adapter to {adapter}", file=sys.stderr)
+            print(f"h3render: wrote a synthetic {adapter_kind or 'dense'} FastH3 adapter to {adapter}",
+                  file=sys.stderr)
+        if adapter_bundle:
+            print(f"h3render: wrote a synthetic FastH3 v1 LoRA bundle to {adapter_bundle} (choose a variant with "
+                  f"--adapter-variant)", file=sys.stderr)
         return EXIT_OK
 
     sys.exit(_main_guard(run))

@@ -7,27 +7,7 @@ import click
 
 from h3render.jobs import MODES
 from h3render.settings import DEVICES, DTYPES, RunSettings, crf_problem
-from h3render.spec import ATTENTION_BACKENDS, X264_PRESETS
-
-
-class LazyChoice(click.Choice):
-    """`click.Choice` over a tuple of another module (`checkpoint.load.PRECISIONS`,
-    `checkpoint.students.POSITION_CHOICES`), read when click first needs it: those modules load torch (about 3 s),
-    which `h3render --help` and `h3render presets` should not wait for."""
-
-    def __init__(self, module: str, name: str) -> None:
-        self._where = (module, name)
-        super().__init__(())
-
-    @property
-    def choices(self):
-        import importlib
-
-        return getattr(importlib.import_module(self._where[0]), self._where[1])
-
-    @choices.setter
-    def choices(self, value) -> None:
-        pass  # fixed: the other module's tuple
+from h3render.spec import ATTENTION_BACKENDS, POSITION_CHOICES, PRECISIONS, X264_PRESETS
 
 
 def _check_crf(ctx, param, value):
@@ -52,7 +32,7 @@ def engine_options(f):
                           "bundle root (with --adapter-variant); on `prompt` it implies --mode fasth3."),
         click.option("--adapter-variant", type=str, default=None,
                      help="Variant of a FastH3 LoRA bundle root (e.g. vsa-datafree, dense-datafree)."),
-        click.option("--fasth3-positions", type=LazyChoice("h3render.checkpoint.students", "POSITION_CHOICES"),
+        click.option("--fasth3-positions", type=click.Choice(POSITION_CHOICES),
                      default=None,
                      help="FastH3 pre-shift positions: the release's [0.999, 0.749, 0.5, 0.25, 0] or FastVideo "
                           "0.2.1's example linspace(1, 0, 5); default: the student's own."),
@@ -60,7 +40,7 @@ def engine_options(f):
                      help="Default: cuda when available."),
         click.option("--dtype", type=click.Choice(DTYPES), default=None,
                      help="Default: bf16 on CUDA, fp32 on CPU (bf16 with --precision fp8)."),
-        click.option("--precision", type=LazyChoice("h3render.checkpoint.load", "PRECISIONS"), default=None,
+        click.option("--precision", type=click.Choice(PRECISIONS), default=None,
                      help="fp8: FP8 GEMMs in the DiT blocks, FP8 text-encoder weights, bf16 activations (needs CUDA "
                           "compute capability >= 8.9, or the CPU); default bf16, or the manifest's defaults."),
         click.option("--gpus", type=int, default=None, help="GPUs to use (default: every visible GPU; with --device cpu: CPU processes, for testing)."),

@@ -67,6 +67,8 @@ class Engine:
         # A mixed queue (t2va and fasth3 jobs): the base weights render the t2va jobs first, then the student is
         # fused in place once (`fuse_student`, on the first fasth3 job); None when fused at load or no student.
         self._deferred_fusion = deferred_fusion
+        # Why that in-place fusion failed: the DiT may hold some fused parameters then, so no fasth3 job runs on it.
+        self._fusion_error: BaseException | None = None
         self.student_attention = None  # `checkpoint.students.StudentAttention` of the student, set by `load`
         self.transformer: dict[str, Any] | None = None  # the --transformer file, when the DiT came from one
         self.load_seconds = load_seconds
@@ -140,7 +142,7 @@ class Engine:
         checkpoint, adapter, transformer_file = run.checkpoint, run.adapter, run.transformer
         precision, dtype = run.precision, run.torch_dtype
         from h3render.checkpoint import students
-        from h3render.checkpoint.layouts import read_checkpoint_info
+        from h3render.checkpoint.info import read_checkpoint_info
         from h3render.checkpoint.load import PARTS, load_components
 
         t0 = time.perf_counter()
@@ -253,6 +255,10 @@ class Engine:
                                   "defaults)")
             if self._deferred_fusion is not None:
                 self.fuse_student()
+            if self._fusion_error is not None:
+                first = (str(self._fusion_error).strip().splitlines() or [""])[0]
+                raise RenderError(f"the FastH3 student could not be fused (an earlier fasth3 job failed on it; the "
+                                  f"DiT is partly fused): {type(self._fusion_error).__name__}: {first}")
             return self.fasth3
         if self.fasth3 is not None and self._deferred_fusion is None:
             raise RenderError("this engine runs a FastH3 student (adapter fused, or a V2 checkpoint); base-model "
@@ -271,14 +277,20 @@ class Engine:
             AdapterError: a gate missing or zero in some blocks (named)."""
         fusion, self._deferred_fusion = self._deferred_fusion, None
         t0 = time.perf_counter()
-        prepare = getattr(fusion, "prepare", None)
-        if prepare is not None:
-            prepare(self.c.dit)
-        for name, param in self.c.dit.named_parameters():
-            fused = fusion(name, param.data)
-            if fused is not param.data:
-                param.data.copy_(fused)
-        fusion.finish()
+        try:
+            prepare = getattr(fusion, "prepare", None)
+            if prepare is not None:
+                prepare(self.c.dit)
+            for name, param in self.c.dit.named_parameters():
+                fused = fusion(name, param.data)
+                if fused is not param.data:
+                    param.data.copy_(fused)
+            fusion.finish()
+        except BaseException as exc:
+            # Parameters before the failing one are fused already: later fasth3 jobs must not render this DiT
+            # (they did, "succeeded", on a half-fused student).
+            self._fusion_error = exc
+            raise
         if self.precision == "fp8":
             from h3render.models.fp8 import quantize_dit_fp8_
 

@@ -251,6 +251,7 @@ class PresetInfo:
     seconds: float
     video_rows: int
     audio_rows: int
+    note: str = ""  # what this checkpoint makes of the preset, when its name or description would mislead
 
 
 def load_presets(presets_dir: str | Path | None = None) -> dict[str, Preset]:
@@ -311,19 +312,47 @@ def list_presets(limits: Limits | None = None, presets_dir: str | Path | None = 
         width, height = preset.canvas(limits)
         frames = preset.snapped_frames()
         rows.append(PresetInfo(name, preset.description, width, height, frames, frames / FPS,
-                               video_rows(width, height, frames), audio_rows(frames)))
+                               video_rows(width, height, frames), audio_rows(frames),
+                               _preset_note(preset, width, height, frames, limits)))
     return rows
 
 
-def preset_lines(limits: Limits | None = None, presets_dir: str | Path | None = None) -> list[str]:
-    """`list_presets` as aligned text lines, a header first."""
+def _preset_note(preset: Preset, width: int, height: int, frames: int, limits: Limits | None) -> str:
+    """What a checkpoint with smaller `limits` than the release's makes of a preset: a job using it is refused (frames
+    or rows beyond the checkpoint's limits), or a fixed-size preset (no aspect) keeps its size beyond the
+    checkpoint's canvas budget, so that "fast-960x544" is the tiny model's largest, slowest preset; else ""."""
+    if limits is None:
+        return ""
+    rows = video_rows(width, height, frames)
+    if not limits.min_frames <= frames <= limits.max_frames:
+        return f"refused here: {frames} frames outside this checkpoint's {limits.min_frames}..{limits.max_frames}"
+    if rows > limits.max_video_rows:
+        return f"refused here: {rows:,} video rows, over this checkpoint's {limits.max_video_rows:,}"
+    if preset.aspect is None and width * height > limits.canvas_max_pixels:
+        return (f"fixed size, {width * height / limits.canvas_max_pixels:.0f}x this checkpoint's canvas budget "
+                f"({limits.canvas_max_pixels:,} px): its largest, slowest preset here")
+    return ""
+
+
+def preset_lines(limits: Limits | None = None, presets_dir: str | Path | None = None,
+                 model: str | None = None) -> list[str]:
+    """`list_presets` as aligned text lines: with `model` (what the checkpoint is, e.g. "the built-in tiny model
+    (random weights)") a first line saying how its canvas rule applies; then the column header and one line per
+    preset, with `PresetInfo.note` after its description in brackets."""
     infos = list_presets(limits, presets_dir)
     width = max([len(i.name) for i in infos] + [6])
-    lines = [f"{'preset':<{width}}  {'canvas':>9}  {'frames':>13}  {'video rows':>10}  {'audio rows':>10}  description"]
+    lines = []
+    if model is not None:
+        short_edge = limits.canvas_short_edge if limits else RELEASED_SHORT_EDGE
+        max_pixels = limits.canvas_max_pixels if limits else RELEASED_MAX_PIXELS
+        lines.append(f"presets for {model}: an aspect preset takes its canvas rule (short edge {short_edge} px, at "
+                     f"most {max_pixels:,} px); a fixed-size preset keeps its size")
+    lines.append(f"{'preset':<{width}}  {'canvas':>9}  {'frames':>13}  {'video rows':>10}  {'audio rows':>10}  "
+                 "description")
     for i in infos:
         frames = f"{i.frames} ({seconds_text(i.frames)} s)"
         lines.append(f"{i.name:<{width}}  {f'{i.width}x{i.height}':>9}  {frames:>13}  "
-                     f"{i.video_rows:>10,}  {i.audio_rows:>10,}  {i.description}")
+                     f"{i.video_rows:>10,}  {i.audio_rows:>10,}  {i.description}" + (f" [{i.note}]" if i.note else ""))
     return lines
 
 

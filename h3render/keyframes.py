@@ -24,10 +24,9 @@ import hashlib
 import io
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 from PIL import Image, ImageOps, UnidentifiedImageError
 
 from h3render.spec import (
@@ -38,6 +37,9 @@ from h3render.spec import (
     RELEASED_SHORT_EDGE,
     canvas_for_aspect,
 )
+
+if TYPE_CHECKING:
+    import torch
 
 ANCHORS = ("first", "last")  # packed order of the keyframes (diffusers `keyframe_anchors`)
 ALPHA_BACKGROUND = (255, 255, 255)  # what a transparent pixel becomes: white, as an image viewer shows it
@@ -302,6 +304,8 @@ def keyframe_pixels(image: Image.Image) -> torch.Tensor:
     `VideoVAE.encode_condition` takes it as is (it divides by 255 in float32, as diffusers'
     `encode_vae_condition` does).
     """
+    import torch  # here only: the manifest reader decodes keyframes (`load_keyframe`) before torch is imported
+
     if image.mode != "RGB":
         raise ValueError(f"keyframe pixels need an RGB image, got mode {image.mode}")
     return torch.from_numpy(np.array(image, dtype=np.uint8)).permute(2, 0, 1)[:, None].contiguous()

@@ -20,7 +20,8 @@ from h3render.jobs import (DEFAULT_MODE, DEFAULT_SEED, Job, Preset, Requested, S
 from h3render.manifest_fields import engine_choices, field_problem, keyframe_canvas, resolve_keyframes, strip_mp4
 from h3render.manifest_formats import Errors, Layer, ManifestError, Value, Where, read_jsonl, read_yaml
 from h3render.outputs import lock_path, temp_paths
-from h3render.spec import Limits, canvas_for_aspect, check_canvas, parse_aspect, snap_frames, video_rows
+from h3render.spec import (PRECISIONS, Limits, canvas_for_aspect, check_canvas, parse_aspect, snap_frames,
+                           video_rows)
 
 JOB_FIELDS = ("id", "prompt", "preset", "aspect", "width", "height", "duration", "frames", "seed", "steps", "mode",
               "output", *KEYFRAME_FIELDS)
@@ -31,7 +32,7 @@ ENGINE_FIELDS = ("precision",)
 DEFAULTS_ONLY_FIELDS = ("adapter", "adapter_variant", "fasth3_positions")
 DEFAULT_FIELDS = tuple(f for f in JOB_FIELDS if f not in JOB_ONLY_FIELDS) + ENGINE_FIELDS + DEFAULTS_ONLY_FIELDS
 _KNOWN_FIELDS = JOB_FIELDS + ENGINE_FIELDS + DEFAULTS_ONLY_FIELDS
-DEFAULT_PRECISION = "bf16"  # = `checkpoint.load.PRECISIONS[0]` (tests/e2e/test_precision.py), kept here torch-free
+DEFAULT_PRECISION = PRECISIONS[0]
 _CANVAS_FIELDS = ("preset", "aspect", "width", "height")
 _TIME_FIELDS = ("duration", "frames")
 _COMMAND_LINE = "<command line>"
@@ -126,7 +127,7 @@ def _run_precision(cli: str | None, defaults: Layer, job_layers: list[Layer], er
     """The run's precision (`--precision`, else the defaults', else "bf16"); a job that sets another one is an error
     naming where the run's came from (a job repeating the run's value is fine; a bad value is _check_layer's)."""
     if cli is None and "precision" not in defaults.fields and not any("precision" in j.fields for j in job_layers):
-        return DEFAULT_PRECISION  # nothing to check: torch (the choices' home) stays unimported
+        return DEFAULT_PRECISION
     choices = engine_choices("precision")
     run, where = (cli, "--precision") if cli else (choices[0], "the default")
     if cli is None and defaults.get("precision") in choices:

@@ -11,7 +11,8 @@ from typing import Any, Mapping, NamedTuple
 
 from h3render.job_keyframes import ANCHOR_OF_FIELD, KEYFRAME_FIELDS, KeyframeRef, read_keyframe_ref
 from h3render.jobs import MAX_SEED, MODES, Preset, lone_surrogate, output_path_problem
-from h3render.spec import CANVAS_MULTIPLE, Limits, canvas_for_aspect, is_int, parse_aspect
+from h3render.spec import (CANVAS_MULTIPLE, POSITION_CHOICES, PRECISIONS, Limits, canvas_for_aspect, is_int,
+                           parse_aspect)
 
 STRING_FIELDS = ("id", "prompt", "preset", "aspect", "mode", "output", "adapter", "adapter_variant",
                  "fasth3_positions", "precision", *KEYFRAME_FIELDS)
@@ -84,16 +85,9 @@ def field_problem(name: str, value: Any, presets: Mapping[str, Preset], limits: 
 
 
 def engine_choices(name: str) -> tuple[str, ...]:
-    """The values an engine-level field takes, from their one home: `precision` (`checkpoint.load.PRECISIONS`,
-    "bf16" first: the default) or `fasth3_positions` (`checkpoint.students.POSITION_CHOICES`). Imported only when a
-    manifest sets one: both modules bring torch along."""
-    if name == "precision":
-        from h3render.checkpoint.load import PRECISIONS
-
-        return PRECISIONS
-    from h3render.checkpoint.students import POSITION_CHOICES
-
-    return POSITION_CHOICES
+    """The values an engine-level field takes, from their one home: `precision` (`spec.PRECISIONS`, "bf16" first:
+    the default) or `fasth3_positions` (`spec.POSITION_CHOICES`)."""
+    return PRECISIONS if name == "precision" else POSITION_CHOICES
 
 
 def type_name(value: Any) -> str:

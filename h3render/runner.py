@@ -114,7 +114,7 @@ def _rank_main(run: RunSettings, jobs: list, heads: int, quiet: bool, single, qu
 
         try:
             if single is not None:
-                return _render_single(factory, jobs[0], *single)
+                return _render_single(factory, jobs[0], *single, quiet=quiet)
             order = sorted(range(len(jobs)), key=lambda i: jobs[i].mode == "fasth3")  # t2va first, stable
             report = run_batch(jobs, factory, queue.out_dir, overwrite=queue.overwrite, fail_fast=queue.fail_fast,
                                quiet=quiet, shard=queue.shard, render_order=order, current=run.record())
@@ -140,9 +140,9 @@ def _progress(shown: bool, single: bool):
     return Progress("lines" if single else "slow")
 
 
-def _render_single(factory, job, mp4: Path, sidecar: Path) -> int:
+def _render_single(factory, job, mp4: Path, sidecar: Path, *, quiet: bool = False) -> int:
     """`h3render prompt`: one job. The renderer writes `<name>.tmp.mp4` / sidecar temp files and renames them on
-    success; on failure or Ctrl-C nothing is left under either name."""
+    success; on failure or Ctrl-C nothing is left under either name. `quiet`: no "wrote" line (errors still print)."""
     from h3render.outputs import temp_paths
     from h3render.report import remove_files
 
@@ -159,7 +159,8 @@ def _render_single(factory, job, mp4: Path, sidecar: Path) -> int:
         first = (str(exc).strip().splitlines() or [""])[0]
         print(f"h3render: failed: {type(exc).__name__}: {first}", file=sys.stderr)
         return EXIT_FAILED
-    print(f"h3render: wrote {mp4} and {sidecar} in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+    if not quiet:
+        print(f"h3render: wrote {mp4} and {sidecar} in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
     return EXIT_OK
 
 

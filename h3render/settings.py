@@ -19,7 +19,7 @@ from typing import Any, Iterable, Mapping, Sequence
 from h3render.exits import UsageError
 from h3render.jobs import check_x264_preset
 from h3render.manifest import DEFAULT_PRECISION
-from h3render.spec import X264_CRF
+from h3render.spec import X264_CRF, check_precision
 
 DTYPES = ("bf16", "fp32")  # --dtype: the activations' (block stack's) dtype
 DEVICES = ("cuda", "cpu")
@@ -27,6 +27,11 @@ FASTH3_MODE = "fasth3"
 CHECKPOINT_ENV = "H3RENDER_CHECKPOINT"
 TINY_NOTICE = (f"h3render: no checkpoint given (--checkpoint / {CHECKPOINT_ENV}): using the built-in tiny model "
                "with random weights, which renders noise")
+
+
+# The fields `RunSettings.check_options` checks, by their option names (click's, with _ for -).
+OPTION_FIELDS = ("crf", "vae_batch", "gpus", "max_gpu_memory", "dtype", "device", "x264_preset", "adapter",
+                 "transformer")
 
 
 class SettingsError(UsageError):
@@ -46,7 +51,7 @@ class RunSettings:
         adapter, adapter_variant: the FastH3 student adapter (file, variant folder or LoRA bundle root) and the
             bundle's variant; None for none.
         fasth3_positions: "release" / "fastvideo-example" replaces the student's own pre-shift positions; None: its own.
-        precision: "bf16" or "fp8" (`checkpoint.load.PRECISIONS`).
+        precision: "bf16" or "fp8" (`spec.PRECISIONS`).
         dtype: activations, "bf16" or "fp32" (default: bf16 on CUDA or with fp8, else fp32).
         device: "cuda" or "cpu"; gpus: ranks asked for (None: every visible GPU; on CPU one process).
         attention: "fa3", "cudnn", "sdpa", or None to choose by measurement (CUDA only).
@@ -159,41 +164,70 @@ class RunSettings:
             SettingsError: the first problem, one line: bad crf/vae_batch/x264 preset/dtype/device, fasth3
                 without a student, a t2va job on a full FastH3 checkpoint, a missing adapter or one the loader
                 refuses (a bundle root without its variant, an unknown variant, an unreadable header, tensors that
-                do not fit the DiT: `students.read_student`), an unusable --transformer, fp8 with fp32
+                do not fit the DiT: `students.read_student`; a NaN/Inf/huge value: `adapter.scan_adapter`), an
+                unusable --transformer, fp8 with fp32
                 activations or on a GPU older than sm_89, an attention backend this machine lacks.
         """
-        problem = crf_problem(self.crf)
-        if problem:
-            raise SettingsError(f"--crf {problem}")
-        if self.vae_batch < 1:
-            raise SettingsError(f"--vae-batch {self.vae_batch}: must be >= 1")
-        if self.max_gpu_memory is not None and not self.max_gpu_memory > 0:
-            raise SettingsError(f"--max-gpu-memory {self.max_gpu_memory}: GB of device memory, must be > 0")
-        if self.dtype not in DTYPES or self.device not in DEVICES:
-            raise SettingsError(f"--dtype {self.dtype} / --device {self.device}: one of {DTYPES} / {DEVICES}")
-        usage(check_x264_preset, self.x264_preset)
-        if self.adapter is not None and not Path(self.adapter).exists():
-            raise SettingsError(f"--adapter {self.adapter}: no such file or folder")
+        self.check_options({name: getattr(self, name) for name in OPTION_FIELDS}, info)
         self._check_student(info, mode, jobs)
-        if info is not None:
-            check_transformer(self.transformer, info)
         problem = precision_problem(self.precision, self.dtype, self.devices(world))
         if problem:
             raise SettingsError(problem if self.precision_from is None else
                                 f"{self.precision_from}: precision: {problem}")
         return self._attention_warnings()
 
+    @staticmethod
+    def check_options(values: Mapping[str, Any], info=None) -> None:
+        """The checks of `check` that need no torch, on option values by field name (click's options, or a
+        `RunSettings`' own; a missing or None value is not checked) and the checkpoint's configs (`info`, from the
+        torch-free `checkpoint.info`; None: only that a --transformer file exists). The command line runs them
+        first, so that a typo answers at once instead of after the imports the other checks need (torch,
+        transformers' Qwen3-VL: ~6 s); `check` runs them again on the resolved settings (API callers).
+
+        Raises:
+            SettingsError: a bad crf, vae_batch, gpus, max_gpu_memory, dtype, device or x264 preset; an --adapter path that does not
+                exist; an unusable --transformer (`check_transformer`: missing, the built-in model, a header the
+                loader refuses).
+        """
+        crf, vae_batch, gpus = (values.get(name) for name in ("crf", "vae_batch", "gpus"))
+        problem = None if crf is None else crf_problem(crf)
+        if problem:
+            raise SettingsError(f"--crf {problem}")
+        if vae_batch is not None and vae_batch < 1:
+            raise SettingsError(f"--vae-batch {vae_batch}: must be >= 1")
+        if gpus is not None and gpus < 1:
+            raise SettingsError(f"--gpus must be >= 1, got {gpus}")
+        max_gb = values.get("max_gpu_memory")
+        if max_gb is not None and not max_gb > 0:
+            raise SettingsError(f"--max-gpu-memory {max_gb}: GB of device memory, must be > 0")
+        dtype, device = values.get("dtype"), values.get("device")
+        if dtype not in (None, *DTYPES) or device not in (None, *DEVICES):
+            raise SettingsError(f"--dtype {dtype} / --device {device}: one of {DTYPES} / {DEVICES}")
+        if values.get("x264_preset") is not None:
+            usage(check_x264_preset, values["x264_preset"])
+        if values.get("adapter") is not None and not Path(values["adapter"]).exists():
+            raise SettingsError(f"--adapter {values['adapter']}: no such file or folder")
+        transformer = values.get("transformer")
+        if info is not None:
+            check_transformer(transformer, info)
+        elif transformer is not None and not Path(transformer).exists():
+            raise SettingsError(f"--transformer {transformer}: no such file")
+
     def _check_student(self, info, mode: str | None, jobs: Sequence | None) -> None:
         """The student the load would fuse, found and read as the loader does (`students.locate_student`: listings
         and JSON; with `info`, `students.read_student`: the adapter's header against the DiT config too), against
         the jobs' modes."""
+        from h3render.checkpoint.adapter import scan_adapter
         from h3render.checkpoint.students import locate_student, read_student
 
         contract, source = usage(locate_student, self.checkpoint, self.adapter, self.adapter_variant,
                                  self.fasth3_positions)
         if info is not None and (source is not None or contract is not None):
-            usage(lambda: read_student(self.checkpoint, info, self.adapter, variant=self.adapter_variant,
-                                       positions=self.fasth3_positions))
+            parts = usage(lambda: read_student(self.checkpoint, info, self.adapter, variant=self.adapter_variant,
+                                               positions=self.fasth3_positions))
+            if parts is not None and parts.adapter is not None:
+                # Every value (NaN/Inf/huge, a NaN gate), in the pass that hashes the file for the sidecar anyway.
+                usage(scan_adapter, parts.adapter)
         if mode == FASTH3_MODE and self.adapter is None and contract is None:
             raise SettingsError("--mode fasth3 needs --adapter PATH (the FastH3 student adapter) or a FastH3 V2 "
                                 "checkpoint")
@@ -306,7 +340,7 @@ def resolve_device(device: str | None) -> str:
 
 def checkpoint_info(checkpoint: str):
     """`checkpoint.read_checkpoint_info(checkpoint)`, its error as a one-line SettingsError."""
-    from h3render.checkpoint.layouts import read_checkpoint_info
+    from h3render.checkpoint.info import read_checkpoint_info
 
     return usage(read_checkpoint_info, checkpoint)
 
@@ -317,6 +351,11 @@ def has_v2_contract(checkpoint: str) -> bool:
     Raises:
         SettingsError: the contract file is unreadable or invalid.
     """
+    from h3render.checkpoint.contract import contract_path
+    from h3render.checkpoint.releases import BUILTIN
+
+    if checkpoint in BUILTIN or contract_path(checkpoint) is None:
+        return False  # found without importing torch (the students module's) for the common case
     from h3render.checkpoint.students import locate_student
 
     return usage(locate_student, checkpoint)[0] is not None
@@ -350,7 +389,7 @@ def check_transformer(transformer: str | None, info) -> None:
         raise SettingsError(f"--transformer {transformer} replaces a checkpoint folder's DiT: it needs --checkpoint "
                             f"DIR (the text encoder and VAEs come from there); the built-in {info.path} model takes "
                             "none")
-    from h3render.checkpoint.layouts import with_transformer_file
+    from h3render.checkpoint.info import with_transformer_file
 
     usage(with_transformer_file, info, transformer, prefix="--transformer ")
 
@@ -360,14 +399,12 @@ def precision_problem(precision: str, dtype: str, devices: Iterable = ()) -> str
     the rule itself is `models.fp8.fp8_problem`, which `Engine.load` applies to API callers too).
 
     Args:
-        precision: "bf16" or "fp8" (`checkpoint.load.PRECISIONS`).
+        precision: "bf16" or "fp8" (`spec.PRECISIONS`).
         dtype: the activations' dtype, "bf16" or "fp32".
         devices: the `torch.device`s the run uses.
     Raises:
         ValueError: an unknown precision.
     """
-    from h3render.checkpoint.load import check_precision
-
     if check_precision(precision) != "fp8":
         return None
     from h3render.models.fp8 import fp8_problem

@@ -290,6 +290,21 @@ def canvas_for_aspect(aspect_w: float, aspect_h: float, *, short_edge: int = REL
 FASTH3_V1_VSA_SPARSITY = 0.9  # FastH3 v1 release notes (FastVideo blog "FastH3 preview"): fraction of tiles dropped
 FASTH3_V2_VSA_SPARSITY = 0.8  # FastH3 V2 `fastvideo_inference.json` (vLLM-Omni `FastH3CheckpointSpec`)
 
+# -- run settings whose values the command line offers (here so that the choices need no torch) -----------------------
+# --precision: bf16 weights, or FP8 GEMMs in the DiT blocks (`h3render.checkpoint.load`); "bf16" first: the default.
+PRECISIONS = ("bf16", "fp8")
+# --fasth3-positions: the release's pre-shift positions or FastVideo 0.2.1's example linspace
+# (`h3render.checkpoint.contract.fasth3_schedule` builds each).
+POSITION_CHOICES = ("release", "fastvideo-example")
+
+
+def check_precision(precision: str) -> str:
+    """`precision` if it is one of `PRECISIONS`, else ValueError naming the choices."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
+    return precision
+
+
 # -- dense attention backends ----------------------------------------------------------------------------------------
 # Names, fastest first on an H200; `h3render.models.attention.REGISTRY` holds one record per name (name, available(),
 # run) and checks at import that its keys are exactly these. Here so that `--attention`'s choices need no torch.

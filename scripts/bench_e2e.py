@@ -60,7 +60,7 @@ def random_components(name: str, device: torch.device, dtype: torch.dtype, preci
     `checkpoint.load.assemble_components` (the function `Engine.load` reaches) with `precision`."""
     from h3render.checkpoint.builtin import STORAGE_DTYPES
     from h3render.checkpoint.builtin import tiny_vl_tokenizer
-    from h3render.checkpoint.layouts import CheckpointInfo
+    from h3render.checkpoint.info import CheckpointInfo
     from h3render.checkpoint.load import assemble_components
     from h3render.checkpoint.releases import RELEASES
     from h3render.checkpoint.stream import Entry, parameters_on_meta
@@ -105,7 +105,7 @@ def _memory_fields(bench, components, device: torch.device) -> dict:
 
 
 def _precisions(args) -> list[str]:
-    from h3render.checkpoint.load import check_precision
+    from h3render.spec import check_precision
 
     return [check_precision(p.strip()) for p in args.precision.split(",") if p.strip()]
 

@@ -15,7 +15,7 @@ from bench_common import PROMPT, build_on_gpu, gb, parse_canvas, random_, rec, r
 def released_engine(args, ctx):
     """The real Engine over random real-size components (text encoder 50 layers, DiT, both VAEs), all resident."""
     from h3render.checkpoint.builtin import tiny_tokenizer
-    from h3render.checkpoint.layouts import CheckpointInfo
+    from h3render.checkpoint.info import CheckpointInfo
     from h3render.checkpoint.load import Components
     from h3render.checkpoint.releases import QWEN3VL_RELEASED, RELEASES
     from h3render.engine import Engine

@@ -134,7 +134,8 @@ def stage_audio(args) -> None:
     Engine runs), each with the Triton anti-aliased activations (default on CUDA) and with the torch ones,
     torch.compile variants; every output checked against our default eager decode and diffusers' (same weights)."""
     from h3render.graphs import ShapeGraphs
-    from h3render.models.audio_vae import AudioVAE, AudioVAEConfig
+    from h3render.models.audio_vae import AudioVAE
+    from h3render.models.audio_vae_config import AudioVAEConfig
     from h3render.settings import RunSettings
 
     cfg = AudioVAEConfig()

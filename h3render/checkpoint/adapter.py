@@ -48,7 +48,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from h3render.checkpoint.adapter_checks import check_dtypes, check_fused, check_values
+from h3render.checkpoint.adapter_checks import check_dtypes, check_fused, check_values, known_digest, scan_file
 from h3render.checkpoint.contract import CONTRACT_FILE
 from h3render.checkpoint.errors import AdapterError
 from h3render.checkpoint.names import (GATE_VALUE, QKV, STACKS, VSA_GATE_NATIVE, Target, dit_shapes,
@@ -214,6 +214,9 @@ class Adapter:
 
 
 def _file_sha256(path: Path) -> str:
+    known = known_digest(path)  # the one check's scan hashed this very file already
+    if known is not None:
+        return known
     digest = hashlib.sha256()
     with path.open("rb") as stream:
         for chunk in iter(lambda: stream.read(1 << 23), b""):
@@ -371,19 +374,27 @@ def read_adapter(path: str | Path, base_model: str = RELEASED_BASE_MODEL) -> Ada
 
 def check_adapter(path: str | Path, base_model: str = RELEASED_BASE_MODEL) -> Adapter:
     """The up-front check of an adapter file, before any weights load: `read_adapter`'s header checks (a corrupt
-    safetensors header, names, shapes, counts, dtypes), then every tensor's values (`adapter_checks.check_values`:
-    finite, bounded), naming the file and the tensor. Reads the file once more (the sha256 read it already).
+    safetensors header, names, shapes, counts, dtypes), then every tensor's values (`scan_adapter`).
 
     Raises:
         AdapterError: the first problem, one line.
     """
     adapter = read_adapter(path, base_model=base_model)
-    gates = {key for key in adapter.entries if split_adapter_key(key)[1] == "set_weight"}
-    with safe_open(adapter.path, framework="pt", device="cpu") as handle:
-        for key, entry in adapter.entries.items():
-            check_values(adapter.path, entry.key or key, handle.get_tensor(entry.key or key),
-                         "a VSA gate" if key in gates else "")
+    scan_adapter(adapter)
     return adapter
+
+
+def scan_adapter(adapter: Adapter) -> str:
+    """Every tensor's values of a read adapter (`adapter_checks.check_values`: finite, within `MAX_ABS`; a
+    ``.set_weight`` named as a VSA gate), in the one pass that also hashes the file (`adapter_checks.scan_file`):
+    the digest becomes ``adapter.sha256``, so the check costs no read of the file the sidecar's hash did not.
+
+    Returns: the sha256. Raises: AdapterError naming the file and the tensor.
+    """
+    gates = {entry.key or key for key, entry in adapter.entries.items() if split_adapter_key(key)[1] == "set_weight"}
+    digest = scan_file(adapter.path, lambda key: "a VSA gate" if key in gates else "")
+    adapter.__dict__["sha256"] = digest  # the cached_property's slot (a frozen dataclass has no setter)
+    return digest
 
 
 def split_role(name: str) -> str | None:

@@ -24,10 +24,12 @@ import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from h3render.sampling import Schedule
 from h3render.spec import RELEASED_AUDIO_SHIFT, RELEASED_VIDEO_SHIFT
+
+if TYPE_CHECKING:  # torch: the schedule is built only when a student is planned (`fasth3_schedule`)
+    from h3render.sampling import Schedule
 
 CONTRACT_FILE = "fastvideo_inference.json"
 CONTRACT_SCHEMA = "fasth3-inference-contract-v1"
@@ -283,4 +285,6 @@ def fasth3_schedule(metadata: Any = None,
         source = "adapter metadata"
     else:
         chosen, source = positions_from_steps(RELEASE_DMD_STEPS), "release default"
+    from h3render.sampling import Schedule
+
     return Schedule.few_step(chosen, video_shift, audio_shift, source)

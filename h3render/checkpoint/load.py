@@ -23,7 +23,8 @@ import torch
 
 from h3render.checkpoint.builtin import random_entries, tiny_vl_tokenizer
 from h3render.checkpoint.errors import CheckpointError
-from h3render.checkpoint.layouts import CheckpointInfo, dit_entries, read_checkpoint_info, with_transformer_file
+from h3render.checkpoint.info import CheckpointInfo, read_checkpoint_info, with_transformer_file
+from h3render.checkpoint.layouts import dit_entries
 from h3render.checkpoint.releases import BUILTIN, RELEASES, Release
 from h3render.checkpoint.stream import (Entry, TensorHook, cast_parameters_, finish_hook, parameters_on_meta,
                                         safetensors_entries, stream_into, weights_where)
@@ -33,10 +34,10 @@ from h3render.models.dit_config import DiTConfig
 from h3render.models.fp8 import Fp8Linear, Fp8WeightLinear, empty_dit_fp8_, quantize_text_encoder_fp8_, quantize_weight
 from h3render.models.text_encoder import TextEncoder, build_vision_tower, image_processor_from_dict
 from h3render.models.video_vae import VideoVAE
+from h3render.spec import check_precision
 
 PARTS = ("dit", "video_vae", "audio_vae", "text_encoder")
 # "bf16": every linear in the load dtype (today's path); "fp8": see the module docstring.
-PRECISIONS = ("bf16", "fp8")
 # Each part's name in messages.
 _WHAT = {"dit": "DiT", "video_vae": "video VAE", "audio_vae": "audio VAE", "text_encoder": "text encoder"}
 
@@ -163,13 +164,6 @@ def _adaln_home(adaln_device: torch.device | str | None, precision: str, device:
     if adaln_device is not None:
         return torch.device(adaln_device)
     return torch.device("cpu") if precision == "fp8" else torch.device(device)
-
-
-def check_precision(precision: str) -> str:
-    """`precision` if it is one of `PRECISIONS`, else ValueError naming the choices."""
-    if precision not in PRECISIONS:
-        raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
-    return precision
 
 
 # Prefixes under which Qwen3-VL checkpoints store the language model: transformers >= 4.57

@@ -14,7 +14,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from h3render.models.audio_vae import AUDIO_VAE_SMALL, AUDIO_VAE_TINY, AudioVAEConfig
+from h3render.models.audio_vae_config import AUDIO_VAE_SMALL, AUDIO_VAE_TINY, AudioVAEConfig
 from h3render.models.dit_config import DIT_SMALL, DIT_TINY, DiTConfig
 from h3render.models.vae_tiling import RELEASED_TILING, TilingConfig
 from h3render.models.video_vae_config import VIDEO_VAE_SMALL, VIDEO_VAE_TINY, VideoVAEConfig

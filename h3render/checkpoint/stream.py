@@ -10,15 +10,15 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import json
 from pathlib import Path
-from typing import Any, Callable, Collection, Iterable, Iterator, NamedTuple
+from typing import Callable, Collection, Iterable, Iterator, NamedTuple
 
 import torch
 from safetensors import safe_open
 from torch import Tensor, nn
 
 from h3render.checkpoint.errors import CheckpointError
+from h3render.checkpoint.info import read_json
 
 # ---------------------------------------------------------------------------------------------------------------------
 # Tensor sources: (file, name, loader) entries, read lazily so skipped tensors are never read.
@@ -109,23 +109,6 @@ def weights_where(folder: str | Path) -> str:
         return str(folder)
     found = sorted(folder.glob("*.safetensors.index.json")) or sorted(folder.glob("*.safetensors"))
     return str(found[0]) if len(found) == 1 else str(folder)
-
-
-def read_json(path: Path) -> dict[str, Any]:
-    """A JSON object from a config file.
-
-    Raises:
-        CheckpointError: the file is missing, not JSON, or not an object.
-    """
-    if not path.is_file():
-        raise CheckpointError(f"{path}: missing")
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CheckpointError(f"{path}: not valid JSON: {exc}") from None
-    if not isinstance(data, dict):
-        raise CheckpointError(f"{path}: expected a JSON object")
-    return data
 
 
 # ---------------------------------------------------------------------------------------------------------------------

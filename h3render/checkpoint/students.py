@@ -39,7 +39,7 @@ from h3render.checkpoint.errors import AdapterError, CheckpointError
 from h3render.checkpoint.releases import BUILTIN
 from h3render.checkpoint.stream import Entry
 from h3render.kernels.vsa import TILE
-from h3render.spec import FASTH3_V1_VSA_SPARSITY, FASTH3_V2_VSA_SPARSITY
+from h3render.spec import FASTH3_V1_VSA_SPARSITY, FASTH3_V2_VSA_SPARSITY, POSITION_CHOICES
 
 ADAPTER_FILE = "adapter_model.safetensors"
 BUNDLE_MANIFEST = "adapter_manifest.json"
@@ -48,7 +48,6 @@ BUNDLE_VARIANTS = ("vsa-datafree", "vsa-synthetic-step1300", "vsa-synthetic-step
 # Where a student states no VSA sparsity / tile, the release's (values: h3render.spec, h3render.kernels.vsa.TILE).
 _V1_RELEASE = f"FastH3 v1 release notes (VSA {FASTH3_V1_VSA_SPARSITY}, tile {TILE})"
 _V2_RELEASE = f"V2 release ({FASTH3_V2_VSA_SPARSITY}, tile {TILE})"
-POSITION_CHOICES = ("release", "fastvideo-example")
 _GATE = re.compile(r"blocks\.(\d+)\.attn\.gate_proj\.weight")
 
 

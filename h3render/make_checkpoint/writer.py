@@ -15,6 +15,11 @@ islands (patch projections, time embedder, output heads), text encoder bf16, bot
   `text_encoder/`, `tokenizer/`, `processor/` (image and video processor configs). diffusers 0.42.1 loads it with
   `load_components` (accelerate installed); it cannot *run* the tiny or small model's text encode, which it reads at
   a hard-coded `hidden_states[50]` (`MiniMaxH3ModularPipeline.text_encoder_layer`) from a 3- or 4-layer encoder.
+  Deliberately so (issue #29, round 2): a deeper encoder in this layout alone would make the diffusers folder
+  another model than the built-in tiny one its other layouts hold bit for bit (same config hash, same encode:
+  tests/unit/test_checkpoint.py). The consistent fix deepens the tiny registry entry itself to 51 text layers read
+  at 50, as released (+1.1 M parameters, +2.2 MB bf16 per written checkpoint), which changes every tiny render; and
+  diffusers' t2va text-encode block also needs `processor/` built as a `Qwen3VLProcessor`, which needs torchvision.
 * "single-file": `OUT` is one `.safetensors` file holding the DiT, native names with q/k/v stacked `[q; k; v]`
   (ComfyUI style), the DiT config in its `config` metadata.
 """
@@ -34,9 +39,11 @@ from h3render.checkpoint.contract import CONTRACT_FILE, VSA_BACKEND
 from h3render.checkpoint.names import QKV_NATIVE, VSA_GATE, deinterleave_qkv, dit_state_dict_to_diffusers
 from h3render.checkpoint.releases import BUILTIN, RELEASES, Release
 from h3render.make_checkpoint.files import save_tensors
-from h3render.make_checkpoint.synthetic_adapter import FULL_STUDENTS, write_synthetic_adapter
+from h3render.make_checkpoint.synthetic_adapter import FULL_STUDENTS, write_synthetic_adapter, write_synthetic_bundle
 
 LAYOUTS = ("official", "diffusers", "single-file")
+# A synthetic adapter's kind: dense (no gates) or VSA (a gate per DiT block), the two kinds of the published v1 LoRAs.
+ADAPTER_KINDS = ("dense", "vsa")
 DIFFUSERS_VERSION = "0.42.1"
 # Tensor files of a diffusers model folder and of a transformers model folder.
 DIFFUSERS_WEIGHTS = "diffusion_pytorch_model"
@@ -53,6 +60,8 @@ def make_checkpoint(
     *,
     shards: int = 2,
     adapter: str | Path | None = None,
+    adapter_kind: str = "dense",
+    bundle: str | Path | None = None,
 ) -> Path:
     """Write the random `config` model as a checkpoint in `layout` under `out_dir`.
 
@@ -63,6 +72,10 @@ def make_checkpoint(
         seed: weights seed (as `build_random`).
         shards: transformer shard count (>= 2 exercises the index path).
         adapter: also write a synthetic FastH3 adapter (`fastvideo-lora-v2`) for this DiT at this path.
+        adapter_kind: "dense" (no gates) or "vsa" (the `attn.to_gate_compress.set_weight` gate of every DiT block,
+            as the VSA students carry: 50 released, 2 tiny).
+        bundle: also write the v1 LoRA bundle root (`write_synthetic_bundle`: four variant folders and
+            `adapter_manifest.json`) for this DiT there.
 
     Returns:
         The path to pass to `load_components` (the repository root for "official").
@@ -77,7 +90,11 @@ def make_checkpoint(
         raise ValueError(f"make-checkpoint: unknown layout {layout!r} (choose from {', '.join(LAYOUTS)})")
     if shards < 1:
         raise ValueError(f"make-checkpoint: shards must be >= 1, got {shards}")
+    if adapter_kind not in ADAPTER_KINDS:
+        raise ValueError(f"make-checkpoint: unknown adapter kind {adapter_kind!r} (choose from "
+                         f"{', '.join(ADAPTER_KINDS)})")
     out = check_output(out_dir, layout)
+    check_extras(adapter, bundle)
     release = RELEASES[config]
 
     if layout == "single-file":
@@ -86,8 +103,28 @@ def make_checkpoint(
         part = out / "FL2VA" if layout == "official" else out
         _write_partition(part, release, seed, layout, shards)
     if adapter is not None:
-        write_synthetic_adapter(adapter, release.dit, seed=seed)
+        write_synthetic_adapter(adapter, release.dit, seed=seed, with_set_weight=adapter_kind == "vsa")
+    if bundle is not None:
+        write_synthetic_bundle(bundle, release.dit, seed=seed)
     return out
+
+
+def check_extras(adapter: str | Path | None = None, bundle: str | Path | None = None) -> None:
+    """The adapter file and bundle folder `make_checkpoint` would also write, refused before anything is written:
+    the adapter a new file, the bundle a new or empty folder (as `check_output` holds OUT).
+
+    Raises:
+        ValueError: the message names the path and what to do.
+    """
+    if adapter is not None:
+        path = Path(adapter)
+        if path.exists():
+            raise ValueError(f"make-checkpoint: --adapter {adapter} already exists; name a new file")
+    if bundle is not None:
+        path = Path(bundle)
+        if path.exists() and (path.is_file() or any(path.iterdir())):
+            raise ValueError(f"make-checkpoint: --adapter-bundle {bundle} already exists and is not empty; name a "
+                             f"new or empty folder")
 
 
 def check_output(out_dir: str | Path, layout: str) -> Path:
@@ -266,7 +303,16 @@ def write_synthetic_full_student(out: str | Path, student: str = "v2", config: s
         gate_blocks: blocks that get a gate (default all, for a VSA student); zero_gates: blocks whose gate is 0.
 
     Returns: the checkpoint root.
+
+    Raises:
+        ValueError: an unknown student, the "single-file" layout (a student's contract sits beside its transformer
+            folder), or as `make_checkpoint`.
     """
+    if contract is None and student not in FULL_STUDENTS:
+        raise ValueError(f"make-checkpoint: unknown student {student!r} (choose from {', '.join(FULL_STUDENTS)})")
+    if layout not in ("official", "diffusers"):
+        raise ValueError(f"make-checkpoint: a full FastH3 student is a checkpoint folder (official or diffusers "
+                         f"layout), not {layout!r}")
     out = make_checkpoint(out, config, layout, seed)
     contract = dict(FULL_STUDENTS[student] if contract is None else contract)
     dit = RELEASES[config].dit

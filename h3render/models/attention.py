@@ -43,6 +43,17 @@ _PROBE_SHAPE = (1, 16384, 16, 128)
 _PROBE_REPEATS = 7
 _PROBE_REL_TOL = 2e-2
 
+# CPU attention runs in query-row chunks of about this much work (query rows x key rows x heads x head dim, times
+# the batch): Python runs a signal handler only between bytecodes, and one SDPA call at the tiny model's largest canvas
+# (24k video rows, 8 heads x 16) held SIGTERM for ~11 s on a 2-core host (issue #28 item 5). Any attention below it
+# (every test render) is one call, as before. Chunks start at multiples of CPU_CHUNK_ALIGN rows and hold at least
+# CPU_CHUNK_MIN_ROWS (the last one takes the remainder): torch's CPU flash kernel cuts queries into blocks of 256 rows
+# once a call has 768 or more (32 or 64 below), so each chunk is cut into the very blocks the whole call is cut into,
+# and the output is bit-identical to one call. A short last chunk was not: its blocks of 32 rows gave other fp32 bits
+# than the whole call's one partial block (measured, torch 2.13 CPU; tests/unit/test_attention.py).
+CPU_CHUNK_WORK = 1 << 31
+CPU_CHUNK_ALIGN, CPU_CHUNK_MIN_ROWS = 256, 768
+
 _selected: str | None = None
 _fa3_func: Callable | None = None
 # Median probe seconds per backend from the last automatic selection (inf: failed or disagreed); for logs.
@@ -81,13 +92,20 @@ def naive_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.
 
 
 def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """Full non-causal attention, no mask, default scale 1/sqrt(head_dim) (the DiT's default attention).
+    """Full non-causal attention, no mask, default scale 1/sqrt(head_dim) (the DiT's default attention). Host
+    tensors go through `cpu_attention` (query chunks, so a signal is handled within a chunk; bit-identical).
 
     Args:
         q, k, v: `[B, S, H, D]`.
     Returns:
         `[B, S, H, D]`, dtype of `q`.
     """
+    if q.device.type == "cpu":
+        return cpu_attention(q, k, v)
+    return _sdpa(q, k, v)
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     # SDPA wants [B, H, S, D]; transposed views avoid a copy on the way in and out.
     out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
     return out.transpose(1, 2)
@@ -260,6 +278,31 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor
         # must not run cuDNN / FA3 on host tensors.
         return sdpa_attention(q, k, v)
     return REGISTRY[current_backend()].run(q, k, v)
+
+
+def cpu_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk_work: int = CPU_CHUNK_WORK) -> torch.Tensor:
+    """`sdpa_attention` in query-row chunks of about `chunk_work` (`CPU_CHUNK_WORK`; whole `CPU_CHUNK_ALIGN` row
+    blocks, at least `CPU_CHUNK_MIN_ROWS`), so a signal is handled between chunks instead of after the whole call
+    (seconds at a large canvas on CPU). Each query row's output depends only on that row and all keys, so the chunks
+    concatenate to the whole call's output, bit for bit.
+
+    Args:
+        q, k, v: `[B, S, H, D]` host tensors.
+    Returns:
+        `[B, S, H, D]` in q's dtype.
+    """
+    batch, rows, heads, dim = q.shape
+    per_chunk = chunk_work // max(1, batch * rows * heads * dim) // CPU_CHUNK_ALIGN * CPU_CHUNK_ALIGN
+    per_chunk = max(per_chunk, CPU_CHUNK_MIN_ROWS)
+    if per_chunk + CPU_CHUNK_MIN_ROWS > rows:
+        return _sdpa(q, k, v)
+    out = torch.empty_like(q)
+    start = 0
+    while start < rows:
+        end = start + per_chunk if rows - (start + per_chunk) >= CPU_CHUNK_MIN_ROWS else rows
+        out[:, start:end] = _sdpa(q[:, start:end], k, v)
+        start = end
+    return out
 
 
 # ---------------------------------------------------------------------------------------------------------------------

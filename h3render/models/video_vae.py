@@ -22,17 +22,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from h3render.models.vae_tiling import (
-    RELEASED_TILING,
-    DecodeItem,
-    DecodePlan,
-    TilingConfig,
-    assemble_frames,
-    plan_decode,
-    split_axis,
-    stitch_tiles,
-    stitch_window,
-)
+from h3render.models.vae_blend import assemble_frames, stitch_tiles, stitch_window
+from h3render.models.vae_tiling import RELEASED_TILING, DecodeItem, DecodePlan, TilingConfig, plan_decode, split_axis
 from h3render.models.video_vae_config import VideoVAEConfig
 from h3render.models.video_vae_encoder import Encoder3d
 

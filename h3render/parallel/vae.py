@@ -16,7 +16,7 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
-from h3render.models.vae_tiling import assemble_frames, stitch_window
+from h3render.models.vae_blend import assemble_frames, stitch_window
 from h3render.parallel.groups import ParallelContext
 
 

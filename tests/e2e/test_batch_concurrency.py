@@ -17,7 +17,7 @@ import pytest
 from h3render import locks
 from h3render.batch import run_batch
 from h3render.outputs import lock_path
-from tests.unit.test_batch import FakeRenderer, Factory, files_under, make_jobs, read_report
+from tests.unit.test_batch import FakeRenderer, Factory, files_under, kept_reports, make_jobs, read_report
 from tests._env import repo_pythonpath
 
 REPO = Path(__file__).resolve().parents[2]
@@ -93,7 +93,9 @@ def test_a_dead_holders_job_is_picked_up_by_the_next_run(tmp_path):
     assert data["pid"] == b.pid and [j["status"] for j in data["jobs"]] == ["succeeded", "succeeded"]
     assert renders(ctl) == [(a.pid, "j0"), (b.pid, "j0"), (b.pid, "j1")]
     assert (out / "j0.mp4").read_text().startswith(f"mp4 prompt 0 by {b.pid}")
-    assert files_under(out) == {"batch-report.json", "j0.mp4", "j0.json", "j1.mp4", "j1.json"}
+    kept = kept_reports(out)  # A's report, kept under its start time and marked killed
+    assert len(kept) == 1 and json.loads((out / kept.pop()).read_text())["state"] == "killed"
+    assert files_under(out) - kept_reports(out) == {"batch-report.json", "j0.mp4", "j0.json", "j1.mp4", "j1.json"}
 
 
 def test_a_job_locked_by_a_live_process_is_left_alone_and_retried_at_the_end(tmp_path):

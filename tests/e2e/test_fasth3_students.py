@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 from h3render.checkpoint import adapter as fasth3
 from h3render.checkpoint.adapter import read_adapter
 from h3render.checkpoint.errors import AdapterError, CheckpointError
-from h3render.checkpoint.layouts import read_checkpoint_info
+from h3render.checkpoint.info import read_checkpoint_info
 from h3render.checkpoint.load import load_components
 from h3render.checkpoint.releases import RELEASES
 from h3render.checkpoint.students import plan_student, resolve_adapter
@@ -179,6 +179,36 @@ def test_deferred_in_place_fusion_turns_vsa_on_with_the_gates(bundle):
     torch.testing.assert_close(dit.blocks[1].attn.gate_proj.weight, gate_of(path, 1).float(), rtol=0, atol=0)
 
 
+def test_a_failed_in_place_fusion_fails_every_later_fasth3_job(tmp_path):
+    """`fuse_student` cleared its pending fusion before fusing: when a parameter failed half-way (factors within
+    bounds whose product overflows, which only the fusion can see), the first fasth3 job failed and every later one
+    rendered, "succeeded", on the half-fused DiT. Now each later one fails naming the fusion's error."""
+    from h3render.engine import Engine
+    from h3render.errors import RenderError
+    from h3render.jobs import Job
+    from h3render.parallel.groups import ParallelContext
+    from h3render.settings import RunSettings
+
+    path = write_synthetic_adapter(tmp_path / "o.safetensors", CFG, seed=6)
+    from h3render.checkpoint.adapter_checks import MAX_ABS as big
+
+    def overflow(tensors, meta):  # the last block's FFN output: parameters before it fuse first
+        for role in ("lora_A", "lora_B"):
+            key = f"transformer_blocks.{CFG.num_layers - 1}.ff.net.2.{role}.weight"
+            tensors[key] = torch.full_like(tensors[key], big)
+    rewrite(path, overflow)
+    ctx = ParallelContext(0, 1, 0, torch.device("cpu"))
+    engine = Engine.load(RunSettings(progress=False, adapter=str(path)), ctx, base_jobs_first=True)
+    before = engine.c.dit.blocks[0].attn.qkv_proj.weight.clone()
+    job = Job(id=None, prompt="x", width=224, height=128, frames=22, seed=0, steps=None, mode="fasth3",
+              output="x")
+    with pytest.raises(AdapterError, match="gives non-finite weights"):
+        engine.schedule(job)
+    assert not torch.equal(engine.c.dit.blocks[0].attn.qkv_proj.weight, before)  # half fused indeed
+    with pytest.raises(RenderError, match="could not be fused.*AdapterError.*gives non-finite weights"):
+        engine.schedule(job)
+
+
 # ---------------------------------------------------------------------------------------------- FastVideo's semantics
 
 
@@ -331,3 +361,58 @@ def test_loaded_vsa_student_on_two_ulysses_ranks_equals_one(tmp_path):
     [(v, a)] = run_ranks(_ulysses_worker, 2, (adapter,), results=1)
     ref_v, ref_a = _student_forward(adapter)
     assert rel_err(v, ref_v) <= 1e-5 and rel_err(a, ref_a) <= 1e-5
+
+
+# ---------------------------------------------------------------------------------------------- make-checkpoint
+
+
+def test_make_checkpoint_writes_every_published_student_kind(tmp_path):
+    """`h3render make-checkpoint` wrote a dense adapter only (issue #28 item 7): `--adapter-kind vsa` writes the gate
+    of every DiT block, `--adapter-bundle` the v1 LoRA bundle, `--student NAME` a full v1 / V2 checkpoint. Each
+    loads as its kind: VSA on with the written gates in every block, or dense."""
+    from h3render.checkpoint.students import BUNDLE_VARIANTS, read_student
+    from tests._cli import invoke, one_error_line, run_here
+
+    base, vsa, bundle = tmp_path / "base", tmp_path / "vsa.safetensors", tmp_path / "bundle"
+    r = run_here("make-checkpoint", str(base), "--adapter", str(vsa), "--adapter-kind", "vsa",
+                 "--adapter-bundle", str(bundle))
+    assert r.returncode == 0, r.stderr
+    assert "synthetic vsa FastH3 adapter" in r.stderr and "v1 LoRA bundle" in r.stderr
+    info = read_checkpoint_info(base)
+    plan = plan_student(str(base), info, vsa)
+    assert plan.attention.vsa and read_adapter(vsa, fasth3.TINY_BASE_MODEL).gate_blocks == tuple(range(CFG.num_layers))
+    dit = load_dit(base, plan)
+    for i in range(CFG.num_layers):
+        torch.testing.assert_close(dit.blocks[i].attn.gate_proj.weight, gate_of(vsa, i).float(), rtol=0, atol=0)
+    for variant in BUNDLE_VARIANTS:
+        parts = read_student(str(base), info, str(bundle), variant=variant)
+        assert parts.attention.vsa == variant.startswith("vsa-"), variant
+
+    for student, layout, mode in (("v2", "diffusers", "vsa"), ("v1-dense-datafree", "official", "dense")):
+        out = tmp_path / student
+        r = run_here("make-checkpoint", str(out), "--layout", layout, "--student", student)
+        assert r.returncode == 0 and "--mode fasth3" in r.stderr, r.stderr
+        plan = plan_student(str(out), read_checkpoint_info(out))
+        assert plan.attention.mode == mode and plan.sidecar["model_id"].startswith("FastVideo/")
+        if mode == "vsa":
+            dit = load_dit(out, plan)
+            assert all(bool(dit.blocks[i].attn.gate_proj.weight.any()) for i in range(CFG.num_layers))
+
+    # Mistakes are one line, exit 2, before anything is written.
+    assert "--adapter-kind needs --adapter" in one_error_line(invoke("make-checkpoint", str(tmp_path / "n1"),
+                                                                      "--adapter-kind", "vsa"))
+    assert "checkpoint folder" in one_error_line(invoke("make-checkpoint", str(tmp_path / "n2.safetensors"),
+                                                        "--layout", "single-file", "--student", "v2"))
+    assert "takes no adapter" in one_error_line(invoke("make-checkpoint", str(tmp_path / "n3"), "--student", "v2",
+                                                       "--adapter", str(tmp_path / "n3.safetensors")))
+    assert "already exists" in one_error_line(invoke("make-checkpoint", str(tmp_path / "n4"), "--adapter", str(vsa)))
+    assert "not empty" in one_error_line(invoke("make-checkpoint", str(tmp_path / "n5"), "--adapter-bundle",
+                                                str(bundle)))
+    assert not any((tmp_path / f"n{i}").exists() for i in range(1, 6))
+    assert "--adapter-kind" in invoke("make-checkpoint", "--help").output
+    from h3render.cli import make_checkpoint_command
+    from h3render.make_checkpoint.synthetic_adapter import FULL_STUDENTS
+
+    # The torch-free CLI spells the students out: they must be the writer's.
+    (option,) = [p for p in make_checkpoint_command.params if p.name == "student"]
+    assert list(option.type.choices) == list(FULL_STUDENTS)

@@ -15,7 +15,7 @@ import torch
 from PIL import Image
 
 from h3render.checkpoint.errors import CheckpointError
-from h3render.checkpoint.layouts import read_checkpoint_info
+from h3render.checkpoint.info import read_checkpoint_info
 from h3render.checkpoint.load import load_vision
 from h3render.make_checkpoint.writer import make_checkpoint
 from tests._mp4 import frames_of

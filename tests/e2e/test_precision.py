@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-from h3render.checkpoint.load import PRECISIONS
+from h3render.spec import PRECISIONS
 from h3render.checkpoint.releases import RELEASES
 from h3render.engine import Engine
 from h3render.jobs import Job
@@ -80,7 +80,7 @@ def test_bf16_is_the_default_and_its_sidecar_says_so(renders):
     assert run["precision_components"]["dit_blocks"] == "bf16"
     assert run["precision_components"]["text_encoder"] == "bf16"
     assert run["precision_components"]["video_vae"].startswith("bf16")  # no FP8 decoder blocks
-    assert PRECISIONS[0] == "bf16"  # h3render.manifest.DEFAULT_PRECISION restates it (kept torch-free)
+    assert PRECISIONS[0] == "bf16"
     from h3render.manifest import DEFAULT_PRECISION
 
     assert DEFAULT_PRECISION == PRECISIONS[0]

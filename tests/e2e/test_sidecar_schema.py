@@ -43,6 +43,11 @@ def t2va(tmp_path_factory):
 def test_t2va_sidecar_matches_the_schema_and_says_what_ran(t2va):
     side, stderr, before, after, out = t2va
     validate(side, "sidecar")
+    # The tiny model's notice comes once the run is checked (after the --attention warning), then the plan line.
+    lines = stderr.splitlines()
+    notice = next(i for i, line in enumerate(lines) if "no checkpoint given" in line)
+    assert "--attention fa3 applies on CUDA only" in "".join(lines[:notice]), stderr
+    assert " frames = " in lines[notice + 1] and lines[-1].startswith("h3render: wrote "), stderr
     run = side["run"]
     assert run["output"] == str(out.resolve())
     assert before - timedelta(seconds=1) <= datetime.fromisoformat(run["started_at"]) <= after
@@ -97,6 +102,8 @@ def test_the_sidecar_reports_the_soundtrack_level_and_a_real_model_warns_of_clip
     clipped = json.loads(out.with_suffix(".json").read_text())["extra"]["audio"]["clipped_samples"]
     assert clipped > 0 and len(warned) == 1 and warned[0].startswith(
         f"h3render: warning: real.mp4: {clipped} of "), r.stderr
+    # --quiet: the warning alone (no plan line, no "wrote" line: they printed before, issue #29 round 2)
+    assert r.stderr.splitlines() == warned and r.stdout == "", r.stderr
 
 
 def test_writer_stats_are_durations_on_the_jobs_scale(t2va):

@@ -116,7 +116,7 @@ def test_a_task_warm_up_failure_fails_its_job_alone(engine, tmp_path):
     import numpy as np
     from PIL import Image
 
-    from h3render.checkpoint.layouts import read_checkpoint_info
+    from h3render.checkpoint.info import read_checkpoint_info
     from h3render.errors import RenderError
     from h3render.manifest import job_from_fields
 

@@ -7,7 +7,8 @@ import warnings
 import pytest
 import torch
 
-from h3render.models.audio_vae import AUDIO_VAE_TINY, AudioVAE, AudioVAEConfig
+from h3render.models.audio_vae import AudioVAE
+from h3render.models.audio_vae_config import AUDIO_VAE_TINY, AudioVAEConfig
 from h3render.spec import AUDIO_HOP
 from tests._numerics import assert_close
 

@@ -126,3 +126,29 @@ def test_a_corrupt_adapter_header_is_one_line_up_front(tmp_path, garble):
     with pytest.raises(AdapterError) as info:
         check_adapter(path, base_model=TINY_BASE_MODEL)
     assert str(info.value).startswith(f"{path}: not a readable safetensors file") and "\n" not in str(info.value)
+
+
+def test_the_value_scan_hashes_the_file_in_the_same_pass_and_the_load_reuses_it(tmp_path, monkeypatch):
+    """The one check reads every value in the pass that computes the sidecar's sha256 (`scan_file`), and the load
+    in the same process takes that digest instead of reading the file again; a file changed since is hashed again."""
+    import hashlib
+    import os
+
+    from h3render.checkpoint import adapter as adapter_mod
+    from h3render.checkpoint.adapter_checks import known_digest, scan_file
+
+    path = write_synthetic_adapter(tmp_path / "a.safetensors", DIT_TINY, 0, with_set_weight=True)
+    want = hashlib.sha256(path.read_bytes()).hexdigest()
+    assert known_digest(path) is None
+    adapter = check_adapter(path, base_model=TINY_BASE_MODEL)
+    assert adapter.sha256 == want and known_digest(path) == want
+    opened = []
+    real_open = type(path).open
+    monkeypatch.setattr(type(path), "open", lambda self, *a, **k: opened.append(self) or real_open(self, *a, **k))
+    assert read_adapter(path, base_model=TINY_BASE_MODEL).sha256 == want and opened == []  # no second read
+    monkeypatch.undo()
+    stat = path.stat()
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000))
+    assert known_digest(path) is None
+    assert adapter_mod._file_sha256(path) == want  # hashed again: the same bytes
+    assert scan_file(path) == want

@@ -10,7 +10,8 @@ import warnings
 import pytest
 import torch
 
-from h3render.models.audio_vae import AUDIO_VAE_TINY, AudioVAE, kaiser_sinc_filter
+from h3render.models.audio_vae import AudioVAE, kaiser_sinc_filter
+from h3render.models.audio_vae_config import AUDIO_VAE_TINY
 from h3render.kernels.alias_free import alias_free_activation, lowpass_downsample, upsample_snake
 from tests._numerics import rel_err
 

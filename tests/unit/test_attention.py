@@ -104,3 +104,66 @@ def test_attention_rejects_mismatched_inputs():
         attention(q[0], q[0], q[0])
     with pytest.raises(ValueError, match="dtype"):
         attention(q, q.double(), q)
+
+
+def test_cpu_attention_in_chunks_is_bit_identical_to_one_call():
+    """`cpu_attention` cuts a large CPU attention into query chunks (so a signal is handled between them); the chunks
+    cut where torch's flash kernel cuts its own query blocks, so the output is the whole call's, bit for bit, in fp32
+    and bf16 (a CPU render keeps its bytes, and 2 CPU ranks, which split the heads, still equal 1)."""
+    torch.manual_seed(0)
+    # 2048 + 1 / + 33 rows: a last chunk of 1 or 33 rows gave other fp32 bits than one call.
+    for dtype, rows in ((torch.float32, 2049), (torch.float32, 2081), (torch.bfloat16, 2049)):
+        q, k, v = (torch.randn(1, rows, 2, 16).to(dtype) for _ in range(3))
+        whole = attn_mod._sdpa(q, k, v)
+        for work in (1, 1024 * rows * 2 * 16):  # chunks of CPU_CHUNK_MIN_ROWS rows, and of 1024
+            assert torch.equal(attn_mod.cpu_attention(q, k, v, chunk_work=work), whole), (dtype, rows, work)
+        assert torch.equal(attn_mod.cpu_attention(q, k, v, chunk_work=1 << 40), whole)
+
+
+def test_a_signal_during_the_dits_attention_at_the_largest_tiny_canvas_is_handled_within_a_chunk(monkeypatch):
+    """One SDPA call over the tiny model's largest canvas (max_video_rows query rows) held a signal until it
+    returned: ~11 s on a 2-core host (27 s under load), so SIGTERM was not honoured for that long. Now the signal
+    (here SIGALRM, 20 ms into the first chunk) is handled after the chunk it arrived in: the call stops part-way,
+    within a chunk's time. Through the DiT block's own attention function (`sdpa_attention` off CUDA) and through
+    `attention` (the Ulysses ranks' base)."""
+    import signal
+    import time
+
+    from h3render.checkpoint.releases import RELEASES
+    from h3render.models.dit import Attention
+
+    class Stop(Exception):
+        pass
+
+    def stop(signum, frame):
+        raise Stop
+
+    rows = RELEASES["tiny"].limits().max_video_rows
+    cfg = RELEASES["tiny"].dit
+    block = Attention(cfg.hidden_size, cfg.num_attention_heads, cfg.attention_head_dim, cfg.qk_norm_eps)
+    q = torch.randn(1, rows, cfg.num_attention_heads, cfg.attention_head_dim)
+    real, started = attn_mod._sdpa, []
+
+    def counted(q_, k_, v_):
+        if not started:
+            signal.setitimer(signal.ITIMER_REAL, 0.02)
+        started.append(q_.shape[1])
+        return real(q_, k_, v_)
+
+    t0 = time.perf_counter()
+    real(q[:, :attn_mod.CPU_CHUNK_MIN_ROWS], q, q)  # what one chunk takes on this machine now (~0.3 s idle)
+    chunk_s = time.perf_counter() - t0
+    monkeypatch.setattr(attn_mod, "_sdpa", counted)
+    previous = signal.signal(signal.SIGALRM, stop)
+    try:
+        for fn in (block.attention, attention):
+            started.clear()
+            t0 = time.perf_counter()
+            with pytest.raises(Stop):
+                fn(q, q, q)
+            seconds = time.perf_counter() - t0
+            assert sum(started) < rows / 4, started  # stopped after a chunk, not after the whole call
+            assert seconds < 3 * chunk_s + 0.5, (seconds, chunk_s, started)  # a chunk or two, of ~31
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import gc
 import json
 import os
+import re
 import signal
 import sys
 import threading
@@ -87,6 +88,12 @@ def read_report(out: Path, name: str = "batch-report.json") -> dict:
 
 def files_under(out: Path) -> set[str]:
     return {p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file()}
+
+
+def kept_reports(out: Path) -> set[str]:
+    """The earlier queues' reports, kept under their start times (`report.keep_earlier_report`)."""
+    dated = re.compile(r"batch-report\.\d{8}T\d{6}Z(-\d+)?\.json")
+    return {p.name for p in out.glob("batch-report.*.json") if dated.fullmatch(p.name)}
 
 
 def test_all_succeed_and_report_lists_every_job(tmp_path):
@@ -398,6 +405,32 @@ def test_a_failed_tail_fails_its_job_only_and_leaves_no_final_file(tmp_path):
     assert "No space left on device" in report.jobs[1].error
     assert not (tmp_path / "sub/j1.mp4").exists() and not (tmp_path / "sub/j1.json").exists()
     assert sorted(p.name for p in (tmp_path / "sub").iterdir()) == ["j0.json", "j0.mp4", "j2.json", "j2.mp4"]
+
+
+class _SlowTailRenderer(FakeRenderer):
+    """Each job's tail (the MP4 and sidecar landing) ends 0.3 s after `render_async` returned, on its own thread."""
+
+    def render_async(self, job, mp4, sidecar):
+        future = Future()
+
+        def tail():
+            time.sleep(0.3)
+            future.set_result(self.render(job, mp4, sidecar))
+
+        threading.Thread(target=tail, daemon=True).start()
+        return future
+
+
+def test_job_lines_come_out_in_render_order_while_tails_run(tmp_path, capsys):
+    """Job 2 fails at once (a file where its folder goes) while job 1's tail still runs: its line used to come out
+    first ("job 2/3 ... failed", then "job 1/3 ... succeeded"), and "left" counted down in completion order."""
+    (tmp_path / "shots").write_text("not a folder")
+    jobs = [FakeJob("a", "p", 0, "a"), FakeJob("b", "q", 1, "shots/b"), FakeJob("c", "r", 2, "c")]
+    report, _ = run(jobs, _SlowTailRenderer(), tmp_path, quiet=True)
+    assert [j.status for j in report.jobs] == ["succeeded", "failed", "succeeded"]
+    lines = [line for line in capsys.readouterr().err.splitlines() if " job " in line and " in " in line]
+    assert [line.split(" job ")[1].split()[0] for line in lines] == ["1/3", "2/3", "3/3"], lines
+    assert [line.rsplit("; left ", 1)[1] for line in lines] == ["2", "1", "0"], lines
 
 
 def test_the_queue_line_counts_one_job_in_the_singular(tmp_path, capsys):

@@ -17,7 +17,8 @@ from h3render import locks, report as report_mod
 from h3render.batch import run_batch
 from h3render.outputs import BatchUsageError
 from h3render.sidecar import media_record
-from tests.unit.test_batch import FakeJob, FakeRenderer, Factory, files_under, make_jobs, read_report
+from tests.unit.test_batch import (FakeJob, FakeRenderer, Factory, files_under, kept_reports, make_jobs,
+                                   read_report)
 from tests.e2e.test_batch_concurrency import renders, start_queue
 from tests._cli import invoke, one_error_line
 
@@ -53,6 +54,27 @@ def test_an_unwritable_job_folder_fails_that_job_only(tmp_path, monkeypatch):
     report = run_batch(jobs, Factory(FakeRenderer()), tmp_path, progress=False)
     assert statuses(report) == ["failed", "succeeded"]
     assert str(tmp_path / "ro/a.lock") in report.jobs[0].error and "Permission denied" in report.jobs[0].error
+
+
+def test_a_job_folder_fault_is_recorded_with_its_traceback_and_cause(tmp_path, monkeypatch):
+    """A job whose folder cannot be made is recorded as any failed job is: its error and a traceback that keeps the
+    system call's own error as the cause (the JobPathError used to drop it: `from None`)."""
+    real_mkdir = Path.mkdir
+
+    def mkdir(self, *args, **kw):
+        if self.name == "ro":
+            raise PermissionError(errno.EACCES, "Permission denied", str(self))
+        return real_mkdir(self, *args, **kw)
+
+    monkeypatch.setattr(Path, "mkdir", mkdir)
+    jobs = [FakeJob("a", "p", 0, "ro/a"), FakeJob("b", "q", 1, "b")]
+    report = run_batch(jobs, Factory(FakeRenderer()), tmp_path, progress=False)
+    assert statuses(report) == ["failed", "succeeded"]
+    recorded = read_report(tmp_path)["jobs"][0]
+    assert recorded["error"] == f"JobPathError: cannot create the job's folder {tmp_path / 'ro'}: Permission denied"
+    tb = recorded["traceback"]
+    assert f"PermissionError: [Errno 13] Permission denied: '{tmp_path / 'ro'}'" in tb, tb
+    assert "direct cause" in tb and tb.rstrip().splitlines()[-1].startswith("h3render.outputs.JobPathError: "), tb
 
 
 @pytest.mark.skipif(os.geteuid() == 0, reason="root ignores the folder's mode bits; the injected case covers it")
@@ -245,7 +267,7 @@ def test_a_crash_between_the_mp4_and_the_sidecar_rename_resumes(tmp_path):
     assert [job for _, job in renders(ctl)] == ["j0", "j1", "j0", "j0"]  # j1 skipped: its pair is intact
     side = json.loads((out / "j0.json").read_text())
     assert side["mp4"]["sha256"] == media_record(out / "j0.mp4")["sha256"]
-    assert files_under(out) == {"batch-report.json", "j0.mp4", "j0.json", "j1.mp4", "j1.json"}
+    assert files_under(out) - kept_reports(out) == {"batch-report.json", "j0.mp4", "j0.json", "j1.mp4", "j1.json"}
 
 
 def test_a_killed_overwrite_leaves_a_temp_that_the_next_run_sweeps_while_skipping(tmp_path):
@@ -257,7 +279,7 @@ def test_a_killed_overwrite_leaves_a_temp_that_the_next_run_sweeps_while_skippin
     resume = start_queue(out, ctl, 2, "--record")
     _, err = resume.communicate(timeout=120)
     assert resume.returncode == 0 and "2 already rendered (skipped), 0 to render" in err, err
-    assert files_under(out) == {"batch-report.json", "j0.mp4", "j0.json", "j1.mp4", "j1.json"}
+    assert files_under(out) - kept_reports(out) == {"batch-report.json", "j0.mp4", "j0.json", "j1.mp4", "j1.json"}
 
 
 def test_the_cli_gives_exit_2_and_one_line_for_a_bad_out_dir(tmp_path):

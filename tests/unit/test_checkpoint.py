@@ -15,7 +15,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from h3render.checkpoint.errors import CheckpointError
-from h3render.checkpoint.layouts import read_checkpoint_info
+from h3render.checkpoint.info import read_checkpoint_info
 from h3render.checkpoint.load import load_components
 from h3render.checkpoint.load import build_tiny
 from h3render.checkpoint.names import dit_state_dict_to_diffusers

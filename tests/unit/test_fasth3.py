@@ -12,7 +12,7 @@ from h3render.checkpoint import adapter as fasth3
 from h3render.checkpoint.adapter import AdapterFusion, read_adapter
 from h3render.checkpoint.contract import fasth3_schedule, is_fasth3_v2
 from h3render.checkpoint.errors import AdapterError, CheckpointError
-from h3render.checkpoint.layouts import CheckpointInfo
+from h3render.checkpoint.info import CheckpointInfo
 from h3render.checkpoint.load import assemble_components
 from h3render.checkpoint.releases import RELEASES
 from h3render.checkpoint.stream import Entry

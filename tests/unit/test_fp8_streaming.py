@@ -17,7 +17,7 @@ import torch
 from h3render.checkpoint.builtin import random_entries
 from h3render.checkpoint.builtin import tiny_vl_tokenizer
 from h3render.checkpoint.errors import CheckpointError
-from h3render.checkpoint.layouts import read_checkpoint_info
+from h3render.checkpoint.info import read_checkpoint_info
 from h3render.checkpoint.load import load_components
 from h3render.checkpoint.load import _adaln_home, assemble_components
 from h3render.checkpoint.releases import RELEASES

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from h3render.graphs import ShapeGraphs
-from h3render.models.audio_vae import AUDIO_VAE_TINY, AudioVAE
+from h3render.models.audio_vae import AudioVAE
+from h3render.models.audio_vae_config import AUDIO_VAE_TINY
 
 
 class ReplayInPlace:

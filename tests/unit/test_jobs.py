@@ -1,5 +1,6 @@
 """Manifest → Job: canvas and time rules, schema errors with lines, output names, presets, shards."""
 
+import dataclasses
 import json
 import textwrap
 from pathlib import Path
@@ -372,6 +373,26 @@ def test_presets_listing():
     infos = {info.name: info for info in J.list_presets(small)}
     assert (infos["landscape-16x9"].width, infos["landscape-16x9"].height) == (160, 96)
     assert (infos["fast-960x544"].width, infos["fast-960x544"].height) == (960, 544)
+
+
+def test_the_tiny_models_preset_table_says_what_it_does_with_each_preset():
+    """On the tiny model "fast-960x544" is a fixed 960x544, 18x its canvas budget: its largest, slowest preset, which
+    the table listed as "Fast drafts ..." with nothing to say so. The released model has no such note."""
+    from h3render.checkpoint.releases import RELEASES
+
+    tiny = RELEASES["tiny"].limits()
+    lines = J.preset_lines(tiny, model="the built-in tiny model (random weights)")
+    assert lines[0] == ("presets for the built-in tiny model (random weights): an aspect preset takes its canvas rule "
+                        "(short edge 128 px, at most 28,672 px); a fixed-size preset keeps its size")
+    fast = next(line for line in lines if line.startswith("fast-960x544"))
+    assert fast.endswith("[fixed size, 18x this checkpoint's canvas budget (28,672 px): its largest, slowest preset "
+                         "here]"), fast
+    assert sum("[" in line for line in lines) == 1  # the aspect presets follow the rule: nothing to add
+    assert not any("[" in line for line in J.preset_lines(RELEASES["released"].limits()))
+    # a preset the checkpoint would refuse says so (rows over its limit)
+    cramped = dataclasses.replace(tiny, max_video_rows=1_000)
+    notes = {i.name: i.note for i in J.list_presets(cramped)}
+    assert notes["landscape-16x9"] == "refused here: 1,036 video rows, over this checkpoint's 1,000"
 
 
 def test_unknown_and_broken_presets(tmp_path):

@@ -132,3 +132,31 @@ def test_srun_without_a_rendezvous_address_is_refused_before_anything_loads():
 def test_a_malformed_srun_task_count_names_the_variable():
     with pytest.raises(ValueError, match="SLURM_NTASKS='x'"):
         launcher_env({"SLURM_PROCID": "0", "SLURM_NTASKS": "x"})
+
+
+@pytest.fixture(scope="module")
+def out_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("launcher")
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(variable=st.sampled_from(["RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_PROCID", "SLURM_NTASKS"]),
+       raw=NOT_PLAIN.filter(lambda t: "\x00" not in t), command=st.sampled_from(["prompt", "batch"]))
+def test_a_malformed_launcher_variable_is_one_line_exit_2_on_the_command(out_dir, variable, raw, command):
+    """The tiny model's notice went through `cli._say`, which called `launcher_env` outside the usage-error
+    handling: RANK=x printed a ValueError traceback (exit 1). Now every malformed rank variable is one line, exit 2,
+    before anything loads."""
+    from tests._cli import invoke, one_error_line
+
+    torchrun = variable in ("RANK", "WORLD_SIZE", "LOCAL_RANK")
+    env = ({"RANK": "0", "WORLD_SIZE": "2"} if torchrun else {"SLURM_PROCID": "0", "SLURM_NTASKS": "2"})
+    env[variable] = raw
+    if command == "prompt":
+        args = ("prompt", "x", "-o", str(out_dir / "x.mp4"))
+    else:
+        manifest = out_dir / "m.jsonl"
+        manifest.write_text('{"prompt": "x", "output": "x"}\n')
+        args = ("batch", str(manifest), "--out-dir", str(out_dir / "out"))
+    line = one_error_line(invoke(*args, env=env))
+    assert variable in line or "outside world size" in line or "MASTER_ADDR" in line, line
+    assert not list(out_dir.glob("**/*.mp4"))

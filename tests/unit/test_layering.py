@@ -70,7 +70,11 @@ LAYER_NAMES = {7: "front end", 6: "job path", 5: "writers", 4: "checkpoint", 3: 
 TORCH_FREE = ("h3render.spec", "h3render.errors", "h3render.exits", "h3render.runner", "h3render.sidecar", "h3render.jobs", "h3render.manifest", "h3render.manifest_formats",
               "h3render.manifest_fields", "h3render.shards",
               "h3render.job_keyframes", "h3render.outputs", "h3render.settings", "h3render.batch", "h3render.report",
-              "h3render.locks", "h3render.progress", "h3render.signals", "h3render.cli")
+              "h3render.locks", "h3render.progress", "h3render.signals", "h3render.cli",
+              # what the front end's checks read before any heavy import (a typo answers at once, issue #29): the
+              # checkpoint's configs and registry, the student contract's file, the launcher's rank, keyframes
+              "h3render.checkpoint.info", "h3render.checkpoint.releases", "h3render.checkpoint.contract",
+              "h3render.parallel.launcher", "h3render.keyframes")
 
 # Known exceptions (none since the task seam landed: render no longer imports engine).
 ALLOWED_UPWARD: set[tuple[str, str]] = set()

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from h3render.checkpoint.load import load_components
-from h3render.checkpoint.layouts import read_checkpoint_info
+from h3render.checkpoint.info import read_checkpoint_info
 from h3render.checkpoint.releases import RELEASES
 from h3render.make_checkpoint.writer import make_checkpoint
 

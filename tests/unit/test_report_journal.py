@@ -9,12 +9,13 @@ import errno
 import json
 import os
 import socket
+from datetime import datetime
 
 from h3render import locks, report as report_mod
 from h3render.batch import run_batch
 from h3render.outputs import lock_path
 from h3render.report import read_report
-from tests.unit.test_batch import FakeRenderer, Factory, make_jobs
+from tests.unit.test_batch import FakeJob, FakeRenderer, Factory, make_jobs
 
 
 def test_each_job_appends_a_line_and_the_report_itself_is_not_rewritten(tmp_path):
@@ -176,3 +177,44 @@ def test_a_failed_first_write_is_retried_whole_before_any_journal_line(tmp_path,
     assert report.exit_code == 0 and calls[:2] == ["running", "running"]  # job 1's record rewrote it whole
     assert seen == [False, False, True]
     assert json.loads((tmp_path / "batch-report.json").read_text())["counts"]["succeeded"] == 3
+
+
+def test_a_later_batch_keeps_the_earlier_report_under_its_start_time(tmp_path, capsys):
+    """A second batch on the same out dir replaced batch-report.json: the first run's outcomes (and tracebacks)
+    were gone. Now the earlier report moves to batch-report.<its started_at, UTC>.json, never over another."""
+    run_batch(make_jobs(2), Factory(FakeRenderer(fail={"j1"})), tmp_path, progress=False)
+    first = json.loads((tmp_path / "batch-report.json").read_text())
+    jobs = [FakeJob("k", "other", 9, "k")]
+    run_batch(jobs, Factory(FakeRenderer()), tmp_path, progress=False)
+    stamp = datetime.fromisoformat(first["started_at"]).strftime("%Y%m%dT%H%M%SZ")
+    kept = tmp_path / f"batch-report.{stamp}.json"
+    assert json.loads(kept.read_text()) == first and first["jobs"][1]["traceback"]
+    assert [j["id"] for j in read_report(tmp_path / "batch-report.json")["jobs"]] == ["k"]
+    assert f"the earlier batch-report.json is kept as {kept.name}" in capsys.readouterr().err
+    # A killed queue's report (running, with its journal) is folded and marked killed before it moves; a taken
+    # dated name is never replaced.
+    (tmp_path / "batch-report.json").write_text(json.dumps({**first, "state": "running",
+                                                            "journal": "batch-report.json.jobs.jsonl"}))
+    line = {"index": 1, "job": {**first["jobs"][1], "status": "succeeded"}, "updated_at": "t", "load_seconds": 1.0,
+            "queue_seconds": 2.0}
+    (tmp_path / "batch-report.json.jobs.jsonl").write_text(json.dumps(line) + "\n")
+    run_batch(jobs, Factory(FakeRenderer()), tmp_path, progress=False)
+    assert json.loads(kept.read_text()) == first  # untouched
+    killed = json.loads((tmp_path / f"batch-report.{stamp}-2.json").read_text())
+    assert killed["state"] == "killed" and [j["status"] for j in killed["jobs"]] == ["succeeded", "succeeded"]
+    assert not (tmp_path / "batch-report.json.jobs.jsonl").exists()
+    assert sorted(p.name for p in tmp_path.glob("batch-report*")) == sorted(
+        ["batch-report.json", kept.name, f"batch-report.{stamp}-2.json"])
+
+
+def test_without_hard_links_the_earlier_report_is_still_kept(tmp_path, monkeypatch):
+    run_batch(make_jobs(1), Factory(FakeRenderer()), tmp_path, progress=False)
+    first = json.loads((tmp_path / "batch-report.json").read_text())
+
+    def no_links(*args):
+        raise PermissionError(errno.EPERM, "Operation not permitted")
+
+    monkeypatch.setattr(report_mod.os, "link", no_links)
+    run_batch(make_jobs(1), Factory(FakeRenderer()), tmp_path, progress=False)
+    stamp = datetime.fromisoformat(first["started_at"]).strftime("%Y%m%dT%H%M%SZ")
+    assert json.loads((tmp_path / f"batch-report.{stamp}.json").read_text()) == first

@@ -1,0 +1,64 @@
+"""Usage errors that need no weights answer at once (issue #29, round 2): option values, missing files, the
+checkpoint's configs, a job's fields and keyframes, manifest errors. They came out only after the checks had imported
+torch, `checkpoint.load` and transformers' Qwen3-VL (~6 s of a fresh process on an idle core); now before any of
+those, and without the tiny-model notice in front of them. (`prompt --quiet` printing warnings only is checked on
+a render that warns: tests/e2e/test_sidecar_schema.py.)"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+from tests._env import REPO, repo_pythonpath
+
+# One fresh interpreter runs every case in turn (a process each would cost a second apiece), then says which heavy
+# modules the cases imported between them.
+_PROBE = r"""
+import contextlib, io, json, sys
+from h3render.cli import main
+results = []
+for args in json.loads(sys.argv[1]):
+    sys.argv, err = ["h3render", *args], io.StringIO()
+    with contextlib.redirect_stderr(err):
+        try:
+            main()
+        except SystemExit as exc:
+            results.append([exc.code, err.getvalue()])
+heavy = sorted(m for m in ("torch", "transformers", "h3render.checkpoint.load") if m in sys.modules)
+print(json.dumps({"results": results, "heavy": heavy}))
+"""
+
+
+def test_usage_errors_come_before_torch_is_imported(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "a", "widht": 128}\n')
+    mp4 = str(tmp_path / "a.mp4")
+    cases = {
+        "--crf": (["prompt", "x", "-o", mp4, "--crf", "99"], "x264's CRF is 1..51"),
+        "--preset": (["prompt", "x", "-o", mp4, "--preset", "nope"], "unknown preset 'nope'"),
+        "--width": (["prompt", "x", "-o", mp4, "--width", "33", "--height", "64"], "33 is not a positive multiple"),
+        "keyframe": (["prompt", "x", "-o", mp4, "--first-frame", str(tmp_path / "no.png")], "keyframe image not found"),
+        "--adapter": (["prompt", "x", "-o", mp4, "--adapter", str(tmp_path / "no.safetensors")],
+                      "no such file or folder"),
+        "--transformer": (["prompt", "x", "-o", mp4, "--transformer", str(tmp_path / "no.safetensors")],
+                          "the built-in tiny model takes none"),
+        "--gpus": (["prompt", "x", "-o", mp4, "--gpus", "0"], "--gpus must be >= 1, got 0"),
+        "--precision": (["prompt", "x", "-o", mp4, "--precision", "fp8", "--steps", "1"], "steps: 1 sigma point"),
+        "--checkpoint": (["prompt", "x", "-o", mp4, "--checkpoint", str(tmp_path / "none")], "does not exist"),
+        "manifest": (["batch", str(bad), "--out-dir", str(tmp_path / "out")], "widht: unknown field"),
+        "manifest file": (["batch", str(tmp_path / "none.jsonl"), "--out-dir", str(tmp_path / "out")], "none.jsonl"),
+    }
+    probe = subprocess.run([sys.executable, "-c", _PROBE, json.dumps([args for args, _ in cases.values()])],
+                           capture_output=True, text=True, cwd=REPO, timeout=300,
+                           env={**{k: v for k, v in os.environ.items() if k != "H3RENDER_CHECKPOINT"},
+                                "PYTHONPATH": repo_pythonpath()})
+    assert probe.returncode == 0, probe.stderr
+    out = json.loads(probe.stdout.splitlines()[-1])
+    for (name, (_, needle)), (code, stderr) in zip(cases.items(), out["results"]):
+        lines = stderr.strip().splitlines()
+        # one line: the error alone, no "renders noise" notice before it
+        assert code == 2 and len(lines) == 1 and needle in lines[0], (name, code, stderr)
+    assert out["heavy"] == [], out["heavy"]
+    assert not (tmp_path / "out").exists() and not (tmp_path / "a.mp4").exists()
