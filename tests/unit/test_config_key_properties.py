@@ -22,7 +22,7 @@ from h3render.models.audio_vae import AudioVAEConfig
 from h3render.models.dit_config import DiTConfig
 from h3render.models.video_vae_config import VideoVAEConfig
 
-FAST = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+FAST = settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 # Config file (relative to the partition) -> the dataclass whose defaults stand in for its missing keys.
 DATACLASS_CONFIGS = {"transformer/config.json": ("dit", DiTConfig), "video_vae/config.json": ("video_vae", VideoVAEConfig),
                      "vae/config.json": ("video_vae", VideoVAEConfig),
