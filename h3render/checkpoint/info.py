@@ -156,23 +156,8 @@ def _header_shapes(folder: Path) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def _check_unstated_dit_keys(path: Path, dit: DiTConfig, transformer: Path, names: str) -> None:
-    """A DiT `config.json` that leaves keys to their defaults (the released model's) must still fit its weights:
-    the tensors the config implies are compared with the shapes the weight headers state (no data read). Without
-    this, a tiny checkpoint lacking `num_layers` passed every check as a 50-block DiT and failed each job at load
-    ("missing tensor 'blocks.2.norm1.weight'"). A config stating every key is left to the loader, as before.
-
-    Raises:
-        CheckpointError: naming the config file, the keys it does not state, and the first tensor that does not fit.
-    """
-    data = read_json(path)
-    unstated = [f.name for f in dataclasses.fields(DiTConfig) if f.name not in data]
-    if not unstated:
-        return
-    try:
-        stored = _header_shapes(transformer)
-    except Exception:  # an unreadable index or header: the loader names it, with its own message
-        return
+def _dit_shapes(dit: DiTConfig, names: str) -> dict[str, tuple[int, ...]]:
+    """The DiT tensors `dit` implies, in the checkpoint's naming ("native" or "diffusers")."""
     import torch  # here only: a config that states every key (every written checkpoint) never needs it
 
     from h3render.checkpoint.names import dit_shapes, dit_state_dict_to_diffusers
@@ -181,14 +166,49 @@ def _check_unstated_dit_keys(path: Path, dit: DiTConfig, transformer: Path, name
     if names == "diffusers":
         meta = {name: torch.empty(shape, device="meta") for name, shape in expected.items()}
         expected = {name: tuple(t.shape) for name, t in dit_state_dict_to_diffusers(meta, dit).items()}
-    absent = [name for name in expected if name not in stored]
-    wrong = [name for name in expected if name in stored and tuple(stored[name]) != tuple(expected[name])]
+    return expected
+
+
+def _module_shapes(component: str, release: Release) -> dict[str, tuple[int, ...]]:
+    """The tensors a VAE of `release`'s config stores (its module built on meta: no memory, no data; torch is
+    imported only for a config that leaves keys unstated)."""
+    from h3render.checkpoint.builtin import _template
+
+    return {name: tuple(t.shape) for name, t in _template(component, release).state_dict().items()}
+
+
+def _check_unstated_keys(path: Path, cls: type, folder: Path, expected: Callable[[], Mapping[str, tuple]]) -> None:
+    """A component `config.json` that leaves keys to their defaults (the released model's) must still fit its
+    weights: the tensors the config implies (`expected()`) are compared with the shapes the weight headers state (no
+    data read). Without this, a tiny checkpoint lacking the DiT's `num_layers` passed every check as a 50-block DiT
+    and failed each job at load ("missing tensor 'blocks.2.norm1.weight'"). A config stating every key is left to
+    the loader, as before.
+
+    Raises:
+        CheckpointError: naming the config file, the keys it does not state, and the first tensor that does not fit.
+    """
+    data = read_json(path)
+    unstated = [f.name for f in dataclasses.fields(cls) if f.name not in data]
+    if not unstated:
+        return
+    try:
+        stored = _header_shapes(folder)
+    except Exception:  # an unreadable index or header: the loader names it, with its own message
+        return
+    try:
+        implied = expected()
+    except (ValueError, TypeError, RuntimeError) as exc:  # e.g. GroupNorm: channels not divisible by the groups
+        first = (str(exc).strip().splitlines() or [""])[0]
+        raise CheckpointError(f"{path}: not stated: {', '.join(unstated)}; the released model's defaults used for them "
+                              f"make no valid model with the rest: {first}") from None
+    absent = [name for name in implied if name not in stored]
+    wrong = [name for name in implied if name in stored and tuple(stored[name]) != tuple(implied[name])]
     if not absent and not wrong:
         return
-    misfit = (f"tensor {wrong[0]!r} is {list(stored[wrong[0]])}, the config gives {list(expected[wrong[0]])}" if wrong
-              else f"no tensor {absent[0]!r} ({len(absent)} of the config's {len(expected)} absent)")
+    misfit = (f"tensor {wrong[0]!r} is {list(stored[wrong[0]])}, the config gives {list(implied[wrong[0]])}" if wrong
+              else f"no tensor {absent[0]!r} ({len(absent)} of the config's {len(implied)} absent)")
     raise CheckpointError(f"{path}: not stated: {', '.join(unstated)}; the released model's defaults used for them "
-                          f"do not fit the weights in {transformer}: {misfit}")
+                          f"do not fit the weights in {folder}: {misfit}")
 
 
 def _number(value: Any, where: str) -> float:
@@ -302,9 +322,14 @@ def read_checkpoint_info(path: str | Path) -> CheckpointInfo:
     video_dir, audio_dir, transformer_names = names[layout]
 
     dit = _config(part / "transformer" / "config.json", DiTConfig.from_dict)
-    _check_unstated_dit_keys(part / "transformer" / "config.json", dit, part / "transformer", transformer_names)
+    _check_unstated_keys(part / "transformer" / "config.json", DiTConfig, part / "transformer",
+                         lambda: _dit_shapes(dit, transformer_names))
     video_vae = _config(part / video_dir / "config.json", VideoVAEConfig.from_dict)
     audio_vae = _config(part / audio_dir / "config.json", AudioVAEConfig.from_dict)
+    vaes = dataclasses.replace(_registry_defaults(dit), video_vae=video_vae, audio_vae=audio_vae)
+    for folder, cls, component in ((video_dir, VideoVAEConfig, "video_vae"), (audio_dir, AudioVAEConfig, "audio_vae")):
+        _check_unstated_keys(part / folder / "config.json", cls, part / folder,
+                             lambda component=component: _module_shapes(component, vaes))
     text_path = part / "text_encoder" / "config.json"
     text_encoder = read_json(text_path)
     if not isinstance(text_encoder.get("text_config"), Mapping):
