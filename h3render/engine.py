@@ -267,7 +267,8 @@ class Engine:
             raise RenderError(f"this engine holds the DiT partitions {', '.join(sorted(self.dits))}, not "
                               f"{prepared.partition!r}")
         return dit_model_fn(self._forwards[prepared.partition], prepared.text, prepared.layout, tables,
-                            dit.rope_tables(prepared.layout.positions), condition_rows=prepared.condition_rows)
+                            dit.rope_tables(prepared.layout.positions), condition_rows=prepared.condition_rows,
+                            audio_condition_rows=prepared.audio_condition_rows)
 
     def ensure_vision(self, timer=None) -> None:
         """Load the conditioner's vision tower and keyframe image processor (fl2va) if not yet loaded: in `prepare`
