@@ -109,6 +109,10 @@ def cli(ctx: click.Context) -> None:
 @click.option("--quiet", is_flag=True, help="No stage progress (bars on a terminal, else a line per stage).")
 @click.option("--first-frame", default=None, help="fl2va: image (PNG/JPEG/WebP) the video starts from.")
 @click.option("--last-frame", default=None, help="fl2va: image (PNG/JPEG/WebP) the video ends on.")
+@click.option("--reference", "references", multiple=True,
+              help="ref2va: an image, video or audio reference file; repeat it, the order is kept.")
+@click.option("--reference-no-audio", is_flag=True, default=None,
+              help="ref2va: do not use the reference videos' soundtracks.")
 @canvas_time_options
 @engine_options
 def prompt_command(text, output, quiet, **opts) -> None:
@@ -139,11 +143,14 @@ def _prompt(text: str, output: str, quiet: bool, opts: dict) -> int:
     world = _check(run, info, mode=mode)
     fields = {k: opts[k] for k in ("preset", "aspect", "width", "height", "duration", "frames", "steps", "seed",
                                    "first_frame", "last_frame")}
-    fields.update(prompt=text, output=out.stem, mode=mode)
+    fields.update(prompt=text, output=out.stem, mode=mode, references=list(opts["references"]) or None,
+                  reference_audio=False if opts["reference_no_audio"] else None)
     job = job_from_fields(fields, info.limits())
     _say(f"h3render: {job.canvas_note()}, {job.time_note(info.limits())}")
     if job.task == "fl2va":
         _say("h3render: fl2va: " + "; ".join(k.describe() for k in job.keyframes))
+    if job.task == "ref2va":
+        _say("h3render: ref2va: " + "; ".join(r.describe() for r in job.references))
     return run_jobs(run, [job], world, info.release.dit.num_attention_heads, quiet=quiet,
                     single=(out, out.with_suffix(".json")))
 

@@ -1,0 +1,164 @@
+"""ref2va reference media: probe a file (type, content hash, measurements), and put an image reference on its own
+encode size.
+
+What the released model expects (diffusers 0.42.1 `MiniMaxH3Ref2VASetupStep`, the numerical oracle;
+research/conditioning.md §2.2):
+
+* an image reference keeps its own aspect ratio (1:4 ... 4:1) and is resized, LANCZOS, so that its short edge is the
+  checkpoint's `reference_short_edge` (released 2048, upscaling included, no area cap), each side rounded to a
+  multiple of 32 with Python's round: 640 x 400 -> 3264 x 2048; it never sets the target canvas;
+* a video reference is resampled onto 24 fps by frame slots and needs at least 13 frames there (the conditioner
+  samples it at 2 fps and needs two samples); its soundtrack and audio clips are resampled to 32 kHz stereo.
+
+Images are decoded as fl2va keyframes are (`keyframes.load_keyframe`: EXIF orientation, 16-bit scaled, alpha
+flattened onto white, stills only). Videos and audio are probed with PyAV: the container opens, the stream's first
+frame decodes, and its rate, length and size are read.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from typing import Any
+
+from PIL import Image, UnidentifiedImageError
+
+from h3render.keyframes import Keyframe, load_keyframe
+from h3render.spec import CANVAS_MULTIPLE, FPS
+
+MIN_VIDEO_FRAMES = 13  # at 24 fps: two samples at the conditioner's 2 fps (stride 12) (diffusers
+# `_sample_video_condition_frames`); also more than one latent frame of the video VAE
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _is_image(path: Path) -> bool:
+    try:
+        with Image.open(path) as opened:
+            return opened.format is not None
+    except (UnidentifiedImageError, OSError, SyntaxError, ValueError, Image.DecompressionBombError):
+        return False
+
+
+def load_image_reference(path: str | Path) -> Keyframe:
+    """Decode and check an image reference (as `keyframes.load_keyframe`, with the reference's wording).
+
+    Raises:
+        ValueError: `"<path>: <problem>"`: not a decodable still image, or outside 1:4 ... 4:1.
+    """
+    try:
+        return load_keyframe(path, "first")
+    except ValueError as exc:
+        raise ValueError(str(exc).replace("keyframe image", "reference image")
+                         .replace("keyframe aspect", "reference image aspect")) from None
+
+
+def reference_image_size(width: int, height: int, short_edge: int) -> tuple[int, int]:
+    """(width, height) an image reference is encoded at: scaled so its short edge is `short_edge`, each side
+    `max(32, round(side * s / 32) * 32)` (diffusers' rule; 640 x 400 at 2048 -> 3264 x 2048)."""
+    scale = short_edge / min(width, height)
+    return (max(CANVAS_MULTIPLE, round(width * scale / CANVAS_MULTIPLE) * CANVAS_MULTIPLE),
+            max(CANVAS_MULTIPLE, round(height * scale / CANVAS_MULTIPLE) * CANVAS_MULTIPLE))
+
+
+def fit_reference_image(image: Image.Image, short_edge: int) -> Image.Image:
+    """An RGB image on its encode size (`reference_image_size`), PIL LANCZOS; untouched when already there."""
+    size = reference_image_size(*image.size, short_edge)
+    return image if image.size == size else image.resize(size, Image.Resampling.LANCZOS)
+
+
+def _probe_av(path: Path) -> dict[str, Any]:
+    """The first video and audio streams of a container, measured; raises ValueError when PyAV cannot open it or
+    decode a frame of a stream it reports."""
+    import av
+
+    try:
+        container = av.open(str(path))
+    except (av.FFmpegError, OSError, ValueError) as exc:
+        raise ValueError(f"{path}: not a decodable image, video or audio file ({type(exc).__name__}: {exc})") from None
+    info: dict[str, Any] = {"container": container.format.name}
+    with container:
+        videos, audios = container.streams.video, container.streams.audio
+        if videos:
+            stream = videos[0]
+            fps = float(stream.average_rate or stream.guessed_rate or 0)
+            seconds = (float(stream.duration * stream.time_base) if stream.duration is not None
+                       else (container.duration or 0) / 1e6)
+            info.update(codec=stream.codec_context.name, width=stream.codec_context.width,
+                        height=stream.codec_context.height, fps=fps, duration_s=seconds)
+        if audios:
+            stream = audios[0]
+            seconds = (float(stream.duration * stream.time_base) if stream.duration is not None
+                       else (container.duration or 0) / 1e6)
+            info.update(audio_codec=stream.codec_context.name, sample_rate=stream.codec_context.sample_rate,
+                        channels=stream.codec_context.channels, audio_duration_s=seconds)
+        info["has_audio"] = bool(audios)
+        for kind, streams in (("video", videos), ("audio", audios)):
+            if streams:
+                try:
+                    next(container.decode(streams[0]))
+                except (av.FFmpegError, StopIteration, ValueError) as exc:
+                    raise ValueError(f"{path}: its {kind} stream does not decode ({type(exc).__name__}: {exc})") \
+                        from None
+                container.seek(0)
+        if videos:
+            frames = videos[0].frames or round(info["duration_s"] * info["fps"])
+            info["frames"] = int(frames)
+    return info
+
+
+def probe_reference(path: str | Path, kind: str | None = None) -> tuple[str, str, dict[str, Any]]:
+    """Type, sha256 and measurements of one reference file.
+
+    Args:
+        path: the file. kind: "image" / "video" / "audio" to override the inference, or None.
+
+    Returns:
+        `(kind, sha256 hex, info)`; info as `job_references.ReferenceRef.info`.
+
+    Raises:
+        ValueError: `"<path>: <problem>"`: missing, a folder, unreadable, not decodable as that type, an image
+            outside 1:4 ... 4:1, a video with no frames or shorter than `MIN_VIDEO_FRAMES` at 24 fps, an audio
+            reference without an audio stream.
+    """
+    path = Path(path)
+    if not path.exists():
+        raise ValueError(f"{path}: reference file not found")
+    if not path.is_file():
+        raise ValueError(f"{path}: a reference must be a file, not a folder" if path.is_dir()
+                         else f"{path}: reference is not a regular file")
+    try:
+        sha256 = _sha256(path)
+    except OSError as exc:
+        raise ValueError(f"{path}: cannot read reference ({exc.strerror or exc})") from None
+    if kind in (None, "image") and _is_image(path):
+        keyframe = load_image_reference(path)
+        if keyframe.sha256 != sha256:
+            raise ValueError(f"{path}: the file changed while it was read")
+        return "image", sha256, {"width": keyframe.size[0], "height": keyframe.size[1], "format": keyframe.format,
+                                 "mode": keyframe.source_mode}
+    if kind == "image":
+        raise ValueError(f"{path}: type image, but Pillow decodes no image from it")
+    info = _probe_av(path)
+    inferred = "video" if "codec" in info else "audio" if info["has_audio"] else None
+    kind = kind or inferred
+    if inferred is None:
+        raise ValueError(f"{path}: no video or audio stream in this {info['container']} file")
+    if kind == "video":
+        if "codec" not in info:
+            raise ValueError(f"{path}: type video, but the file has no video stream")
+        if info["fps"] <= 0 or info["frames"] < 1:
+            raise ValueError(f"{path}: the video stream reports no frame rate or no frames")
+        at_24 = int(info["frames"] * FPS / info["fps"] + 0.5)
+        if at_24 < MIN_VIDEO_FRAMES:
+            raise ValueError(f"{path}: video is {info['frames']} frames at {info['fps']:g} fps ({at_24} at 24 fps); "
+                             f"a video reference needs at least {MIN_VIDEO_FRAMES} frames at 24 fps (0.54 s)")
+    elif not info["has_audio"]:
+        raise ValueError(f"{path}: type audio, but the file has no audio stream")
+    return kind, sha256, info
