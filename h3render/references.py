@@ -137,7 +137,10 @@ def probe_reference(path: str | Path, kind: str | None = None) -> tuple[str, str
         sha256 = _sha256(path)
     except OSError as exc:
         raise ValueError(f"{path}: cannot read reference ({exc.strerror or exc})") from None
-    if kind in (None, "image") and _is_image(path):
+    still = _is_image(path)
+    if kind in ("video", "audio") and still:
+        raise ValueError(f"{path}: type {kind}, but the file is a still image")
+    if kind in (None, "image") and still:
         keyframe = load_image_reference(path)
         if keyframe.sha256 != sha256:
             raise ValueError(f"{path}: the file changed while it was read")
