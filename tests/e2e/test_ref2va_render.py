@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 import torch
 
 from tests._cli import run_here
@@ -39,6 +40,12 @@ def test_prompt_and_batch_render_ref2va(tmp_path):
     assert "<Picture 2>: " in record["presentation"] and record["partition"] == "transformer_ref"
     assert record["condition_rows"] == (64 // 32) * (96 // 32) * 2 and record["condition_audio_rows"] == 0
     assert side["extra"]["warmup"]["dit_partitions"]["transformer_ref"] == "resident"
+    schema = json.loads((Path(__file__).resolve().parents[2] / "docs/schema/sidecar.schema.json").read_text())
+    jsonschema = pytest.importorskip("jsonschema")
+    jsonschema.Draft202012Validator(schema).validate(side)
+    side["job"].pop("references")
+    with pytest.raises(jsonschema.ValidationError):  # a ref2va job names its references
+        jsonschema.Draft202012Validator(schema).validate(side)
 
     # a mixed queue: the same references reordered, and a t2va job; one engine, each partition once
     (tmp_path / "jobs.jsonl").write_text(
