@@ -299,12 +299,8 @@ class Engine:
         if loading:
             from h3render.checkpoint.load import load_partition_dit
 
-            dit = load_partition_dit(self.c.info, partition, self.device, self.settings.torch_dtype,
-                                     precision=self.precision)
-            if self.device.type == "cuda":
-                dit.set_attention(fast_attention, refiner=True)
-                dit.offload_adaln_("cpu")  # read only by `modulation_tables`, which brings each block's over
-            self.dits[partition], self._forwards[partition] = dit, self.plan.dit_forward(dit)
+            self.hold_partition(partition, load_partition_dit(self.c.info, partition, self.device,
+                                                              self.settings.torch_dtype, precision=self.precision))
             self.warmup[f"{partition}_load_s"] = time.perf_counter() - t0
         elif self.warmup["dit_partitions"].get(partition) == "host":
             self.dits[partition].to(self.device)
@@ -316,6 +312,17 @@ class Engine:
                     {"to": partition, "seconds": time.perf_counter() - t0})
         self._active = partition
         return self.dits[partition]
+
+    def hold_partition(self, partition: str, dit) -> None:
+        """Hold `dit` (already on this device) as the DiT of `partition`, with the parallel plan's forward; on CUDA
+        its attention is the engine's and its AdaLN projections go to host memory (read only by
+        `modulation_tables`, which brings each block's over). `dit_of` loads through here; scripts/bench_ref2va.py
+        hands it a random released-size DiT."""
+        if self.device.type == "cuda":
+            dit.set_attention(fast_attention, refiner=True)
+            dit.offload_adaln_("cpu")
+        self.dits[partition], self._forwards[partition] = dit, self.plan.dit_forward(dit)
+        self.warmup["dit_partitions"][partition] = "resident"
 
     def ensure_vision(self, timer=None) -> None:
         """Load the conditioner's vision tower and keyframe image processor (fl2va) if not yet loaded: in `prepare`

@@ -37,6 +37,12 @@ Stages (`--stages`, comma-separated):
             keyframes, their VAE encode, the text encoder's longer presentation, one DiT forward with the +2,016
             condition rows vs without, summed for --fl2va-forwards forwards; `--fl2va-model tiny --fl2va-device
             cpu --fl2va-canvas 224x128x39` is the CPU smoke run
+  ref2va    a ref2va job at --ref2va-canvas with one image and one --ref2va-video-seconds video+audio reference
+            (scripts/bench_ref2va.py): image resize + vision tower, VAE encode of both references, the text
+            encoder's presentation, one DiT forward with the extra rows vs t2va (peak memory), complete MP4s
+            (t2va, ref2va with the image, t2va) with both DiT partitions, and the partition swap (device <-> host);
+            `--ref2va-model tiny --ref2va-device cpu --ref2va-canvas 224x128x22 --ref2va-forwards 2
+            --ref2va-video-seconds 1` is the CPU smoke run
   batch     queue throughput on 1 GPU: --batch-jobs jobs of --forwards DiT forwards at --batch-canvas through
             `run_batch` with one resident Engine (each job's MP4 tail beside the next job's start). Warm-up
             (prepare, and one untimed job of the queue's shape for Triton JIT / first-call costs) is outside the
@@ -114,11 +120,18 @@ def stage_fl2va(args) -> None:
     bench_fl2va.run(args, bench_common)
 
 
+def stage_ref2va(args) -> None:
+    """A ref2va job with an image and a video+audio reference (scripts/bench_ref2va.py)."""
+    import bench_ref2va
+
+    bench_ref2va.run(args, bench_common)
+
+
 # Every stage by function name, as `--stages` names them ("fp8-gemm" -> stage_fp8_gemm).
 STAGES = {f.__name__: f for f in (
     stage_ceil, stage_attn, stage_kernels, stage_dit, stage_vae, stage_audio, stage_te, stage_ulysses, stage_vsa,
     stage_prof, stage_compare, stage_e2e, stage_fp8_gemm, stage_fp8_quant, stage_fp8_dit, stage_fp8_memory,
-    stage_fl2va, stage_batch, stage_media)}
+    stage_fl2va, stage_ref2va, stage_batch, stage_media)}
 
 
 def main() -> None:
@@ -171,6 +184,9 @@ def main() -> None:
 
     bench_fp8.add_arguments(p)
     bench_e2e.add_arguments(p)
+    import bench_ref2va
+
+    bench_ref2va.add_arguments(p)
     args = p.parse_args()
     args.vae_batches = [int(x) for x in args.vae_batches.split(",")]
     args.ulysses_chunks = [int(x) for x in args.ulysses_chunks.split(",")]
