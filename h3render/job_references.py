@@ -25,9 +25,11 @@ REFERENCE_TYPES = ("image", "video", "audio")
 MAX_PER_TYPE = {"image": 9, "video": 3, "audio": 3}  # diffusers `MiniMaxH3Ref2VASetupStep` defaults
 MAX_REFERENCES = 12
 ENTRY_KEYS = ("path", "type", "audio")
-# What h3render's ref2va renders today: image references. Video references need the conditioner's video
-# presentation and every audio-bearing reference needs the audio VAE's encoder; both are issue #23's follow-up.
-RENDERABLE_TYPES = ("image",)
+# What h3render's ref2va renders today: image references, and audio clips at the audio VAE's 32 kHz. Video references
+# need the conditioner's video presentation (transformers' Qwen3-VL video processor needs torchvision) and other
+# rates diffusers' torchaudio resampling (no torchaudio build for this torch): issue #23's follow-up.
+RENDERABLE_TYPES = ("image", "audio")
+AUDIO_RATE = 32000
 
 
 @dataclass(frozen=True)
@@ -148,8 +150,9 @@ def unsupported_problem(refs: list[ReferenceRef]) -> str | None:
     """What h3render cannot render yet among valid references (`RENDERABLE_TYPES`), or None."""
     for ref in refs:
         if ref.type not in RENDERABLE_TYPES:
-            what = ("video references (the conditioner's video presentation and the audio encoder are not in "
-                    "h3render yet)" if ref.type == "video" else "audio references (the audio VAE's encoder is not "
-                    "in h3render yet)")
-            return f"{ref.given}: {what}; ref2va renders image references today"
+            return (f"{ref.given}: video references (the conditioner's video presentation) are not in h3render "
+                    f"yet; ref2va renders image references and 32 kHz audio clips today")
+        if ref.type == "audio" and ref.info.get("sample_rate") != AUDIO_RATE:
+            return (f"{ref.given}: audio at {ref.info.get('sample_rate')} Hz needs resampling to {AUDIO_RATE} Hz, "
+                    f"which h3render does not do yet (e.g. ffmpeg -i IN -ar {AUDIO_RATE} OUT.wav)")
     return None

@@ -21,6 +21,7 @@ import hashlib
 from pathlib import Path
 from typing import Any
 
+import torch
 from PIL import Image, UnidentifiedImageError
 
 from h3render.keyframes import Keyframe, load_keyframe
@@ -28,6 +29,11 @@ from h3render.spec import CANVAS_MULTIPLE, FPS
 
 MIN_VIDEO_FRAMES = 13  # at 24 fps: two samples at the conditioner's 2 fps (stride 12) (diffusers
 # `_sample_video_condition_frames`); also more than one latent frame of the video VAE
+
+
+def probe_sha256(path: str | Path) -> str:
+    """Hex sha256 of a file's bytes, read in 1 MiB blocks."""
+    return _sha256(Path(path))
 
 
 def _sha256(path: Path) -> str:
@@ -165,3 +171,52 @@ def probe_reference(path: str | Path, kind: str | None = None) -> tuple[str, str
     elif not info["has_audio"]:
         raise ValueError(f"{path}: type audio, but the file has no audio stream")
     return kind, sha256, info
+
+
+AUDIO_RATE = 32000  # the audio VAE's sample rate (diffusers `audio_sampling_rate`)
+
+
+def decode_audio(path: str | Path) -> tuple[torch.Tensor, int]:
+    """An audio file's (or a video's soundtrack's) first audio stream as a `[channels, samples]` float32 waveform at
+    the rate the container carries it (diffusers `_decode_reference_soundtrack`: planar float conversion only).
+
+    Raises:
+        ValueError: `"<path>: ..."`: no audio stream, or it does not decode.
+    """
+    import av
+
+    try:
+        with av.open(str(path)) as container:
+            if not container.streams.audio:
+                raise ValueError(f"{path}: no audio stream")
+            stream = container.streams.audio[0]
+            rate = int(stream.codec_context.sample_rate)
+            resampler = av.audio.resampler.AudioResampler(format="fltp", layout=stream.layout, rate=rate)
+            chunks = []
+            for frame in container.decode(stream):
+                chunks += [torch.from_numpy(r.to_ndarray()) for r in resampler.resample(frame)]
+            chunks += [torch.from_numpy(r.to_ndarray()) for r in resampler.resample(None)]
+    except av.FFmpegError as exc:
+        raise ValueError(f"{path}: its audio does not decode ({type(exc).__name__}: {exc})") from None
+    if not chunks:
+        raise ValueError(f"{path}: the audio stream holds no samples")
+    return torch.cat(chunks, dim=-1).to(torch.float32), rate
+
+
+def normalize_audio(waveform: torch.Tensor, rate: int, frames: int) -> torch.Tensor:
+    """A reference waveform as the audio VAE takes it (diffusers `_normalize_audio_condition`): float32, cut to the
+    target's duration at its own rate (`int(frames / 24 * rate)` samples), mono duplicated to stereo.
+
+    Returns:
+        `[2, samples]` float32 at 32 kHz.
+
+    Raises:
+        ValueError: not `[1 or 2, samples]`; a rate other than 32 kHz (diffusers resamples it with torchaudio, which
+            has no build for this torch: not done here yet).
+    """
+    if waveform.ndim != 2 or waveform.shape[0] not in (1, 2):
+        raise ValueError(f"a reference waveform must be [1 or 2, samples], got {tuple(waveform.shape)}")
+    if rate != AUDIO_RATE:
+        raise ValueError(f"audio at {rate} Hz needs resampling to {AUDIO_RATE} Hz, which h3render does not do yet")
+    waveform = waveform.to(torch.float32)[:, : int(frames / FPS * rate)]
+    return waveform.expand(2, -1).contiguous() if waveform.shape[0] == 1 else waveform

@@ -14,8 +14,11 @@ The recipe is diffusers 0.42.1's ref2va chain (research/conditioning.md §2), ea
 5. the job's CPU generator draws one noise per visual reference first (`packing.noise_conditions`, t = 0.999), then
    the target video and audio noise (`sampling.draw_noise`).
 
-Video references (the conditioner's per-block video presentation) and audio-bearing references (the audio VAE's
-encoder) are validated (`job_references`) but not rendered yet: the front end refuses them before anything loads.
+Audio clips (32 kHz) are labelled `"<Audio j>: "` in the presentation (their waveform never reaches the
+conditioner), cut to the target's duration, made stereo, encoded by the audio VAE (posterior mean, normalized) and
+put clean, at t = 1.0, in front of the target audio. Video references (the conditioner's per-block video
+presentation) and other sample rates (diffusers resamples with torchaudio) are validated (`job_references`) but not
+rendered yet: the front end refuses them before anything loads.
 """
 
 from __future__ import annotations
@@ -27,9 +30,10 @@ import torch
 from h3render import spec
 from h3render.errors import RenderError
 from h3render.keyframes import keyframe_pixels
-from h3render.packing import REFERENCE_AUDIO_T, noise_conditions, patchify_video
+from h3render.packing import REFERENCE_AUDIO_T, audio_to_rows, noise_conditions, patchify_video
 from h3render.ref_packing import ReferenceBlock, ref2va_layout
-from h3render.references import fit_reference_image, load_image_reference
+from h3render.references import (AUDIO_RATE, decode_audio, fit_reference_image, load_image_reference, normalize_audio,
+                                 probe_sha256)
 from h3render.sampling import Schedule, draw_noise, schedule_timesteps
 from h3render.tasks.base import Prepared
 
@@ -51,23 +55,28 @@ class ReferenceChanged(ValueError):
     """A reference file's content differs from what the job's validation hashed."""
 
 
-def read_job_images(job) -> list:
-    """The job's image references decoded again (`references.load_image_reference`), request order.
+def read_job_references(job) -> list:
+    """The job's references decoded again, request order: an image as `keyframes.Keyframe`
+    (`references.load_image_reference`), an audio clip as its `[2, samples]` 32 kHz waveform cut to the job's
+    duration (`references.decode_audio`, `normalize_audio`).
 
     Raises:
         ReferenceChanged: a file's sha256 is not the one recorded in the job (edited after validation).
         ValueError: the file can no longer be read or decoded; a type this module cannot render.
     """
-    images = []
+    loaded = []
     for ref in job.references:
-        if ref.type != "image":
+        if ref.type not in ("image", "audio"):
             raise ValueError(f"{ref.given}: {ref.type} references are not rendered by h3render yet")
-        image = load_image_reference(ref.path)
-        if image.sha256 != ref.sha256:
+        sha256 = probe_sha256(ref.path)
+        if sha256 != ref.sha256:
             raise ReferenceChanged(f"{ref.path}: reference changed since the job was validated (sha256 "
-                                   f"{image.sha256[:12]}... instead of {ref.sha256[:12]}...); run again")
-        images.append(image)
-    return images
+                                   f"{sha256[:12]}... instead of {ref.sha256[:12]}...); run again")
+        if ref.type == "image":
+            loaded.append(load_image_reference(ref.path))
+        else:
+            loaded.append(normalize_audio(*decode_audio(ref.path), job.frames))
+    return loaded
 
 
 @torch.no_grad()
@@ -82,27 +91,36 @@ def prepare(engine, job, timer) -> Prepared:
     c, dev = engine.c, engine.device
     engine.ensure_vision(timer)
     try:
-        loaded = read_job_images(job)
+        loaded = read_job_references(job)
     except ValueError as exc:
         raise RenderError(f"job {job.output!r}: {exc}") from None
+    kinds = [ref.type for ref in job.references]
     short_edge = c.info.release.reference_short_edge
-    images = [fit_reference_image(image.image, short_edge) for image in loaded]
+    images = [fit_reference_image(item.image, short_edge) for kind, item in zip(kinds, loaded) if kind == "image"]
     with timer.stage("text_encode"):
-        text, presentation = c.text_encoder.encode_presentation(job.prompt, images)  # "<Picture i>: " + vision
+        # "<Picture i>: " + vision block per image, "<Audio j>: " per audio clip, request order; then the prompt
+        text, presentation = c.text_encoder.encode_presentation(job.prompt, images, kinds)
         text = text.to(dev)  # [N, text_dim]
     with timer.stage("vae_encode"):
         latents = [c.video_vae.encode_condition(keyframe_pixels(image).to(dev)) for image in images]  # [24,1,h,w]
-    blocks = [ReferenceBlock("image", 1, latent.shape[-2], latent.shape[-1]) for latent in latents]
+        sounds = [audio_to_rows(c.audio_vae.encode(item.to(dev))) for kind, item in zip(kinds, loaded)
+                  if kind == "audio"]  # [2 * Tref, 32] each: the posterior mean, normalized, channel-major
+    pictures, clips, blocks = iter(latents), iter(sounds), []
+    for kind in kinds:
+        if kind == "image":
+            latent = next(pictures)
+            blocks.append(ReferenceBlock("image", 1, latent.shape[-2], latent.shape[-1]))
+        else:
+            blocks.append(ReferenceBlock("audio", audio_latents=next(clips).shape[0] // 2))
     layout = ref2va_layout(presentation.tags, blocks, job.height, job.width, job.frames).to(dev)
     generator = torch.Generator("cpu").manual_seed(job.seed)
     rows = noise_conditions(latents, generator)  # one draw per visual reference, before the target noise
     target = layout.target_layout()
     video_noise, audio_rows = draw_noise(generator, target)
+    encoded = iter(images)
     record = {
-        "references": [{"index": i + 1, "type": ref.type, "path": ref.path, "given": ref.given,
-                        "sha256": ref.sha256, "duration_s": None, "size": [ref.info["width"], ref.info["height"]],
-                        "encoded_size": list(image.size), "used": "image"}
-                       for i, (ref, image) in enumerate(zip(job.references, images))],
+        "references": [_reference_record(i + 1, ref, item, encoded, job.frames)
+                       for i, (ref, item) in enumerate(zip(job.references, loaded))],
         "presentation": presentation.describe(),
         "text_rows": int(presentation.token_ids.numel()),
         "image_tokens": list(presentation.image_tokens),
@@ -112,7 +130,20 @@ def prepare(engine, job, timer) -> Prepared:
     }
     return Prepared(text=text, layout=layout, output_layout=target,
                     video_rows=patchify_video(video_noise[0]).to(dev), audio_rows=audio_rows.to(dev),
-                    condition_rows=rows, partition=PARTITION, record={"ref2va": record})
+                    condition_rows=rows, audio_condition_rows=torch.cat(sounds).float() if sounds else None,
+                    partition=PARTITION, record={"ref2va": record})
+
+
+def _reference_record(index: int, ref, item, encoded, frames: int) -> dict:
+    """One reference for the sidecar's `extra.ref2va.references` (docs/sidecar.md)."""
+    out = {"index": index, "type": ref.type, "path": ref.path, "given": ref.given, "sha256": ref.sha256}
+    if ref.type == "image":
+        return {**out, "duration_s": None, "size": [ref.info["width"], ref.info["height"]],
+                "encoded_size": list(next(encoded).size), "used": "image"}
+    used = item.shape[-1] / AUDIO_RATE
+    return {**out, "duration_s": ref.info.get("audio_duration_s"), "sample_rate": ref.info.get("sample_rate"),
+            "channels": ref.info.get("channels"), "used": f"audio: first {used:.3f} s (the clip cut to the "
+            f"{frames / spec.FPS:.3f} s target), stereo"}
 
 
 def warm_job(job):

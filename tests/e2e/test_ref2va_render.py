@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tests._cli import run_here
-from tests._media import png
+from tests._media import png, wav
 from tests._numerics import rel_err
 
 ARGS = ("--steps", "3", "--seed", "5", "--device", "cpu", "--save-latents", "--vae-batch", "1")
@@ -23,22 +23,30 @@ def _latents(mp4: Path) -> dict:
 def test_prompt_and_batch_render_ref2va(tmp_path):
     png(tmp_path / "wide.png", (64, 40), seed=0)
     png(tmp_path / "tall.png", (40, 64), seed=1)
+    wav(tmp_path / "voice.wav", 1.5, 32000, 2)  # longer than the 0.917 s target: cut
     out = tmp_path / "fox.mp4"
-    r = run_here("prompt", "A red fox", "--reference", "wide.png", "--reference", "tall.png", "-o", str(out), *ARGS,
-                 "--frames", "22", cwd=tmp_path)
+    r = run_here("prompt", "A red fox", "--reference", "wide.png", "--reference", "voice.wav", "--reference",
+                 "tall.png", "-o", str(out), *ARGS, "--frames", "22", cwd=tmp_path)
     assert r.returncode == 0, r.stderr
-    assert "ref2va: image wide.png 64x40; image tall.png 40x64" in r.stderr
+    assert "ref2va: image wide.png 64x40; audio voice.wav 1.50 s; image tall.png 40x64" in r.stderr
     assert "fox: text + references encode done in" in r.stderr
     side = json.loads(out.with_suffix(".json").read_text())
     record = side["extra"]["ref2va"]
-    assert side["job"]["task"] == "ref2va" and [r["type"] for r in side["job"]["references"]] == ["image", "image"]
+    assert side["job"]["task"] == "ref2va"
+    assert [(r["type"], r["audio"]) for r in side["job"]["references"]] == [("image", False), ("audio", True),
+                                                                           ("image", False)]
     first = record["references"][0]
     assert (first["type"], first["given"], first["size"], first["encoded_size"]) == ("image", "wide.png", [64, 40],
                                                                                       [96, 64])
     assert first["sha256"] == side["job"]["references"][0]["sha256"] and first["used"] == "image"
     assert record["presentation"].startswith("<Picture 1>: <|vision_start|><|image_pad|>x")
-    assert "<Picture 2>: " in record["presentation"] and record["partition"] == "transformer_ref"
-    assert record["condition_rows"] == (64 // 32) * (96 // 32) * 2 and record["condition_audio_rows"] == 0
+    assert "<|vision_end|><Audio 1>: <Picture 2>: " in record["presentation"]
+    assert record["partition"] == "transformer_ref"
+    voice = record["references"][1]
+    assert (voice["type"], voice["sample_rate"], voice["channels"], voice["duration_s"]) == ("audio", 32000, 2, 1.5)
+    assert voice["used"].startswith("audio: first 0.917 s")
+    # 22 frames = 29,333 samples -> 37 latents per channel, clean rows in front of the target audio
+    assert record["condition_rows"] == (64 // 32) * (96 // 32) * 2 and record["condition_audio_rows"] == 2 * 37
     assert side["extra"]["warmup"]["dit_partitions"]["transformer_ref"] == "resident"
     schema = json.loads((Path(__file__).resolve().parents[2] / "docs/schema/sidecar.schema.json").read_text())
     jsonschema = pytest.importorskip("jsonschema")

@@ -85,6 +85,9 @@ def test_manifest_references_relative_to_the_manifest(media, tmp_path):
                         "  - prompt: reordered\n    references: [portrait.png, wide.png]\n"
                         "  - prompt: plain\n")
     jobs = read_manifest(manifest, LIMITS).jobs
+    mixed = job_from_fields({"prompt": "p", "output": "o", "references": ["stereo32k.wav", "wide.png"]}, LIMITS,
+                            source=str(media / "cli"))
+    assert [r.type for r in mixed.references] == ["audio", "image"] and mixed.task == "ref2va"
     assert [j.task for j in jobs] == ["ref2va", "ref2va", "t2va"]
     assert [r.given for r in jobs[0].references] == ["wide.png", "portrait.png"]
     assert (jobs[0].width, jobs[0].height) == LIMITS.default_canvas  # references never set the canvas
@@ -96,8 +99,8 @@ def test_manifest_references_relative_to_the_manifest(media, tmp_path):
 @pytest.mark.parametrize("fields,message", [
     ({"references": ["wide.png"] * 10}, "10 image references; MiniMax-H3 takes at most 9"),
     ({"references": ["mono44k.wav"]}, "audio references alone are not supported"),
-    ({"references": ["clip24.mp4"]}, "video references (the conditioner's video presentation"),
-    ({"references": ["wide.png", "stereo32k.wav"]}, "audio references (the audio VAE's encoder"),
+    ({"references": ["clip24.mp4"]}, "video references (the conditioner's video presentation)"),
+    ({"references": ["wide.png", "mono44k.wav"]}, "audio at 44100 Hz needs resampling to 32000 Hz"),
     ({"references": ["wide.png"], "mode": "fasth3"}, "FastH3 students are t2va-only"),
     ({"references": ["wide.png"], "first_frame": "wide.png"}, "cannot be combined"),
     ({"references": []}, "must be a non-empty list"),
