@@ -66,6 +66,11 @@ def test_prompt_and_batch_render_ref2va(tmp_path):
     warmup = json.loads(plain.with_suffix(".json").read_text())["extra"]["warmup"]
     assert warmup["dit_partitions"] == {"transformer": "resident", "transformer_ref": "resident"}
     assert "transformer_ref_load_s" in warmup and "partition_swaps" not in warmup  # CPU: both stay resident
+    # the queue renders its base-partition jobs before the ref2va ones (fewer swaps); the report keeps manifest order
+    started = {p.stem: json.loads(p.with_suffix(".json").read_text())["run"]["started_at"] for p in (swapped, plain)}
+    assert started["plain"] < started["swapped"]
+    report = json.loads((tmp_path / "renders" / "batch-report.json").read_text())
+    assert [j["id"] for j in report["jobs"]] == ["swapped", "plain"]
     # the order is part of the request; the references condition the video; the t2va job runs the base DiT
     assert rel_err(_latents(swapped)["video"], _latents(out)["video"]) > 1e-3
     assert rel_err(_latents(plain)["video"], _latents(out)["video"]) > 1e-3
