@@ -56,6 +56,15 @@ def _check(run: RunSettings, info, mode: str | None = None, jobs=None) -> int:
     return world
 
 
+def _check_partitions(info, jobs) -> None:
+    """ref2va jobs run the checkpoint's Ref2VA DiT: a checkpoint without that partition is refused before anything
+    loads (a built-in model makes its own)."""
+    ref = next((j for j in jobs if j.task == "ref2va"), None)
+    if ref is not None and info.layout != "builtin" and getattr(info, "transformer_ref", None) is None:
+        raise SettingsError(f"{info.path}: no ref2va DiT partition (official Ref2VA/transformer/, diffusers "
+                            f"transformer_ref/), and job {ref.output!r} has references")
+
+
 def _check_writable(folder: Path) -> None:
     if folder.exists() and not folder.is_dir():
         raise SettingsError(f"output folder {folder} is not a directory")
@@ -146,6 +155,7 @@ def _prompt(text: str, output: str, quiet: bool, opts: dict) -> int:
     fields.update(prompt=text, output=out.stem, mode=mode, references=list(opts["references"]) or None,
                   reference_audio=False if opts["reference_no_audio"] else None)
     job = job_from_fields(fields, info.limits())
+    _check_partitions(info, [job])
     _say(f"h3render: {job.canvas_note()}, {job.time_note(info.limits())}")
     if job.task == "fl2va":
         _say("h3render: fl2va: " + "; ".join(k.describe() for k in job.keyframes))
@@ -204,6 +214,7 @@ def _batch(manifest, out_dir, shard, skip_existing, fail_fast, dry_run, quiet, o
     except ValueError as exc:
         raise SettingsError(str(exc)) from None
     jobs = m.jobs if shard_spec is None else shard_jobs(m.jobs, *shard_spec)
+    _check_partitions(info, jobs)
     if dry_run:
         for line in run.check(info, jobs=jobs):  # against the dtype only: nothing is created
             _say(line)

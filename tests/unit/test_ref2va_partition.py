@@ -11,6 +11,8 @@ from h3render.checkpoint.errors import CheckpointError
 from h3render.checkpoint.layouts import read_checkpoint_info
 from h3render.checkpoint.load import load_partition_dit
 from h3render.make_checkpoint.writer import make_checkpoint
+from tests._cli import invoke, one_error_line
+from tests._media import png
 
 
 def test_partition_in_every_folder_layout(tmp_path):
@@ -24,6 +26,11 @@ def test_partition_in_every_folder_layout(tmp_path):
         loaded = load_partition_dit(info, "transformer_ref").state_dict()
         assert all(torch.equal(loaded[k], builtin[k]) for k in builtin), layout
         shutil.rmtree(root / folder)
+        if layout == "official":  # a ref2va job on a checkpoint without the partition: one line, exit 2, nothing run
+            png(tmp_path / "r.png")
+            result = invoke("prompt", "a fox", "--reference", str(tmp_path / "r.png"), "--checkpoint", str(root),
+                            "-o", str(tmp_path / "o.mp4"), "--device", "cpu")
+            assert "no ref2va DiT partition" in one_error_line(result) and not (tmp_path / "o.mp4").exists()
         info = read_checkpoint_info(root)
         assert info.transformer_ref is None
         with pytest.raises(CheckpointError, match=f"no ref2va DiT partition \\({folder}/ missing\\)"):
