@@ -18,14 +18,16 @@ frame decodes, and its rate, length and size are read.
 from __future__ import annotations
 
 import hashlib
+import math
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from PIL import Image, UnidentifiedImageError
 
 from h3render.keyframes import Keyframe, load_keyframe
-from h3render.spec import CANVAS_MULTIPLE, FPS
+from h3render.spec import CANVAS_MULTIPLE, FPS, canvas_for_aspect
 
 MIN_VIDEO_FRAMES = 13  # at 24 fps: two samples at the conditioner's 2 fps (stride 12) (diffusers
 # `_sample_video_condition_frames`); also more than one latent frame of the video VAE
@@ -220,3 +222,70 @@ def normalize_audio(waveform: torch.Tensor, rate: int, frames: int) -> torch.Ten
         raise ValueError(f"audio at {rate} Hz needs resampling to {AUDIO_RATE} Hz, which h3render does not do yet")
     waveform = waveform.to(torch.float32)[:, : int(frames / FPS * rate)]
     return waveform.expand(2, -1).contiguous() if waveform.shape[0] == 1 else waveform
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Video references: decoded and normalized as diffusers 0.42.1 does (`_decode_video_file`,
+# `MiniMaxH3Ref2VASetupStep._normalize_video_condition`). The task does not render them yet (their conditioner
+# presentation needs transformers' Qwen3-VL video processor, hence torchvision); these are its tested first steps.
+
+
+def decode_video(path: str | Path) -> tuple[np.ndarray, float]:
+    """A video file's frames `[N, H, W, 3]` uint8 RGB (PyAV rgb24; the display matrix's rotation undone, snapped to
+    quarter turns; the sample aspect ratio ignored, as diffusers) and the frame rate the stream reports
+    (`average_rate`, else `guessed_rate`).
+
+    Raises:
+        ValueError: `"<path>: ..."`: no video stream, no frames, or they do not decode.
+    """
+    import av
+
+    try:
+        with av.open(str(path)) as container:
+            if not container.streams.video:
+                raise ValueError(f"{path}: no video stream")
+            stream = container.streams.video[0]
+            frames, rotation = [], 0.0
+            for frame in container.decode(stream):
+                rotation = frame.rotation
+                frames.append(frame.to_ndarray(format="rgb24"))
+            fps = float(stream.average_rate or stream.guessed_rate)
+    except av.FFmpegError as exc:
+        raise ValueError(f"{path}: its video does not decode ({type(exc).__name__}: {exc})") from None
+    if not frames:
+        raise ValueError(f"{path}: no video frames")
+    video = np.stack(frames)
+    turns = round(rotation / 90.0) % 4
+    return (np.ascontiguousarray(np.rot90(video, k=-turns, axes=(1, 2))) if turns else video), fps
+
+
+def normalize_video(frames: np.ndarray, fps: float, num_frames: int, *, short_edge: int,
+                    max_pixels: int) -> np.ndarray:
+    """Reference frames onto 24 fps, cut to the target's `num_frames`, on the canvas rule at their own aspect.
+
+    24 fps by slots: frame i lands on slot `floor(i * 24 / fps + 0.5)` and is held until the next one's (the last
+    until `floor(N * 24 / fps + 0.5)`), as ffmpeg's fps filter; then PIL LANCZOS per frame onto
+    `spec.canvas_for_aspect(w, h)` (upscaling included) unless already that size.
+
+    Returns:
+        `[n, H', W', 3]` uint8, n <= num_frames.
+    """
+    if fps <= 0:
+        raise ValueError(f"a reference video needs a positive frame rate, got {fps}")
+    if fps != FPS:
+        scale = FPS / fps
+        slots = np.floor(np.arange(frames.shape[0]) * scale + 0.5).astype(np.int64)
+        end = math.floor(frames.shape[0] * scale + 0.5)
+        frames = np.repeat(frames, np.diff(slots, append=end), axis=0)
+    frames = frames[:num_frames]
+    width, height = canvas_for_aspect(frames.shape[2], frames.shape[1], short_edge=short_edge, max_pixels=max_pixels)
+    if frames.shape[1:3] == (height, width):
+        return frames
+    return np.stack([np.asarray(Image.fromarray(f).resize((width, height), Image.Resampling.LANCZOS))
+                     for f in frames])
+
+
+def encode_frames(count: int) -> int:
+    """Frames of a video reference the VAE encodes: snapped down to 17n + 5 (n >= 1), and a clip shorter than 22 whole
+    (diffusers' `MiniMaxH3Ref2VAReferenceEncoderStep` slices `frames[:max(1, (n - 5) // 17) * 17 + 5]`)."""
+    return min(count, max(1, (count - 5) // 17) * 17 + 5)
