@@ -293,7 +293,7 @@ class Engine:
             need = sum(p.numel() * p.element_size() for p in self.c.dit.parameters()) + SWAP_HEADROOM
             active = self.dits[self._active]
             if torch.cuda.mem_get_info(self.device)[0] < need:
-                active.to("cpu")  # the inactive partition waits in host memory
+                _move_dit(active, "cpu")  # the inactive partition waits in host memory
                 torch.cuda.empty_cache()
                 self.warmup["dit_partitions"][self._active] = "host"
         if loading:
@@ -303,7 +303,7 @@ class Engine:
                                                               self.settings.torch_dtype, precision=self.precision))
             self.warmup[f"{partition}_load_s"] = time.perf_counter() - t0
         elif self.warmup["dit_partitions"].get(partition) == "host":
-            self.dits[partition].to(self.device)
+            _move_dit(self.dits[partition], self.device)
         self.warmup["dit_partitions"][partition] = "resident"
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -521,6 +521,20 @@ class Engine:
             self.model_fn(prepared, tables)(video, audio, tables.timesteps[0], tables.timesteps[0])
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
+
+
+def _move_dit(dit, device) -> None:
+    """`dit.to(device)` except its AdaLN projections, which stay where they are (host memory on CUDA, after
+    `DiT.offload_adaln_`: ≈26 GB at release that a partition swap neither copies nor brings back)."""
+    holders = [*dit.blocks, dit.final_layer]
+    projections = [holder.adaln_proj for holder in holders]
+    for holder in holders:
+        holder.adaln_proj = None
+    try:
+        dit.to(device)
+    finally:
+        for holder, projection in zip(holders, projections):
+            holder.adaln_proj = projection
 
 
 def _heads_first(fn):
