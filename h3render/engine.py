@@ -293,7 +293,7 @@ class Engine:
             need = sum(p.numel() * p.element_size() for p in self.c.dit.parameters()) + SWAP_HEADROOM
             active = self.dits[self._active]
             if torch.cuda.mem_get_info(self.device)[0] < need:
-                _move_dit(active, "cpu")  # the inactive partition waits in host memory
+                move_dit(active, "cpu")  # the inactive partition waits in host memory
                 torch.cuda.empty_cache()
                 self.warmup["dit_partitions"][self._active] = "host"
         if loading:
@@ -303,7 +303,7 @@ class Engine:
                                                               self.settings.torch_dtype, precision=self.precision))
             self.warmup[f"{partition}_load_s"] = time.perf_counter() - t0
         elif self.warmup["dit_partitions"].get(partition) == "host":
-            _move_dit(self.dits[partition], self.device)
+            move_dit(self.dits[partition], self.device)
         self.warmup["dit_partitions"][partition] = "resident"
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -313,16 +313,20 @@ class Engine:
         self._active = partition
         return self.dits[partition]
 
-    def hold_partition(self, partition: str, dit) -> None:
+    def hold_partition(self, partition: str, dit, resident: bool = True) -> None:
         """Hold `dit` (already on this device) as the DiT of `partition`, with the parallel plan's forward; on CUDA
         its attention is the engine's and its AdaLN projections go to host memory (read only by
-        `modulation_tables`, which brings each block's over). `dit_of` loads through here; scripts/bench_ref2va.py
-        hands it a random released-size DiT."""
+        `modulation_tables`, which brings each block's over). `resident=False` sends it to host memory at once
+        (`dit_of` brings it back when a job needs it). `dit_of` loads through here; scripts/bench_ref2va.py hands it
+        a random released-size DiT."""
         if self.device.type == "cuda":
             dit.set_attention(fast_attention, refiner=True)
             dit.offload_adaln_("cpu")
         self.dits[partition], self._forwards[partition] = dit, self.plan.dit_forward(dit)
         self.warmup["dit_partitions"][partition] = "resident"
+        if not resident and partition != self._active:
+            move_dit(dit, "cpu")
+            self.warmup["dit_partitions"][partition] = "host"
 
     def ensure_vision(self, timer=None) -> None:
         """Load the conditioner's vision tower and keyframe image processor (fl2va) if not yet loaded: in `prepare`
@@ -523,7 +527,7 @@ class Engine:
             torch.cuda.synchronize(dev)
 
 
-def _move_dit(dit, device) -> None:
+def move_dit(dit, device) -> None:
     """`dit.to(device)` except its AdaLN projections, which stay where they are (host memory on CUDA, after
     `DiT.offload_adaln_`: ≈26 GB at release that a partition swap neither copies nor brings back)."""
     holders = [*dit.blocks, dit.final_layer]
