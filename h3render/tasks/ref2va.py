@@ -68,7 +68,10 @@ def read_job_references(job) -> list:
     for ref in job.references:
         if ref.type not in ("image", "audio"):
             raise ValueError(f"{ref.given}: {ref.type} references are not rendered by h3render yet")
-        sha256 = probe_sha256(ref.path)
+        try:
+            sha256 = probe_sha256(ref.path)
+        except OSError as exc:
+            raise ValueError(f"{ref.path}: cannot read the reference any more ({exc.strerror or exc})") from None
         if sha256 != ref.sha256:
             raise ReferenceChanged(f"{ref.path}: reference changed since the job was validated (sha256 "
                                    f"{sha256[:12]}... instead of {ref.sha256[:12]}...); run again")
