@@ -25,7 +25,8 @@ from h3render.spec import Limits, canvas_for_aspect, check_canvas, parse_aspect,
 
 JOB_FIELDS = ("id", "prompt", "preset", "aspect", "width", "height", "duration", "frames", "seed", "steps", "mode",
               "output", *KEYFRAME_FIELDS, "references", "reference_audio")
-JOB_ONLY_FIELDS = ("id", "prompt", "output", *KEYFRAME_FIELDS, "references")  # not in `defaults` or command-line defaults
+# not in `defaults` or command-line defaults
+JOB_ONLY_FIELDS = ("id", "prompt", "output", *KEYFRAME_FIELDS, "references")
 # Engine settings (the weights load once per run): set in `defaults`; a job may repeat the run's value, never change it.
 ENGINE_FIELDS = ("precision",)
 # Only in the manifest's `defaults`; the command line's --adapter, --adapter-variant, --fasth3-positions win.

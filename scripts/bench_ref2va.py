@@ -7,8 +7,8 @@ Random weights of the release's real sizes (`--ref2va-model released`, the defau
    short edge 2048 -> 3648 x 2048, host LANCZOS), the image processor and the vision tower on it (its image pads);
 2. the video VAE encode of the image (one latent frame, 7,296 DiT rows at release) and of the video reference
    (`--ref2va-video-seconds` at 24 fps, snapped down to 17n + 5 frames, at the target's canvas, which a 16:9 video
-   keeps: 5 s -> 107 frames -> 32 latent frames, 32,256 rows at 1344 x 768); the soundtrack's audio VAE *encode* is not in h3render yet (recorded as such;
-   its 2 x 200 rows are in the layout below);
+   keeps: 5 s -> 107 frames -> 32 latent frames, 32,256 rows at 1344 x 768), and the audio VAE encode of its
+   soundtrack (stereo 32 kHz, fp32: 200 latents, 2 x 200 rows);
 3. the text encoder (released: 50 of 64 Qwen3-VL-32B layers; `--ref2va-te 0` skips it, ≈ 50 GB) on the plain
    prompt vs the ref2va presentation's length (labels + the image's vision block + the video's 2 fps blocks, each
    estimated at the video's canvas pad count);
@@ -70,7 +70,9 @@ def run(args, bench) -> None:
     from h3render.packing import noise_conditions, patchify_video, t2va_layout
     from h3render.ref_packing import ReferenceBlock, ref2va_layout
     from h3render.references import fit_reference_image
-    from h3render.spec import FPS, audio_latents
+    from h3render.models.audio_vae import AudioVAE
+    from h3render.references import AUDIO_RATE
+    from h3render.spec import FPS
 
     device = torch.device(args.ref2va_device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -112,10 +114,17 @@ def run(args, bench) -> None:
     bench.rec(**row, what=f"video VAE encode: image {image.size[0]}x{image.size[1]}, video {n} frames {vw}x{vh}",
               image_s=round(image_s, 4), video_s=round(video_s, 4), image_latent=list(image_latent.shape),
               video_latent=list(video_latent.shape), peak_gb=_peak(device))
-    sound = audio_latents(n)  # the soundtrack's latents per channel (40 / s)
-    bench.rec(**row, what="audio VAE encode of the soundtrack", ours_s=None, audio_latents=sound,
-              note="not in h3render yet (issue #23 follow-up); its rows are in the DiT layout below")
     del vae, still, clip
+    _free(device)
+    audio_vae = bench.random_(build(lambda: AudioVAE(release.audio_vae), device, torch.float32), 2)
+    wave = (0.1 * torch.randn(2, n * AUDIO_RATE // FPS, generator=torch.Generator().manual_seed(2))).to(device)
+    _reset(device)
+    sound_latent = audio_vae.encode(wave)  # [2, 32, Tref]
+    audio_s = timed(lambda: audio_vae.encode(wave), device, reps)
+    sound = sound_latent.shape[-1]  # the soundtrack's latents per channel (40 / s)
+    bench.rec(**row, what=f"audio VAE encode of the soundtrack ({wave.shape[1] / AUDIO_RATE:.2f} s stereo, fp32)",
+              ours_s=round(audio_s, 4), audio_latents=sound, peak_gb=_peak(device))
+    del audio_vae, wave
     _free(device)
 
     # the presentation: "<Picture 1>: " + image block, "<Audio 1>: " "<Video 1>: " + per 2 fps block

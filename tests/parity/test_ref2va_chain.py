@@ -18,7 +18,7 @@ from h3render.packing import (
     unpatchify_video,
 )
 from h3render.ref_packing import ReferenceBlock, ref2va_layout, ref2va_step_timesteps
-from h3render.sampling import denoise, dit_model_fn, draw_noise, schedule_timesteps, sigma_schedule, timesteps_of
+from h3render.sampling import denoise, dit_model_fn, draw_noise, schedule_timesteps, sigma_schedule
 from tests._diffusers_ref import diffusers_transformer, random_dit
 from tests._numerics import rel_err
 

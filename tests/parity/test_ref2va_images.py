@@ -22,7 +22,7 @@ from h3render.packing import audio_to_rows
 from h3render.references import decode_audio, fit_reference_image, normalize_audio, reference_image_size
 from tests._media import wav
 from tests._numerics import assert_close, rel_err
-from tests.parity.test_fl2va_text_encoder import PROMPT, TOL, diffusers_encode  # noqa: F401 (diffusers_encode: same spy)
+from tests.parity.test_fl2va_text_encoder import PROMPT, TOL
 from tests.parity.test_fl2va_text_encoder import setup  # noqa: F401 (the module-scoped conditioner fixture)
 
 pytest.importorskip("diffusers")

@@ -37,6 +37,8 @@ def test_ref2va_stage_on_cpu(tmp_path):
     assert by["image reference: resize + vision tower"]["encoded_size"] == [128, 64]  # 1920x1080 at short edge 64
     encode = by["video VAE encode: image 128x64, video 22 frames 128x64"]
     assert encode["image_latent"] == [24, 1, 4, 8] and encode["video_latent"] == [24, 7, 4, 8]
+    sound = next(r for r in rows if r["what"].startswith("audio VAE encode of the soundtrack"))
+    assert sound["audio_latents"] == 37 and math.isfinite(sound["ours_s"])  # 22 frames = 0.917 s -> 37 latents
     plain, ref = by["DiT forward, t2va"], by["DiT forward, ref2va"]
     assert ref["condition_rows"] == 2 * 4 + 7 * 2 * 4 and ref["condition_audio_rows"] == 2 * 37
     assert ref["rows"] == ref["text_rows"] + 64 + 74 + (plain["rows"] - plain["text_rows"])

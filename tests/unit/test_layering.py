@@ -8,13 +8,14 @@ functions count the same as top-level ones (a function-level import does not mak
 layer  name            modules (and why they sit there)
 =====  ==============  =============================================================================================
   7    front end       cli, cli_*, settings, runner, manifest, manifest_formats, manifest_fields, jobs, shards,
-                       job_keyframes, job_references, batch, report, locks, signals: torch-free on import (manifest lines to `Job`s and run
-                       settings, the batch loop); they reach the job path's torch modules only inside functions.
+                       job_keyframes, job_references, batch, report, locks, signals: torch-free on import
+                       (manifest lines to `Job`s and run settings, the batch loop); they reach the job path's
+                       torch modules only inside functions.
   6    job path        engine, render, tasks/, sidecar, keyframes, references, ref_packing, media, staging, colour,
-                       graphs, timing, outputs, progress, parallel/: what renders one job (torch, PyAV, process groups). sidecar (the
-                       sidecar's format, its write, read and compare), outputs (a job's file paths, the resume
-                       check) and progress (the denoise loop's step display) are torch-free themselves: the front
-                       end imports them at load, and the job path may too.
+                       graphs, timing, outputs, progress, parallel/: what renders one job (torch, PyAV, process
+                       groups). sidecar (the sidecar's format, its write, read and compare), outputs (a job's
+                       file paths, the resume check) and progress (the denoise loop's step display) are torch-free
+                       themselves: the front end imports them at load, and the job path may too.
   5    writers         make_checkpoint/: the on-disk checkpoint writers of `h3render make-checkpoint`; they read
                        checkpoint/ (registry, names, built-in weights), which never reads them.
   4    checkpoint      checkpoint/: layouts, streaming, the built-in random models (`builtin`), the release
