@@ -15,8 +15,8 @@ Random weights of the release's real sizes (`--ref2va-model released`, the defau
 4. one DiT forward (`sampling.dit_model_fn`) of the t2va layout vs the ref2va layout (`ref_packing.ref2va_layout`:
    + image, video and soundtrack rows), with the device's peak memory of each;
 5. complete MP4s through the Engine (random components; the Ref2VA DiT a second random DiT held as the
-   `transformer_ref` partition): a t2va job, then a ref2va job with the image reference (what h3render renders
-   today), `--ref2va-forwards` forwards each; the warm-up record (`dit_partitions`, `partition_swaps`);
+   `transformer_ref` partition): a t2va job, then a ref2va job with the image and a `--ref2va-video-seconds`
+   32 kHz stereo audio clip (what h3render renders today; the video part is not), `--ref2va-forwards` forwards each; the warm-up record (`dit_partitions`, `partition_swaps`);
 6. the partition swap itself on CUDA: the Ref2VA DiT's parameters to host memory and back (seconds, GB).
 
 GPU:  python scripts/bench.py --stages ref2va --out ref2va.json
@@ -189,6 +189,19 @@ def run(args, bench) -> None:
         _e2e(args, bench, device, release, width, height, frames, row)
 
 
+def _wav(path: Path, seconds: float, rate: int = 32000) -> None:
+    """A stereo 16-bit WAV of noise at the audio VAE's rate (the e2e job's audio reference)."""
+    import av
+
+    samples = (np.random.default_rng(3).normal(0, 0.1, (2, int(seconds * rate))) * 32767).astype(np.int16)
+    with av.open(str(path), "w") as out:
+        stream = out.add_stream("pcm_s16le", rate=rate, layout="stereo")
+        frame = av.AudioFrame.from_ndarray(samples.T.reshape(1, -1).copy(), format="s16", layout="stereo")
+        frame.sample_rate = rate
+        for packet in [*stream.encode(frame), *stream.encode(None)]:
+            out.mux(packet)
+
+
 def _e2e(args, bench, device, release, width, height, frames, row) -> None:
     """Complete MP4s (t2va, then ref2va with one image) through the Engine; the partition swap on CUDA."""
     import bench_e2e
@@ -219,10 +232,11 @@ def _e2e(args, bench, device, release, width, height, frames, row) -> None:
               gb=round(torch.cuda.memory_allocated(device) / 1e9, 2) if device.type == "cuda" else None)
     folder = Path(tempfile.mkdtemp(prefix="bench-ref2va-"))
     Image.fromarray(np.random.default_rng(0).integers(0, 256, (1080, 1920, 3), dtype=np.uint8)).save(folder / "r.png")
+    _wav(folder / "voice.wav", args.ref2va_video_seconds)
     common = dict(prompt=bench.PROMPT, width=width, height=height, frames=frames, seed=0,
                   steps=args.ref2va_forwards + 1, mode="t2va")
-    jobs = [Job(id="t2va", output="t2va", **common),
-            Job(id="ref2va", output="ref2va", references=(read_reference("r.png", folder),), **common)]
+    references = (read_reference("r.png", folder), read_reference("voice.wav", folder))
+    jobs = [Job(id="t2va", output="t2va", **common), Job(id="ref2va", output="ref2va", references=references, **common)]
     engine.prepare(jobs)
     bench.rec(**row, what="warm-up (outside job timings)", warmup={k: v for k, v in engine.warmup.items()
                                                                   if "partition" in k or "warmup" in k})
