@@ -74,7 +74,7 @@ def checkpoint_identity(info, transformer_file: str | Path | None = None) -> dic
     """What names the DiT weights on disk, cheaply (no weight bytes are read).
 
     Args:
-        info: the `checkpoint.layouts.CheckpointInfo` the engine loaded.
+        info: the `checkpoint.info.CheckpointInfo` the engine loaded.
         transformer_file: the `--transformer` single-file DiT that replaced the checkpoint's, or None.
     """
     ident: dict[str, Any] = {"path": info.recorded_path, "layout": info.layout, "config": info.config_hash}

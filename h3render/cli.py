@@ -69,6 +69,15 @@ def _plan_memory(run: RunSettings, info, jobs, world: int) -> RunSettings:
     return run
 
 
+def _check_partitions(info, jobs) -> None:
+    """ref2va jobs run the checkpoint's Ref2VA DiT: a checkpoint without that partition is refused before anything
+    loads (a built-in model makes its own)."""
+    ref = next((j for j in jobs if j.task == "ref2va"), None)
+    if ref is not None and info.layout != "builtin" and getattr(info, "transformer_ref", None) is None:
+        raise SettingsError(f"{info.path}: no ref2va DiT partition (official Ref2VA/transformer/, diffusers "
+                            f"transformer_ref/), and job {ref.output!r} has references")
+
+
 def _check_writable(folder: Path) -> None:
     if folder.exists() and not folder.is_dir():
         raise SettingsError(f"output folder {folder} is not a directory")
@@ -123,6 +132,10 @@ def cli(ctx: click.Context) -> None:
                                             "final line.")
 @click.option("--first-frame", default=None, help="fl2va: image (PNG/JPEG/WebP) the video starts from.")
 @click.option("--last-frame", default=None, help="fl2va: image (PNG/JPEG/WebP) the video ends on.")
+@click.option("--reference", "references", multiple=True,
+              help="ref2va: an image, video or audio reference file; repeat it, the order is kept.")
+@click.option("--reference-no-audio", is_flag=True, default=None,
+              help="ref2va: do not use the reference videos' soundtracks.")
 @canvas_time_options
 @engine_options
 def prompt_command(text, output, quiet, **opts) -> None:
@@ -152,8 +165,10 @@ def _prompt(text: str, output: str, quiet: bool, opts: dict) -> int:
     RunSettings.check_options(opts, info)
     fields = {k: opts[k] for k in ("preset", "aspect", "width", "height", "duration", "frames", "steps", "seed",
                                    "first_frame", "last_frame")}
-    fields.update(prompt=text, output=out.stem, mode=mode)
+    fields.update(prompt=text, output=out.stem, mode=mode, references=list(opts["references"]) or None,
+                  reference_audio=False if opts["reference_no_audio"] else None)
     job = job_from_fields(fields, info.limits())
+    _check_partitions(info, [job])
     run = RunSettings.resolve(opts, checkpoint=checkpoint, info=info)
     world = _check(run, info, mode=mode)
     run = _plan_memory(run, info, [job], world)
@@ -163,6 +178,8 @@ def _prompt(text: str, output: str, quiet: bool, opts: dict) -> int:
                 _say(line)
         if job.task == "fl2va":
             _say("h3render: fl2va: " + "; ".join(k.describe() for k in job.keyframes))
+        if job.task == "ref2va":
+            _say("h3render: ref2va: " + "; ".join(r.describe() for r in job.references))
     return run_jobs(run, [job], world, info.release.dit.num_attention_heads, quiet=quiet,
                     single=(out, out.with_suffix(".json")))
 
@@ -217,6 +234,7 @@ def _batch(manifest, out_dir, shard, skip_existing, fail_fast, dry_run, quiet, o
     except ValueError as exc:
         raise SettingsError(str(exc)) from None
     jobs = m.jobs if shard_spec is None else shard_jobs(m.jobs, *shard_spec)
+    _check_partitions(info, jobs)
     if not dry_run:
         _check_writable(Path(out_dir))
     run = RunSettings.resolve(opts, checkpoint=checkpoint, info=info, manifest=m)

@@ -7,7 +7,9 @@ the audio decode's CUDA graphs per length, the pinned frame buffers, and the war
 what is task-specific is in the task's module (`h3render.tasks`), never here.
 
 The DiTs are held by checkpoint partition (`tasks.base.BASE_PARTITION` for t2va and fl2va; ref2va's
-"transformer_ref" next), each with the parallel plan's forward applied once (`dit_forward`).
+"transformer_ref"), each loaded once, on first use, with the parallel plan's forward applied once (`dit_forward`).
+On CUDA, when the device cannot hold another DiT beside the active one, the inactive one waits in host memory and
+is swapped back when a job needs it (`dit_of`; each swap timed in the warm-up record's `partition_swaps`).
 """
 
 from __future__ import annotations
@@ -39,6 +41,9 @@ from h3render.tasks import task_of
 from h3render.tasks.base import BASE_PARTITION, Prepared
 from h3render.timing import StageTimer
 
+# Device bytes a partition swap leaves free beyond the incoming DiT's parameters: the activations of one forward at
+# the released shape (1344 x 768 x 243, ~75k rows) with room to spare; measured by scripts/bench_ref2va.py.
+SWAP_HEADROOM = 24 * 2**30
 
 
 class Engine:
@@ -101,6 +106,7 @@ class Engine:
         self.dits = {BASE_PARTITION: self.c.dit}
         self._forwards = {BASE_PARTITION: self.plan.dit_forward(self.c.dit)}
         self.warmup["dit_partitions"] = {BASE_PARTITION: "resident"}
+        self._active = BASE_PARTITION
 
     @classmethod
     def load(cls, run, ctx: ParallelContext, *, base_jobs_first: bool = False, jobs=None) -> "Engine":
@@ -301,7 +307,7 @@ class Engine:
             torch.cuda.empty_cache()  # the bf16 block weights are freed
         self.warmup["fasth3_fusion_s"] = time.perf_counter() - t0
 
-    def tables(self, schedule: Schedule, timesteps: torch.Tensor | None = None):
+    def tables(self, schedule: Schedule, timesteps: torch.Tensor | None = None, partition: str = BASE_PARTITION):
         """AdaLN modulation tables for every timestep a job visits, built once on the device (or read back from the
         on-disk cache of an earlier run, `h3render.adaln_cache`) and cached in memory.
 
@@ -309,17 +315,19 @@ class Engine:
             schedule: the job's `Schedule`.
             timesteps: `[K]` float32, what the job's task says its forwards see (`task.timesteps(schedule)`: fl2va
                 adds its condition rows' timesteps); default the schedule's own (`Schedule.timesteps`).
+            partition: whose DiT's AdaLN weights (`dit_of`): the tables are per partition.
         """
         timesteps = schedule.timesteps if timesteps is None else timesteps
-        key = tuple(timesteps.tolist())
+        key = (partition, *timesteps.tolist())
         if key not in self._tables:
             from h3render.adaln_cache import cached_tables, checkpoint_identity
 
             # On disk across runs (`h3render.adaln_cache`): the fused adapter is part of the key once it is fused.
             identity = checkpoint_identity(self.c.info, (self.transformer or {}).get("path"))
+            identity["partition"] = partition
             fused = self.adapter is not None and self._deferred_fusion is None
             identity["adapter"] = self.adapter.get("sha256", self.adapter.get("contract")) if fused else None
-            self._tables[key], record = cached_tables(self.c.dit, timesteps, self.device, identity)
+            self._tables[key], record = cached_tables(self.dit_of(partition), timesteps, self.device, identity)
             self.warmup.setdefault("adaln_cache", []).append(record)
         return self._tables[key]
 
@@ -329,14 +337,66 @@ class Engine:
         fixed condition rows `[Nc, 96]` when it has any.
 
         Raises:
-            RenderError: that DiT partition is not loaded in this engine.
+            CheckpointError: the checkpoint has no such partition (`dit_of`).
         """
-        dit = self.dits.get(prepared.partition)
-        if dit is None:
-            raise RenderError(f"this engine holds the DiT partitions {', '.join(sorted(self.dits))}, not "
-                              f"{prepared.partition!r}")
+        dit = self.dit_of(prepared.partition)
         return dit_model_fn(self._forwards[prepared.partition], prepared.text, prepared.layout, tables,
-                            dit.rope_tables(prepared.layout.positions), condition_rows=prepared.condition_rows)
+                            dit.rope_tables(prepared.layout.positions), condition_rows=prepared.condition_rows,
+                            audio_condition_rows=prepared.audio_condition_rows)
+
+    def dit_of(self, partition: str):
+        """The DiT of a checkpoint partition on this engine's device, loaded on first use (once per engine: a mixed
+        queue's t2va, fl2va and ref2va jobs share the base DiT and the ref2va jobs share `transformer_ref`).
+
+        On CUDA, a DiT that does not fit beside the active one (free memory below its parameter bytes plus
+        `SWAP_HEADROOM` for activations) sends the active one to host memory first; the swap's seconds are appended
+        to `warmup["partition_swaps"]`. Off CUDA every partition stays resident.
+
+        Raises:
+            CheckpointError: the checkpoint has no such partition (`checkpoint.load.load_partition_dit`).
+        """
+        if partition == self._active and partition in self.dits:
+            return self.dits[partition]
+        t0 = time.perf_counter()
+        loading = partition not in self.dits
+        if self.device.type == "cuda":
+            need = sum(p.numel() * p.element_size() for p in self.c.dit.parameters()) + SWAP_HEADROOM
+            active = self.dits[self._active]
+            if torch.cuda.mem_get_info(self.device)[0] < need:
+                move_dit(active, "cpu")  # the inactive partition waits in host memory
+                torch.cuda.empty_cache()
+                self.warmup["dit_partitions"][self._active] = "host"
+        if loading:
+            from h3render.checkpoint.load import load_partition_dit
+
+            self.hold_partition(partition, load_partition_dit(self.c.info, partition, self.device,
+                                                              self.settings.torch_dtype, precision=self.precision))
+            self.warmup[f"{partition}_load_s"] = time.perf_counter() - t0
+        elif self.warmup["dit_partitions"].get(partition) == "host":
+            move_dit(self.dits[partition], self.device)
+        self.warmup["dit_partitions"][partition] = "resident"
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            if not loading:
+                self.warmup.setdefault("partition_swaps", []).append(
+                    {"to": partition, "seconds": time.perf_counter() - t0})
+        self._active = partition
+        return self.dits[partition]
+
+    def hold_partition(self, partition: str, dit, resident: bool = True) -> None:
+        """Hold `dit` (already on this device) as the DiT of `partition`, with the parallel plan's forward; on CUDA
+        its attention is the engine's and its AdaLN projections go to host memory (read only by
+        `modulation_tables`, which brings each block's over). `resident=False` sends it to host memory at once
+        (`dit_of` brings it back when a job needs it). `dit_of` loads through here; scripts/bench_ref2va.py hands it
+        a random released-size DiT."""
+        if self.device.type == "cuda":
+            dit.set_attention(fast_attention, refiner=True)
+            dit.offload_adaln_("cpu")
+        self.dits[partition], self._forwards[partition] = dit, self.plan.dit_forward(dit)
+        self.warmup["dit_partitions"][partition] = "resident"
+        if not resident and partition != self._active:
+            move_dit(dit, "cpu")
+            self.warmup["dit_partitions"][partition] = "host"
 
     def ensure_vision(self, timer=None) -> None:
         """Load the conditioner's vision tower and keyframe image processor (fl2va) if not yet loaded: in `prepare`
@@ -421,7 +481,7 @@ class Engine:
             if job.mode == "fasth3" and self._deferred_fusion is not None:
                 continue  # built once the student is fused, on its first job
             schedule = self.schedule(job)
-            self.tables(schedule, task_of(job).timesteps(schedule))
+            self.tables(schedule, task_of(job).timesteps(schedule), task_of(job).PARTITION)
         if self.device.type == "cuda":
             self.c.dit.offload_adaln_("cpu")
             torch.cuda.empty_cache()
@@ -519,7 +579,7 @@ class Engine:
         try:
             prepared = task.prepare(self, warm, StageTimer(self.device))
             schedule = self.schedule(warm)
-            tables = self.tables(schedule, task.timesteps(schedule))
+            tables = self.tables(schedule, task.timesteps(schedule), prepared.partition)
             t = tables.timesteps[0]
             self.model_fn(prepared, tables)(prepared.video_rows, prepared.audio_rows, t, t)
             if self.device.type == "cuda":
@@ -553,6 +613,20 @@ class Engine:
             self.model_fn(prepared, tables)(video, audio, tables.timesteps[0], tables.timesteps[0])
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
+
+
+def move_dit(dit, device) -> None:
+    """`dit.to(device)` except its AdaLN projections, which stay where they are (host memory on CUDA, after
+    `DiT.offload_adaln_`: ≈26 GB at release that a partition swap neither copies nor brings back)."""
+    holders = [*dit.blocks, dit.final_layer]
+    projections = [holder.adaln_proj for holder in holders]
+    for holder in holders:
+        holder.adaln_proj = None
+    try:
+        dit.to(device)
+    finally:
+        for holder, projection in zip(holders, projections):
+            holder.adaln_proj = projection
 
 
 def _heads_first(fn):

@@ -25,6 +25,7 @@ import yaml
 
 import h3render.presets
 from h3render.job_keyframes import KeyframeRef
+from h3render.job_references import ReferenceRef
 from h3render.outputs import TEMP_MARK, output_paths, render_reason
 from h3render.spec import (FPS, RELEASED_MAX_PIXELS, RELEASED_SHORT_EDGE, X264_PRESETS, Limits, audio_rows,
                            canvas_for_aspect, check_canvas, is_snapped, latent_frames, parse_aspect, seconds_text,
@@ -32,7 +33,7 @@ from h3render.spec import (FPS, RELEASED_MAX_PIXELS, RELEASED_SHORT_EDGE, X264_P
 
 # --- h3render choices (docs/manifest.md) ---------------------------------------------------------------------------
 MODES = ("t2va", "fasth3")  # the sampler: base model or distilled FastH3 student (t2va-only)
-TASKS = ("t2va", "fl2va")  # what conditions the video: the prompt alone, or also a first and/or last keyframe
+TASKS = ("t2va", "fl2va", "ref2va")  # what conditions the video: the prompt alone, or also keyframes / references
 DEFAULT_MODE = "t2va"
 DEFAULT_SEED = 0  # a fixed value, so a manifest without seeds renders the same twice
 MAX_SEED = 2**64 - 1  # torch.Generator.manual_seed accepts 0 … 2**64 − 1
@@ -104,6 +105,8 @@ class Job:
         source: manifest file and line, for messages.
         first_frame, last_frame: fl2va keyframe files (`h3render.job_keyframes.KeyframeRef`), or None; either one
             makes the job's `task` "fl2va".
+        references: ref2va reference files in request order (`h3render.job_references.ReferenceRef`); any makes
+            the job's `task` "ref2va".
     """
 
     id: str | None
@@ -119,6 +122,7 @@ class Job:
     source: Source = Source("<job>", 0)
     first_frame: KeyframeRef | None = None
     last_frame: KeyframeRef | None = None
+    references: tuple[ReferenceRef, ...] = ()
 
     def __post_init__(self) -> None:
         check_canvas(self.width, self.height)
@@ -128,6 +132,10 @@ class Job:
             raise ValueError(f"Job {self.output!r}: mode {self.mode!r} is not one of {', '.join(MODES)}")
         if self.mode == "fasth3" and self.task == "fl2va":
             raise ValueError(f"Job {self.output!r}: FastH3 students are t2va-only; an fl2va job needs mode t2va")
+        if self.references and self.keyframes:
+            raise ValueError(f"Job {self.output!r}: references (ref2va) and keyframes (fl2va) cannot be combined")
+        if self.mode == "fasth3" and self.references:
+            raise ValueError(f"Job {self.output!r}: FastH3 students are t2va-only; a ref2va job needs mode t2va")
         problem = output_path_problem(self.output)
         if problem:
             raise ValueError(f"Job output {self.output!r}: {problem}")
@@ -142,11 +150,16 @@ class Job:
         if self.task == "fl2va":
             params["task"] = "fl2va"
             params.update({f"{k.anchor}_frame_sha256": k.sha256 for k in self.keyframes})
+        if self.references:  # order, type, content and the sound used; not the paths
+            params["task"] = "ref2va"
+            params["references"] = [r.params() for r in self.references]
         return params
 
     @property
     def task(self) -> str:
-        """"fl2va" when a first or last keyframe is given, else "t2va"."""
+        """"ref2va" when references are given, "fl2va" when a first or last keyframe is, else "t2va"."""
+        if self.references:
+            return "ref2va"
         return "fl2va" if self.first_frame is not None or self.last_frame is not None else "t2va"
 
     @property
@@ -494,6 +507,8 @@ def plan_lines(jobs: list[Job], out_dir: Path | None = None, *, overwrite: bool 
             label = f"{label} ({mp4}, {skip_note(sidecar) if reason is None else 'render: ' + reason})"
         steps = "adapter schedule" if job.steps is None else f"{job.steps} sigma points"
         task = "" if job.task == "t2va" else f"fl2va ({', '.join(k.describe() for k in job.keyframes)}), "
+        if job.task == "ref2va":
+            task = f"ref2va ({', '.join(r.describe() for r in job.references)}), "
         lines.append(f"[{number}/{len(jobs)}] {label}: {task}{job.canvas_note()}, {job.time_note(limits)}, {job.mode} "
                      f"{steps}, seed {job.seed}, rows video {job.video_rows:,} + audio "
                      f"{job.audio_rows:,} ({job.source})")

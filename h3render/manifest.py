@@ -17,15 +17,17 @@ from typing import Any, Iterable, Mapping
 from h3render.job_keyframes import KEYFRAME_FIELDS
 from h3render.jobs import (DEFAULT_MODE, DEFAULT_SEED, Job, Preset, Requested, Source, load_presets, one_line,
                            output_key, output_name, output_path_problem, prompt_slug)
-from h3render.manifest_fields import engine_choices, field_problem, keyframe_canvas, resolve_keyframes, strip_mp4
+from h3render.manifest_fields import (engine_choices, field_problem, keyframe_canvas, resolve_keyframes,
+                                      resolve_references, strip_mp4)
 from h3render.manifest_formats import Errors, Layer, ManifestError, Value, Where, read_jsonl, read_yaml
 from h3render.outputs import lock_path, temp_paths
 from h3render.spec import (PRECISIONS, Limits, canvas_for_aspect, check_canvas, parse_aspect, snap_frames,
                            video_rows)
 
 JOB_FIELDS = ("id", "prompt", "preset", "aspect", "width", "height", "duration", "frames", "seed", "steps", "mode",
-              "output", *KEYFRAME_FIELDS)
-JOB_ONLY_FIELDS = ("id", "prompt", "output", *KEYFRAME_FIELDS)  # not in `defaults` or command-line defaults
+              "output", *KEYFRAME_FIELDS, "references", "reference_audio")
+# not in `defaults` or command-line defaults
+JOB_ONLY_FIELDS = ("id", "prompt", "output", *KEYFRAME_FIELDS, "references")
 # Engine settings (the weights load once per run): set in `defaults`; a job may repeat the run's value, never change it.
 ENGINE_FIELDS = ("precision",)
 # Only in the manifest's `defaults`; the command line's --adapter, --adapter-variant, --fasth3-positions win.
@@ -243,6 +245,18 @@ def _resolve_job(job: Layer, layers: list[Layer], limits: Limits, presets: Mappi
         errors.add(job.where(name), problem)
     if problems:
         return None
+    references: tuple = ()
+    if "references" in job.fields:  # ref2va: every file probed now, in order; they never set the canvas
+        if keyframes:
+            errors.add(job.where("references"), "references (ref2va) and first_frame/last_frame (fl2va) cannot be "
+                                                "combined in one job")
+            return None
+        audio_layer = _first(layers, ["reference_audio"])
+        references, problem = resolve_references(job.get("references"), base_dir,
+                                                 audio_layer.get("reference_audio") if audio_layer else True)
+        if problem:
+            errors.add(job.where("references"), problem)
+            return None
     canvas_layer = _first(layers, _CANVAS_FIELDS)
     preset = None
     if canvas_layer is None and keyframes:  # the canvas follows the leading keyframe (first given)
@@ -304,6 +318,12 @@ def _resolve_job(job: Layer, layers: list[Layer], limits: Limits, presets: Mappi
                    f"{'' if mode_layer is job else f' (from {origin})'}: FastH3 students are t2va-only; render it "
                    f"with mode t2va")
         return None
+    if mode == "fasth3" and references:
+        origin = mode_layer.where("mode")
+        errors.add(job.where("references"), f"the job is ref2va (references given) but its mode is fasth3"
+                   f"{'' if mode_layer is job else f' (from {origin})'}: FastH3 students are t2va-only; render it "
+                   f"with mode t2va")
+        return None
     # The student only works on the schedule it was distilled for, which comes with the adapter: a steps inherited
     # from defaults does not apply, one on the job itself is a mistake.
     if mode == "fasth3" and "steps" in job.fields:
@@ -313,7 +333,7 @@ def _resolve_job(job: Layer, layers: list[Layer], limits: Limits, presets: Mappi
     seed_layer = _first(layers, ["seed"])
     return dict(id=job.get("id"), prompt=job.get("prompt"), width=width, height=height, frames=frames,
                 seed=seed_layer.get("seed") if seed_layer else DEFAULT_SEED, steps=steps, mode=mode,
-                requested=Requested(**requested), **keyframes)
+                requested=Requested(**requested), references=references, **keyframes)
 
 
 def _check_ids(job_layers: list[Layer], errors: Errors) -> set[int]:

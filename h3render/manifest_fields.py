@@ -10,6 +10,8 @@ from pathlib import Path
 from typing import Any, Mapping, NamedTuple
 
 from h3render.job_keyframes import ANCHOR_OF_FIELD, KEYFRAME_FIELDS, KeyframeRef, read_keyframe_ref
+from h3render.job_references import (ReferenceRef, entry_problem, read_reference, references_problem,
+                                     unsupported_problem)
 from h3render.jobs import MAX_SEED, MODES, Preset, lone_surrogate, output_path_problem
 from h3render.spec import (CANVAS_MULTIPLE, POSITION_CHOICES, PRECISIONS, Limits, canvas_for_aspect, is_int,
                            parse_aspect)
@@ -75,6 +77,15 @@ def field_problem(name: str, value: Any, presets: Mapping[str, Preset], limits: 
             return f"{value} sigma points is too few (at least 2: N points run N-1 forwards)"
         if value > limits.max_sigma_points:
             return f"{value} sigma points is more than this checkpoint's limit of {limits.max_sigma_points:,}"
+    if name == "references":
+        if not isinstance(value, list) or not value:
+            return f"must be a non-empty list of reference files, got {type_name(value)}"
+        for index, entry in enumerate(value, start=1):
+            problem = entry_problem(entry)
+            if problem:
+                return f"entry {index}: {problem}"
+    if name == "reference_audio" and not isinstance(value, bool):
+        return f"must be true or false, got {type_name(value)}"
     if name == "mode" and value not in MODES:
         return f"{value!r} is not one of {', '.join(MODES)}"
     if name == "output":
@@ -113,6 +124,26 @@ def resolve_keyframes(values: Mapping[str, str], base_dir: str | Path) -> tuple[
             except ValueError as exc:
                 problems.append((name, str(exc)))
     return refs, problems
+
+
+def resolve_references(entries: list, base_dir: str | Path, use_audio: bool = True) -> tuple[
+        tuple[ReferenceRef, ...], str | None]:
+    """Read a job's `references` list (entries already passed `field_problem`), in order, paths relative to
+    `base_dir`; `use_audio` False (`reference_audio: false`, `--reference-no-audio`) drops the videos' soundtracks
+    unless an entry says `audio: true`.
+
+    Returns:
+        `(refs, problem)`: the first problem (`"entry i: <path>: ..."`, the counts, audio alone, a type h3render
+        cannot render yet) or None.
+    """
+    refs = []
+    for index, entry in enumerate(entries, start=1):
+        try:
+            refs.append(read_reference(entry, base_dir, no_audio=not use_audio))
+        except ValueError as exc:
+            return (), f"entry {index}: {exc}"
+    problem = references_problem(refs) or unsupported_problem(refs)
+    return tuple(refs), problem
 
 
 def keyframe_canvas(leading: KeyframeRef, limits: Limits) -> tuple[int, int]:

@@ -259,19 +259,28 @@ def rows_to_audio(rows: torch.Tensor, layout: PackedLayout) -> torch.Tensor:
 # them like any video row; the sampler never writes them and drops their velocity.
 
 KEYFRAME_T = 0.999  # keyframes are noised once to t = 0.999 and run at max(t_video, 0.999) (`keyframe_noise_aug`)
+# ref2va's reference audio rows are never noised and run clean, at t = 1.0 (diffusers `MiniMaxH3SetTimestepsStep`
+# passes 1.0; the prepare-latents step's "t = 0" docstring is wrong: research/conditioning.md §2.5).
+REFERENCE_AUDIO_T = 1.0
 
 
 @dataclass(frozen=True, eq=False)
 class ConditionedLayout(PackedLayout):
-    """A `PackedLayout` with keyframe condition rows at the front of `video_index`.
+    """A `PackedLayout` with condition rows at the front of `video_index` (and, ref2va, of `audio_index`).
 
-    Attributes (besides `PackedLayout`'s, whose `video_index` here is `[Nc + Nv]`: conditions first):
-        num_condition_rows: Nc = number of keyframes x rows_per_frame.
-        keyframe_anchors: "first"/"last" per keyframe, packed order.
+    Attributes (besides `PackedLayout`'s, whose `video_index` here is `[Nc + Nv]`: conditions first, and
+    `audio_index` `[Nca + 2 * Ta]`: reference audio first):
+        num_condition_rows: Nc = fl2va: number of keyframes x rows_per_frame; ref2va: the image and video
+            references' rows (`ref_packing.ref2va_layout`).
+        keyframe_anchors: "first"/"last" per keyframe, packed order (fl2va).
+        num_condition_audio_rows: Nca = ref2va's reference audio rows (soundtracks and clips), never noised.
+        reference_kinds: "image"/"video"/"audio" per reference, request order (ref2va).
     """
 
     num_condition_rows: int = 0
     keyframe_anchors: tuple[str, ...] = ()
+    num_condition_audio_rows: int = 0
+    reference_kinds: tuple[str, ...] = ()
 
     @property
     def condition_index(self) -> torch.Tensor:
@@ -287,18 +296,35 @@ class ConditionedLayout(PackedLayout):
     def num_target_video_rows(self) -> int:
         return self.video_index.numel() - self.num_condition_rows
 
-    def row_timestep_index(self, video_slot: int, audio_slot: int, condition_slot: int | None = None) -> torch.Tensor:
-        """Per-row index `[S]` int64: `audio_slot` on audio rows, `condition_slot` on keyframe rows, `video_slot`
-        elsewhere (text rows, vision pads included, take the video timestep).
+    @property
+    def condition_audio_index(self) -> torch.Tensor:
+        """`[Nca]` int64 sequence positions of the reference audio rows (ref2va; empty otherwise)."""
+        return self.audio_index[: self.num_condition_audio_rows]
+
+    @property
+    def target_audio_index(self) -> torch.Tensor:
+        """`[2 * Ta]` int64 sequence positions of the generated audio rows."""
+        return self.audio_index[self.num_condition_audio_rows:]
+
+    def row_timestep_index(self, video_slot: int, audio_slot: int, condition_slot: int | None = None,
+                           audio_condition_slot: int | None = None) -> torch.Tensor:
+        """Per-row index `[S]` int64: `audio_slot` on generated audio rows, `condition_slot` on video condition rows,
+        `audio_condition_slot` on reference audio rows, `video_slot` elsewhere (text rows, vision pads included, take
+        the video timestep).
 
         Raises:
-            ValueError: the layout has keyframe rows and no `condition_slot` was given.
+            ValueError: the layout has condition rows of a kind whose slot was not given.
         """
         index = super().row_timestep_index(video_slot, audio_slot)
         if self.num_condition_rows:
             if condition_slot is None:
-                raise ValueError("this layout has keyframe rows: give their timestep slot (condition_slot)")
+                raise ValueError("this layout has video condition rows: give their timestep slot (condition_slot)")
             index[self.condition_index] = condition_slot
+        if self.num_condition_audio_rows:
+            if audio_condition_slot is None:
+                raise ValueError("this layout has reference audio rows: give their timestep slot "
+                                 "(audio_condition_slot)")
+            index[self.condition_audio_index] = audio_condition_slot
         return index
 
     def target_layout(self) -> PackedLayout:
@@ -307,7 +333,7 @@ class ConditionedLayout(PackedLayout):
         return PackedLayout(
             text_len=self.text_len, latent_frames=self.latent_frames, latent_height=self.latent_height,
             latent_width=self.latent_width, patch=self.patch, audio_len=self.audio_len, seq_len=self.seq_len,
-            text_index=self.text_index, audio_index=self.audio_index, video_index=self.target_video_index,
+            text_index=self.text_index, audio_index=self.target_audio_index, video_index=self.target_video_index,
             token_tags=self.token_tags, positions=self.positions,
         )
 
@@ -419,10 +445,26 @@ def noise_keyframes(
     Returns:
         `[Nc, 96]` float32 rows on the latents' device, keyframe by keyframe, each t-major then h then w.
     """
-    packed = []
     for latent in condition_latents:
         if latent.ndim != 4 or latent.shape[1] != 1:
             raise ValueError(f"a keyframe latent must be [C, 1, h, w], got {list(latent.shape)}")
+    return noise_conditions(condition_latents, generator, patch)
+
+
+def noise_conditions(
+    condition_latents: list[torch.Tensor], generator: torch.Generator, patch: tuple[int, int, int] = PATCH
+) -> torch.Tensor:
+    """`noise_keyframes` for latents of any frame count and grid (ref2va's image and video references, each at its
+    own size): one float32 `randn` of each latent's `[1, C, T, h, w]` shape, in order, mixed to t = 0.999 and
+    patchified on its own (diffusers `MiniMaxH3PrepareConditionLatentsStep`).
+
+    Returns:
+        `[Nc, 96]` float32 rows, reference by reference, each t-major then h then w.
+    """
+    packed = []
+    for latent in condition_latents:
+        if latent.ndim != 4:
+            raise ValueError(f"a condition latent must be [C, T, h, w], got {list(latent.shape)}")
         noise = torch.randn((1, *latent.shape), generator=generator, dtype=torch.float32)[0].to(latent.device)
         t = torch.tensor(KEYFRAME_T, dtype=torch.float32, device=latent.device)
         packed.append(patchify_video(t * latent.float() + (1.0 - t) * noise, patch))

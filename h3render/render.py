@@ -141,7 +141,7 @@ def generate(engine, job, prepared: Prepared, schedule: sampling.Schedule, timer
         RenderError: non-finite latents (NaN/Inf): no video is written.
     """
     progress = progress or Progress("off")
-    tables = engine.tables(schedule, task_of(job).timesteps(schedule))
+    tables = engine.tables(schedule, task_of(job).timesteps(schedule), prepared.partition)
     with timer.stage("denoise"), progress.stage(label, "denoise", schedule.forwards, "steps") as shown:
         model_fn = _timed_steps(engine.model_fn(prepared, tables), timer)
         video_rows, audio_rows = sampling.denoise(model_fn, prepared.video_rows, prepared.audio_rows, schedule.video,

@@ -115,7 +115,9 @@ def _rank_main(run: RunSettings, jobs: list, heads: int, quiet: bool, single, qu
         try:
             if single is not None:
                 return _render_single(factory, jobs[0], *single, quiet=quiet)
-            order = sorted(range(len(jobs)), key=lambda i: jobs[i].mode == "fasth3")  # t2va first, stable
+            # t2va / fl2va first, then the ref2va jobs (their own DiT partition: one swap where the device cannot
+            # hold both), then fasth3 (the student fused into the base DiT); stable; the report keeps manifest order
+            order = sorted(range(len(jobs)), key=lambda i: (jobs[i].mode == "fasth3", jobs[i].task == "ref2va"))
             report = run_batch(jobs, factory, queue.out_dir, overwrite=queue.overwrite, fail_fast=queue.fail_fast,
                                quiet=quiet, shard=queue.shard, render_order=order, current=run.record())
             return report.exit_code

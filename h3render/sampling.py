@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Callable, Sequence
 
 import torch
 
-from h3render.packing import PackedLayout, condition_timestep
+from h3render.packing import REFERENCE_AUDIO_T, PackedLayout, condition_timestep
 from h3render.spec import AUDIO_LATENT_CHANNELS, VIDEO_LATENT_CHANNELS
 
 if TYPE_CHECKING:
@@ -219,6 +219,7 @@ def dit_model_fn(
     tables: "ModulationTables",
     rope: tuple[torch.Tensor, torch.Tensor] | None = None,
     condition_rows: torch.Tensor | None = None,
+    audio_condition_rows: torch.Tensor | None = None,
 ) -> ModelFn:
     """Adapt a `DiT` to `denoise`'s `model_fn` for one request.
 
@@ -232,6 +233,8 @@ def dit_model_fn(
             `packing.ConditionedLayout`. They are put in front of the generated video rows on every forward, run at
             `packing.condition_timestep(video_t)`, and their velocity is dropped, so `denoise` sees (and writes) only
             the generated rows. `tables` must hold the condition timesteps (`schedule_timesteps(..., keyframes=True)`).
+        audio_condition_rows: ref2va: `[Nca, 32]` reference audio rows, clean, put in front of the generated audio
+            rows on every forward at `packing.REFERENCE_AUDIO_T` (1.0; `tables` must hold it), velocity dropped.
     """
     if rope is None:
         rope = dit.rope_tables(layout.positions)
@@ -240,15 +243,21 @@ def dit_model_fn(
         index = layout.row_timestep_index(tables.index_of(video_t), tables.index_of(audio_t))
         return dit(video_rows, audio_rows, text, layout, tables, index, rope)
 
-    if condition_rows is None:
+    if condition_rows is None and audio_condition_rows is None:
         return model_fn
-    num_condition = condition_rows.shape[0]
+    num_video = 0 if condition_rows is None else condition_rows.shape[0]
+    num_audio = 0 if audio_condition_rows is None else audio_condition_rows.shape[0]
+    audio_slot = tables.index_of(REFERENCE_AUDIO_T) if num_audio else None
 
     def conditioned_model_fn(video_rows, audio_rows, video_t, audio_t):
         index = layout.row_timestep_index(tables.index_of(video_t), tables.index_of(audio_t),
-                                          tables.index_of(condition_timestep(video_t)))
-        rows = torch.cat([condition_rows.to(video_rows.dtype), video_rows])
-        video_v, audio_v = dit(rows, audio_rows, text, layout, tables, index, rope)
-        return video_v[num_condition:], audio_v
+                                          tables.index_of(condition_timestep(video_t)) if num_video else None,
+                                          audio_slot)
+        if num_video:
+            video_rows = torch.cat([condition_rows.to(video_rows.dtype), video_rows])
+        if num_audio:
+            audio_rows = torch.cat([audio_condition_rows.to(audio_rows.dtype), audio_rows])
+        video_v, audio_v = dit(video_rows, audio_rows, text, layout, tables, index, rope)
+        return video_v[num_video:], audio_v[num_audio:]
 
     return conditioned_model_fn

@@ -49,6 +49,12 @@ Stages (`--stages`, comma-separated):
             fp8) on one GPU capped by set_per_process_memory_fraction, the allocator's peak, the wall against the
             uncapped resident run of the same call; the text phase of a --memplan-queue-job queue; `--memplan-model
             tiny --memplan-device cpu --memplan-canvas 128x64x22 --forwards 1` is the CPU smoke run
+  ref2va    a ref2va job at --ref2va-canvas with one image and one --ref2va-video-seconds video+audio reference
+            (scripts/bench_ref2va.py): image resize + vision tower, VAE encode of both references, the text
+            encoder's presentation, one DiT forward with the extra rows vs t2va (peak memory), complete MP4s
+            (t2va, ref2va with the image, t2va) with both DiT partitions, and the partition swap (device <-> host);
+            `--ref2va-model tiny --ref2va-device cpu --ref2va-canvas 224x128x22 --ref2va-forwards 2
+            --ref2va-video-seconds 1` is the CPU smoke run
   batch     queue throughput on 1 GPU: --batch-jobs jobs of --forwards DiT forwards at --batch-canvas through
             `run_batch` with one resident Engine (each job's MP4 tail beside the next job's start). Warm-up
             (prepare, and one untimed job of the queue's shape for Triton JIT / first-call costs) is outside the
@@ -152,13 +158,18 @@ def stage_te_fp8(args) -> None:
     import bench_prepare
 
     bench_prepare.stage_te_fp8(args, bench_common)
+def stage_ref2va(args) -> None:
+    """A ref2va job with an image and a video+audio reference (scripts/bench_ref2va.py)."""
+    import bench_ref2va
+
+    bench_ref2va.run(args, bench_common)
 
 
 # Every stage by function name, as `--stages` names them ("fp8-gemm" -> stage_fp8_gemm).
 STAGES = {f.__name__: f for f in (
     stage_ceil, stage_attn, stage_kernels, stage_dit, stage_vae, stage_audio, stage_te, stage_ulysses, stage_vsa,
     stage_prof, stage_compare, stage_e2e, stage_fp8_gemm, stage_fp8_quant, stage_fp8_dit, stage_fp8_memory,
-    stage_fl2va, stage_batch, stage_media, stage_tables, stage_te_fp8, stage_vae_fp8, stage_memplans)}
+    stage_fl2va, stage_ref2va, stage_batch, stage_media, stage_tables, stage_te_fp8, stage_vae_fp8, stage_memplans)}
 
 
 def main() -> None:
@@ -218,6 +229,9 @@ def main() -> None:
     bench_vae_fp8.add_arguments(p)
     bench_e2e.add_arguments(p)
     bench_memplans.add_arguments(p)
+    import bench_ref2va
+
+    bench_ref2va.add_arguments(p)
     args = p.parse_args()
     args.vae_batches = [int(x) for x in args.vae_batches.split(",")]
     args.ulysses_chunks = [int(x) for x in args.ulysses_chunks.split(",")]

@@ -55,8 +55,8 @@ def _random_tensor(name: str, shape: tuple[int, ...], dtype: torch.dtype, device
 
 
 def random_components(name: str, device: torch.device, dtype: torch.dtype, precision: str, seed: int = 0,
-                      parts=("dit", "video_vae", "audio_vae", "text_encoder")):
-    """The `parts` of release `name` (default all four) with random weights made on `device`, loaded by
+                      parts: tuple[str, ...] = ("dit", "video_vae", "audio_vae", "text_encoder"), adaln_device=None):
+    """The `parts` (default all four components) of release `name` with random weights made on `device`, loaded by
     `checkpoint.load.assemble_components` (the function `Engine.load` reaches) with `precision`."""
     from h3render.checkpoint.builtin import STORAGE_DTYPES
     from h3render.checkpoint.builtin import tiny_vl_tokenizer
@@ -89,7 +89,7 @@ def random_components(name: str, device: torch.device, dtype: torch.dtype, preci
 
     info = CheckpointInfo(path=f"random-{name}", layout="builtin", release=release)
     return assemble_components(info, source, lambda part: f"<random {name} {part}>", lambda: tiny_vl_tokenizer(512),
-                               device, dtype, precision=precision, parts=parts)
+                               device, dtype, parts=parts, precision=precision, adaln_device=adaln_device)
 
 
 def component_bytes(components, device: torch.device) -> dict:

@@ -35,6 +35,7 @@ def dit_storage_dtype(name: str) -> torch.dtype:
 
 STORAGE_DTYPES: dict[str, Callable[[str], torch.dtype]] = {
     "dit": dit_storage_dtype,
+    "dit_ref": dit_storage_dtype,  # ref2va's DiT partition (`transformer_ref`): same architecture, own weights
     "text_encoder": lambda name: torch.bfloat16,
     "video_vae": lambda name: torch.float32,
     "audio_vae": lambda name: torch.float32,
@@ -70,7 +71,7 @@ def _template(component: str, release: Release) -> nn.Module:
     """One component as stored in a checkpoint, parameters on meta, persistent buffers computed. The text encoder
     is the whole Qwen3-VL (vision tower, all layers, final norm, LM head), as released."""
     with parameters_on_meta():
-        if component == "dit":
+        if component in ("dit", "dit_ref"):
             return DiT(release.dit)
         if component == "video_vae":
             return VideoVAE(release.video_vae)

@@ -71,6 +71,9 @@ class CheckpointInfo:
         text_encoder, tokenizer, video_vae, audio_vae: component folders; None for a built-in / single file.
         processor: the keyframe image processor's config file (fl2va), or None (a built-in model's is in its
             release; a checkpoint without `processor/` renders t2va only).
+        transformer_ref: folder of ref2va's DiT (official `Ref2VA/transformer/` beside `FL2VA/`, diffusers
+            `transformer_ref/`), in the same naming as `transformer`; None when the checkpoint has none (a built-in
+            model has one, generated from its own seed; a single file never does).
         random_model: "tiny" / "small" for a built-in or a checkpoint written by `make_checkpoint` (its
             `_minimax_h3.h3render_random` / `h3render_random` metadata), else None: a FastH3 adapter for it states
             h3render's synthetic base model rather than the release's.
@@ -87,6 +90,7 @@ class CheckpointInfo:
     audio_vae: str | None = None
     random_model: str | None = None
     processor: str | None = None
+    transformer_ref: str | None = None
 
     @property
     def recorded_path(self) -> str:
@@ -345,6 +349,7 @@ def read_checkpoint_info(path: str | Path) -> CheckpointInfo:
     defaults = _registry_defaults(dit)
     min_frames, max_frames = _frame_limits(meta, defaults, str(index_path))
     processor_file, image_processor = _image_processor_config(part)
+    ref = part.parent / "Ref2VA" / "transformer" if layout == "official" else part / "transformer_ref"
     release = dataclasses.replace(
         defaults, dit=dit, video_vae=video_vae, audio_vae=audio_vae, text_encoder=text_encoder,
         text_read_layer=_read_layer(meta, text_encoder, str(index_path), text_path), video_shift=video_shift,
@@ -355,6 +360,7 @@ def read_checkpoint_info(path: str | Path) -> CheckpointInfo:
         transformer_names=transformer_names, text_encoder=str(part / "text_encoder"),
         tokenizer=str(part / "tokenizer"), video_vae=str(part / video_dir), audio_vae=str(part / audio_dir),
         random_model=(meta.get("h3render_random") or {}).get("config"), processor=processor_file,
+        transformer_ref=str(ref) if (ref / "config.json").is_file() else None,
     )
 
 

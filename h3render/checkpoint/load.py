@@ -14,6 +14,7 @@ modulation tables) go to host memory as they stream.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 from pathlib import Path
@@ -315,6 +316,39 @@ def load_dit(info: CheckpointInfo, device: torch.device | str = "cpu", dtype: to
         CheckpointError: as `stream_into`.
     """
     return _from_disk(info, device, dtype, ("dit",), tensor_hook, precision).dit
+
+
+REF_PARTITION = "transformer_ref"  # ref2va's DiT (official `Ref2VA/transformer/`, diffusers `transformer_ref/`)
+
+
+def load_partition_dit(info: CheckpointInfo, partition: str, device: torch.device | str = "cpu",
+                       dtype: torch.dtype = torch.float32, *, seed: int = 0, precision: str = "bf16") -> DiT:
+    """The DiT of one checkpoint partition: "transformer" (t2va, fl2va) or "transformer_ref" (ref2va), loaded as
+    `load_components` loads the base DiT (a built-in model's from its `seed`, as `make_checkpoint` writes it).
+
+    Raises:
+        CheckpointError: an unknown partition; a checkpoint without that partition (named); as `stream_into`.
+    """
+    if partition == "transformer":
+        if info.layout == "builtin":
+            return build_random(info.path, seed=seed, device=device, dtype=dtype, parts=("dit",),
+                                precision=precision).dit
+        return _from_disk(info, device, dtype, ("dit",), None, precision).dit
+    if partition != REF_PARTITION:
+        raise CheckpointError(f"unknown DiT partition {partition!r} (transformer, {REF_PARTITION})")
+    if info.layout == "builtin":
+        release = info.release
+        return assemble_components(info, source=lambda part: random_entries("dit_ref", release, seed),
+                                   where=lambda part: f"<builtin {info.path} {REF_PARTITION}>", tokenizer=lambda: None,
+                                   device=device, dtype=dtype, parts=("dit",), precision=precision).dit
+    if info.transformer_ref is None:
+        where = {"official": "Ref2VA/transformer/", "diffusers": "transformer_ref/"}.get(info.layout)
+        raise CheckpointError(f"{info.path}: no ref2va DiT partition" + (f" ({where} missing)" if where else
+                              " (a single-file checkpoint holds one transformer)") + "; ref2va jobs need it")
+    # The checkpoint's own naming, also when `--transformer` replaced the base DiT by a single file.
+    names = {"official": "native", "diffusers": "diffusers"}[info.layout]
+    ref_info = dataclasses.replace(info, transformer=info.transformer_ref, transformer_names=names)
+    return _from_disk(ref_info, device, dtype, ("dit",), None, precision).dit
 
 
 def load_components(

@@ -105,6 +105,8 @@ class Release:
         image_processor: the keyframe image processor's `preprocessor_config.json` dict (fl2va), or None when the
             checkpoint has none (t2va only).
         trained_seconds: the durations the weights were trained on (released 5–15 s), or None (random models).
+        reference_short_edge: the short edge a ref2va image reference is resized to, upscaling included, no area
+            cap (diffusers `reference_image_short_edge`; released 2048; the tiny model 64, to stay cheap).
     """
 
     name: str
@@ -125,6 +127,7 @@ class Release:
     vae_tiling: TilingConfig
     image_processor: Mapping[str, Any] | None = field(default=None, repr=False)
     trained_seconds: tuple[float, float] | None = None
+    reference_short_edge: int = 2048
 
     @property
     def default_frames(self) -> int:
@@ -175,7 +178,7 @@ RELEASES: dict[str, Release] = {
         min_frames=22, max_frames=362, canvas_short_edge=128, canvas_max_pixels=128 * 224,
         default_canvas=(224, 128), default_duration_s=1.0, sigma_points=8,
         vae_tiling=TilingConfig(tile_height=128, tile_width=128, overlap_height=32, overlap_width=32),
-        image_processor=QWEN3VL_PROCESSOR_TINY,
+        image_processor=QWEN3VL_PROCESSOR_TINY, reference_short_edge=64,
     ),
     # Small: more depth and width for GPU smoke runs of the full machinery at the released canvas sizes.
     "small": Release(

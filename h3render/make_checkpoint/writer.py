@@ -8,10 +8,10 @@ islands (patch projections, time embedder, output heads), text encoder bf16, bot
 * "official": `OUT/FL2VA/` with `model_index.json` (`_minimax_h3.sigma_shift_scales`, text-encoder read layer,
   frame limits), `transformer/` (>= 2 shards + `diffusion_pytorch_model.safetensors.index.json`, native names),
   `text_encoder/` (the whole Qwen3-VL incl. vision tower and LM head, 2 shards + index), `tokenizer/`, `processor/`,
-  `video_vae/`, `audio_vae/`.
+  `video_vae/`, `audio_vae/`; and `OUT/Ref2VA/transformer/` (ref2va's DiT, native names, same sharding).
 * "diffusers": `OUT/model_index.json` (what h3render reads), `OUT/modular_model_index.json` (what diffusers'
   `ModularPipeline.from_pretrained` reads: the pipeline and blocks classes, each component's folder, the canvas
-  rule), `transformer/` (diffusers names and row orders), `vae/`, `audio_vae/`, `scheduler/`, `audio_scheduler/`,
+  rule), `transformer/` and `transformer_ref/` (ref2va's DiT; diffusers names and row orders), `vae/`, `audio_vae/`, `scheduler/`, `audio_scheduler/`,
   `text_encoder/`, `tokenizer/`, `processor/` (image and video processor configs). diffusers 0.42.1 loads it with
   `load_components` (accelerate installed); it cannot *run* the tiny or small model's text encode, which it reads at
   a hard-coded `hidden_states[50]` (`MiniMaxH3ModularPipeline.text_encoder_layer`) from a 3- or 4-layer encoder.
@@ -102,6 +102,10 @@ def make_checkpoint(
     else:
         part = out / "FL2VA" if layout == "official" else out
         _write_partition(part, release, seed, layout, shards)
+        # ref2va's DiT: same architecture, its own weights (official `Ref2VA/transformer/`, diffusers
+        # `transformer_ref/`); a single file holds one transformer and has none.
+        _write_transformer(out / "Ref2VA" / "transformer" if layout == "official" else out / "transformer_ref",
+                           _materialize("dit_ref", release, seed), release, layout, shards)
     if adapter is not None:
         write_synthetic_adapter(adapter, release.dit, seed=seed, with_set_weight=adapter_kind == "vsa")
     if bundle is not None:
@@ -181,6 +185,14 @@ def _save_sharded(folder: Path, tensors: Mapping[str, Tensor], stem: str, shards
                                                              "weight_map": weight_map})
 
 
+def _write_transformer(folder: Path, dit: dict[str, Tensor], release: Release, layout: str, shards: int) -> None:
+    """One DiT partition: `config.json` and the sharded weights, native names (official) or diffusers names."""
+    if layout != "official":
+        dit = dit_state_dict_to_diffusers(dit, release.dit)
+    _write_json(folder / "config.json", _diffusers_config("MiniMaxH3Transformer3DModel", release.dit))
+    _save_sharded(folder, dit, DIFFUSERS_WEIGHTS, shards)
+
+
 def _write_partition(part: Path, release: Release, seed: int, layout: str, shards: int) -> None:
     from transformers import Qwen3VLConfig
 
@@ -208,17 +220,13 @@ def _write_partition(part: Path, release: Release, seed: int, layout: str, shard
     else:
         index["scheduler"] = ["diffusers", "MiniMaxH3Scheduler"]
         index["audio_scheduler"] = ["diffusers", "MiniMaxH3Scheduler"]
+        index["transformer_ref"] = ["diffusers", "MiniMaxH3Transformer3DModel"]
     index["_minimax_h3"] = meta
     _write_json(part / "model_index.json", index)
     if not official:
         _write_json(part / "modular_model_index.json", _modular_index(index, release))
 
-    # Transformer.
-    dit = _materialize("dit", release, seed)
-    if not official:
-        dit = dit_state_dict_to_diffusers(dit, release.dit)
-    _write_json(part / "transformer" / "config.json", _diffusers_config("MiniMaxH3Transformer3DModel", release.dit))
-    _save_sharded(part / "transformer", dit, DIFFUSERS_WEIGHTS, shards)
+    _write_transformer(part / "transformer", _materialize("dit", release, seed), release, layout, shards)
 
     # VAEs (diffusers names in both layouts).
     _write_json(part / video_dir / "config.json", _diffusers_config("AutoencoderKLMiniMaxH3", release.video_vae))

@@ -215,6 +215,43 @@ class TextEncoder(nn.Module):
         merge = self.visual.config.spatial_merge_size
         return [int(g.prod()) // (merge * merge) for g in grid_thw]
 
+    def present_ref2va(self, prompt: str, kinds: Sequence[str], image_tokens: Sequence[int]) -> "Presentation":
+        """ref2va's presentation (diffusers 0.42.1 `MiniMaxH3Ref2VATextEncoderStep._build_presentation`), for image
+        and audio references in request order: an audio reference is the label `"<Audio j>: "` alone (its waveform
+        never reaches the conditioner), an image `"<Picture i>: "` + its vision block (`image_tokens` pads, in
+        image order); numbered from 1 per modality; then the prompt. Video references are not presented yet.
+
+        Raises:
+            ValueError: a kind other than "image" / "audio"; as `present_fl2va`.
+        """
+        images = iter(image_tokens)
+        ids: list[int] = []
+        tags: list[int] = []
+        pads: list[bool] = []
+        special = _vision_token_ids(self.tokenizer)
+        counts = {"image": 0, "audio": 0}
+        for kind in kinds:
+            if kind not in counts:
+                raise ValueError(f"ref2va presentation: {kind!r} references are not presented by h3render yet")
+            counts[kind] += 1
+            name = "Picture" if kind == "image" else "Audio"
+            label = self.tokenizer(f"<{name} {counts[kind]}>: ", add_special_tokens=False)["input_ids"]
+            ids += label
+            tags += [TEXT_TAG] * len(label)
+            pads += [False] * len(label)
+            if kind == "image":
+                count = int(next(images))
+                ids += [special[VISION_START]] + [special[IMAGE_PAD]] * count + [special[VISION_END]]
+                tags += [VIDEO_TAG] * (count + 2)
+                pads += [False] + [True] * count + [False]
+        prompt_ids = self.tokenize(prompt).tolist()
+        ids += prompt_ids
+        tags += [TEXT_TAG] * len(prompt_ids)
+        pads += [False] * len(prompt_ids)
+        return Presentation(torch.tensor(ids, dtype=torch.long), torch.tensor(tags, dtype=torch.long),
+                            torch.tensor(pads, dtype=torch.bool), tuple(int(c) for c in image_tokens), prompt,
+                            tuple(kinds))
+
     def present_fl2va(self, prompt: str, image_tokens: Sequence[int]) -> "Presentation":
         """The fl2va prompt presentation, tokenized piece by piece without special tokens.
 
@@ -257,15 +294,22 @@ class TextEncoder(nn.Module):
         return states, presentation.tags
 
     @torch.no_grad()
-    def encode_presentation(self, prompt: str, images: Sequence[Any]) -> tuple[Tensor, "Presentation"]:
-        """`encode_with_images`, also returning the `Presentation` (token ids, tags, pad counts) for the sidecar."""
+    def encode_presentation(self, prompt: str, images: Sequence[Any],
+                            kinds: Sequence[str] | None = None) -> tuple[Tensor, "Presentation"]:
+        """`encode_with_images`, also returning the `Presentation` (token ids, tags, pad counts) for the sidecar.
+        With `kinds` (ref2va: "image" / "audio" per reference, request order; `images` the image references) the
+        presentation is `present_ref2va`'s."""
+        if kinds is not None and "audio" in kinds and not images:
+            raise ValueError("ref2va presentation: audio references need an image reference beside them")
         if not images:
             ids = self.tokenize(prompt)
             presentation = Presentation(ids, self.token_tags(ids.numel()), torch.zeros(ids.numel(), dtype=torch.bool),
                                         (), prompt)
             return self.encode(prompt), presentation
         grid_thw, embeds, deepstack = self.image_features(images)
-        presentation = self.present_fl2va(prompt, self.image_token_counts(grid_thw))
+        counts = self.image_token_counts(grid_thw)
+        presentation = (self.present_fl2va(prompt, counts) if kinds is None
+                        else self.present_ref2va(prompt, kinds, counts))
         if int(presentation.pad_mask.sum()) != embeds.shape[0]:
             raise ValueError(f"vision features ({embeds.shape[0]} rows) do not match the presentation's "
                              f"{int(presentation.pad_mask.sum())} image pads")
@@ -299,6 +343,7 @@ class Presentation:
     Attributes:
         token_ids: `[Nt]` int64. tags: `[Nt]` int64 row tags (1 text, 0 vision block). pad_mask: `[Nt]` bool.
         image_tokens: image pads per keyframe. prompt: the prompt as given.
+        kinds: ref2va: "image" / "audio" per reference, request order; () for fl2va (one picture per image).
     """
 
     token_ids: Tensor
@@ -306,11 +351,18 @@ class Presentation:
     pad_mask: Tensor
     image_tokens: tuple[int, ...]
     prompt: str
+    kinds: tuple[str, ...] = ()
 
     def describe(self) -> str:
-        """Human-readable form for the sidecar: `<Picture 1>: <|vision_start|><|image_pad|>x1008<|vision_end|>...`."""
-        head = "".join(f"<Picture {i + 1}>: {VISION_START}{IMAGE_PAD}x{n}{VISION_END}"
-                       for i, n in enumerate(self.image_tokens))
+        """Human-readable form for the sidecar: `<Picture 1>: <|vision_start|><|image_pad|>x1008<|vision_end|>...`
+        (ref2va: `<Audio 1>: ` labels too)."""
+        images, counts, head = iter(self.image_tokens), {"image": 0, "audio": 0}, ""
+        for kind in self.kinds or ("image",) * len(self.image_tokens):
+            counts[kind] += 1
+            if kind == "audio":
+                head += f"<Audio {counts[kind]}>: "
+            else:
+                head += f"<Picture {counts[kind]}>: {VISION_START}{IMAGE_PAD}x{next(images)}{VISION_END}"
         return head + self.prompt
 
 

@@ -25,9 +25,9 @@ from __future__ import annotations
 from types import ModuleType
 
 from h3render.errors import RenderError
-from h3render.tasks import fl2va, t2va
+from h3render.tasks import fl2va, ref2va, t2va
 
-TASKS: dict[str, ModuleType] = {module.NAME: module for module in (t2va, fl2va)}
+TASKS: dict[str, ModuleType] = {module.NAME: module for module in (t2va, fl2va, ref2va)}
 
 
 def task_of(job) -> ModuleType:

@@ -38,6 +38,8 @@ class Prepared:
         audio_rows: `[Na, 32]` float32 initial noise of the audio rows (row layout: channel 0, then channel 1).
         condition_rows: `[Nc, 96]` float32 fixed condition rows put in front of the video rows on every forward
             (fl2va: the noised keyframe latents), or None.
+        audio_condition_rows: `[Nca, 32]` float32 clean reference audio rows put in front of the generated audio
+            rows on every forward (ref2va's soundtracks and clips), or None.
         partition: which DiT of the checkpoint runs this job (`BASE_PARTITION`, or "transformer_ref").
         record: what the task adds to the sidecar's `extra` (fl2va: `{"fl2va": {...}}`); {} for t2va.
     """
@@ -48,5 +50,6 @@ class Prepared:
     video_rows: torch.Tensor
     audio_rows: torch.Tensor
     condition_rows: torch.Tensor | None = None
+    audio_condition_rows: torch.Tensor | None = None
     partition: str = BASE_PARTITION
     record: dict[str, Any] = field(default_factory=dict)

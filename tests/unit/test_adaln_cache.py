@@ -97,7 +97,7 @@ def test_engine_reads_the_tables_back_in_a_second_run(dit, tmp_path, monkeypatch
     names the checkpoint, and the adapter only once it is fused into the weights."""
     from types import SimpleNamespace
 
-    from h3render.checkpoint.layouts import read_checkpoint_info
+    from h3render.checkpoint.info import read_checkpoint_info
     from h3render.engine import Engine
     from h3render.sampling import Schedule
 

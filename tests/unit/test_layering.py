@@ -8,13 +8,15 @@ functions count the same as top-level ones (a function-level import does not mak
 layer  name            modules (and why they sit there)
 =====  ==============  =============================================================================================
   7    front end       cli, cli_*, settings, runner, manifest, manifest_formats, manifest_fields, jobs, shards,
-                       job_keyframes, batch, report, locks, signals: torch-free on import (manifest lines to `Job`s and run
-                       settings, the batch loop); they reach the job path's torch modules only inside functions.
-  6    job path        engine, adaln_cache, render, tasks/, sidecar, keyframes, media, staging, colour, graphs, timing, outputs,
-                       progress, parallel/, memplan, text_phase, block_stream: what renders one job (torch, PyAV, process groups). sidecar (the
-                       sidecar's format, its write, read and compare), outputs (a job's file paths, the resume
-                       check) and progress (the denoise loop's step display) are torch-free themselves: the front
-                       end imports them at load, and the job path may too.
+                       job_keyframes, job_references, batch, report, locks, signals: torch-free on import
+                       (manifest lines to `Job`s and run settings, the batch loop); they reach the job path's
+                       torch modules only inside functions.
+  6    job path        engine, adaln_cache, render, tasks/, sidecar, keyframes, references, ref_packing, media,
+                       staging, colour, graphs, timing, outputs, progress, parallel/, memplan, text_phase,
+                       block_stream: what renders one job (torch, PyAV, process groups). sidecar (the sidecar's
+                       format, its write, read and compare), outputs (a job's file paths, the resume check) and
+                       progress (the denoise loop's step display) are torch-free themselves: the front end imports
+                       them at load, and the job path may too.
   5    writers         make_checkpoint/: the on-disk checkpoint writers of `h3render make-checkpoint`; they read
                        checkpoint/ (registry, names, built-in weights), which never reads them.
   4    checkpoint      checkpoint/: layouts, streaming, the built-in random models (`builtin`), the release
@@ -51,10 +53,11 @@ SOURCES = {"h3render": REPO / "h3render", "h3render.kernels": REPO / "kernels"}
 LAYERS: dict[int, tuple[str, ...]] = {
     7: ("h3render.cli", "h3render.cli_*", "h3render.settings", "h3render.manifest", "h3render.manifest_formats",
         "h3render.manifest_fields",
-        "h3render.jobs", "h3render.shards", "h3render.job_keyframes", "h3render.batch", "h3render.report",
+        "h3render.jobs", "h3render.shards", "h3render.job_keyframes", "h3render.job_references", "h3render.batch", "h3render.report",
         "h3render.locks", "h3render.signals", "h3render.runner"),
     6: ("h3render.engine", "h3render.adaln_cache", "h3render.render", "h3render.tasks", "h3render.tasks.*", "h3render.sidecar",
-        "h3render.keyframes", "h3render.media", "h3render.soundtrack", "h3render.staging", "h3render.colour",
+        "h3render.keyframes", "h3render.references", "h3render.ref_packing", "h3render.media", "h3render.soundtrack",
+        "h3render.staging", "h3render.colour",
         "h3render.graphs", "h3render.timing", "h3render.outputs", "h3render.progress", "h3render.parallel",
         "h3render.parallel.*", "h3render.memplan", "h3render.text_phase", "h3render.block_stream"),
     5: ("h3render.make_checkpoint", "h3render.make_checkpoint.*"),
@@ -69,8 +72,9 @@ LAYER_NAMES = {7: "front end", 6: "job path", 5: "writers", 4: "checkpoint", 3: 
 # The front end's modules that must import without torch (a manifest is checked before anything heavy loads).
 TORCH_FREE = ("h3render.spec", "h3render.errors", "h3render.exits", "h3render.runner", "h3render.sidecar", "h3render.jobs", "h3render.manifest", "h3render.manifest_formats",
               "h3render.manifest_fields", "h3render.shards",
-              "h3render.job_keyframes", "h3render.outputs", "h3render.settings", "h3render.batch", "h3render.report",
-              "h3render.locks", "h3render.progress", "h3render.signals", "h3render.cli",
+              "h3render.job_keyframes", "h3render.job_references", "h3render.outputs", "h3render.settings",
+              "h3render.batch", "h3render.report", "h3render.locks", "h3render.progress", "h3render.signals",
+              "h3render.cli",
               # what the front end's checks read before any heavy import (a typo answers at once, issue #29): the
               # checkpoint's configs and registry, the student contract's file, the launcher's rank, keyframes
               "h3render.checkpoint.info", "h3render.checkpoint.releases", "h3render.checkpoint.contract",

@@ -23,7 +23,7 @@ pytest.importorskip("accelerate", reason="diffusers loads MiniMax-H3's fp32-isla
 
 # Components the t2va/fl2va workflows load from a checkpoint folder (`transformer_ref/` is ref2va's partition,
 # which make-checkpoint does not write).
-FOLDERS = ("transformer", "vae", "audio_vae", "text_encoder", "tokenizer", "scheduler", "audio_scheduler")
+FOLDERS = ("transformer", "transformer_ref", "vae", "audio_vae", "text_encoder", "tokenizer", "scheduler", "audio_scheduler")
 
 
 @pytest.fixture(scope="module")

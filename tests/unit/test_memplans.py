@@ -15,7 +15,7 @@ import torch
 
 from h3render import memplan
 from h3render.batch import run_batch
-from h3render.checkpoint.layouts import read_checkpoint_info
+from h3render.checkpoint.info import read_checkpoint_info
 from h3render.checkpoint.releases import RELEASES
 from h3render.engine import Engine
 from h3render.jobs import Job
