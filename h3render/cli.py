@@ -109,6 +109,9 @@ def cli(ctx: click.Context) -> None:
 @click.option("--quiet", is_flag=True, help="No stage progress (bars on a terminal, else a line per stage).")
 @click.option("--first-frame", default=None, help="fl2va: image (PNG/JPEG/WebP) the video starts from.")
 @click.option("--last-frame", default=None, help="fl2va: image (PNG/JPEG/WebP) the video ends on.")
+@click.option("--keyframe", "keyframes", multiple=True, metavar="FRAME:IMAGE",
+              help="fl2va: image anchored at a 0-based frame index (repeatable): --keyframe 0:a.png --keyframe "
+                   "240:b.png.")
 @canvas_time_options
 @engine_options
 def prompt_command(text, output, quiet, **opts) -> None:
@@ -139,7 +142,7 @@ def _prompt(text: str, output: str, quiet: bool, opts: dict) -> int:
     world = _check(run, info, mode=mode)
     fields = {k: opts[k] for k in ("preset", "aspect", "width", "height", "duration", "frames", "steps", "seed",
                                    "first_frame", "last_frame")}
-    fields.update(prompt=text, output=out.stem, mode=mode)
+    fields.update(prompt=text, output=out.stem, mode=mode, keyframes=list(opts["keyframes"]) or None)
     job = job_from_fields(fields, info.limits())
     _say(f"h3render: {job.canvas_note()}, {job.time_note(info.limits())}")
     if job.task == "fl2va":

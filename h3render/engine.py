@@ -34,7 +34,7 @@ from h3render.parallel.plan import ParallelPlan
 from h3render.render import render_job
 from h3render.sampling import Schedule, dit_model_fn
 from h3render.staging import PinnedFrameStager
-from h3render.tasks import task_of
+from h3render.tasks import task_of, windows_of
 from h3render.tasks.base import BASE_PARTITION, Prepared
 from h3render.timing import StageTimer
 
@@ -334,8 +334,10 @@ class Engine:
         for job in jobs:
             if job.mode == "fasth3" and self._deferred_fusion is not None:
                 continue  # built once the student is fused, on its first job
-            schedule = self.schedule(job)
-            self.tables(schedule, task_of(job).timesteps(schedule))
+            # every window's task (a windowed clip's first window is a plain one): no table is built mid-job
+            for window in {task_of(w).NAME: w for w in windows_of(job)[0]}.values():
+                schedule = self.schedule(window)
+                self.tables(schedule, task_of(window).timesteps(schedule))
         if self.device.type == "cuda":
             self.c.dit.offload_adaln_("cpu")
             torch.cuda.empty_cache()

@@ -15,16 +15,18 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping
 
 from h3render.job_keyframes import KEYFRAME_FIELDS
-from h3render.jobs import (DEFAULT_MODE, DEFAULT_SEED, Job, Preset, Requested, Source, load_presets, one_line,
-                           output_key, output_name, output_path_problem, prompt_slug)
-from h3render.manifest_fields import engine_choices, field_problem, keyframe_canvas, resolve_keyframes, strip_mp4
+from h3render.jobs import (DEFAULT_MODE, DEFAULT_SEED, Job, Preset, Requested, Source, keyframe_problem, load_presets,
+                           one_line, output_key, output_name, output_path_problem, prompt_slug)
+from h3render.manifest_fields import (engine_choices, field_problem, keyframe_canvas, leading_keyframe, resolve_keyframes,
+                                     strip_mp4)
 from h3render.manifest_formats import Errors, Layer, ManifestError, Value, Where, read_jsonl, read_yaml
 from h3render.outputs import lock_path, temp_paths
 from h3render.spec import Limits, canvas_for_aspect, check_canvas, parse_aspect, snap_frames, video_rows
+from h3render.windows import DEFAULT_OVERLAP, plan_windows, resolve_frames
 
 JOB_FIELDS = ("id", "prompt", "preset", "aspect", "width", "height", "duration", "frames", "seed", "steps", "mode",
-              "output", *KEYFRAME_FIELDS)
-JOB_ONLY_FIELDS = ("id", "prompt", "output", *KEYFRAME_FIELDS)  # not in `defaults` or command-line defaults
+              "output", *KEYFRAME_FIELDS, "keyframes")
+JOB_ONLY_FIELDS = ("id", "prompt", "output", *KEYFRAME_FIELDS, "keyframes")  # not in defaults / command-line defaults
 # Engine settings (the weights load once per run): set in `defaults`; a job may repeat the run's value, never change it.
 ENGINE_FIELDS = ("precision",)
 # Only in the manifest's `defaults`; the command line's --adapter, --adapter-variant, --fasth3-positions win.
@@ -237,7 +239,8 @@ def _resolve_job(job: Layer, layers: list[Layer], limits: Limits, presets: Mappi
     requested: dict[str, Any] = {}
     # fl2va: keyframe files are read now (relative to the manifest's folder), before anything loads.
     base_dir = "." if job.file == _COMMAND_LINE else os.path.dirname(job.file) or "."
-    keyframes, problems = resolve_keyframes({f: job.get(f) for f in KEYFRAME_FIELDS if f in job.fields}, base_dir)
+    keyframes, problems = resolve_keyframes({f: job.get(f) for f in (*KEYFRAME_FIELDS, "keyframes")
+                                             if f in job.fields}, base_dir)
     for name, problem in problems:
         errors.add(job.where(name), problem)
     if problems:
@@ -245,8 +248,8 @@ def _resolve_job(job: Layer, layers: list[Layer], limits: Limits, presets: Mappi
     canvas_layer = _first(layers, _CANVAS_FIELDS)
     preset = None
     if canvas_layer is None and keyframes:  # the canvas follows the leading keyframe (first given)
-        leading = next(iter(keyframes.values()))
-        requested["canvas_from"] = f"{leading.anchor} frame's aspect ({leading.width}x{leading.height})"
+        leading = leading_keyframe(keyframes)
+        requested["canvas_from"] = f"{leading.label}'s aspect ({leading.width}x{leading.height})"
         width, height = keyframe_canvas(leading, limits)
     elif canvas_layer is None:
         width, height = limits.default_canvas
@@ -263,11 +266,12 @@ def _resolve_job(job: Layer, layers: list[Layer], limits: Limits, presets: Mappi
         requested.update(width=width, height=height)
 
     time_layer = _first(layers, _TIME_FIELDS)
+    window = None  # past one pass: the longest window of a windowed continuation (h3render.windows)
     try:
         if time_layer is not None:
             where = time_layer.where("duration" if "duration" in time_layer.fields else "frames")
             requested.update(duration=time_layer.get("duration"), frames=time_layer.get("frames"))
-            frames = snap_frames(time_layer.get("frames"), time_layer.get("duration"), limits)
+            frames, window = resolve_frames(time_layer.get("frames"), time_layer.get("duration"), limits)
         elif preset is not None:
             where = f"{canvas_layer.where('preset')} (preset {preset.name})"
             requested.update(duration=preset.duration, frames=preset.frames)
@@ -278,11 +282,20 @@ def _resolve_job(job: Layer, layers: list[Layer], limits: Limits, presets: Mappi
     except ValueError as exc:
         errors.add(where, str(exc))
         return None
-    rows = video_rows(width, height, frames)
+    refs = tuple(k for v in keyframes.values() for k in (v if isinstance(v, tuple) else (v,)))
+    problem = keyframe_problem(refs, frames)
+    if problem is None and refs and window is not None:
+        problem = f"keyframes are not supported on clips longer than one pass ({window} frames) yet"
+    if problem:
+        errors.add(job.where(next(f for f in job.fields if f in (*KEYFRAME_FIELDS, "keyframes"))), problem)
+        return None
+    overlap = 0 if window is None else DEFAULT_OVERLAP
+    pass_frames = frames if window is None else max(w.frames for w in plan_windows(frames, window, overlap))
+    rows = video_rows(width, height, pass_frames)
     if rows > limits.max_video_rows:  # canvas x time: refused before load, not minutes into a render
         blame = (canvas_layer.where(next(f for f in _CANVAS_FIELDS if f in canvas_layer.fields))
                  if canvas_layer is not None else where)
-        errors.add(blame, f"canvas {width}x{height} at {frames} frames is {rows:,} packed video rows, more than this "
+        errors.add(blame, f"canvas {width}x{height} at {pass_frames} frames is {rows:,} packed video rows, more than this "
                           f"checkpoint's limit of {limits.max_video_rows:,} (Limits.max_video_rows)")
         return None
 
@@ -299,7 +312,8 @@ def _resolve_job(job: Layer, layers: list[Layer], limits: Limits, presets: Mappi
     if mode == "fasth3" and keyframes:
         origin = mode_layer.where("mode")
         named = f" {job.get('id')!r}" if job.get("id") else ""
-        errors.add(job.where(next(iter(keyframes))), f"job{named} is fl2va (keyframes given) but its mode is fasth3"
+        given = next(f for f in job.fields if f in (*KEYFRAME_FIELDS, "keyframes"))
+        errors.add(job.where(given), f"job{named} is fl2va (keyframes given) but its mode is fasth3"
                    f"{'' if mode_layer is job else f' (from {origin})'}: FastH3 students are t2va-only; render it "
                    f"with mode t2va")
         return None
@@ -312,7 +326,7 @@ def _resolve_job(job: Layer, layers: list[Layer], limits: Limits, presets: Mappi
     seed_layer = _first(layers, ["seed"])
     return dict(id=job.get("id"), prompt=job.get("prompt"), width=width, height=height, frames=frames,
                 seed=seed_layer.get("seed") if seed_layer else DEFAULT_SEED, steps=steps, mode=mode,
-                requested=Requested(**requested), **keyframes)
+                requested=Requested(**requested), window=window, overlap=overlap, **keyframes)
 
 
 def _check_ids(job_layers: list[Layer], errors: Errors) -> set[int]:

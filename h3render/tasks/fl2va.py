@@ -1,4 +1,5 @@
-"""fl2va: a first and/or last keyframe condition the clip, beside the prompt.
+"""fl2va: a first and/or last keyframe, or pictures anchored at any frame index, condition the clip, beside the
+prompt (a keyframe at frame 0 / F - 1 is diffusers' first / last image, bit for bit).
 
 The recipe is diffusers 0.42.1's fl2va chain (research/conditioning.md §1), each step a tested component:
 
@@ -25,7 +26,7 @@ import torch
 
 from h3render import spec
 from h3render.errors import RenderError
-from h3render.keyframes import keyframe_pixels, load_keyframe, prepare_keyframes
+from h3render.keyframes import keyframe_pixels, load_keyframe, prepare_keyframe_list
 from h3render.packing import fl2va_layout, noise_keyframes, patchify_video
 from h3render.sampling import Schedule, draw_noise, schedule_timesteps
 from h3render.tasks.base import BASE_PARTITION, Prepared
@@ -46,20 +47,20 @@ def timesteps(schedule: Schedule) -> torch.Tensor:
     return schedule_timesteps(schedule.video, schedule.audio, keyframes=True)
 
 
-def read_job_keyframes(job) -> dict[str, Any]:
-    """The job's keyframe files decoded again, as `{"first": Keyframe | None, "last": Keyframe | None}`.
+def read_job_keyframes(job) -> list[Any]:
+    """The job's keyframe files decoded again (`keyframes.Keyframe`), in packed order (`Job.keyframes`: by frame).
 
     Raises:
         KeyframeChanged: a file's sha256 is not the one recorded in the job (it was edited after validation).
         ValueError: the file can no longer be read or decoded (`keyframes.load_keyframe`).
     """
-    loaded: dict[str, Any] = {"first": None, "last": None}
+    loaded = []
     for ref in job.keyframes:
         keyframe = load_keyframe(ref.path, ref.anchor)
         if keyframe.sha256 != ref.sha256:
-            raise KeyframeChanged(f"{ref.path}: {ref.anchor}_frame changed since the job was validated (sha256 "
+            raise KeyframeChanged(f"{ref.path}: {ref.label} changed since the job was validated (sha256 "
                                   f"{keyframe.sha256[:12]}... instead of {ref.sha256[:12]}...); run again")
-        loaded[ref.anchor] = keyframe
+        loaded.append(keyframe)
     return loaded
 
 
@@ -79,8 +80,8 @@ def prepare(engine, job, timer) -> Prepared:
     except ValueError as exc:
         raise RenderError(f"job {job.output!r}: {exc}") from None
     limits = c.info.release
-    prepared = prepare_keyframes(loaded["first"], loaded["last"], job.width, job.height,
-                                 short_edge=limits.canvas_short_edge, max_pixels=limits.canvas_max_pixels)
+    prepared = prepare_keyframe_list(loaded, job.width, job.height, short_edge=limits.canvas_short_edge,
+                                     max_pixels=limits.canvas_max_pixels)
     with timer.stage("text_encode"):
         text, presentation = c.text_encoder.encode_presentation(job.prompt, prepared.images)
         text = text.to(dev)  # [N, text_dim]
