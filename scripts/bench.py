@@ -37,6 +37,11 @@ Stages (`--stages`, comma-separated):
             keyframes, their VAE encode, the text encoder's longer presentation, one DiT forward with the +2,016
             condition rows vs without, summed for --fl2va-forwards forwards; `--fl2va-model tiny --fl2va-device
             cpu --fl2va-canvas 224x128x39` is the CPU smoke run
+  longclip  a clip longer than one pass (issue #24, scripts/bench_longclip.py): --longclip-duration s (30) at
+            --longclip-canvas (1344x768) as windowed continuation on a FastH3 VSA student (--vsa-sparsity, random
+            gates, the release's 4 forwards) in --longclip-precision (fp8): time and peak memory per window, the
+            overlap's overhead, the complete MP4; `--longclip-model tiny --longclip-device cpu --longclip-canvas
+            160x128 --longclip-duration 1.8 --longclip-window 39 --longclip-overlap 5` is the CPU smoke run
   batch     queue throughput on 1 GPU: --batch-jobs jobs of --forwards DiT forwards at --batch-canvas through
             `run_batch` with one resident Engine (each job's MP4 tail beside the next job's start). Warm-up
             (prepare, and one untimed job of the queue's shape for Triton JIT / first-call costs) is outside the
@@ -107,6 +112,13 @@ def stage_fp8_memory(args) -> None:
     bench_e2e.stage_memory(args, bench_common)
 
 
+def stage_longclip(args) -> None:
+    """A clip longer than one pass as windowed continuation (scripts/bench_longclip.py)."""
+    import bench_longclip
+
+    bench_longclip.run(args, bench_common)
+
+
 def stage_fl2va(args) -> None:
     """fl2va's extra cost over t2va (scripts/bench_fl2va.py)."""
     import bench_fl2va
@@ -118,7 +130,7 @@ def stage_fl2va(args) -> None:
 STAGES = {f.__name__: f for f in (
     stage_ceil, stage_attn, stage_kernels, stage_dit, stage_vae, stage_audio, stage_te, stage_ulysses, stage_vsa,
     stage_prof, stage_compare, stage_e2e, stage_fp8_gemm, stage_fp8_quant, stage_fp8_dit, stage_fp8_memory,
-    stage_fl2va, stage_batch, stage_media)}
+    stage_fl2va, stage_batch, stage_media, stage_longclip)}
 
 
 def main() -> None:
@@ -168,9 +180,11 @@ def main() -> None:
     p.add_argument("--out", default=None)
     import bench_e2e  # scripts/ is sys.path[0] when run as a script
     import bench_fp8
+    import bench_longclip
 
     bench_fp8.add_arguments(p)
     bench_e2e.add_arguments(p)
+    bench_longclip.add_arguments(p)
     args = p.parse_args()
     args.vae_batches = [int(x) for x in args.vae_batches.split(",")]
     args.ulysses_chunks = [int(x) for x in args.ulysses_chunks.split(",")]
