@@ -22,10 +22,10 @@ from h3render.manifest_fields import (engine_choices, field_problem, keyframe_ca
 from h3render.manifest_formats import Errors, Layer, ManifestError, Value, Where, read_jsonl, read_yaml
 from h3render.outputs import lock_path, temp_paths
 from h3render.spec import Limits, canvas_for_aspect, check_canvas, parse_aspect, snap_frames, video_rows
-from h3render.windows import DEFAULT_OVERLAP, plan_windows, resolve_frames
+from h3render.windows import DEFAULT_OVERLAP, check_window, plan_windows, resolve_frames
 
 JOB_FIELDS = ("id", "prompt", "preset", "aspect", "width", "height", "duration", "frames", "seed", "steps", "mode",
-              "output", *KEYFRAME_FIELDS, "keyframes")
+              "output", *KEYFRAME_FIELDS, "keyframes", "window", "overlap")
 JOB_ONLY_FIELDS = ("id", "prompt", "output", *KEYFRAME_FIELDS, "keyframes")  # not in defaults / command-line defaults
 # Engine settings (the weights load once per run): set in `defaults`; a job may repeat the run's value, never change it.
 ENGINE_FIELDS = ("precision",)
@@ -289,7 +289,20 @@ def _resolve_job(job: Layer, layers: list[Layer], limits: Limits, presets: Mappi
     if problem:
         errors.add(job.where(next(f for f in job.fields if f in (*KEYFRAME_FIELDS, "keyframes"))), problem)
         return None
-    overlap = 0 if window is None else DEFAULT_OVERLAP
+    overlap = 0
+    if window is not None:  # a long clip: its window and overlap (h3render.windows), the defaults unless set
+        window_layer, overlap_layer = _first(layers, ["window"]), _first(layers, ["overlap"])
+        window = window_layer.get("window") if window_layer else window
+        overlap = overlap_layer.get("overlap") if overlap_layer else DEFAULT_OVERLAP
+        try:
+            check_window(window, overlap)
+            if not limits.min_frames <= window <= limits.max_frames:
+                raise ValueError(f"window {window} is outside this checkpoint's range {limits.min_frames}–"
+                                 f"{limits.max_frames} frames")
+        except ValueError as exc:
+            blame = window_layer or overlap_layer
+            errors.add(blame.where("window" if window_layer else "overlap") if blame else where, str(exc))
+            return None
     pass_frames = frames if window is None else max(w.frames for w in plan_windows(frames, window, overlap))
     rows = video_rows(width, height, pass_frames)
     if rows > limits.max_video_rows:  # canvas x time: refused before load, not minutes into a render

@@ -64,6 +64,8 @@ def field_problem(name: str, value: Any, presets: Mapping[str, Preset], limits: 
             return f"must be a number of seconds, got {type_name(value)}"
         if not math.isfinite(value) or value <= 0:
             return f"{value} must be a positive number of seconds"
+    if name in ("window", "overlap") and (not is_int(value) or value <= 0):
+        return f"must be a positive integer number of frames (17n + 5), got {value!r}"
     if name in ("frames", "seed", "steps") and not is_int(value):
         return f"must be an integer{' number of sigma points' * (name == 'steps')}, got {type_name(value)}"
     if name == "frames" and value <= 0:

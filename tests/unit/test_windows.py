@@ -110,3 +110,21 @@ def test_back_to_back_windows_pass_through_untouched():
     wave = torch.rand(2, 1000)
     assert splicer.audio(0, wave) is wave
     assert splicer.keeps == [22, 39]
+
+
+def test_window_and_overlap_are_manifest_fields_checked_before_load():
+    from h3render.manifest import job_from_fields
+    from h3render.manifest_formats import ManifestError
+
+    tiny = Limits(min_frames=22, max_frames=362, default_canvas=(128, 96), default_frames=39, default_steps=8)
+    job = job_from_fields({"prompt": "p", "duration": 20, "window": 243, "overlap": 5}, tiny)
+    assert (job.window, job.overlap, [w.frames for w in job.windows]) == (243, 5, [243, 243])
+    assert job.params()["window"] == 243 and job.params()["overlap"] == 5
+    assert job_from_fields({"prompt": "p", "duration": 10, "window": 243}, tiny).window is None  # one pass
+    for fields, text in (({"window": 100}, "window: window 100 must be 17n + 5 frames and at least 61"),
+                         ({"window": 379}, "window: window 379 is outside this checkpoint's range 22–362"),
+                         ({"overlap": 20}, "overlap: overlap 20 must be 17j + 5"),
+                         ({"overlap": -5}, "overlap: must be a positive integer number of frames")):
+        with pytest.raises(ManifestError) as info:
+            job_from_fields({"prompt": "p", "duration": 20, **fields}, tiny)
+        assert len(info.value.errors) == 1 and text in info.value.errors[0], info.value.errors
