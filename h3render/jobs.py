@@ -136,9 +136,6 @@ class Job:
             if not self.window < self.frames <= MAX_CLIP_FRAMES:
                 raise ValueError(f"Job {self.output!r}: a windowed clip has {self.window + 1}..{MAX_CLIP_FRAMES} "
                                  f"frames, got {self.frames}")
-            if self.keyframes:
-                raise ValueError(f"Job {self.output!r}: keyframes are not supported on clips longer than one pass "
-                                 f"({self.window} frames) yet")
         elif not is_snapped(self.frames):
             raise ValueError(f"Job {self.output!r}: frames {self.frames} is not of the form 17n+5")
         if self.mode not in MODES:

@@ -284,8 +284,6 @@ def _resolve_job(job: Layer, layers: list[Layer], limits: Limits, presets: Mappi
         return None
     refs = tuple(k for v in keyframes.values() for k in (v if isinstance(v, tuple) else (v,)))
     problem = keyframe_problem(refs, frames)
-    if problem is None and refs and window is not None:
-        problem = f"keyframes are not supported on clips longer than one pass ({window} frames) yet"
     if problem:
         errors.add(job.where(next(f for f in job.fields if f in (*KEYFRAME_FIELDS, "keyframes"))), problem)
         return None

@@ -12,6 +12,10 @@ the previous window's last K latent frames as its condition rows (vLLM-Omni's la
    once to t = 0.999 as keyframes are (`packing.noise_keyframes`), then the video and audio noise
    (`sampling.draw_noise`).
 
+The clip's keyframes (`keyframes:`, first / last frame) go to the windows they fall in, at their frame there
+(`window_keyframes`): window 0 is then a plain fl2va render; a later window adds fl2va's keyframe rows after the
+tail's, with the prompt presented with their pictures (`fl2va.encode_keyframes`).
+
 Each window regenerates its K overlap latents; the MP4 cross-fades the overlap's frames and samples (`seams`).
 Positions restart at every window (each window is a clip of the trained length; vLLM-Omni's PR #7838 shifts them by
 the window's start instead, beyond the trained range).
@@ -34,7 +38,8 @@ import torch
 from h3render.packing import TEXT_TAG, fl2va_layout, noise_keyframes, patchify_video
 from h3render.sampling import Schedule, draw_noise, schedule_timesteps
 from h3render.spec import FRAMES_REMAINDER, SPATIAL_COMPRESSION, VIDEO_LATENT_CHANNELS, latent_first_frame
-from h3render.tasks import t2va
+from h3render.keyframes import keyframe_pixels
+from h3render.tasks import fl2va, t2va
 from h3render.tasks.base import BASE_PARTITION, Prepared
 
 NAME = "continuation"
@@ -70,13 +75,26 @@ def _window_type(base: type) -> type:
         bases=(base,), frozen=True, eq=False, namespace={"task": property(task), "params": params})
 
 
+def window_keyframes(job, window) -> tuple:
+    """The job's keyframes that fall in `window` (`windows.Window`), re-anchored at their frame in it (a keyframe in
+    an overlap conditions both windows; the job's last frame lies inside its last window)."""
+    inside = []
+    for ref in job.keyframes:
+        frame = ref.frame(job.frames) - window.start
+        if 0 <= frame < window.frames:
+            inside.append(replace(ref, anchor=frame))
+    return tuple(inside)
+
+
 def windows(job) -> tuple[tuple, tuple]:
     """The windows of `job` (`job.windows`, its plan) as jobs: window 0 a plain job of its length with the job's
-    seed; window i > 0 seeded seed + i, conditioned on the previous window's tail unless the job is fasth3."""
+    seed (fl2va when a keyframe falls in it); window i > 0 seeded seed + i, conditioned on the previous window's
+    tail (and its keyframes) unless the job is fasth3."""
     plan = job.windows
     out = []
     for w in plan:
-        plain = replace(job, frames=w.frames, seed=(job.seed + w.index) % SEED_MODULUS, window=None, overlap=0)
+        plain = replace(job, frames=w.frames, seed=(job.seed + w.index) % SEED_MODULUS, window=None, overlap=0,
+                        first_frame=None, last_frame=None, frame_keyframes=window_keyframes(job, w))
         if w.index == 0 or job.mode == "fasth3":
             out.append(plain)
         else:
@@ -102,19 +120,28 @@ def prepare(engine, job, timer) -> Prepared:
     """
     tail = getattr(job, "tail", None)
     if tail is None:
-        return t2va.prepare(engine, job, timer)
+        return fl2va.prepare(engine, job, timer) if job.keyframes else t2va.prepare(engine, job, timer)
     dev = engine.device
-    with timer.stage("text_encode"):
-        text = engine.c.text_encoder.encode(job.prompt).to(dev)  # [Nt, text_dim]
     count = tail.shape[1]
     anchors = tuple(latent_first_frame(k) for k in range(count))
-    tags = torch.full((text.shape[0],), TEXT_TAG, dtype=torch.int64)
+    latents = [tail[:, k:k + 1].to(dev) for k in range(count)]  # [24, 1, h, w] each
+    record: dict[str, Any] = {"conditioned_on": f"the last {count} latent frames of window {job.window_index - 1}"}
+    if job.keyframes:  # the clip's keyframes in this window: fl2va's rows after the tail's
+        keyframes, text, tags, info = fl2va.encode_keyframes(engine, job, timer)
+        anchors += keyframes.anchors
+        with timer.stage("vae_encode"):
+            latents += [engine.c.video_vae.encode_condition(keyframe_pixels(image).to(dev))
+                        for image in keyframes.images]
+        record.update(keyframes=info["keyframes"], presentation=info["presentation"])
+    else:
+        with timer.stage("text_encode"):
+            text = engine.c.text_encoder.encode(job.prompt).to(dev)  # [Nt, text_dim]
+        tags = torch.full((text.shape[0],), TEXT_TAG, dtype=torch.int64)
     layout = fl2va_layout(tags, job.height, job.width, job.frames, anchors).to(dev)
     generator = torch.Generator("cpu").manual_seed(job.seed)
-    rows = noise_keyframes([tail[:, k:k + 1].to(dev) for k in range(count)], generator)  # [K * rows, 96]
+    rows = noise_keyframes(latents, generator)  # [Nc, 96]: the tail's, then the keyframes'
     video_noise, audio_rows = draw_noise(generator, layout)
-    record = {"continuation": {"conditioned_on": f"the last {count} latent frames of window {job.window_index - 1}",
-                               "anchor_frames": list(anchors), "condition_rows": layout.num_condition_rows,
+    record = {"continuation": {**record, "anchor_frames": list(anchors), "condition_rows": layout.num_condition_rows,
                                "audio": "not conditioned (cross-fade only; reference audio needs the Ref2VA DiT)"}}
     return Prepared(text=text, layout=layout, output_layout=layout.target_layout(),
                     video_rows=patchify_video(video_noise[0]).to(dev), audio_rows=audio_rows.to(dev),

@@ -74,6 +74,31 @@ def prepare(engine, job, timer) -> Prepared:
         CheckpointError: the checkpoint has no vision tower or processor config (`Engine.ensure_vision`).
     """
     c, dev = engine.c, engine.device
+    prepared, text, _, info = encode_keyframes(engine, job, timer)
+    presentation = info["presentation_object"]
+    with timer.stage("vae_encode"):
+        latents = [c.video_vae.encode_condition(keyframe_pixels(image).to(dev)) for image in prepared.images]
+    layout = fl2va_layout(presentation.tags, prepared.height, prepared.width, job.frames, prepared.anchors).to(dev)
+    generator = torch.Generator("cpu").manual_seed(job.seed)
+    rows = noise_keyframes(latents, generator)  # [Nc, 96]; drawn before the video and audio noise
+    video_noise, audio_rows = draw_noise(generator, layout)
+    record = {**{k: v for k, v in info.items() if k != "presentation_object"},
+              "condition_rows": layout.num_condition_rows}
+    return Prepared(text=text, layout=layout, output_layout=layout.target_layout(),
+                    video_rows=patchify_video(video_noise[0]).to(dev), audio_rows=audio_rows.to(dev),
+                    condition_rows=rows, record={"fl2va": record})
+
+
+def encode_keyframes(engine, job, timer) -> tuple[Any, torch.Tensor, torch.Tensor, dict[str, Any]]:
+    """Steps 1-2 of the module docstring: the job's keyframes on its canvas (`keyframes.PreparedKeyframes`), the
+    presented prompt's states `[N, text_dim]` on the device (stage `text_encode`), their row tags `[N]` and the
+    sidecar's record of both (`keyframes`, `presentation`, `text_rows`, `image_tokens`; `presentation_object`: the
+    `Presentation` itself, not for the sidecar).
+
+    Raises:
+        RenderError: a keyframe changed since validation or can no longer be read.
+    """
+    c = engine.c
     engine.ensure_vision(timer)
     try:
         loaded = read_job_keyframes(job)
@@ -84,24 +109,12 @@ def prepare(engine, job, timer) -> Prepared:
                                      max_pixels=limits.canvas_max_pixels)
     with timer.stage("text_encode"):
         text, presentation = c.text_encoder.encode_presentation(job.prompt, prepared.images)
-        text = text.to(dev)  # [N, text_dim]
-    with timer.stage("vae_encode"):
-        latents = [c.video_vae.encode_condition(keyframe_pixels(image).to(dev)) for image in prepared.images]
-    layout = fl2va_layout(presentation.tags, prepared.height, prepared.width, job.frames, prepared.anchors).to(dev)
-    generator = torch.Generator("cpu").manual_seed(job.seed)
-    rows = noise_keyframes(latents, generator)  # [Nc, 96]; drawn before the video and audio noise
-    video_noise, audio_rows = draw_noise(generator, layout)
+        text = text.to(engine.device)  # [N, text_dim]
     givens = {ref.anchor: ref.given for ref in job.keyframes}
-    record = {
-        "keyframes": [{**info, "given": givens[info["anchor"]]} for info in prepared.info],
-        "presentation": presentation.describe(),
-        "text_rows": int(presentation.token_ids.numel()),
-        "image_tokens": list(presentation.image_tokens),
-        "condition_rows": layout.num_condition_rows,
-    }
-    return Prepared(text=text, layout=layout, output_layout=layout.target_layout(),
-                    video_rows=patchify_video(video_noise[0]).to(dev), audio_rows=audio_rows.to(dev),
-                    condition_rows=rows, record={"fl2va": record})
+    info = {"keyframes": [{**item, "given": givens[item["anchor"]]} for item in prepared.info],
+            "presentation": presentation.describe(), "text_rows": int(presentation.token_ids.numel()),
+            "image_tokens": list(presentation.image_tokens), "presentation_object": presentation}
+    return prepared, text, presentation.tags, info
 
 
 def warm_job(job):

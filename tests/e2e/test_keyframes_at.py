@@ -92,7 +92,7 @@ def test_keyframe_mistakes_are_field_errors(pictures):
                          ({"keyframes": ["x:a.png"]}, 'must be "FRAME:IMAGE"'),
                          ({"keyframes": "0:a.png"}, "must be a non-empty list"),
                          ({"keyframes": ["0:missing.png"]}, "keyframe image not found"),
-                         ({"keyframes": ["0:a.png"], "frames": 720}, "not supported on clips longer than one pass")):
+                         ({"keyframes": ["720:a.png"], "frames": 720}, "frame 720 is past the clip's last frame 719")):
         with pytest.raises(ManifestError) as info:
             _job(pictures, **fields)
         assert len(info.value.errors) == 1 and text in info.value.errors[0], (fields, info.value.errors)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import replace
+from types import SimpleNamespace
 from pathlib import Path
 
 import numpy as np
@@ -131,3 +132,27 @@ def test_fasth3_clips_render_plain_t2va_windows():
     windows, plan = windows_of(job)
     assert [(w.task, w.mode, w.seed, w.frames) for w in windows] == [("t2va", "fasth3", 5 + i, 260) for i in range(3)]
     assert plan == job.windows and "not conditioned on each other (FastH3 students are t2va-only)" in job.time_note()
+
+
+def test_keyframes_of_a_long_clip_go_to_the_windows_they_fall_in(engine, tmp_path):
+    from PIL import Image
+
+    for name, value in (("a.png", 30), ("b.png", 220)):
+        Image.fromarray(np.full((32, 32, 3), value, dtype=np.uint8)).save(tmp_path / name)
+    job = job_from_fields({**FIELDS, "output": "k", "first_frame": "a.png", "keyframes": ["250:b.png"]}, LIMITS,
+                          source=str(tmp_path / "m.yaml"))
+    windows, plan = windows_of(job)
+    # frame 250 lies in window 0 (frames 0-259) at 250 and in window 1 (238-497) at 12; the first frame in window 0
+    assert [[k.anchor for k in w.keyframes] for w in windows] == [[0, 250], [12], []]
+    assert windows[0].task == "fl2va" and windows[1].task == windows[2].task == "continuation"
+    # window 1's rows: the previous tail's 7 latent frames, then its keyframe at frame 12 with the vision prompt
+    tail = torch.zeros(24, 7, 2, 2)
+    prepared = continuation.prepare(engine, continuation.follow(windows[1], SimpleNamespace(video=tail)),
+                                    StageTimer("cpu"))
+    layout = prepared.layout
+    assert layout.keyframe_anchors == (0, 1, 5, 9, 13, 17, 18, 12)
+    assert prepared.condition_rows.shape[0] == 8 * layout.rows_per_frame
+    assert bool((layout.token_tags[: layout.text_len] == 0).any())  # the picture's vision block in the prompt rows
+    record = prepared.record["continuation"]
+    assert record["keyframes"][0]["anchor"] == 12 and "<Picture 1>" in record["presentation"]
+    json.dumps(record)  # all of it goes into the sidecar
