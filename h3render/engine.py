@@ -328,7 +328,7 @@ class Engine:
         if self.adapter is not None and self.student_attention is not None:
             from h3render.checkpoint.students import budgets  # VSA's top-k at each job shape, for the sidecar
 
-            fast = [(j.width, j.height, j.frames) for j in jobs if j.mode == "fasth3"]
+            fast = [(j.width, j.height, w.frames) for j in jobs if j.mode == "fasth3" for w in windows_of(j)[0]]
             if self.student_attention.vsa and fast:
                 self.adapter["attention"].setdefault("k", {}).update(budgets(self.student_attention, fast))
         for job in jobs:
@@ -360,7 +360,7 @@ class Engine:
             self._warm_vae(jobs)
             if self.plan.decodes_audio and "audio_activations" not in self.warmup:
                 self._choose_audio_activations()
-        lengths = sorted({spec.audio_latents(j.frames) for j in jobs} - self._audio_lengths)
+        lengths = sorted({spec.audio_latents(w.frames) for j in jobs for w in windows_of(j)[0]} - self._audio_lengths)
         if self.audio_decode.graphs_on(self.device) and lengths:
             t0 = time.perf_counter()
             for length in lengths:
