@@ -64,7 +64,7 @@ def test_keyframes_at_the_ends_are_first_and_last_frame_bit_for_bit(engine, pict
         assert _same(getattr(a, name), getattr(b, name)), name
     for name in ("positions", "token_tags", "video_index", "audio_index"):
         assert _same(getattr(a.layout, name), getattr(b.layout, name)), name
-    schedule = Schedule.base(3, 12.0, 3.0)
+    schedule = Schedule.base(2, 12.0, 3.0)  # one forward: the inputs are what must match
     la, lb = (generate(engine, job, p, schedule, timer) for job, p in ((today, a), (anchored, b)))
     assert _same(la.video, lb.video) and _same(la.audio, lb.audio)
     # the sidecar record names where each picture went

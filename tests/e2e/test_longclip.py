@@ -27,6 +27,7 @@ from h3render.timing import StageTimer
 from tests._cli import invoke, one_error_line
 from tests._mp4 import decode
 
+jsonschema = pytest.importorskip("jsonschema")
 LIMITS = read_checkpoint_info("tiny").limits()
 FIELDS = {"prompt": "Waves rolling onto a pebble beach", "duration": 30, "width": 32, "height": 32, "steps": 2,
           "seed": 5, "id": "long"}
@@ -75,6 +76,8 @@ def test_a_30_s_clip_has_exact_frames_and_audio_and_lists_its_windows(clip):
     samples = audio_samples(720)  # 960,000: exactly 30 s at 32 kHz went into the encoder
     assert samples == 960_000 and abs(audio.shape[1] - samples) <= 1024  # AAC: within one frame of it
     doc = json.loads((out / "long.json").read_text())
+    schema = json.loads((Path(__file__).resolve().parents[2] / "docs/schema/sidecar.schema.json").read_text())
+    jsonschema.Draft202012Validator(schema).validate(doc)
     assert doc["job"]["task"] == "continuation" and doc["job"]["frames"] == 720 and doc["extra"]["frames_written"] == 720
     windows = doc["extra"]["windows"]
     assert [(w["index"], w["frames"], w["seed"], w["task"], w["start"], w["overlap"], w["keep"]) for w in windows] == [
