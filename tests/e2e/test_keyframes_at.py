@@ -4,7 +4,6 @@ last_frame bit for bit; an interior one sits at t = text_len + f * 5/3."""
 
 from __future__ import annotations
 
-from dataclasses import replace
 
 import numpy as np
 import pytest
