@@ -241,7 +241,8 @@ class Engine:
         self.warmup["fasth3_fusion_s"] = time.perf_counter() - t0
 
     def tables(self, schedule: Schedule, timesteps: torch.Tensor | None = None):
-        """AdaLN modulation tables for every timestep a job visits, built once on the device and cached.
+        """AdaLN modulation tables for every timestep a job visits, built once on the device (or read back from the
+        on-disk cache of an earlier run, `h3render.adaln_cache`) and cached in memory.
 
         Args:
             schedule: the job's `Schedule`.
@@ -251,7 +252,14 @@ class Engine:
         timesteps = schedule.timesteps if timesteps is None else timesteps
         key = tuple(timesteps.tolist())
         if key not in self._tables:
-            self._tables[key] = self.c.dit.modulation_tables(timesteps, device=self.device)
+            from h3render.adaln_cache import cached_tables, checkpoint_identity
+
+            # On disk across runs (`h3render.adaln_cache`): the fused adapter is part of the key once it is fused.
+            identity = checkpoint_identity(self.c.info, (self.transformer or {}).get("path"))
+            fused = self.adapter is not None and self._deferred_fusion is None
+            identity["adapter"] = self.adapter.get("sha256", self.adapter.get("contract")) if fused else None
+            self._tables[key], record = cached_tables(self.c.dit, timesteps, self.device, identity)
+            self.warmup.setdefault("adaln_cache", []).append(record)
         return self._tables[key]
 
     def model_fn(self, prepared: Prepared, tables):

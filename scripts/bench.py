@@ -31,6 +31,10 @@ Stages (`--stages`, comma-separated):
             issue 18 (scripts/bench_fp8.py): the DiT's block GEMMs bf16 vs FP8, the fused FP8 producers, a DiT
             forward and the 4-forward FastH3 chain bf16 vs FP8 (errors, memory); `--fp8-model tiny --fp8-device cpu
             --fp8-canvas 160x128x22` is the CPU smoke run
+  tables    AdaLN tables of the released DiT: built (projections on the GPU / in host memory), the offload, then
+            through the on-disk cache, first and second run (scripts/bench_prepare.py; issue 26)
+  te-fp8    FP8 text encoder, per-call dequantize vs the Triton weight-only GEMM, and that GEMM's launch settings
+            per linear shape and prompt length (scripts/bench_prepare.py; issue 26)
   fp8-memory
             resident memory per component and load peak, per --precision (scripts/bench_e2e.py)
   fl2va     fl2va's extra cost over t2va at --fl2va-canvas (scripts/bench_fl2va.py): vision tower + processor for 2
@@ -126,11 +130,25 @@ def stage_fl2va(args) -> None:
     bench_fl2va.run(args, bench_common)
 
 
+def stage_tables(args) -> None:
+    """AdaLN tables: built vs read back from the on-disk cache (scripts/bench_prepare.py)."""
+    import bench_prepare
+
+    bench_prepare.stage_tables(args, bench_common)
+
+
+def stage_te_fp8(args) -> None:
+    """FP8 text encoder: per-call dequantize vs the Triton weight-only GEMM (scripts/bench_prepare.py)."""
+    import bench_prepare
+
+    bench_prepare.stage_te_fp8(args, bench_common)
+
+
 # Every stage by function name, as `--stages` names them ("fp8-gemm" -> stage_fp8_gemm).
 STAGES = {f.__name__: f for f in (
     stage_ceil, stage_attn, stage_kernels, stage_dit, stage_vae, stage_audio, stage_te, stage_ulysses, stage_vsa,
     stage_prof, stage_compare, stage_e2e, stage_fp8_gemm, stage_fp8_quant, stage_fp8_dit, stage_fp8_memory,
-    stage_fl2va, stage_batch, stage_media, stage_longclip)}
+    stage_fl2va, stage_batch, stage_media, stage_tables, stage_te_fp8, stage_longclip)}
 
 
 def main() -> None:
@@ -169,6 +187,7 @@ def main() -> None:
                    help="media stage: ';'-separated x264-params variants to compare ('default' = the writer's)")
     p.add_argument("--media-dir", default="/tmp/h3render-media", help="media stage: where the MP4s are written")
     p.add_argument("--vsa-layer-only", action="store_true", help="vsa stage: one layer only, no DiT forward")
+    p.add_argument("--vsa-fines", default="triton,flex", help="vsa stage: fine backends of the whole-layer rows")
     p.add_argument("--vsa-sparsity", type=float, default=FASTH3_V1_VSA_SPARSITY,
                    help="vsa stage: sparsity (default FastH3 v1's; h3render.spec FASTH3_V*_VSA_SPARSITY)")
     p.add_argument("--fl2va-canvas", default="1344x768x243", help="fl2va stage: WxHxFRAMES")
@@ -181,8 +200,10 @@ def main() -> None:
     import bench_e2e  # scripts/ is sys.path[0] when run as a script
     import bench_fp8
     import bench_longclip
+    import bench_prepare
 
     bench_fp8.add_arguments(p)
+    bench_prepare.add_arguments(p)
     bench_e2e.add_arguments(p)
     bench_longclip.add_arguments(p)
     args = p.parse_args()

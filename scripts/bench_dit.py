@@ -186,7 +186,8 @@ def stage_ulysses(args) -> None:
 def stage_vsa(args) -> None:
     from h3render.kernels.vsa import select_tiles, topk_budget, vsa_attention, vsa_attention_naive
     from h3render.kernels.vsa.naive import coarse_attention_naive, tile_scores
-    from h3render.kernels.vsa.triton_impl import fine_attention_triton, pool_tiles_triton
+    from h3render.kernels.vsa.triton_impl import (FINE_CONFIGS, fine_attention_triton, pool_tiles_triton,
+                                                  tuned_fine_config)
     from h3render.models.attention import SparseAttention, attention, runner, select_backend
     from h3render.packing import t2va_layout
 
@@ -213,7 +214,7 @@ def stage_vsa(args) -> None:
     # Reference on 4 heads (VSA is per head; the token-level reference is S x S per head in chunks).
     sub = slice(0, 4)
     ref = vsa_attention_naive(*(x[:, sub].contiguous() for x in (q, k, v, gate)), plan, s)
-    for fine in ("triton", "flex"):
+    for fine in args.vsa_fines.split(","):
         fn = lambda: vsa_attention(q, k, v, gate, plan, s, fine=fine)  # noqa: E731
         peak_reset()
         t = cuda_time(fn, reps=5, warm=2)
@@ -226,11 +227,13 @@ def stage_vsa(args) -> None:
 
     rec(stage="vsa", what="VSA coarse stage (pool, scores, top-k, coarse out)", ours_s=round(cuda_time(coarse), 4))
     _, sel, out_c = coarse()
-    for warps, stages in ((4, 2), (4, 3), (8, 2)):
+    # Each fixed launch setting, then the autotuned default (issue 26: the autotuner's pick among FINE_CONFIGS).
+    for warps, stages in FINE_CONFIGS + ((None, None),):
         fn = lambda: fine_attention_triton(q, k, v, plan, sel, gate, out_c, num_warps=warps,  # noqa: E731
                                            num_stages=stages)
         t = cuda_time(fn, reps=5, warm=2)
-        rec(stage="vsa", what=f"VSA fine+gate Triton num_warps={warps} num_stages={stages}",
+        label = f"num_warps={warps} num_stages={stages}" if warps else f"autotuned (picked {tuned_fine_config()})"
+        rec(stage="vsa", what=f"VSA fine+gate Triton {label}",
             ours_s=round(t, 4), tflops=round(flop_dense * density / t / 1e12, 1), rel_err=rel_err(fn()[:, sub], ref))
     del q, k, v, gate, ref, sel, out_c
     torch.cuda.empty_cache()

@@ -209,12 +209,35 @@ class Fp8WeightLinear(_Fp8Weight):
     scale). Measured on the built-in tiny conditioner (tests/unit/test_fp8_model.py): 0.088 relative error at the
     read layer, against 0.115 with `Fp8Linear` (activations quantized per row as well); hence weight-only. The
     dequantized weight [N, K] exists only during the call (released: at most 25600 x 5120, 0.5 GB fp32 + 0.26 GB
-    bf16 transient).
+    bf16 transient) on the CPU. On CUDA with bf16 / fp16 activations (`kernels.fp8_weight`, issue 26; neither needs
+    FP8 hardware, so Ampere runs them too): up to `GEMM_MAX_ROWS` rows and `GEMM_MAX_K` input features one Triton
+    GEMM that decodes the e4m3 codes in registers (1 byte read per weight, the scale on the fp32 accumulator: the
+    weight enters the dot exactly), otherwise one Triton pass dequantizes the weight to bf16 bit for bit as on the
+    CPU (3 bytes per weight instead of 11) and cuBLAS multiplies: per GEMM the faster of the two on an H200
+    (docs/performance.md §11). Both cost more than a bf16 GEMM (the weight must reach the tensor cores as bf16):
+    the encoder's GEMMs take 0.03-0.15 s per prompt against bf16's 0.016-0.12 s and the old path's 0.20-0.31 s.
     """
+
+    # "auto" (above), "gemm", "dequant-fused", or "dequant" (the torch expression: the path before issue 26); a class
+    # setting so that the benchmark measures each in one process (scripts/bench_prepare.py `te-fp8`).
+    mode = "auto"
+    GEMM_MAX_ROWS = 128  # measured: the GEMM wins at 16 and 77 rows, dequantize + cuBLAS at 256 and 2000
+    GEMM_MAX_K = 16384  # the 25600-wide down projection: dequantize + cuBLAS won at every row count measured
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [..., K] float -> [..., N] in x's dtype."""
         bias = None if self.bias is None else self.bias.to(x.dtype)
+        mode = self.mode
+        if mode != "dequant" and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16):
+            rows = x.numel() // max(x.shape[-1], 1)
+            small = rows <= self.GEMM_MAX_ROWS and self.in_features <= self.GEMM_MAX_K
+            if mode == "gemm" or (mode == "auto" and small):
+                from h3render.kernels.fp8_weight import fp8_weight_linear
+
+                return fp8_weight_linear(x.contiguous(), self.weight, self.weight_scale, bias)
+            from h3render.kernels.fp8_weight import fp8_dequantize
+
+            return F.linear(x, fp8_dequantize(self.weight, self.weight_scale, x.dtype), bias)
         return F.linear(x, self.dequantized_weight(x.dtype), bias)
 
 

@@ -135,6 +135,27 @@ def _fine_kernel(
     tl.store(o_ptr + q_rows[:, None] * stride_os + h * stride_oh + offs_d[None, :], out, mask=q_valid[:, None])
 
 
+# Launch settings the fine kernel's autotuner tries on the first call of each shape (keyed on the tile counts and
+# the kept-set size; Triton adds the tensors' dtypes). 4 warps / 2 stages was the fixed choice of issue 14; at
+# 1344x768x243, s = 0.9 on an H200 (2026-12-02, one call, docs/performance.md §11): 4/2 0.0648 s, 4/3 0.0627, 4/4
+# 0.0633, 4/1 0.0750, 8/2 0.1292, 8/3 0.1241; autotuned (it picked 4/3) 0.0617. The 1-stage and 8-warp settings
+# never won and each costs a compile on every new shape, so the autotuner tries the three below.
+FINE_CONFIGS = ((4, 2), (4, 3), (4, 4))
+_fine_tuned = triton.autotune(
+    configs=[triton.Config({}, num_warps=w, num_stages=st) for w, st in FINE_CONFIGS],
+    key=["num_tiles", "num_prefix", "topk", "dense_q"],
+)(_fine_kernel)
+
+
+def tuned_fine_config(shape_key: tuple | None = None) -> tuple[int, int] | None:
+    """(num_warps, num_stages) the autotuner picked for the last tuned shape (or `shape_key`), None before."""
+    cache = getattr(_fine_tuned, "cache", {})
+    if not cache:
+        return None
+    config = cache[shape_key] if shape_key is not None else list(cache.values())[-1]
+    return config.num_warps, config.num_stages
+
+
 def _check_head_dim(d: int) -> None:
     if d < 16 or d > 256 or d & (d - 1):
         raise ValueError(f"kernels/vsa/triton_impl.py: head dim {d} must be a power of two in [16, 256]")
@@ -162,8 +183,8 @@ def fine_attention_triton(
     coarse: torch.Tensor | None = None,
     *,
     out: torch.Tensor | None = None,
-    num_warps: int = 4,
-    num_stages: int = 2,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
 ) -> torch.Tensor:
     """Block-sparse fine attention (plus the gated coarse add when `gate` is given), packed rows in and out.
 
@@ -174,7 +195,9 @@ def fine_attention_triton(
             every tile (k == V: all query tiles dense).
         gate: `[S, H, D]` or None; coarse: `[H, n, D]` fp32 coarse output, required with `gate`.
         out: optional `[S, H, D]` output buffer.
-        num_warps, num_stages: launch settings (4 warps = one Hopper warpgroup per 64-row tile).
+        num_warps, num_stages: launch settings (4 warps = one Hopper warpgroup per 64-row tile); None (both) = on
+            CUDA the autotuner's pick among `FINE_CONFIGS` for this shape (timed once, on the shape's first call),
+            in the interpreter 4 and 1.
     Returns:
         `[S, H, D]` in q's dtype.
     """
@@ -195,13 +218,21 @@ def fine_attention_triton(
     c = coarse if coarse is not None else q
     # one row scatter each (≈1 GB at 1344x768x243): key/value loads at addresses affine in the tile id
     kt, vt = to_tiles(k, plan), to_tiles(v, plan)
-    _fine_kernel[(plan.num_tiles, heads)](
+    launch: dict = {"num_warps": num_warps, "num_stages": num_stages}
+    kernel = _fine_kernel
+    if num_warps is None and num_stages is None:
+        if q.is_cuda and not interpreting():
+            kernel, launch = _fine_tuned, {}
+        else:
+            launch = {"num_warps": 4, "num_stages": 1}
+    elif num_warps is None or num_stages is None:
+        raise ValueError("kernels/vsa/triton_impl.py: give num_warps and num_stages together (or neither: autotune)")
+    kernel[(plan.num_tiles, heads)](
         q, out, kt, vt, g, c, plan.row_of_slot, plan.sizes, sel,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), kt.stride(0), kt.stride(1), g.stride(0), g.stride(1),
         plan.num_tiles, plan.num_prefix, plan.num_video, dense_q, topk,
         LOG2E / math.sqrt(d),
         HEAD_DIM=d, TILE_ROWS=TILE, GATE=gate is not None, IEEE=q.dtype == torch.float32,
-        UPCAST=not q.is_cuda and interpreting(),
-        num_warps=num_warps, num_stages=num_stages,
+        UPCAST=not q.is_cuda and interpreting(), **launch,
     )
     return out

@@ -10,7 +10,7 @@ layer  name            modules (and why they sit there)
   7    front end       cli, cli_*, settings, runner, manifest, manifest_formats, manifest_fields, jobs, shards,
                        job_keyframes, batch, report, locks, signals: torch-free on import (manifest lines to `Job`s and run
                        settings, the batch loop); they reach the job path's torch modules only inside functions.
-  6    job path        engine, render, tasks/, seams, sidecar, keyframes, media, staging, colour, graphs, timing, outputs,
+  6    job path        engine, adaln_cache, render, tasks/, seams, sidecar, keyframes, media, staging, colour, graphs, timing, outputs,
                        progress, parallel/: what renders one job (torch, PyAV, process groups). sidecar (the
                        sidecar's format, its write, read and compare), outputs (a job's file paths, the resume
                        check) and progress (the denoise loop's step display) are torch-free themselves: the front
@@ -54,7 +54,7 @@ LAYERS: dict[int, tuple[str, ...]] = {
         "h3render.manifest_fields",
         "h3render.jobs", "h3render.shards", "h3render.job_keyframes", "h3render.batch", "h3render.report",
         "h3render.locks", "h3render.signals", "h3render.runner"),
-    6: ("h3render.engine", "h3render.render", "h3render.tasks", "h3render.tasks.*", "h3render.sidecar",
+    6: ("h3render.engine", "h3render.adaln_cache", "h3render.render", "h3render.tasks", "h3render.tasks.*", "h3render.sidecar",
         "h3render.keyframes", "h3render.media", "h3render.soundtrack", "h3render.staging", "h3render.colour",
         "h3render.graphs", "h3render.timing", "h3render.outputs", "h3render.progress", "h3render.parallel",
         "h3render.parallel.*", "h3render.seams"),

@@ -1,0 +1,161 @@
+"""Issue 26's stages of scripts/bench.py: the AdaLN table cache and the FP8 text encoder's fused GEMM. Random weights
+at the released shapes, before and after measured in the same process on the same weights and inputs.
+
+  tables   the AdaLN tables of the released DiT (50 blocks, random bf16 weights on the GPU) for K = `--tables-k`
+           timesteps: built with the projections on the GPU, the offload of the projections to host memory (what
+           `Engine.prepare` does next on CUDA), built again with the projections in host memory (the fp8 engine's
+           case, and any table built after prepare), then through `adaln_cache.cached_tables` into a fresh folder
+           (`--tables-dir`): the first call builds and writes, the second reads and verifies (a second run's
+           prepare); tables equal bit for bit.
+  te-fp8   the text encoder (50 of 64 Qwen3-VL-32B layers) at `--te-tokens` tokens: bf16, then quantized in place
+           to FP8 (`quantize_text_encoder_fp8_`) in each `Fp8WeightLinear.mode`: the old per-call torch dequantize,
+           the Triton weight-only GEMM, the Triton dequantize + cuBLAS, and "auto"; rel. error of the read states
+           against bf16. Then every linear shape of a layer at `--te-gemm-rows` rows: bf16 `F.linear`, torch and
+           Triton dequantize + `F.linear`, and the Triton GEMM at each `CANDIDATES` launch setting (the best per row
+           count is what `CONFIGS` should say).
+"""
+
+from __future__ import annotations
+
+import tempfile
+import time
+
+import torch
+import torch.nn.functional as F
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--tables-k", default="5,50", help="tables stage: comma-separated timestep counts")
+    p.add_argument("--tables-dir", default=None, help="tables stage: cache folder (default: a fresh temp folder)")
+    p.add_argument("--te-tokens", default="77,256,2000", help="te-fp8 stage: comma-separated prompt lengths")
+    p.add_argument("--te-gemm-rows", default="16,77,256,2000", help="te-fp8 stage: row counts of the GEMM sweep")
+
+
+def _sync_time(fn) -> tuple[float, object]:
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    out = fn()
+    torch.cuda.synchronize()
+    return time.perf_counter() - t0, out
+
+
+@torch.no_grad()
+def stage_tables(args, bench) -> None:
+    from h3render.adaln_cache import cached_tables
+
+    rec = bench.rec
+    dit = bench.released_dit(50)
+    adaln = sum(p.numel() for b in dit.blocks for p in b.adaln_proj.parameters())
+    adaln += sum(p.numel() for p in dit.final_layer.adaln_proj.parameters())
+    rec(stage="tables", what="AdaLN projections", params_b=round(adaln / 1e9, 2), gb=bench.gb(adaln * 2))
+    ks = [int(k) for k in args.tables_k.split(",")]
+    steps = {k: torch.linspace(0.02, 0.999, k) for k in ks}
+    for k in ks:
+        t, _ = _sync_time(lambda: dit.modulation_tables(steps[k], device="cuda"))
+        rec(stage="tables", what=f"build, projections on the GPU, K={k}", seconds=round(t, 3))
+    t, _ = _sync_time(lambda: dit.offload_adaln_("cpu"))
+    rec(stage="tables", what="offload the AdaLN projections to host memory (Engine.prepare on CUDA)",
+        seconds=round(t, 3))
+    t, _ = _sync_time(lambda: dit.modulation_tables(steps[ks[0]], device="cuda"))
+    rec(stage="tables", what=f"build, projections in host memory (fp8 engine), K={ks[0]} (before: cold prepare)",
+        seconds=round(t, 3))
+    root = tempfile.mkdtemp(prefix="h3render-tables-", dir=args.tables_dir)
+    from pathlib import Path
+
+    ident = {"path": "bench-random", "layout": "bench", "config": "released", "adapter": None}
+    for k in ks:
+        t_built, (built, r1) = _sync_time(lambda: cached_tables(dit, steps[k], "cuda", ident, root=Path(root)))
+        t_hit, (hit, r2) = _sync_time(lambda: cached_tables(dit, steps[k], "cuda", ident, root=Path(root)))
+        same = torch.equal(built.final, hit.final) and all(torch.equal(a, b) for a, b in zip(built.blocks, hit.blocks))
+        size = Path(r1["file"]).stat().st_size
+        rec(stage="tables", what=f"cache K={k}: first run (build from host + write) / second run (read + verify)",
+            first_s=round(t_built, 3), write_s=r1["seconds"], second_s=round(t_hit, 3), read_verify_s=r2["seconds"],
+            states=[r1["cache"], r2["cache"]], bit_equal=same, file_mb=round(size / 2**20, 1))
+    del dit
+    bench.peak_reset()
+
+
+def _te_linear_shapes(cfg) -> list[tuple[str, int, int]]:
+    h, inner, kv, ffn = (cfg["hidden_size"], cfg["num_attention_heads"] * cfg["head_dim"],
+                         cfg["num_key_value_heads"] * cfg["head_dim"], cfg["intermediate_size"])
+    return [("q", h, inner), ("k/v", h, kv), ("o", inner, h), ("gate/up", h, ffn), ("down", ffn, h)]
+
+
+@torch.no_grad()
+def stage_te_fp8(args, bench) -> None:
+    import triton.testing
+
+    from h3render.checkpoint.releases import QWEN3VL_RELEASED
+    from h3render.kernels.fp8_weight import fp8_weight_linear_naive
+    from h3render.kernels.fp8_weight.triton_impl import CANDIDATES, fp8_weight_linear_triton, pick_config
+    from h3render.models.fp8 import Fp8WeightLinear, quantize_text_encoder_fp8_, quantize_weight
+    from h3render.models.text_encoder import TextEncoder
+
+    rec = bench.rec
+    tokens = [int(n) for n in args.te_tokens.split(",")]
+    cfg = dict(QWEN3VL_RELEASED["text_config"])
+    te = bench.build_on_gpu(lambda: TextEncoder(cfg, read_layer=50))
+    bench.random_(te, 4)
+    ids = {n: torch.randint(0, 150000, (n,), device="cuda", generator=torch.Generator("cuda").manual_seed(n))
+           for n in tokens}
+
+    def encode(n):
+        out = te(ids[n][None])
+        return out[0] if isinstance(out, tuple) else out
+
+    ref = {}
+    for n in tokens:
+        t = bench.cuda_time(lambda: encode(n), reps=5)
+        ref[n] = encode(n)
+        rec(stage="te-fp8", what=f"text encoder {n} tokens, bf16", seconds=round(t, 4))
+    t, count = _sync_time(lambda: quantize_text_encoder_fp8_(te))
+    rec(stage="te-fp8", what="quantize the text encoder in place", seconds=round(t, 2), linears=count)
+    labels = {"dequant": "torch dequantize per call (before)", "gemm": "Triton weight-only GEMM",
+              "dequant-fused": "Triton dequantize + cuBLAS", "auto": f"auto (GEMM up to "
+              f"{Fp8WeightLinear.GEMM_MAX_ROWS} rows and K <= {Fp8WeightLinear.GEMM_MAX_K}, else dequantize + cuBLAS: "
+              "after)"}
+    for mode, label in labels.items():
+        Fp8WeightLinear.mode = mode
+        for n in tokens:
+            t = bench.cuda_time(lambda: encode(n), reps=5)
+            rec(stage="te-fp8", what=f"text encoder {n} tokens, fp8, {label}", seconds=round(t, 4),
+                rel_err_vs_bf16=bench.rel_err(encode(n), ref[n]))
+    Fp8WeightLinear.mode = "auto"
+    del te, ref
+    bench.peak_reset()
+
+    # One layer's linears at each token count: which launch setting wins (CONFIGS) and the error at the real shape.
+    g = torch.Generator("cuda").manual_seed(0)
+    from h3render.kernels.fp8_weight import fp8_dequantize
+
+    def bench_ms(fn):
+        return triton.testing.do_bench(fn, warmup=5, rep=25, return_mode="median")
+
+    for name, k, n_out in _te_linear_shapes(cfg):
+        w16 = (torch.randn(n_out, k, device="cuda", generator=g) * k ** -0.5).bfloat16()
+        w8, s = quantize_weight(w16)
+        exact = torch.equal(fp8_dequantize(w8, s), (w8.float() * s.t()).to(torch.bfloat16))
+        for m in [int(n) for n in args.te_gemm_rows.split(",")]:
+            x = torch.randn(m, k, device="cuda", generator=g).bfloat16()
+            ref = fp8_weight_linear_naive(x.float(), w8, s)
+            flop = 2 * m * k * n_out
+            t_bf16 = bench_ms(lambda: F.linear(x, w16)) / 1e3
+            t_old = bench_ms(lambda: F.linear(x, (w8.float() * s.t()).to(torch.bfloat16))) / 1e3
+            t_fused = bench_ms(lambda: F.linear(x, fp8_dequantize(w8, s))) / 1e3
+            timings = {}
+            for config in CANDIDATES:
+                try:
+                    timings[config] = bench_ms(lambda: fp8_weight_linear_triton(x, w8, s, config=config)) / 1e3
+                except Exception as exc:  # noqa: BLE001  (out of shared memory for one setting: skip it)
+                    rec(stage="te-fp8", what=f"config {config} failed", error=str(exc)[:120])
+            best = min(timings, key=timings.get)
+            picked = pick_config(m)
+            err = bench.rel_err(fp8_weight_linear_triton(x, w8, s, config=picked), ref)
+            rec(stage="te-fp8", what=f"GEMM {name} {k}->{n_out}, {m} rows", bf16_ms=round(t_bf16 * 1e3, 4),
+                dequant_ms=round(t_old * 1e3, 4), dequant_fused_ms=round(t_fused * 1e3, 4),
+                dequant_bit_exact=exact, picked=list(picked),
+                picked_ms=round(timings.get(picked, float("nan")) * 1e3, 4), best=list(best),
+                best_ms=round(timings[best] * 1e3, 4), best_tflops=round(flop / timings[best] / 1e12, 1),
+                rel_err_vs_fp32=err, all_ms={str(c): round(v * 1e3, 4) for c, v in timings.items()})
+        del w16, w8, s
+    bench.peak_reset()

@@ -1,0 +1,112 @@
+"""The weight-only FP8 GEMM (`kernels.fp8_weight`, issue 26) against its torch reference.
+
+Triton runs under TRITON_INTERPRET=1 on CPU tensors; the outputs are NaN-poisoned first, so an element the kernel
+does not write fails. Bounds: every e4m3 code decodes exactly (bit-exact through an identity product); on odd shapes
+the kernel differs from the fp32 reference by the bf16 / fp16 rounding of the output and fp32 summation order alone:
+rel. error <= 4e-3 (bf16's half-ulp is 2**-9 = 2e-3 at worst, ~1e-3 in RMS; measured below 2e-3).
+"""
+
+import pytest
+import torch
+
+from h3render.kernels.fp8_weight import fp8_weight_linear, fp8_weight_linear_naive
+from h3render.models.fp8 import Fp8WeightLinear, quantize_weight
+from tests._markers import compiled_cuda, interpreted
+from tests._numerics import rel_err
+
+TOL = 4e-3
+
+
+def _weights(n, k, device="cpu", seed=0):
+    g = torch.Generator(device=device).manual_seed(seed)
+    return quantize_weight(torch.randn(n, k, device=device, generator=g) * 0.05)
+
+
+def _run(x, w, s, b):
+    from h3render.kernels.fp8_weight.triton_impl import fp8_weight_linear_triton
+
+    out = torch.full((x.shape[0], w.shape[0]), float("nan"), dtype=x.dtype, device=x.device)
+    return fp8_weight_linear_triton(x, w, s, b, out=out)
+
+
+@interpreted
+def test_every_e4m3_code_decodes_exactly():
+    codes = torch.arange(256, dtype=torch.int32)
+    codes[(codes & 0x7F) == 0x7F] = 0  # the two NaN codes: never written by quantize_weight
+    w = codes.to(torch.uint8).view(torch.float8_e4m3fn).reshape(16, 16)
+    x = torch.eye(16, dtype=torch.bfloat16)
+    got = _run(x, w, torch.ones(1, 16), None)  # y[i, n] = w[n, i]: one exact term per output
+    assert torch.equal(got.float(), w.float().t()), "an e4m3 code decoded wrong"
+
+
+@interpreted
+@pytest.mark.parametrize("m,k,n,dtype,bias", [(1, 40, 24, torch.bfloat16, True), (77, 200, 136, torch.float16, False),
+                                              (130, 96, 72, torch.bfloat16, True)])
+def test_triton_matches_reference_on_odd_shapes(m, k, n, dtype, bias):
+    w, s = _weights(n, k)
+    x = torch.randn(m, k).to(dtype)
+    b = torch.randn(n).to(dtype) if bias else None
+    got = _run(x, w, s, b)
+    assert not got.isnan().any(), "an output element was not written"
+    assert rel_err(got, fp8_weight_linear_naive(x.float(), w, s, b)) <= TOL
+
+
+@interpreted
+def test_fused_dequantize_is_the_torch_expression_bit_for_bit():
+    """Both factors of its product are exact (code x 2**-8, scale x 2**8): one fp32 rounding, then one to bf16."""
+    from h3render.kernels.fp8_weight.triton_impl import dequantize_triton
+
+    w, s = _weights(37, 300, seed=4)
+    assert torch.equal(dequantize_triton(w, s), (w.float() * s.t()).to(torch.bfloat16))
+
+
+def test_public_api_dispatch_and_checks(monkeypatch):
+    w, s = _weights(32, 48)
+    x = torch.randn(2, 3, 48, dtype=torch.bfloat16)
+    y = fp8_weight_linear(x, w, s)  # CPU tensor: the reference
+    assert y.shape == (2, 3, 32) and torch.equal(y, fp8_weight_linear_naive(x.reshape(6, 48), w, s).view(2, 3, 32))
+    with pytest.raises(ValueError, match="do not match"):
+        fp8_weight_linear(x, w, s[:, :5])
+    with pytest.raises(ValueError, match="float8_e4m3fn"):
+        fp8_weight_linear(x, w.float(), s)
+
+
+@compiled_cuda
+def test_triton_on_cuda_matches_reference_and_the_linear():
+    # Odd shapes, then the released text encoder's widths (k/v 5120 -> 1024, down 25600 -> 5120) at prompt lengths.
+    for m, k, n in ((1, 40, 24), (77, 200, 136), (300, 5120, 1024), (2000, 25600, 5120)):
+        w, s = _weights(n, k, "cuda")
+        x = torch.randn(m, k, device="cuda").bfloat16()
+        b = torch.randn(n, device="cuda").bfloat16()
+        got = _run(x, w, s, b)
+        assert not got.isnan().any() and rel_err(got, fp8_weight_linear_naive(x.float(), w, s, b)) <= TOL, (m, k, n)
+    from h3render.kernels.fp8_weight import fp8_dequantize
+    from h3render.kernels.fp8_weight.triton_impl import CANDIDATES
+
+    w, s = _weights(1000, 3000, "cuda")
+    assert torch.equal(fp8_dequantize(w, s), (w.float() * s.t()).to(torch.bfloat16))
+    x = torch.randn(77, 3000, device="cuda").bfloat16()
+    for config in CANDIDATES:  # every launch setting the benchmark may pick
+        got = _run_config(x, w, s, config)
+        assert not got.isnan().any() and rel_err(got, fp8_weight_linear_naive(x.float(), w, s)) <= TOL, config
+    linear = torch.nn.Linear(256, 96, device="cuda").bfloat16()
+    q = Fp8WeightLinear.from_linear(linear)
+    outputs = {}
+    for rows in (5, 300):  # below and above GEMM_MAX_ROWS (K = 256: below GEMM_MAX_K)
+        x = torch.randn(rows, 256, device="cuda").bfloat16()
+        for mode in ("dequant", "gemm", "dequant-fused", "auto"):
+            Fp8WeightLinear.mode = mode
+            try:
+                outputs[mode] = q(x)
+            finally:
+                Fp8WeightLinear.mode = "auto"
+        assert torch.equal(outputs["dequant-fused"], outputs["dequant"])  # the same bf16 weight, the same GEMM
+        assert rel_err(outputs["gemm"], outputs["dequant"]) <= TOL
+        assert torch.equal(outputs["auto"], outputs["gemm" if rows <= q.GEMM_MAX_ROWS else "dequant-fused"])
+
+
+def _run_config(x, w, s, config):
+    from h3render.kernels.fp8_weight.triton_impl import fp8_weight_linear_triton
+
+    out = torch.full((x.shape[0], w.shape[0]), float("nan"), dtype=x.dtype, device=x.device)
+    return fp8_weight_linear_triton(x, w, s, config=config, out=out)
