@@ -136,6 +136,9 @@ def cli(ctx: click.Context) -> None:
               help="ref2va: an image, video or audio reference file; repeat it, the order is kept.")
 @click.option("--reference-no-audio", is_flag=True, default=None,
               help="ref2va: do not use the reference videos' soundtracks.")
+@click.option("--keyframe", "keyframes", multiple=True, metavar="FRAME:IMAGE",
+              help="fl2va: image anchored at a 0-based frame index (repeatable): --keyframe 0:a.png --keyframe "
+                   "240:b.png.")
 @canvas_time_options
 @engine_options
 def prompt_command(text, output, quiet, **opts) -> None:
@@ -166,7 +169,8 @@ def _prompt(text: str, output: str, quiet: bool, opts: dict) -> int:
     fields = {k: opts[k] for k in ("preset", "aspect", "width", "height", "duration", "frames", "steps", "seed",
                                    "first_frame", "last_frame")}
     fields.update(prompt=text, output=out.stem, mode=mode, references=list(opts["references"]) or None,
-                  reference_audio=False if opts["reference_no_audio"] else None)
+                  reference_audio=False if opts["reference_no_audio"] else None,
+                  keyframes=list(opts["keyframes"]) or None)
     job = job_from_fields(fields, info.limits())
     _check_partitions(info, [job])
     run = RunSettings.resolve(opts, checkpoint=checkpoint, info=info)

@@ -37,7 +37,7 @@ from h3render.parallel.plan import ParallelPlan
 from h3render.render import render_job
 from h3render.sampling import Schedule, dit_model_fn
 from h3render.staging import PinnedFrameStager
-from h3render.tasks import task_of
+from h3render.tasks import task_of, windows_of
 from h3render.tasks.base import BASE_PARTITION, Prepared
 from h3render.timing import StageTimer
 
@@ -474,14 +474,16 @@ class Engine:
         if self.adapter is not None and self.student_attention is not None:
             from h3render.checkpoint.students import budgets  # VSA's top-k at each job shape, for the sidecar
 
-            fast = [(j.width, j.height, j.frames) for j in jobs if j.mode == "fasth3"]
+            fast = [(j.width, j.height, w.frames) for j in jobs if j.mode == "fasth3" for w in windows_of(j)[0]]
             if self.student_attention.vsa and fast:
                 self.adapter["attention"].setdefault("k", {}).update(budgets(self.student_attention, fast))
         for job in jobs:
             if job.mode == "fasth3" and self._deferred_fusion is not None:
                 continue  # built once the student is fused, on its first job
-            schedule = self.schedule(job)
-            self.tables(schedule, task_of(job).timesteps(schedule), task_of(job).PARTITION)
+            # every window's task (a windowed clip's first window is a plain one): no table is built mid-job
+            for window in {task_of(w).NAME: w for w in windows_of(job)[0]}.values():
+                schedule = self.schedule(window)
+                self.tables(schedule, task_of(window).timesteps(schedule), task_of(window).PARTITION)
         if self.device.type == "cuda":
             self.c.dit.offload_adaln_("cpu")
             torch.cuda.empty_cache()
@@ -505,7 +507,7 @@ class Engine:
                 self._warm_vae(jobs)
             if self.plan.decodes_audio and "audio_activations" not in self.warmup:
                 self._choose_audio_activations()
-        lengths = sorted({spec.audio_latents(j.frames) for j in jobs} - self._audio_lengths)
+        lengths = sorted({spec.audio_latents(w.frames) for j in jobs for w in windows_of(j)[0]} - self._audio_lengths)
         if self.audio_decode.graphs_on(self.device) and lengths:
             t0 = time.perf_counter()
             for length in lengths:

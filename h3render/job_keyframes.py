@@ -26,7 +26,7 @@ class KeyframeRef:
     """One validated keyframe file of a job (no pixels: jobs are small, picklable values).
 
     Attributes:
-        anchor: "first" or "last".
+        anchor: "first", "last" or a pixel frame index (0-based, of the whole clip: `keyframes:` / `--keyframe`).
         given: the path as written in the manifest / on the command line.
         path: the resolved absolute path (relative paths resolve against the manifest's folder, or the working
             folder for `h3render prompt`).
@@ -37,7 +37,7 @@ class KeyframeRef:
         exif_transposed: an EXIF orientation tag rotated or flipped the picture.
     """
 
-    anchor: str
+    anchor: str | int
     given: str
     path: str
     sha256: str
@@ -57,10 +57,19 @@ class KeyframeRef:
             notes.append("EXIF orientation applied")
         return "; ".join(notes) or None
 
+    @property
+    def label(self) -> str:
+        """"first frame", "last frame" or "frame 240", for messages."""
+        return f"frame {self.anchor}" if isinstance(self.anchor, int) else f"{self.anchor} frame"
+
+    def frame(self, frames: int) -> int:
+        """The pixel frame index this keyframe is anchored at in a `frames`-frame clip (first 0, last F - 1)."""
+        return 0 if self.anchor == "first" else frames - 1 if self.anchor == "last" else int(self.anchor)
+
     def describe(self) -> str:
         """`first frame shots/a.png 640x480`, plus the conversion note in parentheses when there is one."""
         note = self.conversion_note()
-        return f"{self.anchor} frame {self.given} {self.width}x{self.height}" + (f" ({note})" if note else "")
+        return f"{self.label} {self.given} {self.width}x{self.height}" + (f" ({note})" if note else "")
 
 
 def resolve_keyframe_path(value: str, base_dir: str | Path) -> Path:
@@ -69,7 +78,21 @@ def resolve_keyframe_path(value: str, base_dir: str | Path) -> Path:
     return path if path.is_absolute() else Path(base_dir) / path
 
 
-def read_keyframe_ref(value: str, anchor: str, base_dir: str | Path) -> KeyframeRef:
+def parse_keyframe_spec(value) -> tuple[int, str]:
+    """A `keyframes:` entry / `--keyframe` value `"INDEX:PATH"` (`"240:mid.png"`) as (frame index, path).
+
+    Raises:
+        ValueError: not a string of a non-negative decimal index, ":" and a non-empty path.
+    """
+    if isinstance(value, str) and ":" in value:
+        index, path = value.split(":", 1)
+        if index.strip().isascii() and index.strip().isdigit() and path.strip():
+            return int(index), path
+    raise ValueError(f"{value!r} must be \"FRAME:IMAGE\" (a 0-based frame index, ':' and an image path, e.g. "
+                     f"\"240:mid.png\")")
+
+
+def read_keyframe_ref(value: str, anchor: str | int, base_dir: str | Path) -> KeyframeRef:
     """Decode and validate one keyframe file (see `h3render.keyframes.load_keyframe`) into a `KeyframeRef`.
 
     Raises:

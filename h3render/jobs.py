@@ -30,6 +30,7 @@ from h3render.outputs import TEMP_MARK, output_paths, render_reason
 from h3render.spec import (FPS, RELEASED_MAX_PIXELS, RELEASED_SHORT_EDGE, X264_PRESETS, Limits, audio_rows,
                            canvas_for_aspect, check_canvas, is_snapped, latent_frames, parse_aspect, seconds_text,
                            snap_frames, video_rows)
+from h3render.windows import MAX_CLIP_FRAMES, Window, check_window, plan_note, plan_windows
 
 # --- h3render choices (docs/manifest.md) ---------------------------------------------------------------------------
 MODES = ("t2va", "fasth3")  # the sampler: base model or distilled FastH3 student (t2va-only)
@@ -107,6 +108,11 @@ class Job:
             makes the job's `task` "fl2va".
         references: ref2va reference files in request order (`h3render.job_references.ReferenceRef`); any makes
             the job's `task` "ref2va".
+        frame_keyframes: keyframes anchored at frame indices (`keyframes:` / `--keyframe 240:mid.png`), ascending;
+            any makes the job fl2va. Index 0 is a first frame, index frames - 1 a last frame, bit for bit.
+        window, overlap: a clip longer than one pass (`h3render.windows`): the longest window (17n + 5 frames) and
+            the frames windows share (17j + 5); `frames` is then the clip's exact frame count (not snapped) and the
+            job's `task` "continuation". None / 0 for a one-pass job.
     """
 
     id: str | None
@@ -123,10 +129,18 @@ class Job:
     first_frame: KeyframeRef | None = None
     last_frame: KeyframeRef | None = None
     references: tuple[ReferenceRef, ...] = ()
+    frame_keyframes: tuple[KeyframeRef, ...] = ()
+    window: int | None = None
+    overlap: int = 0
 
     def __post_init__(self) -> None:
         check_canvas(self.width, self.height)
-        if not is_snapped(self.frames):
+        if self.window is not None:
+            check_window(self.window, self.overlap)
+            if not self.window < self.frames <= MAX_CLIP_FRAMES:
+                raise ValueError(f"Job {self.output!r}: a windowed clip has {self.window + 1}..{MAX_CLIP_FRAMES} "
+                                 f"frames, got {self.frames}")
+        elif not is_snapped(self.frames):
             raise ValueError(f"Job {self.output!r}: frames {self.frames} is not of the form 17n+5")
         if self.mode not in MODES:
             raise ValueError(f"Job {self.output!r}: mode {self.mode!r} is not one of {', '.join(MODES)}")
@@ -139,6 +153,12 @@ class Job:
         problem = output_path_problem(self.output)
         if problem:
             raise ValueError(f"Job output {self.output!r}: {problem}")
+        problem = keyframe_problem(self.keyframes, self.frames)
+        if problem:
+            raise ValueError(f"Job {self.output!r}: {problem}")
+        if self.references and self.window is not None:
+            raise ValueError(f"Job {self.output!r}: ref2va renders one pass (at most {self.window} frames here); "
+                             f"references with a longer clip are not supported")
 
     def params(self) -> dict[str, Any]:
         """Everything that determines the rendered output, as plain JSON values: the resume key and the sidecar's
@@ -147,25 +167,46 @@ class Job:
         job, renaming it does not (its path is in the sidecar's `extra.fl2va`)."""
         params = {"prompt": self.prompt, "seed": self.seed, "width": self.width, "height": self.height,
                   "frames": self.frames, "steps": self.steps, "mode": self.mode}
-        if self.task == "fl2va":
+        if self.keyframes:  # the pictures' content, not their paths
             params["task"] = "fl2va"
-            params.update({f"{k.anchor}_frame_sha256": k.sha256 for k in self.keyframes})
+            params.update({f"{k.anchor}_frame_sha256": k.sha256 for k in (self.first_frame, self.last_frame) if k})
+            if self.frame_keyframes:
+                params["keyframes"] = [[k.anchor, k.sha256] for k in self.frame_keyframes]
         if self.references:  # order, type, content and the sound used; not the paths
             params["task"] = "ref2va"
             params["references"] = [r.params() for r in self.references]
+        if self.window is not None:
+            params.update(task="continuation", window=self.window, overlap=self.overlap)
         return params
 
     @property
     def task(self) -> str:
-        """"ref2va" when references are given, "fl2va" when a first or last keyframe is, else "t2va"."""
+        """"continuation" for a clip longer than one pass (`window`), "ref2va" when references are given, "fl2va"
+        when a keyframe is, else "t2va"."""
+        if self.window is not None:
+            return "continuation"
         if self.references:
             return "ref2va"
-        return "fl2va" if self.first_frame is not None or self.last_frame is not None else "t2va"
+        return "fl2va" if self.keyframes else "t2va"
+
+    @property
+    def windows(self) -> tuple[Window, ...]:
+        """The window plan (`windows.plan_windows`): one window of `frames` for a one-pass job."""
+        if self.window is None:
+            return (Window(0, 0, self.frames, 0, self.frames),)
+        return plan_windows(self.frames, self.window, self.overlap)
+
+    @property
+    def pass_frames(self) -> int:
+        """Frames of the longest pass: `frames`, or the longest window of a windowed clip (what one DiT pass
+        costs: `latent_frames`, `video_rows` and `audio_rows` are of it)."""
+        return max(w.frames for w in self.windows)
 
     @property
     def keyframes(self) -> tuple[KeyframeRef, ...]:
-        """The given keyframes in packed order (first, then last)."""
-        return tuple(k for k in (self.first_frame, self.last_frame) if k is not None)
+        """The given keyframes in packed order: by frame (first, frame indices ascending, last)."""
+        given = (self.first_frame, *self.frame_keyframes, self.last_frame)
+        return tuple(sorted((k for k in given if k is not None), key=lambda k: k.frame(self.frames)))
 
     @property
     def seconds(self) -> float:
@@ -174,15 +215,15 @@ class Job:
 
     @property
     def latent_frames(self) -> int:
-        return latent_frames(self.frames)
+        return latent_frames(self.pass_frames)
 
     @property
     def video_rows(self) -> int:
-        return video_rows(self.width, self.height, self.frames)
+        return video_rows(self.width, self.height, self.pass_frames)
 
     @property
     def audio_rows(self) -> int:
-        return audio_rows(self.frames)
+        return audio_rows(self.pass_frames)
 
     def mp4_path(self, out_dir: str | Path) -> Path:
         return Path(out_dir) / f"{self.output}.mp4"
@@ -195,6 +236,8 @@ class Job:
         count outside the durations its weights were trained on says so ("4 s → 107 frames = 4.458 s, outside the
         5–15 s the model was trained on"): it renders, but diffusers would refuse it and quality is not known."""
         note = self._time_origin()
+        if self.window is not None:  # every window is inside the trained range (windows.default_window)
+            return f"{note} {plan_note(self.frames, self.window, self.overlap, conditioned=self.mode != 'fasth3')}"
         outside = limits.training_note(self.frames) if limits is not None else ""
         return f"{note}, {outside}" if outside else note
 
@@ -220,6 +263,20 @@ class Job:
         if self.requested.width is not None:
             return canvas
         return f"{canvas} (default)"
+
+
+def keyframe_problem(keyframes: tuple[KeyframeRef, ...], frames: int) -> str | None:
+    """Why a job's keyframes cannot be anchored in a `frames`-frame clip, or None: an index past the last frame, or
+    two keyframes on one frame (a first_frame and `keyframes: ["0:..."]` are both frame 0)."""
+    seen: dict[int, KeyframeRef] = {}
+    for ref in keyframes:
+        index = ref.frame(frames)
+        if not 0 <= index < frames:
+            return f"{ref.label} is past the clip's last frame {frames - 1} ({frames} frames)"
+        if index in seen:
+            return f"{ref.label} and {seen[index].label} are both frame {index}; give one picture per frame"
+        seen[index] = ref
+    return None
 
 
 # --- Presets ---------------------------------------------------------------------------------------------------------
@@ -506,7 +563,7 @@ def plan_lines(jobs: list[Job], out_dir: Path | None = None, *, overwrite: bool 
             reason = render_reason(job, mp4, sidecar, overwrite=overwrite)
             label = f"{label} ({mp4}, {skip_note(sidecar) if reason is None else 'render: ' + reason})"
         steps = "adapter schedule" if job.steps is None else f"{job.steps} sigma points"
-        task = "" if job.task == "t2va" else f"fl2va ({', '.join(k.describe() for k in job.keyframes)}), "
+        task = f"fl2va ({', '.join(k.describe() for k in job.keyframes)}), " if job.keyframes else ""
         if job.task == "ref2va":
             task = f"ref2va ({', '.join(r.describe() for r in job.references)}), "
         lines.append(f"[{number}/{len(jobs)}] {label}: {task}{job.canvas_note()}, {job.time_note(limits)}, {job.mode} "

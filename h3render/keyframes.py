@@ -50,7 +50,7 @@ class Keyframe:
     """One decoded, validated keyframe file.
 
     Attributes:
-        anchor: "first" or "last".
+        anchor: "first", "last" or a pixel frame index (`packing.keyframe_time`).
         path: the file as given (resolved by the caller).
         image: the decoded picture, EXIF-oriented, mode "RGB" (alpha flattened onto white).
         sha256: hex digest of the file's bytes (what resume compares).
@@ -61,7 +61,7 @@ class Keyframe:
         exif_transposed: an EXIF orientation tag rotated or flipped the picture.
     """
 
-    anchor: str
+    anchor: str | int
     path: Path
     image: Image.Image = field(repr=False)
     sha256: str
@@ -83,14 +83,15 @@ class PreparedKeyframes:
 
     Attributes:
         width, height: the canvas in px (multiples of 32).
-        anchors: `("first",)`, `("last",)` or `("first", "last")`, positional with `images`.
+        anchors: per image, "first", "last" or a pixel frame index, packed order (released fl2va: `("first",)`,
+            `("last",)` or `("first", "last")`).
         images: RGB PIL images of exactly `width x height`.
         info: one JSON-able dict per keyframe for the sidecar (see `prepare_keyframes`).
     """
 
     width: int
     height: int
-    anchors: tuple[str, ...]
+    anchors: tuple[str | int, ...]
     images: tuple[Image.Image, ...] = field(repr=False)
     info: tuple[dict[str, Any], ...]
 
@@ -100,14 +101,14 @@ def load_keyframe(path: str | Path, anchor: str = "first") -> Keyframe:
 
     Args:
         path: an image file Pillow decodes (PNG, JPEG, WebP at least; a still image, not an animation).
-        anchor: "first" or "last" (recorded; the caller's field name).
+        anchor: "first", "last" or a pixel frame index (recorded; where the job anchors the picture).
 
     Raises:
         ValueError: `"<path>: <problem>"` when the file is missing, unreadable, not a decodable still image, or its
             aspect ratio is outside 1:4 ... 4:1.
     """
-    if anchor not in ANCHORS:
-        raise ValueError(f"keyframe anchor must be one of {ANCHORS}, got {anchor!r}")
+    if anchor not in ANCHORS and (isinstance(anchor, bool) or not isinstance(anchor, int) or anchor < 0):
+        raise ValueError(f"keyframe anchor must be one of {ANCHORS} or a frame index >= 0, got {anchor!r}")
     path = Path(path)
     if not path.exists():
         raise ValueError(f"{path}: keyframe image not found")
@@ -279,7 +280,25 @@ def prepare_keyframes(
     Raises:
         ValueError: no keyframe given; a canvas error (see `resolve_canvas`).
     """
-    given = [k for k in (first, last) if k is not None]
+    return prepare_keyframe_list([k for k in (first, last) if k is not None], width, height, short_edge=short_edge,
+                                 max_pixels=max_pixels)
+
+
+def prepare_keyframe_list(
+    given: list[Keyframe],
+    width: int | None = None,
+    height: int | None = None,
+    *,
+    short_edge: int = RELEASED_SHORT_EDGE,
+    max_pixels: int = RELEASED_MAX_PIXELS,
+) -> PreparedKeyframes:
+    """`prepare_keyframes` for any keyframes in packed order (by frame: first, frame indices ascending, last): the
+    leading one (the first of the list) sets the canvas when none is given and is stretched onto it, the others are
+    cover-cropped, as diffusers treats its follower.
+
+    Raises:
+        ValueError: no keyframe given; a canvas error (see `resolve_canvas`).
+    """
     if not given:
         raise ValueError("fl2va needs a first frame, a last frame or both")
     canvas_w, canvas_h = resolve_canvas(given[0], width, height, short_edge=short_edge, max_pixels=max_pixels)

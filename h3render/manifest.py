@@ -15,19 +15,19 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping
 
 from h3render.job_keyframes import KEYFRAME_FIELDS
-from h3render.jobs import (DEFAULT_MODE, DEFAULT_SEED, Job, Preset, Requested, Source, load_presets, one_line,
-                           output_key, output_name, output_path_problem, prompt_slug)
-from h3render.manifest_fields import (engine_choices, field_problem, keyframe_canvas, resolve_keyframes,
-                                      resolve_references, strip_mp4)
+from h3render.jobs import (DEFAULT_MODE, DEFAULT_SEED, Job, Preset, Requested, Source, keyframe_problem, load_presets,
+                           one_line, output_key, output_name, output_path_problem, prompt_slug)
+from h3render.manifest_fields import (engine_choices, field_problem, keyframe_canvas, leading_keyframe,
+                                      resolve_keyframes, resolve_references, strip_mp4)
 from h3render.manifest_formats import Errors, Layer, ManifestError, Value, Where, read_jsonl, read_yaml
 from h3render.outputs import lock_path, temp_paths
-from h3render.spec import (PRECISIONS, Limits, canvas_for_aspect, check_canvas, parse_aspect, snap_frames,
-                           video_rows)
+from h3render.spec import PRECISIONS, Limits, canvas_for_aspect, check_canvas, parse_aspect, snap_frames, video_rows
+from h3render.windows import DEFAULT_OVERLAP, check_window, plan_windows, resolve_frames
 
 JOB_FIELDS = ("id", "prompt", "preset", "aspect", "width", "height", "duration", "frames", "seed", "steps", "mode",
-              "output", *KEYFRAME_FIELDS, "references", "reference_audio")
+              "output", *KEYFRAME_FIELDS, "keyframes", "window", "overlap", "references", "reference_audio")
 # not in `defaults` or command-line defaults
-JOB_ONLY_FIELDS = ("id", "prompt", "output", *KEYFRAME_FIELDS, "references")
+JOB_ONLY_FIELDS = ("id", "prompt", "output", *KEYFRAME_FIELDS, "keyframes", "references")
 # Engine settings (the weights load once per run): set in `defaults`; a job may repeat the run's value, never change it.
 ENGINE_FIELDS = ("precision",)
 # Only in the manifest's `defaults`; the command line's --adapter, --adapter-variant, --fasth3-positions win.
@@ -240,7 +240,8 @@ def _resolve_job(job: Layer, layers: list[Layer], limits: Limits, presets: Mappi
     requested: dict[str, Any] = {}
     # fl2va: keyframe files are read now (relative to the manifest's folder), before anything loads.
     base_dir = "." if job.file == _COMMAND_LINE else os.path.dirname(job.file) or "."
-    keyframes, problems = resolve_keyframes({f: job.get(f) for f in KEYFRAME_FIELDS if f in job.fields}, base_dir)
+    keyframes, problems = resolve_keyframes({f: job.get(f) for f in (*KEYFRAME_FIELDS, "keyframes")
+                                             if f in job.fields}, base_dir)
     for name, problem in problems:
         errors.add(job.where(name), problem)
     if problems:
@@ -248,8 +249,8 @@ def _resolve_job(job: Layer, layers: list[Layer], limits: Limits, presets: Mappi
     references: tuple = ()
     if "references" in job.fields:  # ref2va: every file probed now, in order; they never set the canvas
         if keyframes:
-            errors.add(job.where("references"), "references (ref2va) and first_frame/last_frame (fl2va) cannot be "
-                                                "combined in one job")
+            errors.add(job.where("references"), "references (ref2va) and keyframes (fl2va: first_frame, last_frame, "
+                                                "keyframes) cannot be combined in one job")
             return None
         audio_layer = _first(layers, ["reference_audio"])
         references, problem = resolve_references(job.get("references"), base_dir,
@@ -260,8 +261,8 @@ def _resolve_job(job: Layer, layers: list[Layer], limits: Limits, presets: Mappi
     canvas_layer = _first(layers, _CANVAS_FIELDS)
     preset = None
     if canvas_layer is None and keyframes:  # the canvas follows the leading keyframe (first given)
-        leading = next(iter(keyframes.values()))
-        requested["canvas_from"] = f"{leading.anchor} frame's aspect ({leading.width}x{leading.height})"
+        leading = leading_keyframe(keyframes)
+        requested["canvas_from"] = f"{leading.label}'s aspect ({leading.width}x{leading.height})"
         width, height = keyframe_canvas(leading, limits)
     elif canvas_layer is None:
         width, height = limits.default_canvas
@@ -278,11 +279,12 @@ def _resolve_job(job: Layer, layers: list[Layer], limits: Limits, presets: Mappi
         requested.update(width=width, height=height)
 
     time_layer = _first(layers, _TIME_FIELDS)
+    window = None  # past one pass: the longest window of a windowed continuation (h3render.windows)
     try:
         if time_layer is not None:
             where = time_layer.where("duration" if "duration" in time_layer.fields else "frames")
             requested.update(duration=time_layer.get("duration"), frames=time_layer.get("frames"))
-            frames = snap_frames(time_layer.get("frames"), time_layer.get("duration"), limits)
+            frames, window = resolve_frames(time_layer.get("frames"), time_layer.get("duration"), limits)
         elif preset is not None:
             where = f"{canvas_layer.where('preset')} (preset {preset.name})"
             requested.update(duration=preset.duration, frames=preset.frames)
@@ -293,11 +295,35 @@ def _resolve_job(job: Layer, layers: list[Layer], limits: Limits, presets: Mappi
     except ValueError as exc:
         errors.add(where, str(exc))
         return None
-    rows = video_rows(width, height, frames)
+    refs = tuple(k for v in keyframes.values() for k in (v if isinstance(v, tuple) else (v,)))
+    problem = keyframe_problem(refs, frames)
+    if problem:
+        errors.add(job.where(next(f for f in job.fields if f in (*KEYFRAME_FIELDS, "keyframes"))), problem)
+        return None
+    overlap = 0
+    if window is not None:  # a long clip: its window and overlap (h3render.windows), the defaults unless set
+        window_layer, overlap_layer = _first(layers, ["window"]), _first(layers, ["overlap"])
+        window = window_layer.get("window") if window_layer else window
+        overlap = overlap_layer.get("overlap") if overlap_layer else DEFAULT_OVERLAP
+        try:
+            check_window(window, overlap)
+            if not limits.min_frames <= window <= limits.max_frames:
+                raise ValueError(f"window {window} is outside this checkpoint's range {limits.min_frames}–"
+                                 f"{limits.max_frames} frames")
+        except ValueError as exc:
+            blame = window_layer or overlap_layer
+            errors.add(blame.where("window" if window_layer else "overlap") if blame else where, str(exc))
+            return None
+    if window is not None and references:
+        errors.add(job.where("references"), f"ref2va renders one pass (at most {limits.max_frames} frames); this "
+                                            f"clip of {frames} frames needs windows: shorten it")
+        return None
+    pass_frames = frames if window is None else max(w.frames for w in plan_windows(frames, window, overlap))
+    rows = video_rows(width, height, pass_frames)
     if rows > limits.max_video_rows:  # canvas x time: refused before load, not minutes into a render
         blame = (canvas_layer.where(next(f for f in _CANVAS_FIELDS if f in canvas_layer.fields))
                  if canvas_layer is not None else where)
-        errors.add(blame, f"canvas {width}x{height} at {frames} frames is {rows:,} packed video rows, more than this "
+        errors.add(blame, f"canvas {width}x{height} at {pass_frames} frames is {rows:,} packed video rows, more than this "
                           f"checkpoint's limit of {limits.max_video_rows:,} (Limits.max_video_rows)")
         return None
 
@@ -314,7 +340,8 @@ def _resolve_job(job: Layer, layers: list[Layer], limits: Limits, presets: Mappi
     if mode == "fasth3" and keyframes:
         origin = mode_layer.where("mode")
         named = f" {job.get('id')!r}" if job.get("id") else ""
-        errors.add(job.where(next(iter(keyframes))), f"job{named} is fl2va (keyframes given) but its mode is fasth3"
+        given = next(f for f in job.fields if f in (*KEYFRAME_FIELDS, "keyframes"))
+        errors.add(job.where(given), f"job{named} is fl2va (keyframes given) but its mode is fasth3"
                    f"{'' if mode_layer is job else f' (from {origin})'}: FastH3 students are t2va-only; render it "
                    f"with mode t2va")
         return None
@@ -333,7 +360,8 @@ def _resolve_job(job: Layer, layers: list[Layer], limits: Limits, presets: Mappi
     seed_layer = _first(layers, ["seed"])
     return dict(id=job.get("id"), prompt=job.get("prompt"), width=width, height=height, frames=frames,
                 seed=seed_layer.get("seed") if seed_layer else DEFAULT_SEED, steps=steps, mode=mode,
-                requested=Requested(**requested), references=references, **keyframes)
+                requested=Requested(**requested), references=references, window=window, overlap=overlap,
+                **keyframes)
 
 
 def _check_ids(job_layers: list[Layer], errors: Errors) -> set[int]:

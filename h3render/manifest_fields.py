@@ -9,7 +9,8 @@ import math
 from pathlib import Path
 from typing import Any, Mapping, NamedTuple
 
-from h3render.job_keyframes import ANCHOR_OF_FIELD, KEYFRAME_FIELDS, KeyframeRef, read_keyframe_ref
+from h3render.job_keyframes import (ANCHOR_OF_FIELD, KEYFRAME_FIELDS, KeyframeRef, parse_keyframe_spec,
+                                    read_keyframe_ref)
 from h3render.job_references import (ReferenceRef, entry_problem, read_reference, references_problem,
                                      unsupported_problem)
 from h3render.jobs import MAX_SEED, MODES, Preset, lone_surrogate, output_path_problem
@@ -66,6 +67,8 @@ def field_problem(name: str, value: Any, presets: Mapping[str, Preset], limits: 
             return f"must be a number of seconds, got {type_name(value)}"
         if not math.isfinite(value) or value <= 0:
             return f"{value} must be a positive number of seconds"
+    if name in ("window", "overlap") and (not is_int(value) or value <= 0):
+        return f"must be a positive integer number of frames (17n + 5), got {value!r}"
     if name in ("frames", "seed", "steps") and not is_int(value):
         return f"must be an integer{' number of sigma points' * (name == 'steps')}, got {type_name(value)}"
     if name == "frames" and value <= 0:
@@ -88,6 +91,14 @@ def field_problem(name: str, value: Any, presets: Mapping[str, Preset], limits: 
         return f"must be true or false, got {type_name(value)}"
     if name == "mode" and value not in MODES:
         return f"{value!r} is not one of {', '.join(MODES)}"
+    if name == "keyframes":
+        if not isinstance(value, list) or not value:
+            return 'must be a non-empty list of "FRAME:IMAGE" strings (e.g. ["0:first.png", "240:mid.png"])'
+        for item in value:
+            try:
+                parse_keyframe_spec(item)
+            except ValueError as exc:
+                return str(exc)
     if name == "output":
         problem = output_path_problem(strip_mp4(value))
         if problem:
@@ -123,6 +134,14 @@ def resolve_keyframes(values: Mapping[str, str], base_dir: str | Path) -> tuple[
                 refs[name] = read_keyframe_ref(values[name], ANCHOR_OF_FIELD[name], base_dir)
             except ValueError as exc:
                 problems.append((name, str(exc)))
+    if "keyframes" in values:  # ["240:mid.png", ...]: Job.frame_keyframes, ascending
+        at = []
+        for index, path in sorted(parse_keyframe_spec(v) for v in values["keyframes"]):
+            try:
+                at.append(read_keyframe_ref(path, index, base_dir))
+            except ValueError as exc:
+                problems.append(("keyframes", str(exc)))
+        refs["frame_keyframes"] = tuple(at)
     return refs, problems
 
 
@@ -144,6 +163,14 @@ def resolve_references(entries: list, base_dir: str | Path, use_audio: bool = Tr
             return (), f"entry {index}: {exc}"
     problem = references_problem(refs) or unsupported_problem(refs)
     return tuple(refs), problem
+def leading_keyframe(refs: Mapping[str, Any]) -> KeyframeRef:
+    """The keyframe that sets an fl2va job's canvas when it names none: the earliest one (first_frame, else the
+    lowest `keyframes:` index, else last_frame), as diffusers' leading `image`."""
+    for name in ("first_frame", "frame_keyframes", "last_frame"):
+        ref = refs.get(name)
+        if ref:
+            return ref[0] if isinstance(ref, tuple) else ref
+    raise ValueError("no keyframe given")
 
 
 def keyframe_canvas(leading: KeyframeRef, limits: Limits) -> tuple[int, int]:

@@ -23,7 +23,8 @@ import numpy as np
 import torch
 
 from h3render.spec import (AUDIO_CHANNELS, CANVAS_MULTIPLE, FRAMES_PER_LATENT, LATENT_TIME_UNITS, PATCH,
-                           SPATIAL_COMPRESSION, audio_latents, latent_frames)
+                           SPATIAL_COMPRESSION, audio_latents, latent_first_frame, latent_frames,
+                           latent_of_frame)
 
 VIDEO_TAG, TEXT_TAG, AUDIO_TAG = 0, 1, 2
 
@@ -255,6 +256,9 @@ def rows_to_audio(rows: torch.Tensor, layout: PackedLayout) -> torch.Tensor:
 # `MiniMaxH3PrepareLayoutStep.build_packed_sequence` with `keyframe_anchors`). A keyframe is one latent frame of the
 # target's grid, (H/32) * (W/32) rows, tagged video, at the target's (h, w) grid and at t = text_len ("first") or
 # t = text_len + (F - 1) * 5/3 ("last"; the reference's numpy pairwise sum of the frame spans minus the last span).
+# h3render also anchors a condition frame at any pixel frame index f (`keyframe_time`: ComfyUI's MiniMaxH3AddGuide
+# anchors a guide at any frame index the same way, by its time), which windowed continuation uses for the previous
+# window's tail latents at the start frames of the next.
 # `video_index` lists the keyframe rows first, then the target video rows (ascending), so the DiT embeds and projects
 # them like any video row; the sampler never writes them and drops their velocity.
 
@@ -272,13 +276,14 @@ class ConditionedLayout(PackedLayout):
     `audio_index` `[Nca + 2 * Ta]`: reference audio first):
         num_condition_rows: Nc = fl2va: number of keyframes x rows_per_frame; ref2va: the image and video
             references' rows (`ref_packing.ref2va_layout`).
-        keyframe_anchors: "first"/"last" per keyframe, packed order (fl2va).
+        keyframe_anchors: "first" / "last" / a pixel frame index per keyframe, packed order (fl2va and windowed
+            continuation: `keyframe_time`).
         num_condition_audio_rows: Nca = ref2va's reference audio rows (soundtracks and clips), never noised.
         reference_kinds: "image"/"video"/"audio" per reference, request order (ref2va).
     """
 
     num_condition_rows: int = 0
-    keyframe_anchors: tuple[str, ...] = ()
+    keyframe_anchors: tuple[str | int, ...] = ()
     num_condition_audio_rows: int = 0
     reference_kinds: tuple[str, ...] = ()
 
@@ -347,8 +352,36 @@ def _last_keyframe_time(text_len: int, latent_frames: int) -> float:
     return float(text_len) + float(spans.sum()) - _FRAME_TIME_SCALE
 
 
+def keyframe_time(text_len: int, frames: int, anchor: str | int) -> float:
+    """RoPE t of a condition frame anchored at `anchor` of a `frames`-frame clip (float64 value).
+
+    "first" is pixel frame 0 and "last" pixel frame F - 1; an int is a pixel frame index in [0, F). The time is
+    `text_len + f * 5/3` (one pixel frame = 5/3 audio-latent units), computed so that the reference's anchors come
+    out bit for bit: frame F - 1 as diffusers' "last" (`_last_keyframe_time`), and a frame that starts a latent
+    frame k (0, 1, 5, 9, 13, 17, ...: `spec.latent_first_frame`) at exactly the t of the target's latent frame k
+    (frame 0: `text_len`, diffusers' "first").
+
+    Raises:
+        ValueError: an anchor that is neither "first", "last" nor an int in [0, frames).
+    """
+    t_lat = latent_frames(frames)
+    if anchor == "first":
+        anchor = 0
+    elif anchor == "last":
+        anchor = frames - 1
+    if isinstance(anchor, bool) or not isinstance(anchor, int) or not 0 <= anchor < frames:
+        raise ValueError(f"keyframe anchor must be 'first', 'last' or a frame index in 0..{frames - 1}, "
+                         f"got {anchor!r}")
+    if anchor == frames - 1:
+        return _last_keyframe_time(text_len, t_lat)
+    latent = latent_of_frame(anchor)
+    if latent_first_frame(latent) == anchor:
+        return float(_frame_times(latent + 1, float(text_len))[latent])
+    return float(text_len) + anchor * _FRAME_TIME_SCALE
+
+
 def fl2va_layout(
-    token_tags: torch.Tensor, height: int, width: int, frames: int, keyframe_anchors: tuple[str, ...]
+    token_tags: torch.Tensor, height: int, width: int, frames: int, keyframe_anchors: tuple[str | int, ...]
 ) -> ConditionedLayout:
     """Layout of a keyframe-conditioned request.
 
@@ -357,8 +390,9 @@ def fl2va_layout(
             `TextEncoder.encode_with_images`.
         height, width: canvas in pixels, multiples of 32 (the keyframes were put onto it).
         frames: pixel frames at 24 fps, 17n + 5.
-        keyframe_anchors: `("first",)`, `("last",)` or `("first", "last")`, packed order (an empty tuple gives the
-            t2va layout with the given text tags).
+        keyframe_anchors: per condition frame, packed order: "first", "last" or a pixel frame index (`keyframe_time`);
+            released fl2va: `("first",)`, `("last",)` or `("first", "last")` (an empty tuple gives the t2va layout
+            with the given text tags).
 
     Returns:
         `ConditionedLayout` (CPU tensors). At 1344 x 768 x 243 with both keyframes: 2,016 condition rows.
@@ -368,10 +402,8 @@ def fl2va_layout(
     """
     if token_tags.ndim != 1 or bool(((token_tags != TEXT_TAG) & (token_tags != VIDEO_TAG)).any()):
         raise ValueError(f"text token tags must be [Nt] of {TEXT_TAG} (text) / {VIDEO_TAG} (vision block)")
-    for anchor in keyframe_anchors:
-        if anchor not in ("first", "last"):
-            raise ValueError(f"keyframe anchor must be 'first' or 'last', got {anchor!r}")
     text_len = token_tags.numel()
+    times = [keyframe_time(text_len, frames, anchor) for anchor in keyframe_anchors]  # checks the anchors
     base = t2va_layout(text_len, height, width, frames)
     rows_per_frame = base.rows_per_frame
     n_cond = len(keyframe_anchors) * rows_per_frame
@@ -386,10 +418,9 @@ def fl2va_layout(
     h_grid = torch.from_numpy(_spatial_grid(base.latent_height, ph, sqrt_area))
     w_grid = torch.from_numpy(_spatial_grid(base.latent_width, pw, sqrt_area))
     frame_hw = torch.stack(torch.meshgrid(h_grid, w_grid, indexing="ij"), dim=-1).reshape(-1, 2)  # [rows, 2]
-    for k, anchor in enumerate(keyframe_anchors):
+    for k in range(len(keyframe_anchors)):
         rows = slice(text_len + k * rows_per_frame, text_len + (k + 1) * rows_per_frame)
-        positions[rows, 0] = float(text_len) if anchor == "first" else _last_keyframe_time(text_len,
-                                                                                            base.latent_frames)
+        positions[rows, 0] = times[k]
         positions[rows, 1:] = frame_hw
 
     tags = torch.empty(seq_len, dtype=torch.int64)

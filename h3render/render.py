@@ -2,8 +2,9 @@
 generate (denoise, unpatchify) -> deliver (decode audio, stream the video into the writer); then the MP4's tail and
 the sidecar.
 
-A job is one window unless the caller splits it (`render_windows`: the windows' frames and soundtracks go through
-one writer into one MP4, and the sidecar lists every window). What differs between tasks is in the task's module
+A job is one window unless its task splits it (`tasks.windows_of`: a clip longer than one pass, `h3render.windows`)
+or the caller does (`render_windows`): the windows' frames and soundtracks go through one writer into one MP4, the
+frames they share cross-faded (`h3render.seams`), and the sidecar lists every window. What differs between tasks is in the task's module
 (`h3render.tasks`); this file has no task branch.
 
 Every rank runs this for the same job in lock-step; what differs between ranks is the engine's parallel plan
@@ -30,9 +31,11 @@ from h3render.models.fp8 import precision_report
 from h3render.packing import rows_to_audio, unpatchify_video
 from h3render.progress import Progress, as_progress
 from h3render.sidecar import write_sidecar
-from h3render.tasks import task_of
+from h3render.seams import Splicer, back_to_back
+from h3render.tasks import task_of, windows_of
 from h3render.tasks.base import Prepared
 from h3render.timing import StageTimer, device_name, utc_now, versions
+from h3render.windows import Window
 
 
 @dataclass(eq=False)
@@ -63,29 +66,41 @@ def render_job(engine, job, mp4_path: Path, sidecar_path: Path) -> Future:
         RenderError: non-finite latents, frames or audio; a job this checkpoint cannot run.
         MediaError: the MP4 could not be written.
     """
-    return render_windows(engine, job, [job], mp4_path, sidecar_path)
+    windows, plan = windows_of(job)  # one window, unless the job's task splits it (a clip longer than one pass)
+    return render_windows(engine, job, windows, mp4_path, sidecar_path, plan)
 
 
 @torch.no_grad()
-def render_windows(engine, job, windows: Sequence, mp4_path: Path, sidecar_path: Path) -> Future:
+def render_windows(engine, job, windows: Sequence, mp4_path: Path, sidecar_path: Path,
+                   plan: Sequence[Window] | None = None) -> Future:
     """Render `windows` (jobs of the same canvas, each 17n + 5 frames, in order) into one MP4 of all their frames
     and soundtracks, described by `job` (its `params()` are the sidecar's `job`, and the resume key).
 
-    The sidecar's `extra.windows` lists every window (frames, seed, task, sigmas, when it ran, what the task
-    recorded) when there is more than one. Returns and raises as `render_job`.
+    `plan` (`h3render.windows.Window` per window) says where each window sits in the MP4: the frames it shares
+    with the one before are cross-faded and its frames past `keep` go to the next window's blend or are dropped
+    (`seams.Splicer`); default: the windows back to back, whole. A window's task may condition it on the window
+    before: its `follow(window, previous Latents)` gives the window to prepare.
+
+    The sidecar's `extra.windows` lists every window (frames, seed, task, sigmas, when it ran, where it sits, what
+    the task recorded) when there is more than one. Returns and raises as `render_job`.
     """
-    dev, plan, settings = engine.device, engine.plan, engine.settings
+    plan = tuple(plan) if plan is not None else back_to_back([w.frames for w in windows])
+    dev, settings = engine.device, engine.settings
     timer = StageTimer(dev)
     t_start = timer.now()
     started_at = utc_now()
     # Stage progress on rank 0 only (the ranks run the same stages in lock-step).
-    progress = as_progress(settings.progress, settings.step_bar_position) if plan.writes else Progress("off")
-    sink = _Sink(engine, mp4_path, job, windows, progress) if plan.writes else None
+    progress = as_progress(settings.progress, settings.step_bar_position) if engine.plan.writes else Progress("off")
+    sink = _Sink(engine, mp4_path, job, plan, progress) if engine.plan.writes else None
     records: list[dict[str, Any]] = []
     first: Latents | None = None
+    previous: Latents | None = None
     precision: dict[str, str] = {}
     try:
         for i, window in enumerate(windows):
+            follow = getattr(task_of(window), "follow", None)
+            if follow is not None and previous is not None:
+                window = follow(window, previous)
             label = mp4_path.stem if len(windows) == 1 else f"{mp4_path.stem} [window {i + 1}/{len(windows)}]"
             t0 = timer.now() - t_start
             schedule = engine.schedule(window)  # a mixed queue's first fasth3 job fuses (and, fp8, quantizes) the DiT
@@ -96,15 +111,17 @@ def render_windows(engine, job, windows: Sequence, mp4_path: Path, sidecar_path:
                 prepared = task_of(window).prepare(engine, window, timer)
             latents = generate(engine, window, prepared, schedule, timer, progress, label)
             del prepared
-            if settings.save_latents and plan.writes:
+            if settings.save_latents and engine.plan.writes:
                 _save_latents(mp4_path, i, latents)
             first = first or latents
             t1 = timer.now() - t_start
             with engine.vae_on_device():  # the streamed memory plan keeps the video VAE off the device till now
                 deliver(engine, window, latents, sink, timer)
+            previous = latents if i + 1 < len(windows) else None
             records.append({"index": i, "frames": window.frames, "seed": window.seed, "task": window.task,
-                            "sigmas": latents.schedule.to_dict(), "started_s": t0, "generated_s": t1,
-                            "delivered_s": timer.now() - t_start, **latents.record})
+                            **plan[i].to_dict(), "sigmas": latents.schedule.to_dict(), "started_s": t0,
+                            "generated_s": t1, "delivered_s": timer.now() - t_start,
+                            "peak_memory_bytes": timer.take_peak(), **latents.record})
     except BaseException:
         if sink is not None:
             sink.abort()
@@ -179,11 +196,13 @@ def deliver(engine, job, latents: Latents, sink: "_Sink | None", timer: StageTim
 
 class _Sink:
     """Rank 0's side of a job's MP4: the writer (opened at the first window's decode, for all windows' frames), the
-    decode progress of the window being written, the encode progress of the whole MP4, and the frames written."""
+    windows' seams (`seams.Splicer`), the decode progress of the window being written, the encode progress of the
+    whole MP4, and the frames written."""
 
-    def __init__(self, engine, mp4_path: Path, job, windows: Sequence, progress: Progress):
+    def __init__(self, engine, mp4_path: Path, job, plan: Sequence[Window], progress: Progress):
         self.engine, self.mp4_path, self.job, self.progress = engine, mp4_path, job, progress
-        self.windows = [w.frames for w in windows]
+        self.windows = [w.frames for w in plan]
+        self.splicer = Splicer(plan)
         self.writer: Mp4Writer | None = None
         self.written = 0
         self.job_warmup: dict[str, Any] = {}
@@ -191,9 +210,10 @@ class _Sink:
         self.decode = self.encode = None
 
     def _open(self) -> None:
-        settings, total = self.engine.settings, sum(self.windows)
-        self.writer = Mp4Writer(self.mp4_path, self.job.width, self.job.height, total, crf=settings.crf,
-                                preset=settings.x264_preset, windows=self.windows)
+        settings, keeps = self.engine.settings, self.splicer.keeps
+        self.writer = Mp4Writer(self.mp4_path, self.job.width, self.job.height, sum(keeps), crf=settings.crf,
+                                preset=settings.x264_preset, windows=keeps)
+        total = sum(keeps)
         self.encode = self.progress.stage(self.mp4_path.stem, "encode", total, "frames", row=1)
 
     def write(self, waveform: torch.Tensor | None, frames: Iterator, timer: StageTimer) -> None:
@@ -204,15 +224,15 @@ class _Sink:
         """
         if self.writer is None:
             self._open()
-        offset = self.written  # the window's first frame in the MP4
-        self.decode = self.progress.stage(self.mp4_path.stem, "decode", self.windows[len(self._done)], "frames")
-        self._done.append(offset)
+        index = len(self._done)
+        self.decode = self.progress.stage(self.mp4_path.stem, "decode", self.windows[index], "frames")
+        self._done.append(self.written)
         distributed = self.engine.ctx.distributed
         error: BaseException | None = None
         try:
             if not torch.isfinite(waveform).all():
                 raise RenderError("the audio VAE produced non-finite samples; no video written")
-            self.writer.write_audio(waveform.cpu())
+            self.writer.write_audio(self.splicer.audio(index, waveform.cpu()))
         except Exception as exc:
             if not distributed:
                 raise
@@ -223,9 +243,10 @@ class _Sink:
                     continue  # drain
                 t0 = timer.now()
                 try:
-                    n = self._write_chunk(offset + first, chunk)
+                    self.decode.update(chunk.shape[1])
+                    chunk = self.splicer.frames(index, first, chunk)  # the seam blended; held or dropped frames out
+                    n = 0 if chunk is None else self._write_chunk(self.written, chunk)
                     self.written += n
-                    self.decode.update(n)
                     self.encode.update(self.writer.frames_encoded - self.encode.done)
                 except Exception as exc:
                     if not distributed:

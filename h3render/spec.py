@@ -66,6 +66,20 @@ def latent_frames(frames: int) -> int:
     return (frames - FRAMES_REMAINDER) // FRAMES_PER_CHUNK * LATENTS_PER_CHUNK + LATENT_REMAINDER
 
 
+def latent_first_frame(latent: int) -> int:
+    """The first pixel frame behind latent frame `latent` (>= 0): 17 per 5 latents, then 1, 4, 4, 4, 4 within a
+    group (0 -> 0, 1 -> 1, 2 -> 5, 5 -> 17, 7 -> 22)."""
+    group, slot = divmod(latent, LATENTS_PER_CHUNK)
+    return group * FRAMES_PER_CHUNK + sum(FRAMES_PER_LATENT[:slot])
+
+
+def latent_of_frame(frame: int) -> int:
+    """The latent frame holding pixel frame `frame` (>= 0): the inverse of `latent_first_frame` (240 -> 71)."""
+    group, rest = divmod(frame, FRAMES_PER_CHUNK)
+    slot = 0 if rest == 0 else 1 + (rest - 1) // FRAMES_PER_LATENT[1]
+    return group * LATENTS_PER_CHUNK + slot
+
+
 def audio_latents(frames: int) -> int:
     """Audio latents per channel for `frames` video frames: round(frames / 24 * 40), Python's round as the reference
     (243 -> 405)."""

@@ -108,6 +108,7 @@ class StageTimer:
         self.stage_peak_bytes: dict[str, int] = {}
         self._local = threading.local()  # stage nesting depth, per thread
         self._job_peak = 0
+        self._since_take = 0  # peak since the last take_peak (a window of a windowed job)
         self._frozen_peak: int | None = None
         if self._cuda:
             torch.cuda.reset_peak_memory_stats(self.device)
@@ -155,6 +156,7 @@ class StageTimer:
             if self._cuda and outer:
                 peak = torch.cuda.max_memory_allocated(self.device)
                 self._job_peak = max(self._job_peak, peak)
+                self._since_take = max(self._since_take, peak)
                 self.stage_peak_bytes[name] = max(self.stage_peak_bytes.get(name, 0), peak)
 
     @contextmanager
@@ -195,6 +197,17 @@ class StageTimer:
         for name in names[1:]:
             common = _intersect(common, self.intervals.get(name, []))
         return _length(common)
+
+    def take_peak(self) -> int | None:
+        """Peak allocated device memory since the last `take_peak` (or the timer's start), then start over: one
+        window's peak in a windowed job (outside any stage; None off CUDA). The job's peak keeps counting."""
+        if not self._cuda:
+            return None
+        peak = max(self._since_take, torch.cuda.max_memory_allocated(self.device))
+        self._job_peak = max(self._job_peak, peak)
+        self._since_take = 0
+        torch.cuda.reset_peak_memory_stats(self.device)
+        return peak
 
     def freeze_peak(self) -> None:
         """Fix the job's peak memory now: the job's device work is over (its MP4 tail runs on the host while the next

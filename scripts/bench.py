@@ -55,6 +55,11 @@ Stages (`--stages`, comma-separated):
             (t2va, ref2va with the image, t2va) with both DiT partitions, and the partition swap (device <-> host);
             `--ref2va-model tiny --ref2va-device cpu --ref2va-canvas 224x128x22 --ref2va-forwards 2
             --ref2va-video-seconds 1` is the CPU smoke run
+  longclip  a clip longer than one pass (issue #24, scripts/bench_longclip.py): --longclip-duration s (30) at
+            --longclip-canvas (1344x768) as windowed continuation on a FastH3 VSA student (--vsa-sparsity, random
+            gates, the release's 4 forwards) in --longclip-precision (fp8): time and peak memory per window, the
+            overlap's overhead, the complete MP4; `--longclip-model tiny --longclip-device cpu --longclip-canvas
+            160x128 --longclip-duration 1.8 --longclip-window 39 --longclip-overlap 5` is the CPU smoke run
   batch     queue throughput on 1 GPU: --batch-jobs jobs of --forwards DiT forwards at --batch-canvas through
             `run_batch` with one resident Engine (each job's MP4 tail beside the next job's start). Warm-up
             (prepare, and one untimed job of the queue's shape for Triton JIT / first-call costs) is outside the
@@ -130,6 +135,11 @@ def stage_memplans(args) -> None:
     import bench_memplans
 
     bench_memplans.stage_memplans(args, bench_common)
+def stage_longclip(args) -> None:
+    """A clip longer than one pass as windowed continuation (scripts/bench_longclip.py)."""
+    import bench_longclip
+
+    bench_longclip.run(args, bench_common)
 
 
 def stage_fl2va(args) -> None:
@@ -169,7 +179,8 @@ def stage_ref2va(args) -> None:
 STAGES = {f.__name__: f for f in (
     stage_ceil, stage_attn, stage_kernels, stage_dit, stage_vae, stage_audio, stage_te, stage_ulysses, stage_vsa,
     stage_prof, stage_compare, stage_e2e, stage_fp8_gemm, stage_fp8_quant, stage_fp8_dit, stage_fp8_memory,
-    stage_fl2va, stage_ref2va, stage_batch, stage_media, stage_tables, stage_te_fp8, stage_vae_fp8, stage_memplans)}
+    stage_fl2va, stage_ref2va, stage_batch, stage_media, stage_tables, stage_te_fp8, stage_vae_fp8, stage_memplans,
+    stage_longclip)}
 
 
 def main() -> None:
@@ -220,6 +231,7 @@ def main() -> None:
     p.add_argument("--out", default=None)
     import bench_e2e  # scripts/ is sys.path[0] when run as a script
     import bench_fp8
+    import bench_longclip
     import bench_prepare
     import bench_memplans
     import bench_vae_fp8
@@ -232,6 +244,7 @@ def main() -> None:
     import bench_ref2va
 
     bench_ref2va.add_arguments(p)
+    bench_longclip.add_arguments(p)
     args = p.parse_args()
     args.vae_batches = [int(x) for x in args.vae_batches.split(",")]
     args.ulysses_chunks = [int(x) for x in args.ulysses_chunks.split(",")]

@@ -15,6 +15,13 @@ A task module has:
     warm_job(job) -> Job            the cheap job (same canvas, shortest clip) the engine's warm-up runs the task's
                                     own `prepare` and one DiT forward on, so first-call costs stay out of job timings
 
+and optionally, for a job rendered in several windows (`windows_of`):
+
+    windows(job) -> (window jobs, plan)   the windows to render in order and where each sits in the MP4
+                                          (`h3render.windows.Window`); without it a job is one window
+    follow(window, previous) -> window    the window to prepare, given the previous window's `render.Latents`
+                                          (continuation: its tail latents condition the next window)
+
 `render.generate` and `Engine.prepare` call these and nothing task-specific, so the next task (ref2va, windowed
 continuation) is one more module here plus its job fields; `render.py`, `engine.py` and `sampling.py` stay as they
 are (tests/e2e/test_task_seam.py adds a toy task that way).
@@ -25,9 +32,9 @@ from __future__ import annotations
 from types import ModuleType
 
 from h3render.errors import RenderError
-from h3render.tasks import fl2va, ref2va, t2va
+from h3render.tasks import continuation, fl2va, ref2va, t2va
 
-TASKS: dict[str, ModuleType] = {module.NAME: module for module in (t2va, fl2va, ref2va)}
+TASKS: dict[str, ModuleType] = {module.NAME: module for module in (t2va, fl2va, ref2va, continuation)}
 
 
 def task_of(job) -> ModuleType:
@@ -42,3 +49,10 @@ def task_of(job) -> ModuleType:
     except KeyError:
         raise RenderError(f"job {getattr(job, 'output', '?')!r}: task {name!r} is not one of "
                           f"{', '.join(sorted(TASKS))}") from None
+
+
+def windows_of(job) -> tuple[tuple, tuple | None]:
+    """The windows `job` renders in, in order, and their plan (`h3render.windows.Window` each; None: back to
+    back): `(job,), None` unless the job's task splits it (`windows`)."""
+    split = getattr(task_of(job), "windows", None)
+    return split(job) if split is not None else ((job,), None)

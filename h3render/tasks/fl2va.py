@@ -1,4 +1,5 @@
-"""fl2va: a first and/or last keyframe condition the clip, beside the prompt.
+"""fl2va: a first and/or last keyframe, or pictures anchored at any frame index, condition the clip, beside the
+prompt (a keyframe at frame 0 / F - 1 is diffusers' first / last image, bit for bit).
 
 The recipe is diffusers 0.42.1's fl2va chain (research/conditioning.md §1), each step a tested component:
 
@@ -25,7 +26,7 @@ import torch
 
 from h3render import spec
 from h3render.errors import RenderError
-from h3render.keyframes import keyframe_pixels, load_keyframe, prepare_keyframes
+from h3render.keyframes import keyframe_pixels, load_keyframe, prepare_keyframe_list
 from h3render.packing import fl2va_layout, noise_keyframes, patchify_video
 from h3render.sampling import Schedule, draw_noise, schedule_timesteps
 from h3render.tasks.base import BASE_PARTITION, Encoded, Prepared
@@ -46,20 +47,20 @@ def timesteps(schedule: Schedule) -> torch.Tensor:
     return schedule_timesteps(schedule.video, schedule.audio, keyframes=True)
 
 
-def read_job_keyframes(job) -> dict[str, Any]:
-    """The job's keyframe files decoded again, as `{"first": Keyframe | None, "last": Keyframe | None}`.
+def read_job_keyframes(job) -> list[Any]:
+    """The job's keyframe files decoded again (`keyframes.Keyframe`), in packed order (`Job.keyframes`: by frame).
 
     Raises:
         KeyframeChanged: a file's sha256 is not the one recorded in the job (it was edited after validation).
         ValueError: the file can no longer be read or decoded (`keyframes.load_keyframe`).
     """
-    loaded: dict[str, Any] = {"first": None, "last": None}
+    loaded = []
     for ref in job.keyframes:
         keyframe = load_keyframe(ref.path, ref.anchor)
         if keyframe.sha256 != ref.sha256:
-            raise KeyframeChanged(f"{ref.path}: {ref.anchor}_frame changed since the job was validated (sha256 "
+            raise KeyframeChanged(f"{ref.path}: {ref.label} changed since the job was validated (sha256 "
                                   f"{keyframe.sha256[:12]}... instead of {ref.sha256[:12]}...); run again")
-        loaded[ref.anchor] = keyframe
+        loaded.append(keyframe)
     return loaded
 
 
@@ -73,32 +74,46 @@ def prepare(engine, job, timer) -> Prepared:
         CheckpointError: the checkpoint has no vision tower or processor config (`Engine.ensure_vision`).
     """
     c, dev = engine.c, engine.device
-    if c.text_encoder is not None:  # resident: the vision tower's first load is this job's warm-up, timed apart
-        engine.ensure_vision(timer)
-    prepared = _keyframes(engine, job)
-    encoded = engine.encoded_text(job, timer)  # encoded now, or in the text phase
-    text, presentation = encoded.states, encoded.extra  # [N, text_dim]
+    prepared, text, _, info = encode_keyframes(engine, job, timer)
+    presentation = info["presentation_object"]
     with timer.stage("vae_encode"), engine.vae_on_device():
         latents = [c.video_vae.encode_condition(keyframe_pixels(image).to(dev)) for image in prepared.images]
     layout = fl2va_layout(presentation.tags, prepared.height, prepared.width, job.frames, prepared.anchors).to(dev)
     generator = torch.Generator("cpu").manual_seed(job.seed)
     rows = noise_keyframes(latents, generator)  # [Nc, 96]; drawn before the video and audio noise
     video_noise, audio_rows = draw_noise(generator, layout)
-    givens = {ref.anchor: ref.given for ref in job.keyframes}
-    record = {
-        "keyframes": [{**info, "given": givens[info["anchor"]]} for info in prepared.info],
-        "presentation": presentation.describe(),
-        "text_rows": int(presentation.token_ids.numel()),
-        "image_tokens": list(presentation.image_tokens),
-        "condition_rows": layout.num_condition_rows,
-    }
+    record = {**{k: v for k, v in info.items() if k != "presentation_object"},
+              "condition_rows": layout.num_condition_rows}
     return Prepared(text=text, layout=layout, output_layout=layout.target_layout(),
                     video_rows=patchify_video(video_noise[0]).to(dev), audio_rows=audio_rows.to(dev),
                     condition_rows=rows, record={"fl2va": record})
 
 
+def encode_keyframes(engine, job, timer) -> tuple[Any, torch.Tensor, torch.Tensor, dict[str, Any]]:
+    """Steps 1-2 of the module docstring: the job's keyframes on its canvas (`keyframes.PreparedKeyframes`), the
+    presented prompt's states `[N, text_dim]` on the device (stage `text_encode`: encoded now, or read back from the
+    text phase's store, `Engine.encoded_text`), their row tags `[N]` and the sidecar's record of both (`keyframes`,
+    `presentation`, `text_rows`, `image_tokens`; `presentation_object`: the `Presentation` itself, not for the
+    sidecar).
+
+    Raises:
+        RenderError: a keyframe changed since validation or can no longer be read.
+        CheckpointError: the checkpoint has no vision tower or processor config (`Engine.ensure_vision`).
+    """
+    if engine.c.text_encoder is not None:  # resident: the vision tower's first load is this job's warm-up, timed apart
+        engine.ensure_vision(timer)
+    prepared = _keyframes(engine, job)
+    encoded = engine.encoded_text(job, timer)  # encoded now, or in the text phase
+    text, presentation = encoded.states, encoded.extra  # [N, text_dim]
+    givens = {ref.anchor: ref.given for ref in job.keyframes}
+    info = {"keyframes": [{**item, "given": givens[item["anchor"]]} for item in prepared.info],
+            "presentation": presentation.describe(), "text_rows": int(presentation.token_ids.numel()),
+            "image_tokens": list(presentation.image_tokens), "presentation_object": presentation}
+    return prepared, text, presentation.tags, info
+
+
 def _keyframes(host, job):
-    """The job's keyframes re-read, checked and put onto its canvas (`keyframes.prepare_keyframes`).
+    """The job's keyframes re-read, checked and put onto its canvas (`keyframes.prepare_keyframe_list`).
 
     Raises:
         RenderError: a keyframe changed since validation or can no longer be read.
@@ -108,8 +123,8 @@ def _keyframes(host, job):
     except ValueError as exc:
         raise RenderError(f"job {job.output!r}: {exc}") from None
     limits = host.c.info.release
-    return prepare_keyframes(loaded["first"], loaded["last"], job.width, job.height,
-                             short_edge=limits.canvas_short_edge, max_pixels=limits.canvas_max_pixels)
+    return prepare_keyframe_list(loaded, job.width, job.height, short_edge=limits.canvas_short_edge,
+                                 max_pixels=limits.canvas_max_pixels)
 
 
 def text_key(job):

@@ -35,7 +35,7 @@ from h3render.ref_packing import ReferenceBlock, ref2va_layout
 from h3render.references import (AUDIO_RATE, decode_audio, fit_reference_image, load_image_reference, normalize_audio,
                                  probe_sha256)
 from h3render.sampling import Schedule, draw_noise, schedule_timesteps
-from h3render.tasks.base import Prepared
+from h3render.tasks.base import Encoded, Prepared
 
 NAME = "ref2va"
 ENCODE_STAGE = "text + references encode"
@@ -92,19 +92,12 @@ def prepare(engine, job, timer) -> Prepared:
         CheckpointError: no vision tower or processor config (`Engine.ensure_vision`); no `transformer_ref`.
     """
     c, dev = engine.c, engine.device
-    engine.ensure_vision(timer)
-    try:
-        loaded = read_job_references(job)
-    except ValueError as exc:
-        raise RenderError(f"job {job.output!r}: {exc}") from None
-    kinds = [ref.type for ref in job.references]
-    short_edge = c.info.release.reference_short_edge
-    images = [fit_reference_image(item.image, short_edge) for kind, item in zip(kinds, loaded) if kind == "image"]
-    with timer.stage("text_encode"):
-        # "<Picture i>: " + vision block per image, "<Audio j>: " per audio clip, request order; then the prompt
-        text, presentation = c.text_encoder.encode_presentation(job.prompt, images, kinds)
-        text = text.to(dev)  # [N, text_dim]
-    with timer.stage("vae_encode"):
+    if c.text_encoder is not None:  # resident: the vision tower's first load is this job's warm-up, timed apart
+        engine.ensure_vision(timer)
+    loaded, kinds, images = _references(engine, job)
+    encoded_text = engine.encoded_text(job, timer)  # encoded now, or in the text phase
+    text, presentation = encoded_text.states.to(dev), encoded_text.extra  # [N, text_dim]
+    with timer.stage("vae_encode"), engine.vae_on_device():
         latents = [c.video_vae.encode_condition(keyframe_pixels(image).to(dev)) for image in images]  # [24,1,h,w]
         sounds = [audio_to_rows(c.audio_vae.encode(item.to(dev))) for kind, item in zip(kinds, loaded)
                   if kind == "audio"]  # [2 * Tref, 32] each: the posterior mean, normalized, channel-major
@@ -135,6 +128,42 @@ def prepare(engine, job, timer) -> Prepared:
                     video_rows=patchify_video(video_noise[0]).to(dev), audio_rows=audio_rows.to(dev),
                     condition_rows=rows, audio_condition_rows=torch.cat(sounds).float() if sounds else None,
                     partition=PARTITION, record={"ref2va": record})
+
+
+def _references(host, job):
+    """The job's reference files re-read and checked (`read_job_references`), their kinds in request order, and the
+    images put on their encode size (`references.fit_reference_image`).
+
+    Raises:
+        RenderError: a reference changed since validation or can no longer be read.
+    """
+    try:
+        loaded = read_job_references(job)
+    except ValueError as exc:
+        raise RenderError(f"job {job.output!r}: {exc}") from None
+    kinds = [ref.type for ref in job.references]
+    short_edge = host.c.info.release.reference_short_edge
+    images = [fit_reference_image(item.image, short_edge) for kind, item in zip(kinds, loaded) if kind == "image"]
+    return loaded, kinds, images
+
+
+def text_key(job):
+    """What the presentation's encoding depends on: the prompt and the references (content and order)."""
+    return (NAME, job.prompt, tuple((ref.type, ref.sha256, ref.use_audio) for ref in job.references))
+
+
+def encode_text(host, job) -> Encoded:
+    """Step 2 of the module docstring on `host` (the engine, or `text_phase.TextHost`): `"<Picture i>: "` + vision
+    block per image, `"<Audio j>: "` per audio clip, request order, then the prompt; the states `[N, text_dim]` with
+    the `Presentation` as `extra`. Loads the vision tower first if needed.
+
+    Raises:
+        RenderError: a reference changed since validation or can no longer be read.
+    """
+    host.ensure_vision(None)
+    _, kinds, images = _references(host, job)
+    text, presentation = host.c.text_encoder.encode_presentation(job.prompt, images, kinds)
+    return Encoded(text, presentation)
 
 
 def _reference_record(index: int, ref, item, encoded, frames: int) -> dict:

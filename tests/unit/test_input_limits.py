@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 from h3render.manifest import job_from_fields, load_manifest
 from h3render.manifest_formats import ManifestError
+from h3render.windows import MAX_CLIP_FRAMES
 from h3render.spec import Limits, video_rows
 
 RELEASED = Limits(min_frames=107, max_frames=362, default_canvas=(1344, 768), default_frames=243, default_steps=50)
@@ -64,7 +65,9 @@ def test_any_canvas_and_frames_are_a_bounded_job_or_an_error(width, height, fram
         except ManifestError as exc:
             assert all("\n" not in e for e in exc.errors)
             continue
-        assert job.video_rows <= limits.max_video_rows and limits.min_frames <= job.frames <= limits.max_frames
+        # past one pass a clip is windows (h3render.windows), each within the checkpoint's range, up to 120 s
+        assert job.video_rows <= limits.max_video_rows and limits.min_frames <= job.pass_frames <= limits.max_frames
+        assert job.frames <= MAX_CLIP_FRAMES and (job.window is None) == (job.frames <= limits.max_frames)
 
 
 @settings(max_examples=50, deadline=None)

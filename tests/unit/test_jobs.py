@@ -190,7 +190,7 @@ def test_jsonl_errors_are_collected_with_lines(tmp_path):
         {"id": "e", "prompt": "x", "preset": "square", "width": 960}
         {"id": "f", "prompt": "x", "duration": 5, "frames": 124}
         {"id": "g", "prompt": "x", "output": "../escape"}
-        {"id": "h", "prompt": "x", "duration": 60}
+        {"id": "h", "prompt": "x", "duration": 200}
         {"id": "i", "prompt": "x"
         {"id": "j"}
         {"defaults": {"seed": 1}}
@@ -202,7 +202,7 @@ def test_jsonl_errors_are_collected_with_lines(tmp_path):
     expected = [
         (2, "seed: must be an integer"), (3, "sed: unknown field (did you mean seed?)"), (4, "id: duplicate id 'a'"),
         (5, "preset: conflicts with"), (6, "duration: conflicts with frames"), (7, "output: path components"),
-        (8, "duration: duration 60 s (1440 frames) snaps to 1450 frames, outside this checkpoint's range 107–362"),
+        (8, "duration: duration 200 s is 4800 frames (200 s), longer than the 120 s (2880 frames) h3render renders"),
         (9, "not valid JSON"), (10, "prompt: missing"), (11, "defaults: a defaults line"),
         (12, "width: 1000 is not a positive multiple of 32"), (12, "mode: 't2v' is not one of t2va, fasth3"),
         (13, "prompt: field given twice"),

@@ -11,8 +11,8 @@ layer  name            modules (and why they sit there)
                        job_keyframes, job_references, batch, report, locks, signals: torch-free on import
                        (manifest lines to `Job`s and run settings, the batch loop); they reach the job path's
                        torch modules only inside functions.
-  6    job path        engine, adaln_cache, render, tasks/, sidecar, keyframes, references, ref_packing, media,
-                       staging, colour, graphs, timing, outputs, progress, parallel/, memplan, text_phase,
+  6    job path        engine, adaln_cache, render, tasks/, seams, sidecar, keyframes, references, ref_packing,
+                       media, staging, colour, graphs, timing, outputs, progress, parallel/, memplan, text_phase,
                        block_stream: what renders one job (torch, PyAV, process groups). sidecar (the sidecar's
                        format, its write, read and compare), outputs (a job's file paths, the resume check) and
                        progress (the denoise loop's step display) are torch-free themselves: the front end imports
@@ -27,6 +27,7 @@ layer  name            modules (and why they sit there)
   2    models          models/: pure torch modules, no I/O.
   1    kernels         h3render.kernels (the top-level kernels/ folder): Triton kernels beside their torch references.
   0    foundation      the package root (`__version__`), spec (geometry facts and request rules, torch-free),
+                       windows (a long clip's window plan, torch-free: jobs plan it, render and seams follow it),
                        errors (`RenderError`) and exits (every exit code and the error classes that map to them),
                        both torch-free: every layer names them; and packing (the
                        packed-row layout the DiT itself takes): imported by every layer.
@@ -59,18 +60,19 @@ LAYERS: dict[int, tuple[str, ...]] = {
         "h3render.keyframes", "h3render.references", "h3render.ref_packing", "h3render.media", "h3render.soundtrack",
         "h3render.staging", "h3render.colour",
         "h3render.graphs", "h3render.timing", "h3render.outputs", "h3render.progress", "h3render.parallel",
-        "h3render.parallel.*", "h3render.memplan", "h3render.text_phase", "h3render.block_stream"),
+        "h3render.parallel.*", "h3render.memplan", "h3render.text_phase", "h3render.block_stream", "h3render.seams"),
     5: ("h3render.make_checkpoint", "h3render.make_checkpoint.*"),
     4: ("h3render.checkpoint", "h3render.checkpoint.*"),
     3: ("h3render.sampling",),
     2: ("h3render.models", "h3render.models.*"),
     1: ("h3render.kernels", "h3render.kernels.*"),
-    0: ("h3render", "h3render.spec", "h3render.errors", "h3render.exits", "h3render.packing", "h3render.presets"),
+    0: ("h3render", "h3render.spec", "h3render.errors", "h3render.exits", "h3render.packing", "h3render.presets",
+        "h3render.windows"),
 }
 LAYER_NAMES = {7: "front end", 6: "job path", 5: "writers", 4: "checkpoint", 3: "schedules", 2: "models",
                1: "kernels", 0: "foundation"}
 # The front end's modules that must import without torch (a manifest is checked before anything heavy loads).
-TORCH_FREE = ("h3render.spec", "h3render.errors", "h3render.exits", "h3render.runner", "h3render.sidecar", "h3render.jobs", "h3render.manifest", "h3render.manifest_formats",
+TORCH_FREE = ("h3render.spec", "h3render.windows", "h3render.errors", "h3render.exits", "h3render.runner", "h3render.sidecar", "h3render.jobs", "h3render.manifest", "h3render.manifest_formats",
               "h3render.manifest_fields", "h3render.shards",
               "h3render.job_keyframes", "h3render.job_references", "h3render.outputs", "h3render.settings",
               "h3render.batch", "h3render.report", "h3render.locks", "h3render.progress", "h3render.signals",
