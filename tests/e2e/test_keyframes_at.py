@@ -10,7 +10,7 @@ import pytest
 import torch
 from PIL import Image
 
-from h3render.checkpoint.layouts import read_checkpoint_info
+from h3render.checkpoint.info import read_checkpoint_info
 from h3render.engine import Engine
 from h3render.manifest import job_from_fields
 from h3render.manifest_formats import ManifestError
