@@ -17,6 +17,7 @@ import click
 from h3render import jobs as jobs_mod
 from h3render.cli_options import canvas_time_options, engine_options
 from h3render.exits import EXIT_OK, EXIT_USAGE, UsageError, error_exit_code
+from h3render.job_loras import parse_lora_option
 from h3render.manifest import job_from_fields, read_manifest
 from h3render.outputs import prepare_out_dir
 from h3render.runner import Queue, plan_ranks, ran_distributed, run_jobs
@@ -140,12 +141,22 @@ def _prompt(text: str, output: str, quiet: bool, opts: dict) -> int:
     fields = {k: opts[k] for k in ("preset", "aspect", "width", "height", "duration", "frames", "steps", "seed",
                                    "first_frame", "last_frame")}
     fields.update(prompt=text, output=out.stem, mode=mode)
+    if opts.get("lora"):
+        fields["loras"] = _lora_options(opts["lora"])
     job = job_from_fields(fields, info.limits())
     _say(f"h3render: {job.canvas_note()}, {job.time_note(info.limits())}")
     if job.task == "fl2va":
         _say("h3render: fl2va: " + "; ".join(k.describe() for k in job.keyframes))
     return run_jobs(run, [job], world, info.release.dit.num_attention_heads, quiet=quiet,
                     single=(out, out.with_suffix(".json")))
+
+
+def _lora_options(values) -> list[dict]:
+    """--lora FILE[:STRENGTH] (repeated) as a `loras` field value (`job_loras.parse_lora_option`)."""
+    try:
+        return [parse_lora_option(v) for v in values]
+    except ValueError as exc:
+        raise SettingsError(str(exc)) from None
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -189,6 +200,8 @@ def _batch(manifest, out_dir, shard, skip_existing, fail_fast, dry_run, quiet, o
     info = checkpoint_info(checkpoint)
     # Command-line defaults, passed like --mode: read_manifest applies them below each job's own fields.
     overrides = {k: opts[k] for k in ("mode", "seed", "steps", "preset")}
+    if opts.get("lora"):
+        overrides["loras"] = _lora_options(opts["lora"])
     student = opts["adapter"] is not None or has_v2_contract(checkpoint)  # else fasth3 jobs are manifest errors
     m = read_manifest(manifest, info.limits(), overrides, adapter_available=student, precision=opts["precision"])
     run = RunSettings.resolve(opts, checkpoint=checkpoint, info=info, manifest=m)

@@ -56,6 +56,12 @@ def engine_options(f):
                      default=None,
                      help="FastH3 pre-shift positions: the release's [0.999, 0.749, 0.5, 0.25, 0] or FastVideo "
                           "0.2.1's example linspace(1, 0, 5); default: the student's own."),
+        click.option("--lora", "lora", multiple=True, metavar="FILE[:STRENGTH]",
+                     help="A LoRA for the job(s), stacked when repeated (strength default 1; formats: docs/lora.md). "
+                          "On `batch` it is the default set: a job's own `loras:` replaces it."),
+        click.option("--lora-mode", type=click.Choice(("auto", "fuse", "side")), default=None,
+                     help="How LoRAs apply per job: exact fuse/unfuse of the weights, or an un-fused side path; "
+                          "auto: side with --precision fp8, else fuse."),
         click.option("--device", type=click.Choice(DEVICES), default=None,
                      help="Default: cuda when available."),
         click.option("--dtype", type=click.Choice(DTYPES), default=None,

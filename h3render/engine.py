@@ -90,6 +90,10 @@ class Engine:
         # hand-over. Which DiT partitions stay resident is a memory decision, logged in the warm-up record.
         self.plan = ParallelPlan(ctx)
         self.dits = {BASE_PARTITION: self.c.dit}
+        from h3render.checkpoint.lora_apply import LoraState, resolve_mode  # per-job LoRAs (issue #25)
+
+        self.loras = LoraState(self.c.dit, self.c.dit.cfg, resolve_mode(settings.lora_mode, settings.precision))
+        self._lora_files: dict[str, Any] = {}
         self._forwards = {BASE_PARTITION: self.plan.dit_forward(self.c.dit)}
         self.warmup["dit_partitions"] = {BASE_PARTITION: "resident"}
 
@@ -184,6 +188,58 @@ class Engine:
 
     # -- what jobs share -------------------------------------------------------------------------------------------
 
+    def lora_entries(self, job) -> list:
+        """The job's LoRAs as (`checkpoint.lora.LoraFile`, strength), read once per file; a turbo preset's alpha
+        (`checkpoint.lora_schedule.PRESETS`) or the file's ``h3render_schedule`` alpha sets its scale."""
+        from h3render.checkpoint.lora import read_lora, with_alpha
+        from h3render.checkpoint.lora_schedule import PRESETS, metadata_schedule
+
+        entries = []
+        for ref in job.loras:
+            key = f"{ref.path}|{ref.schedule}"
+            if key not in self._lora_files:
+                lora = read_lora(ref.path)
+                stated = metadata_schedule(lora.metadata, str(lora.path))
+                alpha = PRESETS[ref.schedule].alpha if ref.schedule else stated[1] if stated else None
+                self._lora_files[key] = with_alpha(lora, alpha) if alpha is not None else lora
+            entries.append((self._lora_files[key], ref.strength))
+        return entries
+
+    def use_loras(self, job) -> None:
+        """Hold the job's LoRA set on the DiT (`checkpoint.lora_apply.LoraState.switch`: nothing to do when the
+        previous job had the same set); the time of a switch goes to `warmup["lora_switch_s"]` (last switch)."""
+        if self.loras.switch(self.lora_entries(job)):
+            self.warmup["lora_switch_s"] = self.loras.seconds
+            self.warmup["lora_switches"] = self.loras.switches
+
+    def lora_record(self, job) -> list[dict[str, Any]]:
+        """The sidecar's `extra.loras` for `job`: per LoRA file, sha256, strength, format, modules touched, mode."""
+        return self.loras.record(self.lora_entries(job))
+
+    def lora_schedule(self, job) -> Schedule | None:
+        """The turbo schedule the job's LoRAs bring (an entry's named preset, else a file's ``h3render_schedule``
+        metadata), or None. Two different ones in one set are an error.
+
+        Raises:
+            RenderError: two LoRAs of the job state different schedules.
+        """
+        from h3render.checkpoint.lora_schedule import PRESETS, metadata_schedule
+
+        found = []
+        for ref, (lora, strength) in zip(job.loras, self.lora_entries(job)):
+            if strength == 0:
+                continue
+            if ref.schedule is not None:
+                found.append(PRESETS[ref.schedule].schedule(ref.schedule))
+            else:
+                stated = metadata_schedule(lora.metadata, str(lora.path))
+                if stated is not None:
+                    found.append(stated[0])
+        if len({tuple(s.video.tolist()) + tuple(s.audio.tolist()) for s in found}) > 1:
+            raise RenderError(f"job {job.output!r}: its LoRAs bring different turbo schedules "
+                              f"({', '.join(s.source for s in found)})")
+        return found[0] if found else None
+
     def schedule(self, job) -> Schedule:
         """Sigma lists for a job: the FastH3 student's fixed few-step schedule, or the base linspace+shift grid.
 
@@ -205,6 +261,9 @@ class Engine:
             if self._deferred_fusion is not None:
                 self.fuse_student()
             return self.fasth3
+        turbo = self.lora_schedule(job) if job.loras else None
+        if turbo is not None:
+            return turbo
         if self.fasth3 is not None and self._deferred_fusion is None:
             raise RenderError("this engine runs a FastH3 student (adapter fused, or a V2 checkpoint); base-model "
                               "(t2va) jobs must run before the student is fused (the batch queue orders them so)")
@@ -249,7 +308,7 @@ class Engine:
                 adds its condition rows' timesteps); default the schedule's own (`Schedule.timesteps`).
         """
         timesteps = schedule.timesteps if timesteps is None else timesteps
-        key = tuple(timesteps.tolist())
+        key = (self.loras.key, *timesteps.tolist())  # a LoRA may change the AdaLN projections
         if key not in self._tables:
             self._tables[key] = self.c.dit.modulation_tables(timesteps, device=self.device)
         return self._tables[key]
@@ -334,6 +393,8 @@ class Engine:
         for job in jobs:
             if job.mode == "fasth3" and self._deferred_fusion is not None:
                 continue  # built once the student is fused, on its first job
+            if job.lora_set:
+                continue  # built on the job, with its LoRAs applied (they may change the AdaLN projections)
             schedule = self.schedule(job)
             self.tables(schedule, task_of(job).timesteps(schedule))
         if self.device.type == "cuda":

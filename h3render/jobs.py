@@ -25,6 +25,7 @@ import yaml
 
 import h3render.presets
 from h3render.job_keyframes import KeyframeRef
+from h3render.job_loras import LoraRef
 from h3render.outputs import TEMP_MARK, output_paths, render_reason
 from h3render.spec import (FPS, RELEASED_MAX_PIXELS, RELEASED_SHORT_EDGE, X264_PRESETS, Limits, audio_rows,
                            canvas_for_aspect, check_canvas, is_snapped, latent_frames, parse_aspect, seconds_text,
@@ -104,6 +105,8 @@ class Job:
         source: manifest file and line, for messages.
         first_frame, last_frame: fl2va keyframe files (`h3render.job_keyframes.KeyframeRef`), or None; either one
             makes the job's `task` "fl2va".
+        loras: the job's LoRAs, stacked (`h3render.job_loras.LoraRef`: file, strength, sha256), applied to the
+            resident DiT for this job only.
     """
 
     id: str | None
@@ -119,6 +122,7 @@ class Job:
     source: Source = Source("<job>", 0)
     first_frame: KeyframeRef | None = None
     last_frame: KeyframeRef | None = None
+    loras: tuple[LoraRef, ...] = ()
 
     def __post_init__(self) -> None:
         check_canvas(self.width, self.height)
@@ -142,7 +146,15 @@ class Job:
         if self.task == "fl2va":
             params["task"] = "fl2va"
             params.update({f"{k.anchor}_frame_sha256": k.sha256 for k in self.keyframes})
+        active = [ref.key() for ref in self.loras if ref.strength != 0]  # strength 0 renders as no LoRA
+        if active:
+            params["loras"] = active
         return params
+
+    @property
+    def lora_set(self) -> tuple:
+        """The identity of the job's LoRA set (the queue groups jobs by it); () without LoRAs."""
+        return tuple((r.path, r.strength, r.schedule) for r in self.loras if r.strength != 0)
 
     @property
     def task(self) -> str:

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping
 
 from h3render.job_keyframes import KEYFRAME_FIELDS
+from h3render.job_loras import resolve_loras
 from h3render.jobs import (DEFAULT_MODE, DEFAULT_SEED, Job, Preset, Requested, Source, load_presets, one_line,
                            output_key, output_name, output_path_problem, prompt_slug)
 from h3render.manifest_fields import engine_choices, field_problem, keyframe_canvas, resolve_keyframes, strip_mp4
@@ -23,7 +24,7 @@ from h3render.outputs import lock_path, temp_paths
 from h3render.spec import Limits, canvas_for_aspect, check_canvas, parse_aspect, snap_frames, video_rows
 
 JOB_FIELDS = ("id", "prompt", "preset", "aspect", "width", "height", "duration", "frames", "seed", "steps", "mode",
-              "output", *KEYFRAME_FIELDS)
+              "output", "loras", *KEYFRAME_FIELDS)
 JOB_ONLY_FIELDS = ("id", "prompt", "output", *KEYFRAME_FIELDS)  # not in `defaults` or command-line defaults
 # Engine settings (the weights load once per run): set in `defaults`; a job may repeat the run's value, never change it.
 ENGINE_FIELDS = ("precision",)
@@ -309,8 +310,17 @@ def _resolve_job(job: Layer, layers: list[Layer], limits: Limits, presets: Mappi
         errors.add(job.where("steps"), "mode fasth3 runs the FastH3 adapter's fixed distilled schedule; remove steps")
         return None
     steps = None if mode == "fasth3" else steps_layer.get("steps") if steps_layer else limits.default_steps
+    loras = ()
+    loras_layer = _first(layers, ["loras"])  # a job's own list replaces the defaults' (`[]`: none)
+    if loras_layer is not None:
+        where = loras_layer.where("loras")
+        lora_dir = "." if where.file == _COMMAND_LINE else os.path.dirname(where.file) or "."
+        loras, problem = resolve_loras(loras_layer.get("loras"), lora_dir)
+        if problem:
+            errors.add(where, problem)
+            return None
     seed_layer = _first(layers, ["seed"])
-    return dict(id=job.get("id"), prompt=job.get("prompt"), width=width, height=height, frames=frames,
+    return dict(loras=loras, id=job.get("id"), prompt=job.get("prompt"), width=width, height=height, frames=frames,
                 seed=seed_layer.get("seed") if seed_layer else DEFAULT_SEED, steps=steps, mode=mode,
                 requested=Requested(**requested), **keyframes)
 

@@ -115,7 +115,12 @@ def _rank_main(run: RunSettings, jobs: list, heads: int, quiet: bool, single, qu
         try:
             if single is not None:
                 return _render_single(factory, jobs[0], *single)
-            order = sorted(range(len(jobs)), key=lambda i: jobs[i].mode == "fasth3")  # t2va first, stable
+            # t2va first (then the student is fused), and within each, jobs grouped by LoRA set in order of first
+            # appearance, so a queue alternating two sets switches once per set, not once per job; stable.
+            first_seen: dict = {}
+            for job in jobs:
+                first_seen.setdefault(job.lora_set, len(first_seen))
+            order = sorted(range(len(jobs)), key=lambda i: (jobs[i].mode == "fasth3", first_seen[jobs[i].lora_set]))
             report = run_batch(jobs, factory, queue.out_dir, overwrite=queue.overwrite, fail_fast=queue.fail_fast,
                                quiet=quiet, shard=queue.shard, render_order=order, current=run.record())
             return report.exit_code

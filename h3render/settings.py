@@ -84,6 +84,7 @@ class RunSettings:
     compile_vae: bool = True
     graph_audio: bool = True
     save_latents: bool = False
+    lora_mode: str = "auto"
     precision_from: str | None = field(default=None, compare=False)
     progress: Any = field(default=True, compare=False)  # bool | h3render.progress.Progress
     step_bar_position: int = field(default=1, compare=False)
@@ -116,7 +117,7 @@ class RunSettings:
         if cli.get("precision") is None and m is not None and precision != cls.precision:
             precision_from = str(m.path)  # only the defaults can set another precision than the default
         given = {name: cli[name] for name in ("gpus", "attention", "crf", "x264_preset", "vae_batch", "compile_vae",
-                                              "graph_audio", "save_latents") if cli.get(name) is not None}
+                                              "graph_audio", "save_latents", "lora_mode") if cli.get(name) is not None}
         adapter = pick("adapter", m and m.adapter)
         return cls(checkpoint=checkpoint,
                    checkpoint_path=None if info is None else info.recorded_path,
@@ -157,6 +158,9 @@ class RunSettings:
         if self.dtype not in DTYPES or self.device not in DEVICES:
             raise SettingsError(f"--dtype {self.dtype} / --device {self.device}: one of {DTYPES} / {DEVICES}")
         usage(check_x264_preset, self.x264_preset)
+        if self.lora_mode == "fuse" and self.precision == "fp8":
+            raise SettingsError("--lora-mode fuse cannot go with --precision fp8 (the FP8 DiT keeps no bf16 weights "
+                                "to fuse into); use --lora-mode side or auto")
         if self.adapter is not None and not Path(self.adapter).exists():
             raise SettingsError(f"--adapter {self.adapter}: no such file or folder")
         self._check_student(info, mode, jobs)

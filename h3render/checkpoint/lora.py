@@ -39,7 +39,7 @@ from __future__ import annotations
 import functools
 import math
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -184,6 +184,13 @@ def _linear_shapes(config: DiTConfig) -> dict[str, tuple[int, ...]]:
     """Native weight name -> [out, in] of every linear a LoRA may target (the DiT built on the meta device)."""
     return {name: shape for name, shape in dit_shapes(config).items()
             if name.endswith(".weight") and _native_linear(name[: -len(".weight")])}
+
+
+def with_alpha(lora: LoraFile, alpha: float) -> LoraFile:
+    """``lora`` run at a network ``alpha`` (scale alpha / rank for every pair without a per-module alpha), as a
+    publisher's instructions may say (lightx2v's 768p turbo file: ``--lora-alpha 128``)."""
+    scales = tuple(s if p.key_alpha is not None else alpha / p.rank for p, s in zip(lora.pairs, lora.scales))
+    return replace(lora, scales=scales, warnings=lora.warnings + (f"alpha {alpha:g} applied",))
 
 
 def _unflatten(key: str, path: Path) -> str:

@@ -53,8 +53,9 @@ def resolve_mode(mode: str | None, precision: str) -> str:
 
 
 def set_key(entries: Sequence[tuple[LoraFile, float]]) -> tuple[tuple[str, float], ...]:
-    """The identity of a LoRA set: (file, strength) in order, strength-0 entries dropped (they change nothing)."""
-    return tuple((str(lora.path), float(strength)) for lora, strength in entries if strength != 0)
+    """The identity of a LoRA set: (file, scales, strength) in order, strength-0 entries dropped (they change
+    nothing)."""
+    return tuple((str(lora.path), hash(lora.scales), float(strength)) for lora, strength in entries if strength != 0)
 
 
 class LoraState:
@@ -70,7 +71,7 @@ class LoraState:
         if mode not in ("fuse", "side"):
             raise ValueError(f"LoraState mode must be fuse or side, got {mode!r}")
         self.dit, self.config, self.mode = dit, config, mode
-        self.key: tuple[tuple[str, float], ...] = ()
+        self.key: tuple = ()
         self._base: dict[str, torch.Tensor] = {}  # fuse: native weight name -> its base value (host memory)
         self._hooks: dict[str, Any] = {}  # side: native module path -> hook handle
         self.seconds = 0.0  # time of the last switch

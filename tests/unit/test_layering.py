@@ -51,8 +51,8 @@ SOURCES = {"h3render": REPO / "h3render", "h3render.kernels": REPO / "kernels"}
 LAYERS: dict[int, tuple[str, ...]] = {
     7: ("h3render.cli", "h3render.cli_*", "h3render.settings", "h3render.manifest", "h3render.manifest_formats",
         "h3render.manifest_fields",
-        "h3render.jobs", "h3render.shards", "h3render.job_keyframes", "h3render.batch", "h3render.report",
-        "h3render.locks", "h3render.signals", "h3render.runner"),
+        "h3render.jobs", "h3render.shards", "h3render.job_keyframes", "h3render.job_loras", "h3render.batch",
+        "h3render.report", "h3render.locks", "h3render.signals", "h3render.runner"),
     6: ("h3render.engine", "h3render.render", "h3render.tasks", "h3render.tasks.*", "h3render.sidecar",
         "h3render.keyframes", "h3render.media", "h3render.soundtrack", "h3render.staging", "h3render.colour",
         "h3render.graphs", "h3render.timing", "h3render.outputs", "h3render.progress", "h3render.parallel",
@@ -69,7 +69,7 @@ LAYER_NAMES = {7: "front end", 6: "job path", 5: "writers", 4: "checkpoint", 3: 
 # The front end's modules that must import without torch (a manifest is checked before anything heavy loads).
 TORCH_FREE = ("h3render.spec", "h3render.errors", "h3render.exits", "h3render.runner", "h3render.sidecar", "h3render.jobs", "h3render.manifest", "h3render.manifest_formats",
               "h3render.manifest_fields", "h3render.shards",
-              "h3render.job_keyframes", "h3render.outputs", "h3render.settings", "h3render.batch", "h3render.report",
+              "h3render.job_keyframes", "h3render.job_loras", "h3render.outputs", "h3render.settings", "h3render.batch", "h3render.report",
               "h3render.locks", "h3render.progress", "h3render.signals", "h3render.cli")
 
 # Known exceptions (none since the task seam landed: render no longer imports engine).
