@@ -1,0 +1,115 @@
+"""Per-job LoRAs on one resident engine (issue #25): a queue alternating two LoRA sets renders each job as a fresh
+engine holding only that set would (bit-equal on the CPU), the base comes back bit-for-bit, a turbo preset runs
+its own schedule, and `--lora` / `loras:` problems exit 2 naming file, line and field before anything loads."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+import torch
+
+from h3render.checkpoint.releases import RELEASES
+from h3render.engine import Engine
+from h3render.job_loras import resolve_loras
+from h3render.jobs import Job
+from h3render.make_checkpoint.synthetic_lora import write_synthetic_lora
+from h3render.parallel.groups import ParallelContext
+from h3render.settings import RunSettings
+
+CTX = ParallelContext(0, 1, 0, torch.device("cpu"))
+SETTINGS = RunSettings(progress=False, save_latents=True)  # tiny, fp32 on the CPU
+JOB = Job(id="a", prompt="Gulls over a harbour", width=128, height=64, frames=22, seed=5, steps=2, mode="t2va",
+          output="a")
+
+
+@pytest.fixture(scope="module")
+def loras(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("loras")
+    cfg = RELEASES["tiny"].dit
+    x = write_synthetic_lora(folder / "x.safetensors", cfg, "ai-toolkit", seed=11, std=0.5)
+    y = write_synthetic_lora(folder / "y.safetensors", cfg, "diffusers", seed=12, std=0.5)
+    z = write_synthetic_lora(folder / "z.safetensors", cfg, "kohya", seed=13, std=0.5)
+    return folder, x, y, z
+
+
+def refs(*items):
+    found, problem = resolve_loras([{"path": str(p), "strength": s} for p, s in items], ".")
+    assert problem is None, problem
+    return found
+
+
+def render(engine, job, folder):
+    folder.mkdir(exist_ok=True)
+    data = engine.render(job, folder / f"{job.output}.mp4", folder / f"{job.output}.json")
+    return torch.load(folder / f"{job.output}.latents.pt"), data
+
+
+def test_alternating_sets_equal_single_set_engines_with_one_load(loras, tmp_path):
+    _, x, y, z = loras
+    set_x, set_y = refs((x, 0.8)), refs((y, 1.0), (z, -0.5))  # a single LoRA, and two stacked
+    jobs = [replace(JOB, output="x1", loras=set_x), replace(JOB, output="y1", seed=6, loras=set_y),
+            replace(JOB, output="x2", loras=set_x), replace(JOB, output="none", loras=refs((x, 0.0)))]
+    engine = Engine.load(SETTINGS, CTX)  # the one load of the queue
+    base = {k: v.clone() for k, v in engine.c.dit.state_dict().items()}
+    engine.prepare(jobs)
+    got = {job.output: render(engine, job, tmp_path / "queue") for job in jobs}
+    assert engine.loras.switches == 4  # x, y, x, none: one switch per change of set
+    assert all(torch.equal(base[k], v) for k, v in engine.c.dit.state_dict().items())  # strength 0: the base, exact
+    sidecar = got["y1"][1]
+    assert [e["strength"] for e in sidecar["extra"]["loras"]] == [1.0, -0.5]
+    assert sidecar["extra"]["loras"][1]["format"] == "kohya" and sidecar["job_params"]["loras"][0]["strength"] == 1.0
+    assert "loras" not in got["none"][1]["job_params"]  # strength 0 resumes as (and renders as) no LoRA
+
+    for name, job in (("x1", jobs[0]), ("y1", jobs[1])):  # "none" ran on the base weights, checked exactly above
+        fresh = Engine.load(SETTINGS, CTX)
+        fresh.prepare([job])
+        want, _ = render(fresh, job, tmp_path / f"single-{name}")
+        for part in ("video", "audio"):
+            assert torch.equal(got[name][0][part], want[part]), (name, part)
+    for part in ("video", "audio"):
+        assert torch.equal(got["x2"][0][part], got["x1"][0][part])  # x after y: the same weights, bit for bit
+        assert not torch.equal(got["x1"][0][part], got["none"][0][part])  # and the LoRA does change the render
+
+
+def test_turbo_preset_runs_its_schedule_and_side_mode_matches_fuse(loras, tmp_path):
+    folder, x, _, _ = loras
+    found, problem = resolve_loras([{"path": str(x), "schedule": "lightx2v-fl2va-4step-v0.1"}], ".")
+    assert problem is None
+    job = replace(JOB, output="turbo", loras=found)
+    engine = Engine.load(replace(SETTINGS, lora_mode="side"), CTX)
+    assert engine.loras.mode == "side"
+    latents, data = render(engine, job, tmp_path)
+    sigmas = data["sigmas"]
+    assert sigmas["forwards"] == 4 and sigmas["source"] == "turbo LoRA lightx2v-fl2va-4step-v0.1"
+    # ModelTC/Minimax-H3-Turbo README: NFE 4 at shifts 12 / 3.
+    assert sigmas["video"] == pytest.approx([1, 0.9730, 0.9231, 0.8, 0], abs=1e-4)
+    assert sigmas["audio"] == pytest.approx([1, 0.9, 0.75, 0.5, 0], abs=1e-6)
+    fused = Engine.load(SETTINGS, CTX)
+    want, _ = render(fused, job, tmp_path / "fused")
+    for part in ("video", "audio"):
+        err = float((latents[part] - want[part]).norm() / want[part].norm())
+        assert err < 1e-4, (part, err)  # side path vs fused weights: fp32 rounding apart
+
+
+def test_cli_lora_problems_exit_2_before_load(loras, tmp_path):
+    from tests._cli import invoke
+
+    folder, x, _, _ = loras
+    bad = folder / "bad.safetensors"
+    bad.write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00not json")
+    manifest = tmp_path / "m.jsonl"
+    lines = [{"id": "a", "prompt": "p", "loras": [{"path": str(x), "strength": 0.5}]},
+             {"id": "b", "prompt": "p", "loras": [{"path": "missing.safetensors"}]},
+             {"id": "c", "prompt": "p", "loras": [{"path": str(bad)}]},
+             {"id": "d", "prompt": "p", "loras": [{"file": str(x)}]}]
+    manifest.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    r = invoke("batch", str(manifest), "--out-dir", str(tmp_path / "out"), "--dry-run")
+    assert r.exit_code == 2, r.stderr
+    assert f"{manifest}:2: loras: [0] missing.safetensors: no such LoRA file" in r.stderr
+    assert f"{manifest}:3: loras: [0] {bad}: not a readable safetensors file" in r.stderr
+    assert f"{manifest}:4: loras: [0]: unknown key 'file'" in r.stderr
+    assert ":1:" not in r.stderr
+    r = invoke("prompt", "p", "-o", str(tmp_path / "o.mp4"), "--lora", f"{bad}:0.5")
+    assert r.exit_code == 2 and "not a readable safetensors file" in r.stderr and not (tmp_path / "o.mp4").exists()
