@@ -235,3 +235,32 @@ def test_unreadable_missing_shape_and_fastvideo_unwrapped(tmp_path):
     other = read_lora(write_synthetic_lora(tmp_path / "small.safetensors", DIT_TINY, "comfy", seed=8))
     with pytest.raises(LoraError, match="does not fit"):
         other.factors(CFG)
+
+
+def test_fasth3_adapter_edge_cases_of_fastvideo_merge(tmp_path):
+    """Issue #25 item 5, found against FastVideo 0.2.1's merge: a LoRA pair on the VSA gate is the "never wraps"
+    error (it was "both assigned and patched" at fusion), and a .set_weight on a weight the base has names the
+    key and both shapes (it was a size mismatch later)."""
+    from h3render.checkpoint.adapter import AdapterFusion, read_adapter
+    from h3render.checkpoint.errors import AdapterError
+    from h3render.make_checkpoint.synthetic_adapter import write_synthetic_adapter
+
+    src = write_synthetic_adapter(tmp_path / "ad.safetensors", DIT_TINY, seed=1, with_set_weight=True)
+    meta = dict(__import__("safetensors").safe_open(str(src), "pt").metadata())
+    inner = DIT_TINY.num_attention_heads * DIT_TINY.attention_head_dim
+
+    def gate_pair(d):
+        d["transformer_blocks.0.attn.to_gate_compress.lora_A.weight"] = torch.zeros(4, DIT_TINY.hidden_size)
+        d["transformer_blocks.0.attn.to_gate_compress.lora_B.weight"] = torch.zeros(inner, 4)
+
+    meta_gate = dict(meta, low_rank_tensors=str(int(meta["low_rank_tensors"]) + 2))
+    with pytest.raises(AdapterError, match="FastVideo never wraps.*to_gate_compress"):
+        read_adapter(rewrite(src, tmp_path / "gate.safetensors", gate_pair, meta_gate),
+                     base_model=meta["base_model"])
+    meta_q = dict(meta, set_weight_tensors=str(int(meta["set_weight_tensors"]) + 1))
+    bad = rewrite(src, tmp_path / "setq.safetensors",
+                  lambda d: d.update({"transformer_blocks.1.attn.to_q.set_weight": torch.zeros(inner, 8)}), meta_q)
+    adapter = read_adapter(bad, base_model=meta["base_model"])
+    with pytest.raises(AdapterError, match=r"'transformer_blocks.1.attn.to_q.set_weight' \[128, 8\] assigns "
+                                           r"blocks.1.attn.qkv_proj.weight \[384, 64\], a weight the base model has"):
+        AdapterFusion(adapter, DIT_TINY)
