@@ -37,6 +37,9 @@ Stages (`--stages`, comma-separated):
             keyframes, their VAE encode, the text encoder's longer presentation, one DiT forward with the +2,016
             condition rows vs without, summed for --fl2va-forwards forwards; `--fl2va-model tiny --fl2va-device
             cpu --fl2va-canvas 224x128x39` is the CPU smoke run
+  lora      issue 25 (scripts/bench_lora.py): per-forward overhead of 1/2/4 un-fused LoRAs of rank 32/128 at
+            --lora-canvas in bf16 and fp8, fuse/unfuse time, a 4-job queue alternating LoRA sets vs no LoRAs;
+            `--lora-model tiny --lora-device cpu --lora-canvas 160x128x22 --lora-text 6` is the CPU smoke run
   batch     queue throughput on 1 GPU: --batch-jobs jobs of --forwards DiT forwards at --batch-canvas through
             `run_batch` with one resident Engine (each job's MP4 tail beside the next job's start). Warm-up
             (prepare, and one untimed job of the queue's shape for Triton JIT / first-call costs) is outside the
@@ -107,6 +110,13 @@ def stage_fp8_memory(args) -> None:
     bench_e2e.stage_memory(args, bench_common)
 
 
+def stage_lora(args) -> None:
+    """Per-job LoRAs: side-path overhead, fuse/unfuse, an alternating 4-job queue (scripts/bench_lora.py)."""
+    import bench_lora
+
+    bench_lora.stage_lora(args, bench_common)
+
+
 def stage_fl2va(args) -> None:
     """fl2va's extra cost over t2va (scripts/bench_fl2va.py)."""
     import bench_fl2va
@@ -118,7 +128,7 @@ def stage_fl2va(args) -> None:
 STAGES = {f.__name__: f for f in (
     stage_ceil, stage_attn, stage_kernels, stage_dit, stage_vae, stage_audio, stage_te, stage_ulysses, stage_vsa,
     stage_prof, stage_compare, stage_e2e, stage_fp8_gemm, stage_fp8_quant, stage_fp8_dit, stage_fp8_memory,
-    stage_fl2va, stage_batch, stage_media)}
+    stage_fl2va, stage_lora, stage_batch, stage_media)}
 
 
 def main() -> None:
@@ -168,8 +178,10 @@ def main() -> None:
     p.add_argument("--out", default=None)
     import bench_e2e  # scripts/ is sys.path[0] when run as a script
     import bench_fp8
+    import bench_lora
 
     bench_fp8.add_arguments(p)
+    bench_lora.add_arguments(p)
     bench_e2e.add_arguments(p)
     args = p.parse_args()
     args.vae_batches = [int(x) for x in args.vae_batches.split(",")]

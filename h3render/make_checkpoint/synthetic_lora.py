@@ -23,27 +23,30 @@ _BLOCK_TARGETS = ("attn.qkv_proj", "attn.out_proj", "mlp.fc1", "mlp.fc2")
 _TOP_TARGETS = ("final_layer.adaln_proj.linear",)
 
 
-def _targets(config: DiTConfig) -> list[str]:
-    """Native module paths: every block's and refiner block's linears, each block's AdaLN projection, the final one."""
+def _targets(config: DiTConfig, adaln: bool = True) -> list[str]:
+    """Native module paths: every block's and refiner block's linears, each block's AdaLN projection and the final
+    one (``adaln``)."""
     out = []
     for prefix, _, count_field in STACKS:
         for i in range(getattr(config, count_field)):
             out += [f"{prefix}{i}.{m}" for m in _BLOCK_TARGETS]
-            if prefix == "blocks.":
+            if prefix == "blocks." and adaln:
                 out.append(f"{prefix}{i}.adaln_proj.linear")
-    return out + list(_TOP_TARGETS)
+    return out + (list(_TOP_TARGETS) if adaln else [])
 
 
 def write_synthetic_lora(path: str | Path, config: DiTConfig, fmt: str, seed: int, rank: int = 4,
                          adaln_rank: int = 2, *, alpha: float | None = None, header_alpha: float | None = None,
-                         metadata: Mapping[str, str] | None = None, std: float = 0.05) -> Path:
+                         metadata: Mapping[str, str] | None = None, std: float = 0.05, adaln: bool = True,
+                         dtype: torch.dtype = torch.float32) -> Path:
     """Write a random LoRA in layout ``fmt`` (`checkpoint.lora.FORMATS`) for ``config``.
 
     Every block and refiner block gets pairs on q/k/v (one fused ``qkv_proj`` pair in the native layouts, three
     ``to_q/to_k/to_v`` pairs in the diffusers ones), out, fc1, fc2; every block's AdaLN projection and the final
     one get rank-``adaln_rank`` pairs (published files mix ranks so). ``alpha``: a per-module alpha scalar on
     every pair (kohya, musubi write one always: ``alpha`` defaults to the rank there); ``header_alpha``: the
-    header ``alpha`` entry lightx2v's 8-step file carries. Factor entries ~ N(0, std²)·fan-in⁻½.
+    header ``alpha`` entry lightx2v's 8-step file carries. Factor entries ~ N(0, std²)·fan-in⁻½, stored in
+    ``dtype``. ``adaln=False``: no AdaLN pairs (a DiT that dropped its AdaLN weights, as the benchmark's).
 
     Returns: the written path.
     """
@@ -74,15 +77,15 @@ def write_synthetic_lora(path: str | Path, config: DiTConfig, fmt: str, seed: in
         return f"{flat}.{'lora_down' if role == 'lora_A' else 'lora_up'}.weight"
 
     def pair(module: str, out: int, inp: int, r: int) -> None:
-        tensors[key(module, "lora_A")] = torch.randn(r, inp, generator=g) * std * inp ** -0.5
-        tensors[key(module, "lora_B")] = torch.randn(out, r, generator=g) * std
+        tensors[key(module, "lora_A")] = (torch.randn(r, inp, generator=g) * std * inp ** -0.5).to(dtype)
+        tensors[key(module, "lora_B")] = (torch.randn(out, r, generator=g) * std).to(dtype)
         if alpha is not None:
             stem = key(module, "lora_A").rsplit(".", 2)[0]
             if fmt == "diffsynth":
                 stem = stem.rsplit(".", 1)[0]
             tensors[f"{stem}.alpha"] = torch.tensor(float(alpha))
 
-    for native in _targets(config):
+    for native in _targets(config, adaln):
         out, inp = shapes[native + ".weight"]
         r = adaln_rank if "adaln_proj" in native else rank
         if native_names:
