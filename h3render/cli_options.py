@@ -55,7 +55,7 @@ def engine_options(f):
         click.option("--fasth3-positions", type=LazyChoice("h3render.checkpoint.students", "POSITION_CHOICES"),
                      default=None,
                      help="FastH3 pre-shift positions: the release's [0.999, 0.749, 0.5, 0.25, 0] or FastVideo "
-                          "0.2.1's example linspace(1, 0, 5); default: the student's own."),
+                          "0.2.1's example linspace(1, 0, 5) (V2: linspace(1, 0, 9)); default: the student's own."),
         click.option("--lora", "lora", multiple=True, metavar="FILE[:STRENGTH]",
                      help="A LoRA for the job(s), stacked when repeated (strength default 1; formats: docs/lora.md). "
                           "On `batch` it is the default set: a job's own `loras:` replaces it."),

@@ -259,8 +259,12 @@ def test_position_sets_on_adapters_and_contracts(tmp_path, bundle):
     assert plan.sidecar["source"] == "named set 'fastvideo-example'"
     assert plan.sidecar["positions_set"] == "fastvideo-example"
     ckpt = write_synthetic_full_student(tmp_path / "v2", "v2", seed=4)
+    # V2 (8 forwards): FastVideo's example rule at 9 grid points, linspace(1, 0, 9), at the contract's shifts 10 / 3.
+    v2 = plan_student(str(ckpt), read_checkpoint_info(ckpt), positions="fastvideo-example").schedule
+    assert v2.positions == pytest.approx([1 - i / 8 for i in range(9)]) and v2.video_shift == 10.0
+    assert v2.source == "named set 'fastvideo-example' (linspace(1, 0, 9): 8 forwards)"
     with pytest.raises(ValueError, match="drives 4 forwards but .* states 8"):
-        plan_student(str(ckpt), read_checkpoint_info(ckpt), positions="fastvideo-example")
+        plan_student(str(ckpt), read_checkpoint_info(ckpt), positions="release")
     ckpt = write_synthetic_full_student(tmp_path / "v1", "v1-vsa-datafree", seed=4)
     v1 = plan_student(str(ckpt), read_checkpoint_info(ckpt), positions="fastvideo-example").schedule
     assert v1.positions[0] == 1.0 and v1.video_shift == 12.0  # the v1 contract states no shift: the checkpoint's
