@@ -211,6 +211,9 @@ class Engine:
         if self.loras.switch(self.lora_entries(job)):
             self.warmup["lora_switch_s"] = self.loras.seconds
             self.warmup["lora_switches"] = self.loras.switches
+            # Tables of other AdaLN-changing sets go (≈ 0.5 GB per 49-step schedule at release); the base's stay.
+            for key in [k for k in self._tables if k[0] not in ((), self.loras.tables_key)]:
+                del self._tables[key]
 
     def lora_record(self, job) -> list[dict[str, Any]]:
         """The sidecar's `extra.loras` for `job`: per LoRA file, sha256, strength, format, modules touched, mode."""
@@ -259,7 +262,11 @@ class Engine:
                 raise RenderError("mode fasth3 needs a FastH3 adapter (--adapter PATH, or `adapter` in the manifest's "
                                   "defaults)")
             if self._deferred_fusion is not None:
+                # The student fuses into the base weights: the job's LoRAs come off first (fused ones would be
+                # restored over the student later; side-path hooks sit on linears fp8 replaces), then go back on.
+                self.loras.clear()
                 self.fuse_student()
+                self.use_loras(job)
             return self.fasth3
         turbo = self.lora_schedule(job) if job.loras else None
         if turbo is not None:
@@ -308,7 +315,7 @@ class Engine:
                 adds its condition rows' timesteps); default the schedule's own (`Schedule.timesteps`).
         """
         timesteps = schedule.timesteps if timesteps is None else timesteps
-        key = (self.loras.key, *timesteps.tolist())  # a LoRA may change the AdaLN projections
+        key = (self.loras.tables_key, *timesteps.tolist())  # a LoRA may change the AdaLN projections
         if key not in self._tables:
             self._tables[key] = self.c.dit.modulation_tables(timesteps, device=self.device)
         return self._tables[key]

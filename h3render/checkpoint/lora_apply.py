@@ -72,6 +72,9 @@ class LoraState:
             raise ValueError(f"LoraState mode must be fuse or side, got {mode!r}")
         self.dit, self.config, self.mode = dit, config, mode
         self.key: tuple = ()
+        # The part of `key` the AdaLN tables depend on: the set when it touches an AdaLN projection or the time
+        # embedder (they build the tables), else () (the tables of the base weights serve).
+        self.tables_key: tuple = ()
         self._base: dict[str, torch.Tensor] = {}  # fuse: native weight name -> its base value (host memory)
         self._hooks: dict[str, Any] = {}  # side: native module path -> hook handle
         self.seconds = 0.0  # time of the last switch
@@ -101,6 +104,7 @@ class LoraState:
         else:
             self._attach(deltas)
         self.key = key
+        self.tables_key = key if any(_builds_tables(p) for p in deltas) else ()
         self.switches += 1
         self.seconds = time.perf_counter() - t0
         return True
@@ -114,7 +118,7 @@ class LoraState:
         for handle in self._hooks.values():
             handle.remove()
         self._hooks.clear()
-        self.key = ()
+        self.key = self.tables_key = ()
 
     def _fuse(self, deltas, entries) -> None:
         params = dict(self.dit.named_parameters())
@@ -147,6 +151,11 @@ class LoraState:
     def record(self, entries: Sequence[tuple[LoraFile, float]]) -> list[dict]:
         """The sidecar's ``extra.loras``: one entry per LoRA of the set (strength-0 ones included, marked)."""
         return [dict(lora.record(strength), mode=self.mode) for lora, strength in entries]
+
+
+def _builds_tables(param: str) -> bool:
+    """Whether a native weight takes part in building the AdaLN modulation tables."""
+    return ".adaln_proj." in param or param.startswith("time_embedder.")
 
 
 def _compute_dtype(module: nn.Module) -> torch.dtype:

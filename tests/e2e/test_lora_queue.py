@@ -113,3 +113,27 @@ def test_cli_lora_problems_exit_2_before_load(loras, tmp_path):
     assert ":1:" not in r.stderr
     r = invoke("prompt", "p", "-o", str(tmp_path / "o.mp4"), "--lora", f"{bad}:0.5")
     assert r.exit_code == 2 and "not a readable safetensors file" in r.stderr and not (tmp_path / "o.mp4").exists()
+
+
+def test_mixed_queue_student_fused_under_loras_is_kept(loras, tmp_path):
+    """t2va with a LoRA, then the FastH3 student fused in place on a fasth3 job with the same LoRA, then a fasth3
+    job without: the student stays fused (the LoRA comes off before the fusion and goes back after), so the last
+    job equals the same job on an engine that never held a LoRA."""
+    from h3render.make_checkpoint.synthetic_adapter import write_synthetic_adapter
+
+    _, x, _, _ = loras
+    adapter = str(write_synthetic_adapter(tmp_path / "adapter.safetensors", RELEASES["tiny"].dit, seed=2))
+    settings = replace(SETTINGS, adapter=adapter)
+    fast = replace(JOB, output="fast", steps=None, mode="fasth3", seed=7)
+    jobs = [replace(JOB, output="base-x", loras=refs((x, 1.0))), replace(fast, output="fast-x", loras=refs((x, 1.0))),
+            fast]
+    engine = Engine.load(settings, CTX, base_jobs_first=True)
+    engine.prepare(jobs)
+    got = [render(engine, job, tmp_path / "mixed")[0] for job in jobs]
+    clean = Engine.load(settings, CTX, base_jobs_first=True)
+    clean.prepare([JOB, fast])
+    render(clean, JOB, tmp_path / "clean")
+    want, _ = render(clean, fast, tmp_path / "clean")
+    for part in ("video", "audio"):
+        assert torch.equal(got[2][part], want[part]), part
+        assert not torch.equal(got[1][part], want[part]), part  # the LoRA did apply to the student's job
