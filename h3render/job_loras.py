@@ -31,6 +31,7 @@ class LoraRef:
     format: str
     modules: int
     schedule: str | None = None
+    turbo: bool = False  # it brings a schedule: `schedule` names a preset, or the file states one in its header
 
     def key(self) -> dict[str, Any]:
         """What identifies it in a job's resume key: content and strength (a rename re-renders nothing)."""
@@ -122,6 +123,8 @@ def resolve_loras(value: list, base_dir: str | Path) -> tuple[tuple[LoraRef, ...
             lora = read_header(path.resolve())
         except ValueError as exc:  # LoraError: names the file and key
             return (), f"[{i}] {exc}"
+        from h3render.checkpoint.lora_schedule import METADATA_KEY
+
         refs.append(LoraRef(given, str(path.resolve()), float(item.get("strength", 1.0)), lora.sha256, lora.format,
-                            len(lora.modules), schedule))
+                            len(lora.modules), schedule, schedule is not None or METADATA_KEY in lora.metadata))
     return tuple(refs), None

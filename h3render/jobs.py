@@ -475,7 +475,11 @@ def plan_lines(jobs: list[Job], out_dir: Path | None = None, *, overwrite: bool 
             mp4, sidecar = output_paths(out_dir, job)
             reason = render_reason(job, mp4, sidecar, overwrite=overwrite)
             label = f"{label} ({mp4}, {skip_note(sidecar) if reason is None else 'render: ' + reason})"
-        steps = "adapter schedule" if job.steps is None else f"{job.steps} sigma points"
+        turbo = any(r.turbo and r.strength != 0 for r in job.loras)
+        steps = ("turbo LoRA schedule" if turbo else "adapter schedule") if job.steps is None else \
+            f"{job.steps} sigma points"
+        if job.lora_set:
+            steps += ", LoRAs " + " + ".join(f"{Path(r.given).name}×{r.strength:g}" for r in job.loras if r.strength)
         task = "" if job.task == "t2va" else f"fl2va ({', '.join(k.describe() for k in job.keyframes)}), "
         lines.append(f"[{number}/{len(jobs)}] {label}: {task}{job.canvas_note()}, {job.time_note(limits)}, {job.mode} "
                      f"{steps}, seed {job.seed}, rows video {job.video_rows:,} + audio "

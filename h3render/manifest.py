@@ -319,6 +319,11 @@ def _resolve_job(job: Layer, layers: list[Layer], limits: Limits, presets: Mappi
         if problem:
             errors.add(where, problem)
             return None
+    if any(ref.turbo and ref.strength != 0 for ref in loras):  # it runs its LoRA's own schedule (docs/lora.md)
+        if "steps" in job.fields:
+            errors.add(job.where("steps"), "a turbo LoRA of this job brings its own schedule; remove steps")
+            return None
+        steps = None
     seed_layer = _first(layers, ["seed"])
     return dict(loras=loras, id=job.get("id"), prompt=job.get("prompt"), width=width, height=height, frames=frames,
                 seed=seed_layer.get("seed") if seed_layer else DEFAULT_SEED, steps=steps, mode=mode,

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -111,6 +112,9 @@ def test_cli_lora_problems_exit_2_before_load(loras, tmp_path):
     assert f"{manifest}:3: loras: [0] {bad}: not a readable safetensors file" in r.stderr
     assert f"{manifest}:4: loras: [0]: unknown key 'file'" in r.stderr
     assert ":1:" not in r.stderr
+    manifest.write_text(json.dumps(lines[0]) + "\n")  # the good line alone: the plan names its LoRA
+    r = invoke("batch", str(manifest), "--out-dir", str(tmp_path / "out"), "--dry-run")
+    assert r.exit_code == 0 and "LoRAs x.safetensors×0.5" in r.stdout, r.stderr
     r = invoke("prompt", "p", "-o", str(tmp_path / "o.mp4"), "--lora", f"{bad}:0.5")
     assert r.exit_code == 2 and "not a readable safetensors file" in r.stderr and not (tmp_path / "o.mp4").exists()
 
@@ -137,3 +141,33 @@ def test_mixed_queue_student_fused_under_loras_is_kept(loras, tmp_path):
     for part in ("video", "audio"):
         assert torch.equal(got[2][part], want[part]), part
         assert not torch.equal(got[1][part], want[part]), part  # the LoRA did apply to the student's job
+
+
+def test_turbo_lora_fl2va_runs_the_schedule_its_file_states(tmp_path):
+    """An fl2va job with a turbo LoRA whose header states its schedule (`h3render_schedule`) renders in that step
+    count at those shifts (sidecar sigmas, valid against docs/schema/sidecar.schema.json); --steps beside it is
+    refused before load."""
+    import numpy as np
+    from PIL import Image
+
+    from tests._cli import run_here
+
+    Image.fromarray(np.random.default_rng(0).integers(0, 256, (96, 128, 3), dtype=np.uint8)).save(tmp_path / "a.png")
+    lora = write_synthetic_lora(tmp_path / "turbo.safetensors", RELEASES["tiny"].dit, "comfy", seed=21, metadata={
+        "h3render_schedule": json.dumps({"forwards": 2, "video_shift": 6.0, "audio_shift": 3.0})})
+    out = tmp_path / "t.mp4"
+    args = ("prompt", "A red fox", "--first-frame", "a.png", "-o", str(out), "--device", "cpu", "--lora",
+            f"{lora.name}:0.7", "--vae-batch", "1", "--frames", "22", "--quiet")
+    r = run_here(*args, "--steps", "3", cwd=tmp_path)
+    assert r.returncode == 2 and "turbo LoRA of this job brings its own schedule; remove steps" in r.stderr
+    r = run_here(*args, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    sidecar = json.loads(out.with_suffix(".json").read_text())
+    sigmas = sidecar["sigmas"]
+    assert sidecar["job"]["task"] == "fl2va" and sidecar["job"]["steps"] is None
+    assert sigmas["forwards"] == 2 and sigmas["source"].startswith("LoRA metadata")
+    assert sigmas["video"] == pytest.approx([1.0, 6 * 0.5 / (1 + 5 * 0.5), 0.0])  # linspace(1, 0, 3), shift 6
+    assert sidecar["extra"]["loras"][0]["strength"] == 0.7 and sidecar["extra"]["loras"][0]["format"] == "comfy"
+    jsonschema = pytest.importorskip("jsonschema")
+    schema = json.loads((Path(__file__).resolve().parents[2] / "docs/schema/sidecar.schema.json").read_text())
+    jsonschema.Draft202012Validator(schema).validate(sidecar)
