@@ -115,12 +115,7 @@ def _rank_main(run: RunSettings, jobs: list, heads: int, quiet: bool, single, qu
         try:
             if single is not None:
                 return _render_single(factory, jobs[0], *single)
-            # t2va first (then the student is fused), and within each, jobs grouped by LoRA set in order of first
-            # appearance, so a queue alternating two sets switches once per set, not once per job; stable.
-            first_seen: dict = {}
-            for job in jobs:
-                first_seen.setdefault(job.lora_set, len(first_seen))
-            order = sorted(range(len(jobs)), key=lambda i: (jobs[i].mode == "fasth3", first_seen[jobs[i].lora_set]))
+            order = render_order(jobs)
             report = run_batch(jobs, factory, queue.out_dir, overwrite=queue.overwrite, fail_fast=queue.fail_fast,
                                quiet=quiet, shard=queue.shard, render_order=order, current=run.record())
             return report.exit_code
@@ -178,3 +173,14 @@ def distinct_setups(jobs):
             seen.add(key)
             out.append(job)
     return out
+
+
+def render_order(jobs: list) -> list[int]:
+    """The order a queue renders in (indices into `jobs`; the report keeps the manifest's): t2va jobs before
+    fasth3 ones (a student adapter is fused in place once, after the base jobs), and within each group jobs
+    grouped by LoRA set in order of first appearance, so a queue alternating two sets switches the DiT once per
+    set rather than once per job (issue #25). Stable otherwise."""
+    first_seen: dict = {}
+    for job in jobs:
+        first_seen.setdefault(job.lora_set, len(first_seen))
+    return sorted(range(len(jobs)), key=lambda i: (jobs[i].mode == "fasth3", first_seen[jobs[i].lora_set]))

@@ -264,3 +264,21 @@ def test_fasth3_adapter_edge_cases_of_fastvideo_merge(tmp_path):
     with pytest.raises(AdapterError, match=r"'transformer_blocks.1.attn.to_q.set_weight' \[128, 8\] assigns "
                                            r"blocks.1.attn.qkv_proj.weight \[384, 64\], a weight the base model has"):
         AdapterFusion(adapter, DIT_TINY)
+
+
+def test_queue_render_order_groups_lora_sets_after_base_before_student():
+    from h3render.job_loras import LoraRef
+    from h3render.jobs import Job
+    from h3render.runner import render_order
+
+    def ref(name, strength=1.0):
+        return LoraRef(name, f"/l/{name}", strength, "0" * 64, "comfy", 1)
+
+    base = Job(id=None, prompt="p", width=128, height=64, frames=22, seed=0, steps=2, mode="t2va", output="o")
+    x, y = (ref("x"),), (ref("y"), ref("x", 0.5))
+    jobs = [Job(**{**base.__dict__, "output": f"j{i}", "loras": s, "mode": m, "steps": None if m == "fasth3" else 2})
+            for i, (s, m) in enumerate([(x, "t2va"), (y, "t2va"), ((), "fasth3"), (x, "t2va"), ((ref("x", 0),), "t2va"),
+                                        (y, "t2va"), (x, "fasth3")])]
+    # Sets ranked by first appearance in the manifest: x (j0), y (j1), none (j2; j4's only LoRA has strength 0).
+    # t2va first: x x y y none; then fasth3: x (j6) before none (j2).
+    assert render_order(jobs) == [0, 3, 1, 5, 4, 6, 2]
