@@ -62,6 +62,9 @@ def engine_options(f):
         click.option("--lora-mode", type=click.Choice(("auto", "fuse", "side")), default=None,
                      help="How LoRAs apply per job: exact fuse/unfuse of the weights, or an un-fused side path; "
                           "auto: side with --precision fp8, else fuse."),
+        click.option("--vsa-sparsity", type=click.FloatRange(0.0, 1.0, max_open=True), default=None,
+                     help="VSA sparsity of a sparse FastH3 student (fraction of video key tiles dropped); default "
+                          "the student's own: 0.8 for V2 (its contract), 0.9 for v1."),
         click.option("--device", type=click.Choice(DEVICES), default=None,
                      help="Default: cuda when available."),
         click.option("--dtype", type=click.Choice(DTYPES), default=None,

@@ -135,7 +135,7 @@ class Engine:
 
         t0 = time.perf_counter()
         info = read_checkpoint_info(checkpoint)
-        plan = students.plan_student(checkpoint, info, adapter, variant=run.adapter_variant,
+        plan = students.plan_student(checkpoint, info, adapter, variant=run.adapter_variant, sparsity=run.vsa_sparsity,
                                      positions=run.fasth3_positions, device=ctx.device)
         if ctx.is_main:
             for warning in plan.warnings:

@@ -85,6 +85,7 @@ class RunSettings:
     graph_audio: bool = True
     save_latents: bool = False
     lora_mode: str = "auto"
+    vsa_sparsity: float | None = None
     precision_from: str | None = field(default=None, compare=False)
     progress: Any = field(default=True, compare=False)  # bool | h3render.progress.Progress
     step_bar_position: int = field(default=1, compare=False)
@@ -117,7 +118,7 @@ class RunSettings:
         if cli.get("precision") is None and m is not None and precision != cls.precision:
             precision_from = str(m.path)  # only the defaults can set another precision than the default
         given = {name: cli[name] for name in ("gpus", "attention", "crf", "x264_preset", "vae_batch", "compile_vae",
-                                              "graph_audio", "save_latents", "lora_mode") if cli.get(name) is not None}
+                                              "graph_audio", "save_latents", "lora_mode", "vsa_sparsity") if cli.get(name) is not None}
         adapter = pick("adapter", m and m.adapter)
         return cls(checkpoint=checkpoint,
                    checkpoint_path=None if info is None else info.recorded_path,
@@ -180,9 +181,16 @@ class RunSettings:
 
         contract, source = usage(locate_student, self.checkpoint, self.adapter, self.adapter_variant,
                                  self.fasth3_positions)
+        parts = None
         if info is not None and (source is not None or contract is not None):
-            usage(lambda: read_student(self.checkpoint, info, self.adapter, variant=self.adapter_variant,
-                                       positions=self.fasth3_positions))
+            parts = usage(lambda: read_student(self.checkpoint, info, self.adapter, variant=self.adapter_variant,
+                                               positions=self.fasth3_positions))
+        if self.vsa_sparsity is not None and source is None and contract is None:
+            raise SettingsError("--vsa-sparsity needs a VSA FastH3 student (--adapter with gates, or a VSA "
+                                "checkpoint)")
+        if self.vsa_sparsity is not None and parts is not None and not parts.attention.vsa:
+            raise SettingsError(f"--vsa-sparsity {self.vsa_sparsity}: the student is dense "
+                                f"({parts.attention.mode_source})")
         if mode == FASTH3_MODE and self.adapter is None and contract is None:
             raise SettingsError("--mode fasth3 needs --adapter PATH (the FastH3 student adapter) or a FastH3 V2 "
                                 "checkpoint")

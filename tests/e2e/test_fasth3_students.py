@@ -335,3 +335,18 @@ def test_loaded_vsa_student_on_two_ulysses_ranks_equals_one(tmp_path):
     [(v, a)] = run_ranks(_ulysses_worker, 2, (adapter,), results=1)
     ref_v, ref_a = _student_forward(adapter)
     assert rel_err(v, ref_v) <= 1e-5 and rel_err(a, ref_a) <= 1e-5
+
+
+def test_vsa_sparsity_override(tmp_path, bundle):
+    """V2's own sparsity is 0.8 (its contract); --vsa-sparsity replaces it and says so; a dense student or no
+    student refuses it (issue #25 item 4)."""
+    ckpt = write_synthetic_full_student(tmp_path / "v2", "v2", seed=4)
+    info = read_checkpoint_info(ckpt)
+    own = plan_student(str(ckpt), info).attention
+    assert own.sparsity == 0.8 and own.sparsity_source != "--vsa-sparsity"
+    set_ = plan_student(str(ckpt), info, sparsity=0.5)
+    assert set_.attention.sparsity == 0.5 and set_.sidecar["attention"]["sparsity_source"] == "--vsa-sparsity"
+    with pytest.raises(ValueError, match="the student is dense"):
+        plan_student("tiny", TINY, bundle, variant="dense-datafree", sparsity=0.5)
+    with pytest.raises(ValueError, match="needs a VSA FastH3 student"):
+        plan_student("tiny", TINY, sparsity=0.5)
