@@ -33,6 +33,9 @@ class DiTConfig:
     freq_dim: int = 256
     time_embed_hidden_dim: int = 5376
     time_embed_dim: int = 2688
+    # FastH3 Trim (FastVideo 0.2.1 `adaln_rank`): every AdaLN projection reads a shared rank-r basis of the time
+    # embedding, `adaln_basis(silu(temb))` [r], instead of silu(temb) [time_embed_dim]. None: the release's.
+    adaln_rank: int | None = None
     rope_freq_dim: int = 16
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
@@ -48,6 +51,9 @@ class DiTConfig:
                 f"DiTConfig: RoPE rotates 2*3*rope_freq_dim = {6 * self.rope_freq_dim} channels, more than "
                 f"attention_head_dim = {self.attention_head_dim}"
             )
+        if self.adaln_rank is not None and not 0 < self.adaln_rank <= self.time_embed_dim:
+            raise ValueError(f"DiTConfig.adaln_rank must be in (0, time_embed_dim={self.time_embed_dim}], got "
+                             f"{self.adaln_rank}")
         if self.freq_dim % 2:
             raise ValueError(f"DiTConfig.freq_dim must be even (cos and sin halves), got {self.freq_dim}")
 
