@@ -156,7 +156,7 @@ def test_side_path_beside_fp8_linears_error_measured(tmp_path):
     rel_base = float((fp8_base - base_ref).norm() / base_ref.norm())
     lora_share = float((reference - base_ref).norm() / reference.norm())
     assert lora_share > 0.05  # the LoRA matters at this strength
-    assert rel < 1.5 * rel_base + 1e-3, (rel, rel_base)  # measured: rel ≈ rel_base ≈ 0.03 (e4m3, 3 mantissa bits)
+    assert rel < 1.5 * rel_base + 1e-3, (rel, rel_base)  # measured: rel 0.027 vs rel_base 0.035 (docs/lora.md)
     with pytest.raises(ValueError, match="fp8"):
         resolve_mode("fuse", "fp8")
 
