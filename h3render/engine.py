@@ -264,7 +264,7 @@ class Engine:
             if self._deferred_fusion is not None:
                 # The student fuses into the base weights: the job's LoRAs come off first (fused ones would be
                 # restored over the student later; side-path hooks sit on linears fp8 replaces), then go back on.
-                self.loras.clear()
+                self.loras.reset_base()  # the base changes under the copies
                 self.fuse_student()
                 self.use_loras(job)
             return self.fasth3

@@ -3,7 +3,8 @@ the LoRA set it holds to the next job's, in one of two ways.
 
 * ``fuse`` (exact fuse / unfuse): the first time a weight is touched its base value is copied to host memory;
   the weight becomes ``(base.fp32 + sum_i strength_i * up_i @ down_i).to(dtype)``, always computed from that copy,
-  never from a previously fused value; a weight the next set leaves alone is copied back. A job therefore sees
+  never from a previously fused value; a weight the next set leaves alone is copied back. The copies are kept
+  across switches (host memory grows to the weights any set touched, at most the DiT's block linears). A job therefore sees
   exactly the weights a fresh load + fuse of its own set gives (bit-equal), and the base comes back bit-for-bit.
   No per-forward cost; a switch costs one rank-R GEMM and two copies per touched weight.
 * ``side`` (un-fused side path): a forward hook on each touched linear adds ``(x @ down.T) @ up.T`` with the
@@ -75,7 +76,10 @@ class LoraState:
         # The part of `key` the AdaLN tables depend on: the set when it touches an AdaLN projection or the time
         # embedder (they build the tables), else () (the tables of the base weights serve).
         self.tables_key: tuple = ()
-        self._base: dict[str, torch.Tensor] = {}  # fuse: native weight name -> its base value (host memory)
+        # fuse: native weight name -> its base value (host memory, pinned on CUDA), kept across switches (the base
+        # never changes, so a weight is copied out once; `reset_base` when it does: the FastH3 student fused in).
+        self._base: dict[str, torch.Tensor] = {}
+        self._fused: set[str] = set()  # the weights that hold a LoRA now
         self._hooks: dict[str, Any] = {}  # side: native module path -> hook handle
         self.seconds = 0.0  # time of the last switch
         self.switches = 0
@@ -111,14 +115,19 @@ class LoraState:
 
     def clear(self) -> None:
         """Back to the base weights: fused weights restored bit-for-bit from their copies, hooks removed."""
-        params = dict(self.dit.named_parameters()) if self._base else {}
-        for name, base in self._base.items():
-            params[name].data.copy_(base)
-        self._base.clear()
+        params = dict(self.dit.named_parameters()) if self._fused else {}
+        for name in self._fused:
+            params[name].data.copy_(self._base[name], non_blocking=True)
+        self._fused.clear()
         for handle in self._hooks.values():
             handle.remove()
         self._hooks.clear()
         self.key = self.tables_key = ()
+
+    def reset_base(self) -> None:
+        """`clear`, then forget the base copies: the weights under them changed (a FastH3 student fused in place)."""
+        self.clear()
+        self._base.clear()
 
     def _fuse(self, deltas, entries) -> None:
         params = dict(self.dit.named_parameters())
@@ -128,11 +137,11 @@ class LoraState:
             if param is None:
                 raise ValueError(f"{where}: {name!r} is not a parameter of this DiT (an FP8 linear? use --lora-mode "
                                  f"side)")
-            base = param.data.to("cpu", copy=True)
-            if param.device.type == "cuda":
-                base = base.pin_memory()
-            self._base[name] = base
-            weight = param.data.to(torch.float32, copy=True)
+            if name not in self._base:
+                base = param.data.to("cpu", copy=True)
+                self._base[name] = base.pin_memory() if param.device.type == "cuda" else base
+            self._fused.add(name)
+            weight = param.data.to(torch.float32, copy=True)  # the base: `switch` cleared the previous set
             for down, up, strength in parts:
                 weight.addmm_(up.to(weight.device), down.to(weight.device), alpha=strength)  # [out, R] @ [R, in]
             check_fused(where, name, weight)

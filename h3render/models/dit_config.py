@@ -6,7 +6,7 @@ Its own module, so the checkpoint registry and loaders read an architecture with
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Mapping
+from typing import ClassVar, Mapping
 
 from h3render.models.config_dict import config_fields
 
@@ -33,14 +33,17 @@ class DiTConfig:
     freq_dim: int = 256
     time_embed_hidden_dim: int = 5376
     time_embed_dim: int = 2688
-    # FastH3 Trim (FastVideo 0.2.1 `adaln_rank`): every AdaLN projection reads a shared rank-r basis of the time
-    # embedding, `adaln_basis(silu(temb))` [r], instead of silu(temb) [time_embed_dim]. None: the release's.
-    adaln_rank: int | None = None
     rope_freq_dim: int = 16
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
     qk_norm_eps: float = 1e-5
     final_norm_eps: float = 1e-5
+    # FastH3 Trim (FastVideo 0.2.1's `adaln_rank`; not a diffusers argument, hence last and in `FASTVIDEO_FIELDS`):
+    # every AdaLN projection reads a shared rank-r basis of the time embedding, `adaln_basis(silu(temb))` [r],
+    # instead of silu(temb) [time_embed_dim]. None: the release's.
+    adaln_rank: int | None = None
+
+    FASTVIDEO_FIELDS: ClassVar[tuple[str, ...]] = ("adaln_rank",)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "patch_size", tuple(int(p) for p in self.patch_size))
