@@ -100,13 +100,17 @@ class LoraState:
         t0 = time.perf_counter()
         self.clear()
         deltas: dict[str, list[tuple[torch.Tensor, torch.Tensor, float]]] = {}
-        for lora, strength in entries:
-            for param, (down, up) in lora.factors(self.config).items():
-                deltas.setdefault(param, []).append((down, up, strength))
-        if self.mode == "fuse":
-            self._fuse(deltas, entries)
-        else:
-            self._attach(deltas)
+        try:
+            for lora, strength in entries:
+                for param, (down, up) in lora.factors(self.config).items():
+                    deltas.setdefault(param, []).append((down, up, strength))
+            if self.mode == "fuse":
+                self._fuse(deltas, entries)
+            else:
+                self._attach(deltas)
+        except BaseException:
+            self.clear()  # never half a set: the base weights, and a key that says so
+            raise
         self.key = key
         self.tables_key = key if any(_builds_tables(p) for p in deltas) else ()
         self.switches += 1
@@ -158,13 +162,14 @@ class LoraState:
             self._hooks[module_path] = module.register_forward_hook(_side_path(down, up))
 
     def record(self, entries: Sequence[tuple[LoraFile, float]]) -> list[dict]:
-        """The sidecar's ``extra.loras``: one entry per LoRA of the set (strength-0 ones included, marked)."""
+        """The sidecar's ``extra.loras``: one entry per LoRA of the job, as given (a strength-0 one included, with its
+        strength 0)."""
         return [dict(lora.record(strength), mode=self.mode) for lora, strength in entries]
 
 
 def _builds_tables(param: str) -> bool:
     """Whether a native weight takes part in building the AdaLN modulation tables."""
-    return ".adaln_proj." in param or param.startswith("time_embedder.")
+    return ".adaln_proj." in param or param.startswith(("time_embedder.", "adaln_basis."))
 
 
 def _compute_dtype(module: nn.Module) -> torch.dtype:

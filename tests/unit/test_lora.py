@@ -282,3 +282,23 @@ def test_queue_render_order_groups_lora_sets_after_base_before_student():
     # Sets ranked by first appearance in the manifest: x (j0), y (j1), none (j2; j4's only LoRA has strength 0).
     # t2va first: x x y y none; then fasth3: x (j6) before none (j2).
     assert render_order(jobs) == [0, 3, 1, 5, 4, 6, 2]
+
+
+def test_a_failing_switch_leaves_the_base_weights(tmp_path, dit):
+    """A LoRA whose product overflows one weight fails at the switch after earlier weights were fused: the DiT goes
+    back to the base weights (bit for bit) and the state says it holds no set."""
+    from h3render.checkpoint.errors import AdapterError
+
+    base = snapshot(dit)
+    good = read_lora(write_synthetic_lora(tmp_path / "g.safetensors", CFG, "comfy", seed=9))
+    path = write_synthetic_lora(tmp_path / "b.safetensors", CFG, "comfy", seed=9)
+    tensors = load_file(str(path))
+    # Each factor within bounds, their product far beyond fp16's range; fused after the blocks' weights (name order).
+    tensors["token_refiner.blocks.1.mlp.fc2.lora_A.weight"].fill_(300.0)
+    tensors["token_refiner.blocks.1.mlp.fc2.lora_B.weight"].fill_(300.0)
+    save_file(tensors, str(path))
+    state = LoraState(dit, CFG, "fuse")
+    state.switch([(good, 1.0)])
+    with pytest.raises(AdapterError, match="token_refiner.blocks.1.mlp.fc2.weight.*magnitude"):
+        state.switch([(good, 1.0), (read_lora(path), 1.0)])
+    assert state.key == () and all(torch.equal(base[k], v) for k, v in dit.state_dict().items())
