@@ -14,12 +14,19 @@ the LoRA set it holds to the next job's, in one of two ways.
   extra read of x and of the output per touched linear.
 
 Choice (``--lora-mode auto``): ``side`` with ``--precision fp8`` (the FP8 DiT holds no bf16 weight to fuse into;
-re-quantizing per switch would need a bf16 copy of every touched weight), ``fuse`` otherwise: a base job runs 49
-forwards, and the side path's extra traffic per touched linear (x read again, the output read and written again:
-for qkv at the 1344x768x243 canvas ≈ 3 bytes per output element of a GEMM that does 2·5376 FLOPs per output
-element, i.e. a few per cent of a bandwidth-bound-free GEMM, per LoRA) is paid 49 times, while a fuse is one
-GEMM per weight per switch and the queue orders jobs by LoRA set (`h3render.batch`), so switches are few.
-`scripts/bench_lora.py` measures both at the real shape; docs/lora.md holds the numbers once run on the H200.
+re-quantizing per switch would need a bf16 copy of every touched weight), ``fuse`` otherwise. The estimate at the
+release shape (1344x768x243 + 256 text rows: S = 73,642), a LoRA on every block linear, H200 (4.8 TB/s):
+
+* side path, per forward: each linear reads x again and reads + writes its output once more for the add, 2 bytes
+  each: per block S x (5376 + 7168 + 5376 + 14336) x 2 + S x (21504 + 5376 + 28672 + 5376) x 4 ≈ 22.7 GB, x 50
+  blocks ≈ 1.1 TB ≈ 0.24 s — about 6 % of a ≈ 4 s forward (2.8 PFLOP of block GEMMs). A 49-forward base job pays
+  it 49 times: ≈ 12 s.
+* fuse, per switch: restore then rebuild 19.3 B weights (39 GB bf16): the pinned copies go back at PCIe speed
+  (≈ 50 GB/s: ≈ 0.8 s) and the fp32 rebuild streams ≈ 12 bytes per weight on the device (≈ 0.05 s), ≈ 1-2 s.
+
+So ``fuse`` for base jobs by an order of magnitude; for a 4-forward turbo job the two are close (≈ 1 s each), and
+the queue groups jobs by LoRA set (`h3render.runner.render_order`), so switches are few. `scripts/bench_lora.py`
+measures both at that shape (docs/lora.md gives the command); these numbers are estimates until it has run.
 
 The AdaLN projections (which build the per-schedule modulation tables) are linears like the others: both modes
 change them, and the engine keys its cached tables by the LoRA set (`h3render.engine`).
