@@ -8,10 +8,11 @@
            with `overhead` = side / base - 1;
          * bf16 only, `fuse` / `unfuse` N x rank R: the time of an exact fuse (base copies to host memory, one rank-R
            GEMM per weight) and of the restore;
-         * `queue`: 4 jobs of `--lora-queue-forwards` forwards each, alternating two 1-LoRA sets (X, Y, X, Y) in
+         * `queue`: 4 jobs of `--lora-queue-forwards` forwards (1) each, alternating two 1-LoRA sets (X, Y, X, Y) in
            the engine's mode (fuse for bf16, side for fp8), against the same 4 jobs without LoRAs: total seconds
            and the ratio.
 
+A forward takes ≈ 15.7 s at the default canvas on one H200: run one `--lora-precisions` per call (docs/lora.md).
 CPU smoke (tests/unit/test_bench_lora.py): `--stages lora --lora-model tiny --lora-device cpu --lora-canvas
 160x128x22 --lora-text 6 --lora-ranks 4 --lora-counts 1,2 --lora-reps 1 --lora-queue-forwards 1`.
 """
@@ -36,8 +37,9 @@ def add_arguments(p) -> None:
     p.add_argument("--lora-ranks", default="32,128")
     p.add_argument("--lora-counts", default="1,2,4")
     p.add_argument("--lora-precisions", default="bf16,fp8")
-    p.add_argument("--lora-reps", type=int, default=2, help="lora stage: timed forwards per row after one warm-up")
-    p.add_argument("--lora-queue-forwards", type=int, default=4, help="lora stage: forwards per queued job")
+    p.add_argument("--lora-reps", type=int, default=1,
+                   help="lora stage: timed forwards per row (the base row has one warm-up before them)")
+    p.add_argument("--lora-queue-forwards", type=int, default=1, help="lora stage: forwards per queued job")
     p.add_argument("--lora-dir", default=None, help="where the synthetic LoRA files go (default: a temp folder)")
 
 
@@ -98,14 +100,14 @@ def stage_lora(args, bench) -> None:
     def forward():
         return dit(video_rows, audio_rows, text, layout, tables, index, rope)
 
-    def timed() -> float:
-        return time_call(forward, device, args.lora_reps, warm=1)["median_s"]
+    def timed(warm: int = 0) -> float:  # a side path adds no first-call cost of its own: the base row warms up
+        return time_call(forward, device, args.lora_reps, warm=warm)["median_s"]
 
     for precision in args.lora_precisions.split(","):
         if precision == "fp8":
             quantize_dit_fp8_(dit)
         mode = "side" if precision == "fp8" else "fuse"
-        base = timed()
+        base = timed(warm=1)
         bench.rec(**row, what=f"forward base {precision}", precision=precision, seconds=base)
         side = LoraState(dit, cfg, "side")
         for rank in ranks:

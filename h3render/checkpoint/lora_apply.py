@@ -19,12 +19,13 @@ release shape (1344x768x243 + 256 text rows: S = 73,642), a LoRA on every block 
 
 * side path, per forward: each linear reads x again and reads + writes its output once more for the add, 2 bytes
   each: per block S x (5376 + 7168 + 5376 + 14336) x 2 + S x (21504 + 5376 + 28672 + 5376) x 4 ≈ 22.7 GB, x 50
-  blocks ≈ 1.1 TB ≈ 0.24 s — about 6 % of a ≈ 4 s forward (2.8 PFLOP of block GEMMs). A 49-forward base job pays
-  it 49 times: ≈ 12 s.
+  blocks ≈ 1.1 TB ≈ 0.24 s per LoRA set: ≈ 6 % of the block GEMMs (3.76 s) and ≈ 1.5 % of the 15.66 s forward
+  (docs/performance.md §1). A 49-forward base job pays it 49 times: ≈ 12 s.
 * fuse, per switch: restore then rebuild 19.3 B weights (39 GB bf16): the pinned copies go back at PCIe speed
   (≈ 50 GB/s: ≈ 0.8 s) and the fp32 rebuild streams ≈ 12 bytes per weight on the device (≈ 0.05 s), ≈ 1-2 s.
 
-So ``fuse`` for base jobs by an order of magnitude; for a 4-forward turbo job the two are close (≈ 1 s each), and
+So ``fuse`` for base jobs (≈ 12 s against 1-2 s, both small beside a ≈ 13 min job); for a 4-forward turbo job the
+two are close (≈ 1 s each), and
 the queue groups jobs by LoRA set (`h3render.runner.render_order`), so switches are few. `scripts/bench_lora.py`
 measures both at that shape (docs/lora.md gives the command); these numbers are estimates until it has run.
 
