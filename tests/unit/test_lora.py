@@ -302,3 +302,26 @@ def test_a_failing_switch_leaves_the_base_weights(tmp_path, dit):
     with pytest.raises(AdapterError, match="token_refiner.blocks.1.mlp.fc2.weight.*magnitude"):
         state.switch([(good, 1.0), (read_lora(path), 1.0)])
     assert state.key == () and all(torch.equal(base[k], v) for k, v in dit.state_dict().items())
+
+
+def test_turbo_presets_alpha_and_metadata_schedule(tmp_path):
+    """The 768p lightx2v preset runs its file at alpha 128 (scale alpha / rank on every pair without its own alpha);
+    a header schedule must be of the documented form, named in the error."""
+    from h3render.checkpoint.errors import AdapterError
+    from h3render.checkpoint.lora import with_alpha
+    from h3render.checkpoint.lora_schedule import PRESETS, metadata_schedule
+
+    lora = read_lora(write_synthetic_lora(tmp_path / "l.safetensors", CFG, "diffusers", seed=1, rank=4, adaln_rank=2))
+    assert set(lora.scales) == {1.0}
+    scaled = with_alpha(lora, PRESETS["lightx2v-fl2va-4step-v1.0-768p"].alpha)
+    assert sorted(set(scaled.scales)) == [128 / 4, 128 / 2]
+    kohya = read_lora(write_synthetic_lora(tmp_path / "k.safetensors", CFG, "kohya", seed=1, alpha=8.0))
+    assert with_alpha(kohya, 128.0).scales == kohya.scales  # per-module alphas win
+    s = PRESETS["lightx2v-fl2va-8step-v1.0"].schedule("x")
+    assert s.forwards == 8 and s.video_shift == 12.0 and s.audio_shift == 3.0
+    stated, alpha = metadata_schedule({"h3render_schedule": '{"positions": [1, 0.5, 0], "video_shift": 5, '
+                                                            '"audio_shift": 3, "alpha": 16}'}, "f")
+    assert stated.positions == (1.0, 0.5, 0.0) and alpha == 16.0 and stated.forwards == 2
+    assert metadata_schedule({}, "f") is None
+    with pytest.raises(AdapterError, match="f: metadata h3render_schedule="):
+        metadata_schedule({"h3render_schedule": '{"forwards": 4}'}, "f")
