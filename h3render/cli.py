@@ -17,6 +17,7 @@ import click
 from h3render import jobs as jobs_mod
 from h3render.cli_options import canvas_time_options, engine_options
 from h3render.exits import EXIT_OK, EXIT_USAGE, UsageError, error_exit_code
+from h3render.job_loras import parse_lora_option
 from h3render.manifest import job_from_fields, read_manifest
 from h3render.outputs import prepare_out_dir
 from h3render.runner import Queue, plan_ranks, ran_distributed, run_jobs
@@ -171,6 +172,8 @@ def _prompt(text: str, output: str, quiet: bool, opts: dict) -> int:
     fields.update(prompt=text, output=out.stem, mode=mode, references=list(opts["references"]) or None,
                   reference_audio=False if opts["reference_no_audio"] else None,
                   keyframes=list(opts["keyframes"]) or None)
+    if opts.get("lora"):
+        fields["loras"] = _lora_options(opts["lora"])
     job = job_from_fields(fields, info.limits())
     _check_partitions(info, [job])
     run = RunSettings.resolve(opts, checkpoint=checkpoint, info=info)
@@ -186,6 +189,14 @@ def _prompt(text: str, output: str, quiet: bool, opts: dict) -> int:
             _say("h3render: ref2va: " + "; ".join(r.describe() for r in job.references))
     return run_jobs(run, [job], world, info.release.dit.num_attention_heads, quiet=quiet,
                     single=(out, out.with_suffix(".json")))
+
+
+def _lora_options(values) -> list[dict]:
+    """--lora FILE[:STRENGTH] (repeated) as a `loras` field value (`job_loras.parse_lora_option`)."""
+    try:
+        return [parse_lora_option(v) for v in values]
+    except ValueError as exc:
+        raise SettingsError(str(exc)) from None
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -231,6 +242,8 @@ def _batch(manifest, out_dir, shard, skip_existing, fail_fast, dry_run, quiet, o
     RunSettings.check_options(opts, info)
     # Command-line defaults, passed like --mode: read_manifest applies them below each job's own fields.
     overrides = {k: opts[k] for k in ("mode", "seed", "steps", "preset")}
+    if opts.get("lora"):
+        overrides["loras"] = _lora_options(opts["lora"])
     student = opts["adapter"] is not None or has_v2_contract(checkpoint)  # else fasth3 jobs are manifest errors
     m = read_manifest(manifest, info.limits(), overrides, adapter_available=student, precision=opts["precision"])
     try:

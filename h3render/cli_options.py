@@ -35,7 +35,16 @@ def engine_options(f):
         click.option("--fasth3-positions", type=click.Choice(POSITION_CHOICES),
                      default=None,
                      help="FastH3 pre-shift positions: the release's [0.999, 0.749, 0.5, 0.25, 0] or FastVideo "
-                          "0.2.1's example linspace(1, 0, 5); default: the student's own."),
+                          "0.2.1's example linspace(1, 0, 5) (V2: linspace(1, 0, 9)); default: the student's own."),
+        click.option("--lora", "lora", multiple=True, metavar="FILE[:STRENGTH]",
+                     help="A LoRA for the job(s), stacked when repeated (strength default 1; formats: docs/lora.md). "
+                          "On `batch` it is the default set: a job's own `loras:` replaces it."),
+        click.option("--lora-mode", type=click.Choice(("auto", "fuse", "side")), default=None,
+                     help="How LoRAs apply per job: exact fuse/unfuse of the weights, or an un-fused side path; "
+                          "auto: side with --precision fp8, else fuse."),
+        click.option("--vsa-sparsity", type=click.FloatRange(0.0, 1.0, max_open=True), default=None,
+                     help="VSA sparsity of a sparse FastH3 student (fraction of video key tiles dropped); default "
+                          "the student's own: 0.8 for V2 (its contract), 0.9 for v1."),
         click.option("--device", type=click.Choice(DEVICES), default=None,
                      help="Default: cuda when available."),
         click.option("--dtype", type=click.Choice(DTYPES), default=None,

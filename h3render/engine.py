@@ -104,6 +104,10 @@ class Engine:
         # hand-over. Which DiT partitions stay resident is a memory decision, logged in the warm-up record.
         self.plan = ParallelPlan(ctx)
         self.dits = {BASE_PARTITION: self.c.dit}
+        from h3render.checkpoint.lora_apply import LoraState, resolve_mode  # per-job LoRAs (issue #25)
+
+        self.loras = LoraState(self.c.dit, self.c.dit.cfg, resolve_mode(settings.lora_mode, settings.precision))
+        self._lora_files: dict[str, Any] = {}
         self._forwards = {BASE_PARTITION: self.plan.dit_forward(self.c.dit)}
         self.warmup["dit_partitions"] = {BASE_PARTITION: "resident"}
         self._active = BASE_PARTITION
@@ -164,7 +168,7 @@ class Engine:
             texts, text_record = run_text_phase(run, ctx.device, list(jobs or []), streamed=memory == "streamed")
         home = torch.device("cpu") if memory == "streamed" else ctx.device  # streamed: `block_stream.stream_parts`
         info = read_checkpoint_info(checkpoint)
-        plan = students.plan_student(checkpoint, info, adapter, variant=run.adapter_variant,
+        plan = students.plan_student(checkpoint, info, adapter, variant=run.adapter_variant, sparsity=run.vsa_sparsity,
                                      positions=run.fasth3_positions, device=ctx.device)
         if ctx.is_main:
             for warning in plan.warnings:
@@ -241,6 +245,61 @@ class Engine:
 
     # -- what jobs share -------------------------------------------------------------------------------------------
 
+    def lora_entries(self, job) -> list:
+        """The job's LoRAs as (`checkpoint.lora.LoraFile`, strength), read once per file; a turbo preset's alpha
+        (`checkpoint.lora_schedule.PRESETS`) or the file's ``h3render_schedule`` alpha sets its scale."""
+        from h3render.checkpoint.lora import read_lora, with_alpha
+        from h3render.checkpoint.lora_schedule import PRESETS, metadata_schedule
+
+        entries = []
+        for ref in job.loras:
+            key = f"{ref.path}|{ref.schedule}"
+            if key not in self._lora_files:
+                lora = read_lora(ref.path)
+                stated = metadata_schedule(lora.metadata, str(lora.path))
+                alpha = PRESETS[ref.schedule].alpha if ref.schedule else stated[1] if stated else None
+                self._lora_files[key] = with_alpha(lora, alpha) if alpha is not None else lora
+            entries.append((self._lora_files[key], ref.strength))
+        return entries
+
+    def use_loras(self, job) -> None:
+        """Hold the job's LoRA set on the DiT (`checkpoint.lora_apply.LoraState.switch`: nothing to do when the
+        previous job had the same set); the time of a switch goes to `warmup["lora_switch_s"]` (last switch)."""
+        if self.loras.switch(self.lora_entries(job)):
+            self.warmup["lora_switch_s"] = self.loras.seconds
+            self.warmup["lora_switches"] = self.loras.switches
+            # Tables of other AdaLN-changing sets go (≈ 0.5 GB per 49-step schedule at release); the base's stay.
+            for key in [k for k in self._tables if k[0] not in ((), self.loras.tables_key)]:
+                del self._tables[key]
+
+    def lora_record(self, job) -> list[dict[str, Any]]:
+        """The sidecar's `extra.loras` for `job`: per LoRA file, sha256, strength, format, modules touched, mode."""
+        return self.loras.record(self.lora_entries(job))
+
+    def lora_schedule(self, job) -> Schedule | None:
+        """The turbo schedule the job's LoRAs bring (an entry's named preset, else a file's ``h3render_schedule``
+        metadata), or None. Two different ones in one set are an error.
+
+        Raises:
+            RenderError: two LoRAs of the job state different schedules.
+        """
+        from h3render.checkpoint.lora_schedule import PRESETS, metadata_schedule
+
+        found = []
+        for ref, (lora, strength) in zip(job.loras, self.lora_entries(job)):
+            if strength == 0:
+                continue
+            if ref.schedule is not None:
+                found.append(PRESETS[ref.schedule].schedule(ref.schedule))
+            else:
+                stated = metadata_schedule(lora.metadata, str(lora.path))
+                if stated is not None:
+                    found.append(stated[0])
+        if len({tuple(s.video.tolist()) + tuple(s.audio.tolist()) for s in found}) > 1:
+            raise RenderError(f"job {job.output!r}: its LoRAs bring different turbo schedules "
+                              f"({', '.join(s.source for s in found)})")
+        return found[0] if found else None
+
     def schedule(self, job) -> Schedule:
         """Sigma lists for a job: the FastH3 student's fixed few-step schedule, or the base linspace+shift grid.
 
@@ -260,12 +319,19 @@ class Engine:
                 raise RenderError("mode fasth3 needs a FastH3 adapter (--adapter PATH, or `adapter` in the manifest's "
                                   "defaults)")
             if self._deferred_fusion is not None:
+                # The student fuses into the base weights: the job's LoRAs come off first (fused ones would be
+                # restored over the student later; side-path hooks sit on linears fp8 replaces), then go back on.
+                self.loras.reset_base()  # the base changes under the copies
                 self.fuse_student()
+                self.use_loras(job)
             if self._fusion_error is not None:
                 first = (str(self._fusion_error).strip().splitlines() or [""])[0]
                 raise RenderError(f"the FastH3 student could not be fused (an earlier fasth3 job failed on it; the "
                                   f"DiT is partly fused): {type(self._fusion_error).__name__}: {first}")
             return self.fasth3
+        turbo = self.lora_schedule(job) if job.loras else None
+        if turbo is not None:
+            return turbo
         if self.fasth3 is not None and self._deferred_fusion is None:
             raise RenderError("this engine runs a FastH3 student (adapter fused, or a V2 checkpoint); base-model "
                               "(t2va) jobs must run before the student is fused (the batch queue orders them so)")
@@ -318,13 +384,13 @@ class Engine:
             partition: whose DiT's AdaLN weights (`dit_of`): the tables are per partition.
         """
         timesteps = schedule.timesteps if timesteps is None else timesteps
-        key = (partition, *timesteps.tolist())
+        key = (partition, self.loras.tables_key, *timesteps.tolist())  # a LoRA may change the AdaLN projections
         if key not in self._tables:
             from h3render.adaln_cache import cached_tables, checkpoint_identity
 
             # On disk across runs (`h3render.adaln_cache`): the fused adapter is part of the key once it is fused.
             identity = checkpoint_identity(self.c.info, (self.transformer or {}).get("path"))
-            identity["partition"] = partition
+            identity["partition"], identity["loras"] = partition, repr(self.loras.tables_key)
             fused = self.adapter is not None and self._deferred_fusion is None
             identity["adapter"] = self.adapter.get("sha256", self.adapter.get("contract")) if fused else None
             self._tables[key], record = cached_tables(self.dit_of(partition), timesteps, self.device, identity)
@@ -480,6 +546,8 @@ class Engine:
         for job in jobs:
             if job.mode == "fasth3" and self._deferred_fusion is not None:
                 continue  # built once the student is fused, on its first job
+            if job.lora_set:
+                continue  # built on the job, with its LoRAs applied (they may change the AdaLN projections)
             # every window's task (a windowed clip's first window is a plain one): no table is built mid-job
             for window in {task_of(w).NAME: w for w in windows_of(job)[0]}.values():
                 schedule = self.schedule(window)

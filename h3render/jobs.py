@@ -26,6 +26,7 @@ import yaml
 import h3render.presets
 from h3render.job_keyframes import KeyframeRef
 from h3render.job_references import ReferenceRef
+from h3render.job_loras import LoraRef
 from h3render.outputs import TEMP_MARK, output_paths, render_reason
 from h3render.spec import (FPS, RELEASED_MAX_PIXELS, RELEASED_SHORT_EDGE, X264_PRESETS, Limits, audio_rows,
                            canvas_for_aspect, check_canvas, is_snapped, latent_frames, parse_aspect, seconds_text,
@@ -113,6 +114,8 @@ class Job:
         window, overlap: a clip longer than one pass (`h3render.windows`): the longest window (17n + 5 frames) and
             the frames windows share (17j + 5); `frames` is then the clip's exact frame count (not snapped) and the
             job's `task` "continuation". None / 0 for a one-pass job.
+        loras: the job's LoRAs, stacked (`h3render.job_loras.LoraRef`: file, strength, sha256), applied to the
+            resident DiT for this job only.
     """
 
     id: str | None
@@ -132,6 +135,7 @@ class Job:
     frame_keyframes: tuple[KeyframeRef, ...] = ()
     window: int | None = None
     overlap: int = 0
+    loras: tuple[LoraRef, ...] = ()
 
     def __post_init__(self) -> None:
         check_canvas(self.width, self.height)
@@ -177,7 +181,15 @@ class Job:
             params["references"] = [r.params() for r in self.references]
         if self.window is not None:
             params.update(task="continuation", window=self.window, overlap=self.overlap)
+        active = [ref.key() for ref in self.loras if ref.strength != 0]  # strength 0 renders as no LoRA
+        if active:
+            params["loras"] = active
         return params
+
+    @property
+    def lora_set(self) -> tuple:
+        """The identity of the job's LoRA set (the queue groups jobs by it); () without LoRAs."""
+        return tuple((r.path, r.strength, r.schedule) for r in self.loras if r.strength != 0)
 
     @property
     def task(self) -> str:
@@ -562,7 +574,11 @@ def plan_lines(jobs: list[Job], out_dir: Path | None = None, *, overwrite: bool 
             mp4, sidecar = output_paths(out_dir, job)
             reason = render_reason(job, mp4, sidecar, overwrite=overwrite)
             label = f"{label} ({mp4}, {skip_note(sidecar) if reason is None else 'render: ' + reason})"
-        steps = "adapter schedule" if job.steps is None else f"{job.steps} sigma points"
+        turbo = any(r.turbo and r.strength != 0 for r in job.loras)
+        steps = ("turbo LoRA schedule" if turbo else "adapter schedule") if job.steps is None else \
+            f"{job.steps} sigma points"
+        if job.lora_set:
+            steps += ", LoRAs " + " + ".join(f"{Path(r.given).name}×{r.strength:g}" for r in job.loras if r.strength)
         task = f"fl2va ({', '.join(k.describe() for k in job.keyframes)}), " if job.keyframes else ""
         if job.task == "ref2va":
             task = f"ref2va ({', '.join(r.describe() for r in job.references)}), "

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping
 
 from h3render.job_keyframes import KEYFRAME_FIELDS
+from h3render.job_loras import resolve_loras
 from h3render.jobs import (DEFAULT_MODE, DEFAULT_SEED, Job, Preset, Requested, Source, keyframe_problem, load_presets,
                            one_line, output_key, output_name, output_path_problem, prompt_slug)
 from h3render.manifest_fields import (engine_choices, field_problem, keyframe_canvas, leading_keyframe,
@@ -25,7 +26,7 @@ from h3render.spec import PRECISIONS, Limits, canvas_for_aspect, check_canvas, p
 from h3render.windows import DEFAULT_OVERLAP, check_window, plan_windows, resolve_frames
 
 JOB_FIELDS = ("id", "prompt", "preset", "aspect", "width", "height", "duration", "frames", "seed", "steps", "mode",
-              "output", *KEYFRAME_FIELDS, "keyframes", "window", "overlap", "references", "reference_audio")
+              "output", "loras", *KEYFRAME_FIELDS, "keyframes", "window", "overlap", "references", "reference_audio")
 # not in `defaults` or command-line defaults
 JOB_ONLY_FIELDS = ("id", "prompt", "output", *KEYFRAME_FIELDS, "keyframes", "references")
 # Engine settings (the weights load once per run): set in `defaults`; a job may repeat the run's value, never change it.
@@ -357,8 +358,22 @@ def _resolve_job(job: Layer, layers: list[Layer], limits: Limits, presets: Mappi
         errors.add(job.where("steps"), "mode fasth3 runs the FastH3 adapter's fixed distilled schedule; remove steps")
         return None
     steps = None if mode == "fasth3" else steps_layer.get("steps") if steps_layer else limits.default_steps
+    loras = ()
+    loras_layer = _first(layers, ["loras"])  # a job's own list replaces the defaults' (`[]`: none)
+    if loras_layer is not None:
+        where = loras_layer.where("loras")
+        lora_dir = "." if where.file == _COMMAND_LINE else os.path.dirname(where.file) or "."
+        loras, problem = resolve_loras(loras_layer.get("loras"), lora_dir)
+        if problem:
+            errors.add(where, problem)
+            return None
+    if any(ref.turbo and ref.strength != 0 for ref in loras):  # it runs its LoRA's own schedule (docs/lora.md)
+        if "steps" in job.fields:
+            errors.add(job.where("steps"), "a turbo LoRA of this job brings its own schedule; remove steps")
+            return None
+        steps = None
     seed_layer = _first(layers, ["seed"])
-    return dict(id=job.get("id"), prompt=job.get("prompt"), width=width, height=height, frames=frames,
+    return dict(loras=loras, id=job.get("id"), prompt=job.get("prompt"), width=width, height=height, frames=frames,
                 seed=seed_layer.get("seed") if seed_layer else DEFAULT_SEED, steps=steps, mode=mode,
                 requested=Requested(**requested), references=references, window=window, overlap=overlap,
                 **keyframes)

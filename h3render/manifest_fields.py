@@ -9,6 +9,7 @@ import math
 from pathlib import Path
 from typing import Any, Mapping, NamedTuple
 
+from h3render.job_loras import loras_field_problem
 from h3render.job_keyframes import (ANCHOR_OF_FIELD, KEYFRAME_FIELDS, KeyframeRef, parse_keyframe_spec,
                                     read_keyframe_ref)
 from h3render.job_references import (ReferenceRef, entry_problem, read_reference, references_problem,
@@ -36,6 +37,8 @@ def field_problem(name: str, value: Any, presets: Mapping[str, Preset], limits: 
     by `resolve_keyframes`, once the value is known to be a non-empty string."""
     if isinstance(value, TooLong):
         return f"an integer of {value.digits:,} digits is out of range"
+    if name == "loras":
+        return loras_field_problem(value)
     if name in STRING_FIELDS and not isinstance(value, str):
         return f"must be a string, got {type_name(value)}"
     if name in STRING_FIELDS and lone_surrogate(value):  # a prompt would fail every job at the warm-up's encode

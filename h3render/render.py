@@ -103,6 +103,7 @@ def render_windows(engine, job, windows: Sequence, mp4_path: Path, sidecar_path:
                 window = follow(window, previous)
             label = mp4_path.stem if len(windows) == 1 else f"{mp4_path.stem} [window {i + 1}/{len(windows)}]"
             t0 = timer.now() - t_start
+            engine.use_loras(window)  # the job's LoRA set (issue #25): fused or side path, no reload
             schedule = engine.schedule(window)  # a mixed queue's first fasth3 job fuses (and, fp8, quantizes) the DiT
             # What each component computes in, read now: the sidecar is written on the writer's thread, by when the
             # next job may have fused and quantized the DiT.
@@ -367,6 +368,8 @@ def _write_sidecar(engine, job, schedule: sampling.Schedule, timer: StageTimer, 
              "mode": job.mode, **result}
     if engine.adapter is not None and job.mode == "fasth3":
         extra["fasth3"] = engine.adapter
+    if job.loras:
+        extra["loras"] = engine.lora_record(job)
     checkpoint = {"path": info.recorded_path, "layout": info.layout, "release": info.release.name,
                   "config_hash": info.config_hash}
     if engine.transformer is not None:

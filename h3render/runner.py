@@ -115,9 +115,7 @@ def _rank_main(run: RunSettings, jobs: list, heads: int, quiet: bool, single, qu
         try:
             if single is not None:
                 return _render_single(factory, jobs[0], *single, quiet=quiet)
-            # t2va / fl2va first, then the ref2va jobs (their own DiT partition: one swap where the device cannot
-            # hold both), then fasth3 (the student fused into the base DiT); stable; the report keeps manifest order
-            order = sorted(range(len(jobs)), key=lambda i: (jobs[i].mode == "fasth3", jobs[i].task == "ref2va"))
+            order = render_order(jobs)
             report = run_batch(jobs, factory, queue.out_dir, overwrite=queue.overwrite, fail_fast=queue.fail_fast,
                                quiet=quiet, shard=queue.shard, render_order=order, current=run.record())
             return report.exit_code
@@ -187,3 +185,16 @@ def distinct_setups(jobs):
             seen.add(key)
             out.append(job)
     return out
+
+
+def render_order(jobs: list) -> list[int]:
+    """The order a queue renders in (indices into `jobs`; the report keeps the manifest's): t2va / fl2va jobs
+    first, then the ref2va jobs (their own DiT partition: one swap where the device cannot hold both), then fasth3
+    (a student adapter is fused in place once, after the base jobs); within each group jobs grouped by LoRA set in
+    order of first appearance, so a queue alternating two sets switches the DiT once per set rather than once per
+    job (issue #25). Stable otherwise."""
+    first_seen: dict = {}
+    for job in jobs:
+        first_seen.setdefault(job.lora_set, len(first_seen))
+    return sorted(range(len(jobs)), key=lambda i: (jobs[i].mode == "fasth3", jobs[i].task == "ref2va",
+                                                   first_seen[jobs[i].lora_set]))

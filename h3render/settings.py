@@ -100,6 +100,8 @@ class RunSettings:
     max_gpu_memory: float | None = None
     precision_given: bool = field(default=False, compare=False)
     memory: dict | None = field(default=None, compare=False)
+    lora_mode: str = "auto"
+    vsa_sparsity: float | None = None
     precision_from: str | None = field(default=None, compare=False)
     progress: Any = field(default=True, compare=False)  # bool | h3render.progress.Progress
     step_bar_position: int = field(default=1, compare=False)
@@ -132,7 +134,8 @@ class RunSettings:
         if cli.get("precision") is None and m is not None and precision != cls.precision:
             precision_from = str(m.path)  # only the defaults can set another precision than the default
         given = {name: cli[name] for name in ("gpus", "attention", "crf", "x264_preset", "vae_batch", "compile_vae",
-                                              "graph_audio", "save_latents", "memory_plan", "max_gpu_memory")
+                                              "graph_audio", "save_latents", "memory_plan", "max_gpu_memory",
+                                              "lora_mode", "vsa_sparsity")
                  if cli.get(name) is not None}
         adapter = pick("adapter", m and m.adapter)
         return cls(checkpoint=checkpoint,
@@ -169,6 +172,9 @@ class RunSettings:
                 activations or on a GPU older than sm_89, an attention backend this machine lacks.
         """
         self.check_options({name: getattr(self, name) for name in OPTION_FIELDS}, info)
+        if self.lora_mode == "fuse" and self.precision == "fp8":
+            raise SettingsError("--lora-mode fuse cannot go with --precision fp8 (the FP8 DiT keeps no bf16 weights "
+                                "to fuse into); use --lora-mode side or auto")
         self._check_student(info, mode, jobs)
         problem = precision_problem(self.precision, self.dtype, self.devices(world))
         if problem:
@@ -222,12 +228,19 @@ class RunSettings:
 
         contract, source = usage(locate_student, self.checkpoint, self.adapter, self.adapter_variant,
                                  self.fasth3_positions)
+        parts = None
         if info is not None and (source is not None or contract is not None):
             parts = usage(lambda: read_student(self.checkpoint, info, self.adapter, variant=self.adapter_variant,
                                                positions=self.fasth3_positions))
             if parts is not None and parts.adapter is not None:
                 # Every value (NaN/Inf/huge, a NaN gate), in the pass that hashes the file for the sidecar anyway.
                 usage(scan_adapter, parts.adapter)
+        if self.vsa_sparsity is not None and source is None and contract is None:
+            raise SettingsError("--vsa-sparsity needs a VSA FastH3 student (--adapter with gates, or a VSA "
+                                "checkpoint)")
+        if self.vsa_sparsity is not None and parts is not None and not parts.attention.vsa:
+            raise SettingsError(f"--vsa-sparsity {self.vsa_sparsity}: the student is dense "
+                                f"({parts.attention.mode_source})")
         if mode == FASTH3_MODE and self.adapter is None and contract is None:
             raise SettingsError("--mode fasth3 needs --adapter PATH (the FastH3 student adapter) or a FastH3 V2 "
                                 "checkpoint")

@@ -60,6 +60,9 @@ Stages (`--stages`, comma-separated):
             gates, the release's 4 forwards) in --longclip-precision (fp8): time and peak memory per window, the
             overlap's overhead, the complete MP4; `--longclip-model tiny --longclip-device cpu --longclip-canvas
             160x128 --longclip-duration 1.8 --longclip-window 39 --longclip-overlap 5` is the CPU smoke run
+  lora      issue 25 (scripts/bench_lora.py): per-forward overhead of 1/2/4 un-fused LoRAs of rank 32/128 at
+            --lora-canvas in bf16 and fp8, fuse/unfuse time, a 4-job queue alternating LoRA sets vs no LoRAs;
+            `--lora-model tiny --lora-device cpu --lora-canvas 160x128x22 --lora-text 6` is the CPU smoke run
   batch     queue throughput on 1 GPU: --batch-jobs jobs of --forwards DiT forwards at --batch-canvas through
             `run_batch` with one resident Engine (each job's MP4 tail beside the next job's start). Warm-up
             (prepare, and one untimed job of the queue's shape for Triton JIT / first-call costs) is outside the
@@ -135,11 +138,20 @@ def stage_memplans(args) -> None:
     import bench_memplans
 
     bench_memplans.stage_memplans(args, bench_common)
+
+
 def stage_longclip(args) -> None:
     """A clip longer than one pass as windowed continuation (scripts/bench_longclip.py)."""
     import bench_longclip
 
     bench_longclip.run(args, bench_common)
+
+
+def stage_lora(args) -> None:
+    """Per-job LoRAs: side-path overhead, fuse/unfuse, an alternating 4-job queue (scripts/bench_lora.py)."""
+    import bench_lora
+
+    bench_lora.stage_lora(args, bench_common)
 
 
 def stage_fl2va(args) -> None:
@@ -180,7 +192,7 @@ STAGES = {f.__name__: f for f in (
     stage_ceil, stage_attn, stage_kernels, stage_dit, stage_vae, stage_audio, stage_te, stage_ulysses, stage_vsa,
     stage_prof, stage_compare, stage_e2e, stage_fp8_gemm, stage_fp8_quant, stage_fp8_dit, stage_fp8_memory,
     stage_fl2va, stage_ref2va, stage_batch, stage_media, stage_tables, stage_te_fp8, stage_vae_fp8, stage_memplans,
-    stage_longclip)}
+    stage_longclip, stage_lora)}
 
 
 def main() -> None:
@@ -232,11 +244,13 @@ def main() -> None:
     import bench_e2e  # scripts/ is sys.path[0] when run as a script
     import bench_fp8
     import bench_longclip
-    import bench_prepare
+    import bench_lora
     import bench_memplans
+    import bench_prepare
     import bench_vae_fp8
 
     bench_fp8.add_arguments(p)
+    bench_lora.add_arguments(p)
     bench_prepare.add_arguments(p)
     bench_vae_fp8.add_arguments(p)
     bench_e2e.add_arguments(p)

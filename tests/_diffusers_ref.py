@@ -5,7 +5,6 @@ diffusers is a test-only dependency; h3render itself never imports it.
 
 from __future__ import annotations
 
-import dataclasses
 
 import torch
 
@@ -42,7 +41,9 @@ def diffusers_transformer(dit: DiT):
     from diffusers import MiniMaxH3Transformer3DModel
     from diffusers.loaders.single_file_utils import convert_minimax_h3_transformer_checkpoint_to_diffusers
 
-    config = dataclasses.asdict(dit.cfg)
+    from h3render.checkpoint.releases import dit_fields
+
+    config = dit_fields(dit.cfg)  # diffusers' arguments (no FastH3 Trim `adaln_rank`)
     config["patch_size"] = tuple(config["patch_size"])
     converted = convert_minimax_h3_transformer_checkpoint_to_diffusers(
         native_state_dict(dit), config, qkv_layout="interleaved"

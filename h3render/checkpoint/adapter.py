@@ -51,7 +51,7 @@ from safetensors import safe_open
 from h3render.checkpoint.adapter_checks import check_dtypes, check_fused, check_values, known_digest, scan_file
 from h3render.checkpoint.contract import CONTRACT_FILE
 from h3render.checkpoint.errors import AdapterError
-from h3render.checkpoint.names import (GATE_VALUE, QKV, STACKS, VSA_GATE_NATIVE, Target, dit_shapes,
+from h3render.checkpoint.names import (GATE_VALUE, QKV, STACKS, VSA_GATE, VSA_GATE_NATIVE, Target, dit_shapes,
                                        native_module, qkv_slot, swap_halves)
 from h3render.checkpoint.stream import Entry
 from h3render.models.dit_config import DiTConfig
@@ -318,7 +318,7 @@ def read_adapter(path: str | Path, base_model: str = RELEASED_BASE_MODEL) -> Ada
             native_target(module)
         except AdapterError as exc:
             raise AdapterError(f"{path}: tensor {entry.key!r}: {exc}") from None
-        if role in _LOW_RANK_ROLES and _unwrapped(module):
+        if role in _LOW_RANK_ROLES and (_unwrapped(module) or module.endswith(VSA_GATE)):
             unwrapped.add(module)
         if role in ("lora_A", "lora_B"):
             seen["low_rank_tensors"] += 1
@@ -456,6 +456,12 @@ class AdapterFusion:
             if param not in self._shapes:
                 raise AdapterError(f"{adapter.path}: tensor {entry.key!r} targets {param!r}, which this DiT config "
                                    f"does not have (unknown target)")
+            if role == "set_weight" and not target.native.endswith(VSA_GATE_NATIVE):
+                # FastVideo assigns whole weights only to the gates the base lacks; assigning one the base has
+                # (to_q/k/v: a slot of our fused qkv) replaces trained weights and failed later as a size mismatch.
+                raise AdapterError(f"{adapter.path}: tensor {entry.key!r} [{', '.join(map(str, entry.shape))}] "
+                                   f"assigns {param} {list(self._shapes[param])}, a weight the base model has; "
+                                   f".set_weight is for {VSA_GATE} only (state a change as .diff or a LoRA pair)")
             self._check_shape(entry.key, entry.shape, role, target, self._shapes[param])
             if target.block is not None:
                 touched.setdefault(target.block[0], set()).add(target.block[1])

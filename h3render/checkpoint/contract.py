@@ -273,6 +273,12 @@ def fasth3_schedule(metadata: Any = None,
         if positions not in POSITION_SETS:
             raise ValueError(f"unknown FastH3 position set {positions!r}; known: {sorted(POSITION_SETS)}")
         chosen, source = POSITION_SETS[positions], f"named set {positions!r}"
+        if positions == "fastvideo-example" and contract is not None and len(chosen) != len(contract.positions):
+            # FastVideo 0.2.1's example runs `--steps N` sigma-grid points linspace(1, 0, N) (N - 1 forwards): for
+            # V2's 8 forwards that is linspace(1, 0, 9), the V2 example schedule (issue #25 item 5).
+            n = len(contract.positions)
+            chosen = tuple(1.0 - i / (n - 1) for i in range(n - 1)) + (0.0,)
+            source = f"named set {positions!r} (linspace(1, 0, {n}): {n - 1} forwards)"
         if contract is not None and len(chosen) != len(contract.positions):
             raise ValueError(f"FastH3 position set {positions!r} drives {len(chosen) - 1} forwards but "
                              f"{contract.where} states {len(contract.positions) - 1} ({contract.model_id})")

@@ -36,6 +36,7 @@ TOP_MODULES = (
     ("final_layer.adaln_proj.linear", "norm_out.linear"),
     ("final_layer.video_out", "proj_out"),
     ("final_layer.audio_out", "audio_proj_out"),
+    ("adaln_basis", "adaln_basis"),  # FastH3 Trim only (`DiTConfig.adaln_rank`)
 )
 # Block stacks, (native prefix, diffusers prefix, DiTConfig field holding the block count); the refiner comes first
 # so that "blocks." does not swallow "token_refiner.blocks.".

@@ -152,12 +152,18 @@ class Release:
         """16 hex digits of SHA-256 over every config that changes the output (architectures, read layer, shifts,
         frame limits); equal hashes mean interchangeable checkpoints up to the weights."""
         payload = {
-            "dit": dataclasses.asdict(self.dit), "video_vae": dataclasses.asdict(self.video_vae),
+            "dit": dit_fields(self.dit), "video_vae": dataclasses.asdict(self.video_vae),
             "audio_vae": dataclasses.asdict(self.audio_vae), "text_encoder": _canonical_qwen3vl(self.text_encoder),
             "text_read_layer": self.text_read_layer, "shifts": [self.video_shift, self.audio_shift],
             "frames": [self.min_frames, self.max_frames],
         }
         return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def dit_fields(config: DiTConfig) -> dict:
+    """A DiT config as its fields, without the optional ones left at None (`adaln_rank`, FastH3 Trim only): the
+    hash and the written config.json of every config before that field existed stay as they were."""
+    return {k: v for k, v in dataclasses.asdict(config).items() if not (k == "adaln_rank" and v is None)}
 
 
 RELEASES: dict[str, Release] = {

@@ -27,7 +27,7 @@ import difflib
 import json
 import re
 from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -424,7 +424,8 @@ def read_student(checkpoint: str, info, adapter: str | Path | None = None, *, va
 
 
 def plan_student(checkpoint: str, info, adapter: str | Path | None = None, *, variant: str | None = None,
-                 positions: str | None = None, device: torch.device | str = "cpu") -> StudentPlan:
+                 positions: str | None = None, device: torch.device | str = "cpu",
+                 sparsity: float | None = None) -> StudentPlan:
     """The student of a load: an adapter (any layout) over `checkpoint`, or the checkpoint's own contract.
 
     Args:
@@ -433,15 +434,24 @@ def plan_student(checkpoint: str, info, adapter: str | Path | None = None, *, va
         variant: bundle variant (`resolve_adapter`).
         positions: a `POSITION_CHOICES` name (`fasth3_schedule`'s named sets), or None for the student's own.
         device: where the fusion computes.
+        sparsity: `--vsa-sparsity`, replacing a VSA student's own (V2: 0.8 from its contract; v1: 0.9), or None.
 
     Raises:
         AdapterError, CheckpointError, ValueError: a bad adapter / contract / layout, an adapter on a full FastH3
-            checkpoint, or `positions` / `variant` without a student (each names the file and field).
+            checkpoint, `positions` / `variant` without a student, or `sparsity` for a dense student or outside
+            [0, 1) (each names the file and field).
     """
     parts = read_student(checkpoint, info, adapter, variant=variant, positions=positions, device=device)
     if parts is None:
+        if sparsity is not None:
+            raise ValueError("--vsa-sparsity needs a VSA FastH3 student (an adapter with gates, or a VSA checkpoint)")
         return StudentPlan()
     attention, schedule, ad, source = parts.attention, parts.schedule, parts.adapter, parts.source
+    if sparsity is not None:
+        if not attention.vsa:
+            raise ValueError(f"--vsa-sparsity {sparsity}: the student is dense ({attention.mode_source})")
+        attention = replace(attention, sparsity=_vsa_value(sparsity, "--vsa-sparsity", "sparsity"),
+                            sparsity_source="--vsa-sparsity")
     if ad is not None:
         sidecar = {"path": str(adapter), "file": str(source.file), "layout": source.layout, "variant": source.variant,
                    "sha256": ad.sha256, "base_model": ad.base_model, "rank": ad.rank}

@@ -37,7 +37,8 @@ from torch import Tensor
 from h3render.checkpoint.builtin import random_entries, tiny_vl_tokenizer
 from h3render.checkpoint.contract import CONTRACT_FILE, VSA_BACKEND
 from h3render.checkpoint.names import QKV_NATIVE, VSA_GATE, deinterleave_qkv, dit_state_dict_to_diffusers
-from h3render.checkpoint.releases import BUILTIN, RELEASES, Release
+from h3render.checkpoint.releases import BUILTIN, RELEASES, Release, dit_fields
+from h3render.models.dit_config import DiTConfig
 from h3render.make_checkpoint.files import save_tensors
 from h3render.make_checkpoint.synthetic_adapter import FULL_STUDENTS, write_synthetic_adapter, write_synthetic_bundle
 
@@ -161,8 +162,9 @@ def _write_json(path: Path, data: Mapping[str, Any]) -> None:
 
 
 def _diffusers_config(class_name: str, config: Any) -> dict[str, Any]:
+    fields = dit_fields(config) if isinstance(config, DiTConfig) else dataclasses.asdict(config)
     return {"_class_name": class_name, "_diffusers_version": DIFFUSERS_VERSION,
-            **dataclasses.asdict(config)}  # json writes the config's tuples as lists
+            **fields}  # json writes the config's tuples as lists
 
 
 def _save_sharded(folder: Path, tensors: Mapping[str, Tensor], stem: str, shards: int) -> None:

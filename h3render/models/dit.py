@@ -192,16 +192,27 @@ class TokenRefiner(nn.Module):
 
 
 class AdaLNProj(nn.Module):
-    """`linear(silu(temb))` -> one modulation table. Only used to build `ModulationTables` ahead of the loop."""
+    """`linear(silu(temb))` -> one modulation table. Only used to build `ModulationTables` ahead of the loop.
 
-    def __init__(self, time_embed_dim: int, out_features: int):
+    With `silu=False` (FastH3 Trim, `DiTConfig.adaln_rank`) the input is already the shared basis
+    `adaln_basis(silu(temb))` [K, r] and the projection is linear alone (FastVideo 0.2.1
+    `MiniMaxH3AdaLayerNormModulation(apply_silu=False)`).
+    """
+
+    def __init__(self, time_embed_dim: int, out_features: int, silu: bool = True):
         super().__init__()
         self.linear = nn.Linear(time_embed_dim, out_features, bias=True)
+        self.silu = silu
+
+    @classmethod
+    def of(cls, cfg: DiTConfig, out_features: int) -> "AdaLNProj":
+        """The projection a config asks for: from temb [time_embed_dim] (release) or the rank-r basis (Trim)."""
+        return cls(cfg.adaln_rank or cfg.time_embed_dim, out_features, silu=cfg.adaln_rank is None)
 
     def forward(self, temb: torch.Tensor) -> torch.Tensor:
         # SiLU runs at temb's precision (fp32) and only its result is cast to the projection dtype: every block reads
         # the same temb, so an early bf16 rounding would bias all blocks alike at every step.
-        return self.linear(F.silu(temb).to(self.linear.weight.dtype))
+        return self.linear((F.silu(temb) if self.silu else temb).to(self.linear.weight.dtype))
 
 
 class Block(RefinerBlock):
@@ -210,7 +221,7 @@ class Block(RefinerBlock):
     def __init__(self, cfg: DiTConfig):
         super().__init__(cfg)
         # 6 vectors x 3 modalities per timestep (released: 18 x 5376 outputs).
-        self.adaln_proj: AdaLNProj | None = AdaLNProj(cfg.time_embed_dim, 6 * NUM_MODALITIES * cfg.hidden_size)
+        self.adaln_proj: AdaLNProj | None = AdaLNProj.of(cfg, 6 * NUM_MODALITIES * cfg.hidden_size)
 
     def forward(
         self,
@@ -257,7 +268,7 @@ class FinalLayer(nn.Module):
     def __init__(self, cfg: DiTConfig):
         super().__init__()
         self.norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.final_norm_eps)
-        self.adaln_proj: AdaLNProj | None = AdaLNProj(cfg.time_embed_dim, 2 * cfg.hidden_size)
+        self.adaln_proj: AdaLNProj | None = AdaLNProj.of(cfg, 2 * cfg.hidden_size)
         self.video_out = nn.Linear(cfg.hidden_size, cfg.video_patch_dim, bias=True)
         self.audio_out = nn.Linear(cfg.hidden_size, cfg.audio_in_channels, bias=True)
 
@@ -323,6 +334,8 @@ class DiT(nn.Module):
         self.token_refiner = TokenRefiner(cfg)
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.num_layers))
         self.final_layer = FinalLayer(cfg)
+        # FastH3 Trim: the time embedding's shared rank-r basis every AdaLN projection reads (no bias).
+        self.adaln_basis = nn.Linear(cfg.time_embed_dim, cfg.adaln_rank, bias=False) if cfg.adaln_rank else None
         self.vsa_sparsity: float | None = None  # set by enable_vsa
 
     # -- setup ------------------------------------------------------------------------------------------------------
@@ -333,10 +346,17 @@ class DiT(nn.Module):
         return self.condition_proj.weight.dtype
 
     def apply_precision_(self, dtype: torch.dtype) -> "DiT":
-        """Cast in place to the release's split: `FP32_MODULES` float32, all else `dtype`. Returns self."""
+        """Cast in place to the release's split: `FP32_MODULES` float32, all else `dtype`; a Trim DiT's factorized
+        AdaLN (`adaln_basis`, every `adaln_proj`) float16, as FastVideo 0.2.1 pins it ("BF16 is ~1.7x worse
+        there"; fp32 on a float32 run). Returns self."""
         self.to(dtype)
         for name in self.FP32_MODULES:
             self.get_submodule(name).float()
+        if self.adaln_basis is not None:
+            adaln = torch.float32 if dtype == torch.float32 else torch.float16
+            for module in [self.adaln_basis, self.final_layer.adaln_proj] + [b.adaln_proj for b in self.blocks]:
+                if module is not None:
+                    module.to(adaln)
         return self
 
     def set_attention(self, fn: AttentionFn, refiner: bool = False) -> None:
@@ -402,6 +422,9 @@ class DiT(nn.Module):
         timesteps = torch.as_tensor(timesteps, dtype=torch.float32).reshape(-1).to(device)
         k, h = timesteps.numel(), self.cfg.hidden_size
         temb = self.time_embedder(timestep_sinusoid(timesteps, self.cfg.freq_dim).to(te.dtype))
+        if self.adaln_basis is not None:  # FastH3 Trim: [K, time_embed_dim] -> the shared basis [K, r]
+            basis = self.adaln_basis.to(device)
+            temb = basis(F.silu(temb).to(basis.weight.dtype))
 
         def run(proj: nn.Module, rows: int) -> torch.Tensor:
             linear = proj.linear

@@ -6,7 +6,7 @@ Its own module, so the checkpoint registry and loaders read an architecture with
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Mapping
+from typing import ClassVar, Mapping
 
 from h3render.models.config_dict import config_fields
 
@@ -38,6 +38,12 @@ class DiTConfig:
     norm_eps: float = 1e-5
     qk_norm_eps: float = 1e-5
     final_norm_eps: float = 1e-5
+    # FastH3 Trim (FastVideo 0.2.1's `adaln_rank`; not a diffusers argument, hence last and in `FASTVIDEO_FIELDS`):
+    # every AdaLN projection reads a shared rank-r basis of the time embedding, `adaln_basis(silu(temb))` [r],
+    # instead of silu(temb) [time_embed_dim]. None: the release's.
+    adaln_rank: int | None = None
+
+    FASTVIDEO_FIELDS: ClassVar[tuple[str, ...]] = ("adaln_rank",)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "patch_size", tuple(int(p) for p in self.patch_size))
@@ -48,6 +54,9 @@ class DiTConfig:
                 f"DiTConfig: RoPE rotates 2*3*rope_freq_dim = {6 * self.rope_freq_dim} channels, more than "
                 f"attention_head_dim = {self.attention_head_dim}"
             )
+        if self.adaln_rank is not None and not 0 < self.adaln_rank <= self.time_embed_dim:
+            raise ValueError(f"DiTConfig.adaln_rank must be in (0, time_embed_dim={self.time_embed_dim}], got "
+                             f"{self.adaln_rank}")
         if self.freq_dim % 2:
             raise ValueError(f"DiTConfig.freq_dim must be even (cos and sin halves), got {self.freq_dim}")
 

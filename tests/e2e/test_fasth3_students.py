@@ -289,8 +289,12 @@ def test_position_sets_on_adapters_and_contracts(tmp_path, bundle):
     assert plan.sidecar["source"] == "named set 'fastvideo-example'"
     assert plan.sidecar["positions_set"] == "fastvideo-example"
     ckpt = write_synthetic_full_student(tmp_path / "v2", "v2", seed=4)
+    # V2 (8 forwards): FastVideo's example rule at 9 grid points, linspace(1, 0, 9), at the contract's shifts 10 / 3.
+    v2 = plan_student(str(ckpt), read_checkpoint_info(ckpt), positions="fastvideo-example").schedule
+    assert v2.positions == pytest.approx([1 - i / 8 for i in range(9)]) and v2.video_shift == 10.0
+    assert v2.source == "named set 'fastvideo-example' (linspace(1, 0, 9): 8 forwards)"
     with pytest.raises(ValueError, match="drives 4 forwards but .* states 8"):
-        plan_student(str(ckpt), read_checkpoint_info(ckpt), positions="fastvideo-example")
+        plan_student(str(ckpt), read_checkpoint_info(ckpt), positions="release")
     ckpt = write_synthetic_full_student(tmp_path / "v1", "v1-vsa-datafree", seed=4)
     v1 = plan_student(str(ckpt), read_checkpoint_info(ckpt), positions="fastvideo-example").schedule
     assert v1.positions[0] == 1.0 and v1.video_shift == 12.0  # the v1 contract states no shift: the checkpoint's
@@ -415,3 +419,48 @@ def test_make_checkpoint_writes_every_published_student_kind(tmp_path):
     # The torch-free CLI spells the students out: they must be the writer's.
     (option,) = [p for p in make_checkpoint_command.params if p.name == "student"]
     assert list(option.type.choices) == list(FULL_STUDENTS)
+def test_vsa_sparsity_override(tmp_path, bundle):
+    """V2's own sparsity is 0.8 (its contract); --vsa-sparsity replaces it and says so; a dense student or no
+    student refuses it (issue #25 item 4)."""
+    ckpt = write_synthetic_full_student(tmp_path / "v2", "v2", seed=4)
+    info = read_checkpoint_info(ckpt)
+    own = plan_student(str(ckpt), info).attention
+    assert own.sparsity == 0.8 and own.sparsity_source != "--vsa-sparsity"
+    set_ = plan_student(str(ckpt), info, sparsity=0.5)
+    assert set_.attention.sparsity == 0.5 and set_.sidecar["attention"]["sparsity_source"] == "--vsa-sparsity"
+    with pytest.raises(ValueError, match="the student is dense"):
+        plan_student("tiny", TINY, bundle, variant="dense-datafree", sparsity=0.5)
+    with pytest.raises(ValueError, match="needs a VSA FastH3 student"):
+        plan_student("tiny", TINY, sparsity=0.5)
+
+
+def test_fasth3_trim_layout_loads_and_builds_its_factorized_adaln(tmp_path):
+    """FastH3 Trim's published layout (FastVideo 0.2.1 `adaln_rank`; fasth3-rtx blog): fewer blocks, renumbered, and
+    every AdaLN projection reading the shared basis `adaln_basis(silu(temb))` without a SiLU of its own. The tables
+    equal that math on the file's own tensors; a bf16 load keeps the factorized AdaLN in float16, as FastVideo."""
+    import torch.nn.functional as F
+
+    from h3render.make_checkpoint.synthetic_trim import write_synthetic_trim
+    from h3render.models.dit import timestep_sinusoid
+
+    root = write_synthetic_trim(tmp_path / "trim", seed=3, keep=(1,), rank=4)
+    info = read_checkpoint_info(str(root))
+    assert info.release.dit.num_layers == 1 and info.release.dit.adaln_rank == 4
+    plan = plan_student(str(root), info)
+    dit = load_dit(str(root), plan)
+    files = load_file(str(root / "transformer" / "diffusion_pytorch_model.safetensors"))
+    t = torch.tensor([0.25, 0.75])
+    tables = dit.modulation_tables(t)
+    temb = dit.time_embedder(timestep_sinusoid(t, dit.cfg.freq_dim))
+    basis = F.silu(temb) @ files["adaln_basis.weight"].float().T  # [K, r]
+    block = basis @ files["transformer_blocks.0.adaln_proj.linear.weight"].float().T + \
+        files["transformer_blocks.0.adaln_proj.linear.bias"].float()
+    final = basis @ files["norm_out.linear.weight"].float().T + files["norm_out.linear.bias"].float()
+    assert torch.allclose(tables.blocks[0].reshape(2, -1), block, atol=1e-6)
+    assert torch.allclose(tables.final.reshape(2, -1), final, atol=1e-6)
+    # The kept block 1 became block 0, with its own gate.
+    assert torch.equal(dit.blocks[0].attn.gate_proj.weight, files["transformer_blocks.0.attn.to_gate_compress.weight"]
+                       .float())
+    bf16 = load_components(str(root), "cpu", torch.bfloat16, parts=("dit",), tensor_hook=plan.hook).dit
+    assert bf16.adaln_basis.weight.dtype == torch.float16 and bf16.blocks[0].adaln_proj.linear.weight.dtype == \
+        torch.float16 and bf16.blocks[0].attn.qkv_proj.weight.dtype == torch.bfloat16

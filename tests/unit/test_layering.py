@@ -8,7 +8,7 @@ functions count the same as top-level ones (a function-level import does not mak
 layer  name            modules (and why they sit there)
 =====  ==============  =============================================================================================
   7    front end       cli, cli_*, settings, runner, manifest, manifest_formats, manifest_fields, jobs, shards,
-                       job_keyframes, job_references, batch, report, locks, signals: torch-free on import
+                       job_keyframes, job_references, job_loras, batch, report, locks, signals: torch-free on import
                        (manifest lines to `Job`s and run settings, the batch loop); they reach the job path's
                        torch modules only inside functions.
   6    job path        engine, adaln_cache, render, tasks/, seams, sidecar, keyframes, references, ref_packing,
@@ -54,8 +54,8 @@ SOURCES = {"h3render": REPO / "h3render", "h3render.kernels": REPO / "kernels"}
 LAYERS: dict[int, tuple[str, ...]] = {
     7: ("h3render.cli", "h3render.cli_*", "h3render.settings", "h3render.manifest", "h3render.manifest_formats",
         "h3render.manifest_fields",
-        "h3render.jobs", "h3render.shards", "h3render.job_keyframes", "h3render.job_references", "h3render.batch", "h3render.report",
-        "h3render.locks", "h3render.signals", "h3render.runner"),
+        "h3render.jobs", "h3render.shards", "h3render.job_keyframes", "h3render.job_references", "h3render.job_loras",
+        "h3render.batch", "h3render.report", "h3render.locks", "h3render.signals", "h3render.runner"),
     6: ("h3render.engine", "h3render.adaln_cache", "h3render.render", "h3render.tasks", "h3render.tasks.*", "h3render.sidecar",
         "h3render.keyframes", "h3render.references", "h3render.ref_packing", "h3render.media", "h3render.soundtrack",
         "h3render.staging", "h3render.colour",
@@ -74,9 +74,9 @@ LAYER_NAMES = {7: "front end", 6: "job path", 5: "writers", 4: "checkpoint", 3: 
 # The front end's modules that must import without torch (a manifest is checked before anything heavy loads).
 TORCH_FREE = ("h3render.spec", "h3render.windows", "h3render.errors", "h3render.exits", "h3render.runner", "h3render.sidecar", "h3render.jobs", "h3render.manifest", "h3render.manifest_formats",
               "h3render.manifest_fields", "h3render.shards",
-              "h3render.job_keyframes", "h3render.job_references", "h3render.outputs", "h3render.settings",
-              "h3render.batch", "h3render.report", "h3render.locks", "h3render.progress", "h3render.signals",
-              "h3render.cli",
+              "h3render.job_keyframes", "h3render.job_references", "h3render.job_loras", "h3render.outputs",
+              "h3render.settings", "h3render.batch", "h3render.report", "h3render.locks", "h3render.progress",
+              "h3render.signals", "h3render.cli",
               # what the front end's checks read before any heavy import (a typo answers at once, issue #29): the
               # checkpoint's configs and registry, the student contract's file, the launcher's rank, keyframes
               "h3render.checkpoint.info", "h3render.checkpoint.releases", "h3render.checkpoint.contract",

@@ -1,0 +1,130 @@
+"""A job's LoRAs (issue #25): the `loras:` manifest field and `--lora FILE[:STRENGTH]`, read into `LoraRef`s
+before any weights load. Torch-free on import; reading a file's header (`checkpoint.lora.read_lora`) brings torch
+along, once per distinct file.
+
+Manifest form: ``loras: [{path: style.safetensors, strength: 0.8}, {path: turbo.safetensors}]`` (strength
+defaults to 1; a plain string is a path at strength 1), per job or in the defaults (a job's own list replaces the
+defaults'; ``loras: []`` on a job runs it without). Paths are relative to the manifest's folder (``~`` expanded).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+LORA_KEYS = ("path", "strength", "schedule")
+
+
+@dataclass(frozen=True)
+class LoraRef:
+    """One LoRA of a job, checked: ``given`` (as written), ``path`` (resolved), ``strength``, the file's
+    ``sha256``, ``format`` (`checkpoint.lora.FORMATS`), the number of native ``modules`` it changes, and
+    ``schedule`` (the named preset an entry gives, or None)."""
+
+    given: str
+    path: str
+    strength: float
+    sha256: str
+    format: str
+    modules: int
+    schedule: str | None = None
+    turbo: bool = False  # it brings a schedule: `schedule` names a preset, or the file states one in its header
+
+    def key(self) -> dict[str, Any]:
+        """What identifies it in a job's resume key: content and strength (a rename re-renders nothing)."""
+        out = {"sha256": self.sha256, "strength": self.strength}
+        if self.schedule is not None:
+            out["schedule"] = self.schedule
+        return out
+
+
+def parse_lora_option(text: str) -> dict[str, Any]:
+    """``--lora FILE[:STRENGTH]`` -> ``{"path", "strength"}``; a tail after the last ':' that is not a number is
+    part of the path (``C:\\x.safetensors``, ``a:b.safetensors``).
+
+    Raises:
+        ValueError: an empty path.
+    """
+    path, sep, tail = text.rpartition(":")
+    strength = 1.0
+    if sep:
+        try:
+            strength = float(tail)
+        except ValueError:
+            path = text
+    else:
+        path = text
+    if not path.strip():
+        raise ValueError(f"--lora {text!r}: no file before ':'")
+    return {"path": path, "strength": strength}
+
+
+def loras_field_problem(value: Any) -> str | None:
+    """Why a `loras` value is malformed on its own (types, keys, finite strengths), or None."""
+    if not isinstance(value, list):
+        return f"must be a list of {{path, strength}} mappings, got {type(value).__name__}"
+    for i, item in enumerate(value):
+        if isinstance(item, str):
+            if not item.strip():
+                return f"[{i}]: path must not be empty"
+            continue
+        if not isinstance(item, dict):
+            return f"[{i}] must be a mapping {{path, strength}} or a path string, got {type(item).__name__}"
+        unknown = sorted(set(item) - set(LORA_KEYS))
+        if unknown:
+            return f"[{i}]: unknown key {unknown[0]!r}; allowed: {', '.join(LORA_KEYS)}"
+        if not isinstance(item.get("path"), str) or not item["path"].strip():
+            return f"[{i}]: path must be a non-empty string"
+        strength = item.get("strength", 1.0)
+        if isinstance(strength, bool) or not isinstance(strength, (int, float)) or not math.isfinite(strength):
+            return f"[{i}]: strength must be a finite number, got {strength!r}"
+        if "schedule" in item and not isinstance(item["schedule"], str):
+            return f"[{i}]: schedule must be a preset name (string)"
+    return None
+
+
+_READ: dict[tuple[str, float], Any] = {}
+
+
+def read_header(path: Path):
+    """`checkpoint.lora.read_lora`, once per (file, mtime)."""
+    from h3render.checkpoint.lora import read_lora
+
+    key = (str(path), path.stat().st_mtime)
+    if key not in _READ:
+        _READ[key] = read_lora(path)
+    return _READ[key]
+
+
+def resolve_loras(value: list, base_dir: str | Path) -> tuple[tuple[LoraRef, ...], str | None]:
+    """Read each LoRA of a checked `loras` value (`loras_field_problem` is None): file present, header readable,
+    every key placed (`checkpoint.lora.read_lora`), schedule preset known.
+
+    Returns:
+        (the refs, None) or ((), the first problem: ``[i] path: message``).
+    """
+    refs = []
+    for i, item in enumerate(value):
+        item = {"path": item} if isinstance(item, str) else item
+        given = item["path"]
+        path = Path(base_dir) / os.path.expanduser(given)
+        if not path.is_file():
+            return (), f"[{i}] {given}: no such LoRA file ({path})"
+        schedule = item.get("schedule")
+        if schedule is not None:
+            from h3render.checkpoint.lora_schedule import PRESETS
+
+            if schedule not in PRESETS:
+                return (), f"[{i}] schedule {schedule!r} is not a turbo preset; one of {', '.join(PRESETS)}"
+        try:
+            lora = read_header(path.resolve())
+        except ValueError as exc:  # LoraError: names the file and key
+            return (), f"[{i}] {exc}"
+        from h3render.checkpoint.lora_schedule import METADATA_KEY
+
+        refs.append(LoraRef(given, str(path.resolve()), float(item.get("strength", 1.0)), lora.sha256, lora.format,
+                            len(lora.modules), schedule, schedule is not None or METADATA_KEY in lora.metadata))
+    return tuple(refs), None
