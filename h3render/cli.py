@@ -16,6 +16,7 @@ import click
 
 from h3render import jobs as jobs_mod
 from h3render.cli_options import canvas_time_options, engine_options
+from h3render.dry_run import plan_lines
 from h3render.exits import EXIT_OK, EXIT_USAGE, UsageError, error_exit_code
 from h3render.job_loras import parse_lora_option
 from h3render.manifest import job_from_fields, read_manifest
@@ -260,7 +261,7 @@ def _batch(manifest, out_dir, shard, skip_existing, fail_fast, dry_run, quiet, o
             _say(line)
         if notice:  # what the run would render with, once the plan holds
             _say(notice)
-        print("\n".join(jobs_mod.plan_lines(jobs, Path(out_dir), overwrite=not skip_existing,
+        print("\n".join(plan_lines(jobs, Path(out_dir), overwrite=not skip_existing,
                                             current=run.record(), run=run.summary(), limits=info.limits())))
         return EXIT_OK
     world = _check(run, info, jobs=jobs)

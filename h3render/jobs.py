@@ -27,7 +27,7 @@ import h3render.presets
 from h3render.job_keyframes import KeyframeRef
 from h3render.job_references import ReferenceRef
 from h3render.job_loras import LoraRef
-from h3render.outputs import TEMP_MARK, output_paths, render_reason
+from h3render.outputs import TEMP_MARK
 from h3render.spec import (FPS, RELEASED_MAX_PIXELS, RELEASED_SHORT_EDGE, X264_PRESETS, Limits, audio_rows,
                            canvas_for_aspect, check_canvas, is_snapped, latent_frames, parse_aspect, seconds_text,
                            snap_frames, video_rows)
@@ -35,7 +35,6 @@ from h3render.windows import MAX_CLIP_FRAMES, Window, check_window, plan_note, p
 
 # --- h3render choices (docs/manifest.md) ---------------------------------------------------------------------------
 MODES = ("t2va", "fasth3")  # the sampler: base model or distilled FastH3 student (t2va-only)
-TASKS = ("t2va", "fl2va", "ref2va")  # what conditions the video: the prompt alone, or also keyframes / references
 DEFAULT_MODE = "t2va"
 DEFAULT_SEED = 0  # a fixed value, so a manifest without seeds renders the same twice
 MAX_SEED = 2**64 - 1  # torch.Generator.manual_seed accepts 0 … 2**64 − 1
@@ -541,53 +540,6 @@ def prompt_slug(prompt: str, seed: int, *, counter: int = 1, max_bytes: int = MA
 def one_line(exc: BaseException) -> str:
     """An exception's message on one line (YAML and OS errors span several), for `file: problem` messages."""
     return " ".join(str(exc).split())
-
-
-# --- Dry-run plan ----------------------------------------------------------------------------------------------------
-
-def plan_lines(jobs: list[Job], out_dir: Path | None = None, *, overwrite: bool = False,
-               run: dict[str, Any] | None = None, current: dict[str, Any] | None = None,
-               limits: Limits | None = None) -> list[str]:
-    """One line per job for `--dry-run` (output, canvas, frames and s, steps, packed rows, source) and a total.
-
-    With the checkpoint's `limits`, a job whose duration lies outside what the weights were trained on says so
-    (`Job.time_note`).
-
-    With `out_dir`, each line names the job's MP4 path and whether the run would render it or skip it (its outputs
-    complete and rendered with these parameters: `outputs.render_reason`); a skip with `current` (the run's
-    `{"checkpoint", "encoder"}` settings, as the batch takes them) also says what the earlier render ran with where
-    that differs (`sidecar.rendered_with`), as the real run's log does. `run` (checkpoint, precision, adapter)
-    comes first as one line of `key value` pairs, the ones that are None left out.
-    """
-    def skip_note(sidecar: Path) -> str:
-        if current is None:
-            return "skip: done"
-        from h3render.sidecar import read_sidecar, rendered_with
-
-        earlier = rendered_with(read_sidecar(sidecar), **current)
-        return "skip: done" if earlier is None else f"skip: done, {earlier}"
-
-    lines = [] if run is None else ["run: " + ", ".join(f"{k} {v}" for k, v in run.items() if v is not None)]
-    for number, job in enumerate(jobs, start=1):
-        label = job.output if job.id is None or job.id == job.output else f"{job.id} → {job.output}"
-        if out_dir is not None:
-            mp4, sidecar = output_paths(out_dir, job)
-            reason = render_reason(job, mp4, sidecar, overwrite=overwrite)
-            label = f"{label} ({mp4}, {skip_note(sidecar) if reason is None else 'render: ' + reason})"
-        turbo = any(r.turbo and r.strength != 0 for r in job.loras)
-        steps = ("turbo LoRA schedule" if turbo else "adapter schedule") if job.steps is None else \
-            f"{job.steps} sigma points"
-        if job.lora_set:
-            steps += ", LoRAs " + " + ".join(f"{Path(r.given).name}×{r.strength:g}" for r in job.loras if r.strength)
-        task = f"fl2va ({', '.join(k.describe() for k in job.keyframes)}), " if job.keyframes else ""
-        if job.task == "ref2va":
-            task = f"ref2va ({', '.join(r.describe() for r in job.references)}), "
-        lines.append(f"[{number}/{len(jobs)}] {label}: {task}{job.canvas_note()}, {job.time_note(limits)}, {job.mode} "
-                     f"{steps}, seed {job.seed}, rows video {job.video_rows:,} + audio "
-                     f"{job.audio_rows:,} ({job.source})")
-    total = sum(job.seconds for job in jobs)
-    lines.append(f"{len(jobs)} job(s), {total:.3f} s of video")
-    return lines
 
 
 # --- Encoder options, checked before load, so a typo fails in the first second rather than after denoising --------

@@ -77,11 +77,11 @@ def stage_vae(args) -> None:
 def vae_attention(vae, batch: int, stage: str) -> None:
     """The decoder's attention backend, measured at its own shape (as `Engine.prepare` does)."""
     from h3render.models.attention import fastest_for, runner
-    from h3render.engine import _heads_first
+    from h3render.warmup import heads_first
 
     shape = vae.attention_shape(vae.plan_decode(vae.config.geometry.window_latents, 48, 84), batch)
     name, probe = fastest_for(shape)
-    vae.set_attention(_heads_first(runner(name)))
+    vae.set_attention(heads_first(runner(name)))
     rec(stage=stage, what=f"VAE attention backend at {list(shape)}", backend=name,
         probe_ms={k: round(v * 1e3, 3) for k, v in probe.items()})
 

@@ -51,10 +51,11 @@ def _code_strings_and_task_compares(path: Path) -> tuple[set[str], int]:
 
 
 def test_the_job_path_names_no_task(tmp_path):
-    """render.py, engine.py and sampling.py branch on no task: their code holds no task name but "t2va" (also the
-    base *mode*'s name, which engine.py compares modes with) and compares no `.task` with anything."""
+    """render.py, engine.py (with its warm-up, warmup.py) and sampling.py branch on no task: their code holds no task
+    name but "t2va" (also the base *mode*'s name, which engine.py compares modes with) and compares no `.task` with
+    anything."""
     package = Path(h3render.__file__).parent
-    for name in ("render.py", "engine.py", "sampling.py"):
+    for name in ("render.py", "engine.py", "warmup.py", "sampling.py"):
         strings, compares = _code_strings_and_task_compares(package / name)
         assert compares == 0, name
         assert not strings & (set(tasks.TASKS) - {"t2va"}), name

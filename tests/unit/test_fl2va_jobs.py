@@ -8,7 +8,8 @@ import pytest
 from PIL import Image
 
 from h3render.checkpoint.releases import RELEASES
-from h3render.jobs import Job, plan_lines
+from h3render.dry_run import plan_lines
+from h3render.jobs import Job
 from h3render.manifest import job_from_fields, read_manifest
 from h3render.manifest_formats import ManifestError
 from h3render.spec import canvas_for_aspect

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from h3render import jobs as J
+from h3render.dry_run import plan_lines
 from h3render import manifest as M
 from h3render import shards as SH
 from h3render import spec as S
@@ -471,7 +472,7 @@ def test_showcase_examples_render_on_the_default_canvas():
     assert [j.output for j in from_yaml] == [j.output for j in from_jsonl]
     assert all((j.width, j.height, j.frames) == (128, 96, 39) for j in from_yaml)
     assert sum('[Speaker 1]: "' in j.prompt for j in from_yaml) >= 4
-    assert J.plan_lines(from_yaml)[-1] == f"{len(from_yaml)} job(s), {len(from_yaml) * 1.625:.3f} s of video"
+    assert plan_lines(from_yaml)[-1] == f"{len(from_yaml)} job(s), {len(from_yaml) * 1.625:.3f} s of video"
     released = load_manifest(REPO / "examples/prompts/showcase.yaml", RELEASED)
     assert all((j.width, j.height, j.frames) == (1344, 768, 243) for j in released)
 
@@ -632,7 +633,7 @@ def test_released_plan_line_names_durations_outside_the_trained_5_to_15_s(durati
     job = _job_of(limits, duration=duration)
     note = "outside the 5–15 s the model was trained on"
     assert (note in job.time_note(limits)) is outside
-    assert (note in J.plan_lines([job], limits=limits)[0]) is outside
+    assert (note in plan_lines([job], limits=limits)[0]) is outside
     assert note not in job.time_note()  # without the checkpoint's limits nothing is claimed
 
 
@@ -641,7 +642,7 @@ def test_the_note_follows_the_checkpoints_own_limits_not_5_to_15():
 
     tiny = RELEASES["tiny"].limits()  # a random model: trained on nothing, so no range is claimed
     assert tiny.trained_seconds is None
-    assert "trained" not in J.plan_lines([_job_of(tiny, frames=22)], limits=tiny)[0]
+    assert "trained" not in plan_lines([_job_of(tiny, frames=22)], limits=tiny)[0]
     own = Limits(min_frames=22, max_frames=362, default_canvas=(128, 96), default_frames=39, default_steps=8,
                  trained_seconds=(1.0, 2.0))
     assert _job_of(own, frames=22).time_note(own) == "22 frames = 0.917 s, outside the 1–2 s the model was trained on"

@@ -8,12 +8,12 @@ functions count the same as top-level ones (a function-level import does not mak
 layer  name            modules (and why they sit there)
 =====  ==============  =============================================================================================
   7    front end       cli, cli_*, settings, runner, manifest, manifest_formats, manifest_fields, jobs, shards,
-                       job_keyframes, job_references, job_loras, batch, report, locks, signals: torch-free on import
+                       dry_run, job_keyframes, job_references, job_loras, batch, report, locks, signals: torch-free on import
                        (manifest lines to `Job`s and run settings, the batch loop); they reach the job path's
                        torch modules only inside functions.
-  6    job path        engine, adaln_cache, render, tasks/, seams, sidecar, keyframes, references, ref_packing,
-                       media, staging, colour, graphs, timing, outputs, progress, parallel/, memplan, text_phase,
-                       block_stream: what renders one job (torch, PyAV, process groups). sidecar (the sidecar's
+  6    job path        engine, warmup, adaln_cache, render, tasks/, seams, sidecar, keyframes, references,
+                       ref_packing, media, staging, colour, graphs, timing, outputs, progress, parallel/, memplan,
+                       text_phase, block_stream: what renders one job (torch, PyAV, process groups). sidecar (the sidecar's
                        format, its write, read and compare), outputs (a job's file paths, the resume check) and
                        progress (the denoise loop's step display) are torch-free themselves: the front end imports
                        them at load, and the job path may too.
@@ -54,9 +54,9 @@ SOURCES = {"h3render": REPO / "h3render", "h3render.kernels": REPO / "kernels"}
 LAYERS: dict[int, tuple[str, ...]] = {
     7: ("h3render.cli", "h3render.cli_*", "h3render.settings", "h3render.manifest", "h3render.manifest_formats",
         "h3render.manifest_fields",
-        "h3render.jobs", "h3render.shards", "h3render.job_keyframes", "h3render.job_references", "h3render.job_loras",
+        "h3render.jobs", "h3render.dry_run", "h3render.shards", "h3render.job_keyframes", "h3render.job_references", "h3render.job_loras",
         "h3render.batch", "h3render.report", "h3render.locks", "h3render.signals", "h3render.runner"),
-    6: ("h3render.engine", "h3render.adaln_cache", "h3render.render", "h3render.tasks", "h3render.tasks.*", "h3render.sidecar",
+    6: ("h3render.engine", "h3render.warmup", "h3render.adaln_cache", "h3render.render", "h3render.tasks", "h3render.tasks.*", "h3render.sidecar",
         "h3render.keyframes", "h3render.references", "h3render.ref_packing", "h3render.media", "h3render.soundtrack",
         "h3render.staging", "h3render.colour",
         "h3render.graphs", "h3render.timing", "h3render.outputs", "h3render.progress", "h3render.parallel",
@@ -73,7 +73,7 @@ LAYER_NAMES = {7: "front end", 6: "job path", 5: "writers", 4: "checkpoint", 3: 
                1: "kernels", 0: "foundation"}
 # The front end's modules that must import without torch (a manifest is checked before anything heavy loads).
 TORCH_FREE = ("h3render.spec", "h3render.windows", "h3render.errors", "h3render.exits", "h3render.runner", "h3render.sidecar", "h3render.jobs", "h3render.manifest", "h3render.manifest_formats",
-              "h3render.manifest_fields", "h3render.shards",
+              "h3render.manifest_fields", "h3render.shards", "h3render.dry_run",
               "h3render.job_keyframes", "h3render.job_references", "h3render.job_loras", "h3render.outputs",
               "h3render.settings", "h3render.batch", "h3render.report", "h3render.locks", "h3render.progress",
               "h3render.signals", "h3render.cli",
@@ -245,7 +245,7 @@ def test_the_scan_sees_function_level_and_relative_imports(tmp_path):
     # The scanner itself: a function-level import is an edge, and the known facade-free homes resolve.
     modules, edges = scan()
     assert "h3render.spec" in edges["h3render.checkpoint.releases"]
-    assert edges["h3render.jobs"]["h3render.sidecar"][0][1] is True  # imported inside plan_lines
+    assert edges["h3render.dry_run"]["h3render.sidecar"][0][1] is True  # imported inside plan_lines
     assert layer_of("h3render.checkpoint.builtin") == 4 and layer_of("h3render.cli_options") == 7
     assert cycles({"a": 0, "b": 0, "c": 0}, {"a": {"b": []}, "b": {"a": []}, "c": {"a": []}}) == [frozenset("ab")]
 
