@@ -73,7 +73,7 @@ def stage_lora(args, bench) -> None:
                 write_synthetic_lora(path, cfg, "diffusers", seed=100 + i, rank=rank, adaln=False,
                                      dtype=torch.bfloat16)
             files[rank, i] = read_lora(path)
-    bench.rec(stage="lora", what="synthetic LoRA files written", seconds=round(time.perf_counter() - t0, 1),
+    bench.rec(stage="lora", what="synthetic LoRA files written", seconds=round(time.perf_counter() - t0, 6),
               folder=str(folder))
 
     dtype = torch.bfloat16 if cuda else torch.float32
@@ -128,8 +128,8 @@ def stage_lora(args, bench) -> None:
                     t0 = time.perf_counter()
                     fuse.clear()
                     _sync(device)
-                    bench.rec(**row, what=f"fuse / unfuse {n} x rank {rank}", fuse_s=round(t_fuse, 4),
-                              unfuse_s=round(time.perf_counter() - t0, 4), loras=n, rank=rank)
+                    bench.rec(**row, what=f"fuse / unfuse {n} x rank {rank}", fuse_s=round(t_fuse, 6),
+                              unfuse_s=round(time.perf_counter() - t0, 6), loras=n, rank=rank)
         # The 4-job queue: X, Y, X, Y (one LoRA each, the largest rank) against the same 4 jobs without LoRAs.
         rank = max(ranks)
         state = LoraState(dit, cfg, mode)
@@ -149,7 +149,7 @@ def stage_lora(args, bench) -> None:
         plain = queue([[]] * 4)
         alternating = queue([x, y, x, y])
         bench.rec(**row, what=f"queue 4 jobs x {args.lora_queue_forwards} forwards {precision}", mode=mode,
-                  rank=rank, no_lora_s=round(plain, 3), alternating_s=round(alternating, 3),
+                  rank=rank, no_lora_s=round(plain, 6), alternating_s=round(alternating, 6),
                   ratio=round(alternating / plain, 4))
 
 

@@ -192,7 +192,9 @@ def _check_unstated_keys(path: Path, cls: type, folder: Path, expected: Callable
         CheckpointError: naming the config file, the keys it does not state, and the first tensor that does not fit.
     """
     data = read_json(path)
-    unstated = [f.name for f in dataclasses.fields(cls) if f.name not in data]
+    # A FastVideo-only field left out means "not that variant" (DiT `adaln_rank`: not a Trim), not a default guessed
+    unstated = [f.name for f in dataclasses.fields(cls)
+                if f.name not in data and f.name not in getattr(cls, "FASTVIDEO_FIELDS", ())]
     if not unstated:
         return
     try:

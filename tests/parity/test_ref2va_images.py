@@ -17,7 +17,8 @@ from h3render.keyframes import keyframe_pixels
 from h3render.models.vae_tiling import TilingConfig
 from h3render.models.video_vae import VideoVAE
 from h3render.models.video_vae_config import VIDEO_VAE_TINY
-from h3render.models.audio_vae import AUDIO_VAE_TINY, AudioVAE
+from h3render.models.audio_vae import AudioVAE
+from h3render.models.audio_vae_config import AUDIO_VAE_TINY
 from h3render.packing import audio_to_rows
 from h3render.references import decode_audio, fit_reference_image, normalize_audio, reference_image_size
 from tests._media import wav

@@ -110,6 +110,7 @@ def test_engine_reads_the_tables_back_in_a_second_run(dit, tmp_path, monkeypatch
         e.device, e.transformer, e.adapter, e._deferred_fusion = torch.device("cpu"), None, adapter, deferred
         e._tables, e.warmup = {}, {}
         e.dits, e._active = {"transformer": dit}, "transformer"  # the base partition, resident (`Engine.dit_of`)
+        e.loras = SimpleNamespace(tables_key=())  # no LoRA set (`lora_apply.LoraState`)
         return e
 
     first, second = engine(), engine()

@@ -2,8 +2,11 @@
 
 Triton runs under TRITON_INTERPRET=1 on CPU tensors; the outputs are NaN-poisoned first, so an element the kernel
 does not write fails. Bounds: every e4m3 code decodes exactly (bit-exact through an identity product); on odd shapes
-the kernel differs from the fp32 reference by the bf16 / fp16 rounding of the output and fp32 summation order alone:
-rel. error <= 4e-3 (bf16's half-ulp is 2**-9 = 2e-3 at worst, ~1e-3 in RMS; measured below 2e-3).
+the kernel differs from the fp32 reference by two bf16 / fp16 roundings, the dequantized weight `w * scale` (it
+reaches the dot product in the activation dtype) and the output, plus fp32 summation order: rel. error <= 6e-3
+(bf16's half-ulp is 2**-9 = 2e-3 per rounding; with 24 outputs and the bias partly cancelling the sum, 60 seeds of
+the 1x40x24 case gave 2.3e-3 .. 4.9e-3, median 3.2e-3; the output rounding alone is 1.6e-3). The inputs are seeded:
+an unseeded draw once gave 4.3e-3 against the former 4e-3 bound.
 """
 
 import pytest
@@ -14,7 +17,7 @@ from h3render.models.fp8 import Fp8WeightLinear, quantize_weight
 from tests._markers import compiled_cuda, interpreted
 from tests._numerics import rel_err
 
-TOL = 4e-3
+TOL = 6e-3
 
 
 def _weights(n, k, device="cpu", seed=0):
@@ -44,8 +47,9 @@ def test_every_e4m3_code_decodes_exactly():
                                               (130, 96, 72, torch.bfloat16, True)])
 def test_triton_matches_reference_on_odd_shapes(m, k, n, dtype, bias):
     w, s = _weights(n, k)
-    x = torch.randn(m, k).to(dtype)
-    b = torch.randn(n).to(dtype) if bias else None
+    g = torch.Generator().manual_seed(m * 1000 + k)
+    x = torch.randn(m, k, generator=g).to(dtype)
+    b = torch.randn(n, generator=g).to(dtype) if bias else None
     got = _run(x, w, s, b)
     assert not got.isnan().any(), "an output element was not written"
     assert rel_err(got, fp8_weight_linear_naive(x.float(), w, s, b)) <= TOL
