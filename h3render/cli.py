@@ -56,17 +56,17 @@ def _check(run: RunSettings, info, mode: str | None = None, jobs=None) -> int:
     return world
 
 
-def _plan_memory(run: RunSettings, info, jobs, world: int) -> RunSettings:
+def _plan_memory(run: RunSettings, info, jobs, world: int, quiet: bool) -> RunSettings:
     """The run with its memory plan (`h3render.memplan`: --memory-plan / --max-gpu-memory / the GPU's size),
-    announced in one line (unless a CPU run without a limit stays resident); no plan fits: one line, exit 2,
-    before anything loads."""
+    announced in one line (unless `quiet`, or a CPU run without a limit stays resident); no plan fits: one line,
+    exit 2, before anything loads."""
     from h3render.memplan import PlanError, plan_run
 
     try:
         run, plan = plan_run(run, info, jobs, world)
     except PlanError as exc:
         raise SettingsError(str(exc)) from None
-    if plan is not None and (plan.limit is not None or run.memory_plan != "resident"):
+    if not quiet and plan is not None and (plan.limit is not None or run.memory_plan != "resident"):
         _say(plan.log_line())  # a CPU run with no limit runs resident, as always: the sidecar says so
     return run
 
@@ -179,7 +179,7 @@ def _prompt(text: str, output: str, quiet: bool, opts: dict) -> int:
     _check_partitions(info, [job])
     run = RunSettings.resolve(opts, checkpoint=checkpoint, info=info)
     world = _check(run, info, mode=mode)
-    run = _plan_memory(run, info, [job], world)
+    run = _plan_memory(run, info, [job], world, quiet)
     if not quiet:  # checked: the run renders, and these say what it renders (never before an unrelated error)
         for line in (notice, note, f"h3render: {job.canvas_note()}, {job.time_note(info.limits())}"):
             if line:
@@ -265,7 +265,7 @@ def _batch(manifest, out_dir, shard, skip_existing, fail_fast, dry_run, quiet, o
                                             current=run.record(), run=run.summary(), limits=info.limits())))
         return EXIT_OK
     world = _check(run, info, jobs=jobs)
-    run = _plan_memory(run, info, jobs, world)
+    run = _plan_memory(run, info, jobs, world, quiet)
     prepare_out_dir(out_dir)  # a file or a broken/looping symlink in the way: exit 2 before any rank starts
     if notice:  # checked: the queue runs
         _say(notice)

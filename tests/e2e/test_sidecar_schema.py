@@ -95,8 +95,9 @@ def test_the_sidecar_reports_the_soundtrack_level_and_a_real_model_warns_of_clip
     del meta["_minimax_h3"]["h3render_random"]  # now it reads as a real checkpoint of this architecture
     index.write_text(json.dumps(meta))
     out = tmp_path / "real.mp4"
+    # --max-gpu-memory: the memory plan's line prints on the CPU too (it printed through --quiet on a GPU)
     r = run_here("prompt", "Gulls over a harbour", "-o", str(out), *SMALL, "--steps", "2", "--checkpoint", str(ckpt),
-                 "--quiet")
+                 "--quiet", "--max-gpu-memory", "1000")
     assert r.returncode == 0, r.stderr
     warned = [line for line in r.stderr.splitlines() if "were clipped" in line]
     clipped = json.loads(out.with_suffix(".json").read_text())["extra"]["audio"]["clipped_samples"]
