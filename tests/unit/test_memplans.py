@@ -72,7 +72,7 @@ def renders(tmp_path_factory):
     out["streamed"] = tmp_path_factory.mktemp("streamed")
     out["streamed_cli"] = invoke("prompt", A.prompt, "-o", str(out["streamed"] / "a.mp4"), "--device", "cpu",
                                  "--memory-plan", "streamed", "--width", "128", "--height", "64", "--frames", "22",
-                                 "--steps", "2", "--seed", "3", "--save-latents", "--quiet")
+                                 "--steps", "2", "--seed", "3", "--save-latents")  # not --quiet: it hides the plan line
     return out, engines
 
 
