@@ -140,7 +140,8 @@ def _config(path: Path, parse: Callable[[dict], Any]) -> Any:
         raise
     except (TypeError, ValueError) as exc:
         cls = getattr(parse, "__self__", None)  # `DiTConfig.from_dict` etc.: the dataclass
-        missing = [f.name for f in dataclasses.fields(cls) if f.name not in data] if dataclasses.is_dataclass(cls) else []
+        missing = ([f.name for f in dataclasses.fields(cls) if f.name not in data] if dataclasses.is_dataclass(cls)
+                   else [])
         note = (f" (not stated: {', '.join(missing)}; the released model's default was used, which does not fit the "
                 f"rest)") if missing else ""
         raise CheckpointError(f"{path}: bad config: {exc}{note}") from None
