@@ -284,10 +284,14 @@ def test_a_signal_while_click_parses_gives_its_code_and_one_line(monkeypatch, ca
         "h3render: interrupted (SIGUSR1) before any job started; nothing written"]
 
 
-def test_the_multi_rank_parent_keeps_ignoring_signals_after_its_ranks_exit():
+def test_the_multi_rank_parent_keeps_ignoring_signals_after_its_ranks_exit(monkeypatch):
     """It gave the CLI's handlers back, so a signal in the parent after rank 0's report said 0 became 130."""
     from h3render.parallel.launch import spawn
 
+    # `spawn` sets MASTER_ADDR / MASTER_PORT in its (the CLI's) process: here that is the test worker, whose later
+    # in-process commands would then see a rendezvous address (a malformed-launcher test waited for a second rank).
+    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    monkeypatch.delenv("MASTER_PORT", raising=False)
     restore = _restoring_handlers()
     try:
         signals.ProcessGuard().install()

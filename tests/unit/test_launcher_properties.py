@@ -149,7 +149,11 @@ def test_a_malformed_launcher_variable_is_one_line_exit_2_on_the_command(out_dir
     from tests._cli import invoke, one_error_line
 
     torchrun = variable in ("RANK", "WORLD_SIZE", "LOCAL_RANK")
-    env = ({"RANK": "0", "WORLD_SIZE": "2"} if torchrun else {"SLURM_PROCID": "0", "SLURM_NTASKS": "2"})
+    # Every launcher and rendezvous variable stated (None: unset), so nothing the worker's environment holds can make
+    # a malformed case a well-formed 2-rank launch, which waits for its second rank (a CI run hung there once).
+    env: dict = {name: None for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_PROCID", "SLURM_NTASKS",
+                                         "SLURM_LOCALID", "MASTER_ADDR", "MASTER_PORT")}
+    env.update({"RANK": "0", "WORLD_SIZE": "2"} if torchrun else {"SLURM_PROCID": "0", "SLURM_NTASKS": "2"})
     env[variable] = raw
     if command == "prompt":
         args = ("prompt", "x", "-o", str(out_dir / "x.mp4"))
