@@ -290,8 +290,10 @@ def test_the_multi_rank_parent_keeps_ignoring_signals_after_its_ranks_exit(monke
 
     # `spawn` sets MASTER_ADDR / MASTER_PORT in its (the CLI's) process: here that is the test worker, whose later
     # in-process commands would then see a rendezvous address (a malformed-launcher test waited for a second rank).
-    monkeypatch.delenv("MASTER_ADDR", raising=False)
-    monkeypatch.delenv("MASTER_PORT", raising=False)
+    # setenv first, so that monkeypatch records "unset" and removes what spawn adds.
+    for name in ("MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
     restore = _restoring_handlers()
     try:
         signals.ProcessGuard().install()
