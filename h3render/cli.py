@@ -184,10 +184,8 @@ def _prompt(text: str, output: str, quiet: bool, opts: dict) -> int:
         for line in (notice, note, f"h3render: {job.canvas_note()}, {job.time_note(info.limits())}"):
             if line:
                 _say(line)
-        if job.task == "fl2va":
-            _say("h3render: fl2va: " + "; ".join(k.describe() for k in job.keyframes))
-        if job.task == "ref2va":
-            _say("h3render: ref2va: " + "; ".join(r.describe() for r in job.references))
+        if job.conditions_note():
+            _say(f"h3render: {job.conditions_note()}")
     return run_jobs(run, [job], world, info.release.dit.num_attention_heads, quiet=quiet,
                     single=(out, out.with_suffix(".json")))
 

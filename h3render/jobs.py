@@ -262,6 +262,15 @@ class Job:
             return f"{result} (default)"
         return result
 
+    def conditions_note(self) -> str | None:
+        """What conditions the video beside the prompt, for the plan line of `h3render prompt`: "ref2va: <each
+        reference>" or "fl2va: <each keyframe>", or None for a prompt alone."""
+        if self.references:
+            return "ref2va: " + "; ".join(r.describe() for r in self.references)
+        if self.keyframes:
+            return "fl2va: " + "; ".join(k.describe() for k in self.keyframes)
+        return None
+
     def canvas_note(self) -> str:
         """How the canvas came about, e.g. "16:9 → 1344x768" or "1344x768 (default)"."""
         canvas = f"{self.width}x{self.height}"
