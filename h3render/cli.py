@@ -75,7 +75,7 @@ def _check_partitions(info, jobs) -> None:
     """ref2va jobs run the checkpoint's Ref2VA DiT: a checkpoint without that partition is refused before anything
     loads (a built-in model makes its own)."""
     ref = next((j for j in jobs if j.task == "ref2va"), None)
-    if ref is not None and info.layout != "builtin" and getattr(info, "transformer_ref", None) is None:
+    if ref is not None and info.layout != "builtin" and info.transformer_ref is None:
         raise SettingsError(f"{info.path}: no ref2va DiT partition (official Ref2VA/transformer/, diffusers "
                             f"transformer_ref/), and job {ref.output!r} has references")
 

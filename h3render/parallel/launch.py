@@ -101,11 +101,14 @@ def spawn(world: int, fn: Callable[..., int], *args: Any) -> int:
 
     import torch.multiprocessing as mp
 
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    # The rendezvous goes to the ranks, not into this process's environment (a caller that spawns in-process, a
+    # test worker say, would otherwise see a rendezvous address in every later command).
+    rendezvous = {"MASTER_ADDR": os.environ.get("MASTER_ADDR", "127.0.0.1"),
+                  "MASTER_PORT": os.environ.get("MASTER_PORT") or str(_free_port())}
     ctx = mp.get_context("spawn")
     code = ctx.Value("i", 1)
-    procs = [ctx.Process(target=_child, args=(rank, world, code, fn, args), daemon=False) for rank in range(world)]
+    procs = [ctx.Process(target=_child, args=(rank, world, code, fn, args, rendezvous), daemon=False)
+             for rank in range(world)]
     for p in procs:
         p.start()
     # SIGUSR1/2 too: the sbatch script forwards SLURM's warning to the whole process group (rank 0 handles it).
@@ -134,10 +137,11 @@ def spawn(world: int, fn: Callable[..., int], *args: Any) -> int:
 FOLLOWER_GRACE_S = 30.0
 
 
-def _child(rank: int, world: int, code, fn, args) -> None:
+def _child(rank: int, world: int, code, fn, args, rendezvous: dict[str, str]) -> None:
     import signal
 
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    os.environ.update(rendezvous, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE=str(world))
     _thread_lock_for_tqdm()
     if rank != 0:
         # Rank 0 owns interrupts; a follower would only print a traceback from inside a collective (and die of

@@ -284,20 +284,18 @@ def test_a_signal_while_click_parses_gives_its_code_and_one_line(monkeypatch, ca
         "h3render: interrupted (SIGUSR1) before any job started; nothing written"]
 
 
-def test_the_multi_rank_parent_keeps_ignoring_signals_after_its_ranks_exit(monkeypatch):
+def test_the_multi_rank_parent_keeps_ignoring_signals_after_its_ranks_exit():
     """It gave the CLI's handlers back, so a signal in the parent after rank 0's report said 0 became 130."""
     from h3render.parallel.launch import spawn
 
-    # `spawn` sets MASTER_ADDR / MASTER_PORT in its (the CLI's) process: here that is the test worker, whose later
-    # in-process commands would then see a rendezvous address (a malformed-launcher test waited for a second rank).
-    # setenv first, so that monkeypatch records "unset" and removes what spawn adds.
-    for name in ("MASTER_ADDR", "MASTER_PORT"):
-        monkeypatch.setenv(name, "")
-        monkeypatch.delenv(name)
+    # `spawn` once set MASTER_ADDR / MASTER_PORT in its own process, here the test worker, whose later in-process
+    # commands then saw a rendezvous address (a malformed-launcher test waited for a second rank): no longer.
+    had = {name: os.environ.get(name) for name in ("MASTER_ADDR", "MASTER_PORT")}
     restore = _restoring_handlers()
     try:
         signals.ProcessGuard().install()
         assert spawn(1, len, "") == 0  # rank 0 returns len("") = 0
+        assert {name: os.environ.get(name) for name in had} == had
         assert {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)} == {
             s: signal.SIG_IGN for s in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)}
     finally:
