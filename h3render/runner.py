@@ -13,7 +13,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Sequence
 
-from h3render.exits import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK
+from h3render.exits import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_REQUEUE
 from h3render.settings import RunSettings, SettingsError
 
 _ran_distributed = False  # set once this process took part in a multi-rank run
@@ -58,10 +58,12 @@ def run_jobs(run: RunSettings, jobs: Sequence, world: int, heads: int, *, quiet:
         heads: the DiT's attention heads (Ulysses splits whole heads).
         single: `h3render prompt`'s (MP4, sidecar) for its one job; else `queue` runs `jobs` as a batch.
     """
+    if world > 1 and queue is not None and not _to_render(jobs, queue):
+        world = 1  # a resumed queue with every job rendered: no ranks to start, no weights to load
     if world > 1:
         from h3render.parallel.launch import spawn
 
-        return spawn(world, _rank_main, run, list(jobs), heads, quiet, single, queue)
+        return spawn(world, _rank_main, run, list(jobs), heads, quiet, single, queue, device=run.device)
     return _rank_main(run, list(jobs), heads, quiet, single, queue)
 
 
@@ -101,9 +103,14 @@ def _rank_main(run: RunSettings, jobs: list, heads: int, quiet: bool, single, qu
         engine.prepare(distinct_setups(jobs))
         return engine
 
+    # Whether the followers wait for rank 0's next word: after a signal (or an error outside a job) they may be
+    # inside one of the job's collectives, where a "stop" broadcast would hang both sides (Ctrl-C on `--gpus 2` hung
+    # until killed). Then rank 0 leaves without it, and the followers' next collective fails on its closed
+    # connection (`follow` ends quietly; the spawn parent, torchrun or srun ends what is left).
+    in_step = False
     try:
         if not ctx.is_main:
-            follow(load(), ctx)
+            in_step = follow(load(), ctx)
             return EXIT_OK
         loaded = []
 
@@ -114,18 +121,22 @@ def _rank_main(run: RunSettings, jobs: list, heads: int, quiet: bool, single, qu
 
         try:
             if single is not None:
-                return _render_single(factory, jobs[0], *single, quiet=quiet)
-            order = render_order(jobs)
-            report = run_batch(jobs, factory, queue.out_dir, overwrite=queue.overwrite, fail_fast=queue.fail_fast,
-                               quiet=quiet, shard=queue.shard, render_order=order, current=run.record())
-            return report.exit_code
+                code = _render_single(factory, jobs[0], *single, quiet=quiet)
+            else:
+                report = run_batch(jobs, factory, queue.out_dir, overwrite=queue.overwrite,
+                                   fail_fast=queue.fail_fast, quiet=quiet, shard=queue.shard,
+                                   render_order=render_order(jobs), current=run.record())
+                code = report.exit_code
+            in_step = code not in (EXIT_INTERRUPTED, EXIT_REQUEUE)
+            return code
         finally:
-            if ctx.distributed:
+            if ctx.distributed and in_step:
                 if not loaded:  # followers are waiting to load; let them load and stop
                     factory()
                 LeaderRenderer(loaded[0], ctx).stop()
     finally:
-        shutdown()
+        if in_step or not ctx.distributed:
+            shutdown()
 
 
 def _progress(shown: bool, single: bool):

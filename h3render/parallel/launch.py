@@ -89,8 +89,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def spawn(world: int, fn: Callable[..., int], *args: Any) -> int:
+def spawn(world: int, fn: Callable[..., int], *args: Any, device: str | None = None) -> int:
     """Run `fn(*args)` in `world` processes with torchrun-style variables; returns rank 0's exit code.
+
+    `device="cpu"` (gloo ranks): the ranks fork from this process, which has imported torch, transformers and the
+    model code already; a spawned rank imports them again, about 5 s of CPU each before it does anything, which
+    made most of a small multi-rank CPU run. GPU ranks are spawned (a fresh interpreter each): a child forked after
+    this process touched CUDA (the memory plan reads the free memory) cannot use CUDA.
 
     The parent only waits: it ignores SIGINT/SIGTERM (a terminal's Ctrl-C and SLURM's SIGTERM reach every process
     of the group, and rank 0 handles them: temp files removed, report written, exit 130). Once rank 0 has exited,
@@ -105,10 +110,13 @@ def spawn(world: int, fn: Callable[..., int], *args: Any) -> int:
     # test worker say, would otherwise see a rendezvous address in every later command).
     rendezvous = {"MASTER_ADDR": os.environ.get("MASTER_ADDR", "127.0.0.1"),
                   "MASTER_PORT": os.environ.get("MASTER_PORT") or str(_free_port())}
-    ctx = mp.get_context("spawn")
+    forked = device == "cpu"
+    ctx = mp.get_context("fork" if forked else "spawn")
     code = ctx.Value("i", 1)
-    procs = [ctx.Process(target=_child, args=(rank, world, code, fn, args, rendezvous), daemon=False)
+    procs = [ctx.Process(target=_child, args=(rank, world, code, fn, args, rendezvous, forked), daemon=False)
              for rank in range(world)]
+    sys.stdout.flush()  # a forked rank inherits unflushed output and would print it again
+    sys.stderr.flush()
     for p in procs:
         p.start()
     # SIGUSR1/2 too: the sbatch script forwards SLURM's warning to the whole process group (rank 0 handles it).
@@ -137,9 +145,11 @@ def spawn(world: int, fn: Callable[..., int], *args: Any) -> int:
 FOLLOWER_GRACE_S = 30.0
 
 
-def _child(rank: int, world: int, code, fn, args, rendezvous: dict[str, str]) -> None:
+def _child(rank: int, world: int, code, fn, args, rendezvous: dict[str, str], forked: bool = False) -> None:
     import signal
 
+    if forked:
+        _as_if_spawned()
     os.environ.update(rendezvous, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world))
     _thread_lock_for_tqdm()
@@ -152,6 +162,20 @@ def _child(rank: int, world: int, code, fn, args, rendezvous: dict[str, str]) ->
     if rank == 0:
         code.value = int(result)
     hard_exit(0 if rank != 0 else int(result))
+
+
+def _as_if_spawned() -> None:
+    """In a forked rank: the signal handling a spawned rank starts with. The CLI's `ProcessGuard` (inherited with
+    the fork) is the parent's: Python's defaults again, except that a signal the parent's own start left ignored
+    (a background job's SIGINT) stays ignored, as it would across exec."""
+    import signal
+
+    from h3render import signals
+
+    for signum in signals.HANDLED:
+        if signal.getsignal(signum) is not signal.SIG_IGN:
+            signal.signal(signum, signal.default_int_handler if signum == signal.SIGINT else signal.SIG_DFL)
+    signals._process_guard = None
 
 
 def _thread_lock_for_tqdm() -> None:
@@ -213,19 +237,35 @@ class LeaderRenderer:
         _broadcast(("stop", None), self.ctx)
 
 
-def follow(renderer, ctx: ParallelContext) -> None:
-    """Followers: render whatever rank 0 announces until it says stop."""
+def follow(renderer, ctx: ParallelContext) -> bool:
+    """Followers: render whatever rank 0 announces until it says stop (True), or until rank 0 has left without
+    saying so (False: a signal stopped it mid-job or between jobs, and its report says so; this rank's next
+    collective failed on the closed connection, which is said in one line, not a traceback)."""
     while True:
-        kind, job = _receive(ctx)
+        try:
+            kind, job = _receive(ctx)
+        except RuntimeError as exc:
+            return _leader_gone(ctx, exc)
         if kind == "stop":
-            return
+            return True
         failed = False
         try:
             renderer.render(job, os.devnull, os.devnull)
         except Exception as exc:
             failed = True
-            print(f"h3render rank {ctx.rank}: job failed: {type(exc).__name__}: {exc}", file=sys.stderr)
-        _any_failed(failed, ctx)
+            error = exc
+        try:
+            _any_failed(failed, ctx)
+        except RuntimeError as exc:
+            return _leader_gone(ctx, exc)
+        if failed:
+            print(f"h3render rank {ctx.rank}: job failed: {type(error).__name__}: {error}", file=sys.stderr)
+
+
+def _leader_gone(ctx: ParallelContext, exc: BaseException) -> bool:
+    first = (str(exc).strip().splitlines() or [""])[0][:200]
+    print(f"h3render rank {ctx.rank}: stopped: rank 0 left the queue ({type(exc).__name__}: {first})", file=sys.stderr)
+    return False
 
 
 def _broadcast(message, ctx: ParallelContext) -> None:

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -29,7 +31,15 @@ def render(out: Path, nproc: int, *extra: str, launcher: str = "torchrun"):
     args = ["prompt", "A fox crosses a frozen river, ice creaking", "-o", str(out), "--steps", "3", "--seed", "7",
             "--save-latents", "--vae-batch", "1", "--device", "cpu", *extra]
     if nproc == 1:  # the 1-process reference renders in this process (no interpreter of its own to start)
-        return run_here(*args)
+        # with one intra-op thread, as each rank runs (OMP_NUM_THREADS=1): more threads sum in another order, and
+        # the H.264 encode turns those last-bit differences into frames up to 52 codes apart (seen under plain
+        # pytest, whose process keeps every core's thread; xdist workers run one).
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            return run_here(*args)
+        finally:
+            torch.set_num_threads(threads)
     if launcher == "spawn":
         cmd = [sys.executable, "-m", "h3render.cli", *args, "--gpus", str(nproc)]
     else:
@@ -156,9 +166,9 @@ def test_failure_on_rank0_mid_stream_fails_job_on_all_ranks_without_hang(tmp_pat
     assert not list(tmp_path.glob("*.tmp*"))
 
 
-def test_batch_on_two_cpu_ranks_renders_then_resumes(tmp_path):
-    """`h3render batch --device cpu --gpus 2`: rank 0 owns the queue, rank 1 follows each job; a second run skips
-    everything (the follower still loads, then is told to stop: no hang)."""
+def test_batch_on_two_cpu_ranks_renders_then_resumes(tmp_path, monkeypatch):
+    """`h3render batch --device cpu --gpus 2`: rank 0 owns the queue, rank 1 follows each job; a second run finds
+    every job rendered and skips them all without starting ranks (no weights load for a finished queue)."""
     manifest = tmp_path / "jobs.jsonl"
     manifest.write_text("\n".join([
         '{"id": "a", "prompt": "Surf at dawn", "frames": 22, "steps": 2}',
@@ -166,9 +176,9 @@ def test_batch_on_two_cpu_ranks_renders_then_resumes(tmp_path):
     ]) + "\n")
     env = {**os.environ, "PYTHONPATH": repo_pythonpath(), "OMP_NUM_THREADS": "1"}
     env.pop("H3RENDER_CHECKPOINT", None)
-    cmd = [sys.executable, "-m", "h3render.cli", "batch", str(manifest), "--out-dir", str(tmp_path / "out"),
-           "--device", "cpu", "--gpus", "2", "--quiet"]
-    r = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO, timeout=600)
+    args = ["batch", str(manifest), "--out-dir", str(tmp_path / "out"), "--device", "cpu", "--gpus", "2", "--quiet"]
+    r = subprocess.run([sys.executable, "-m", "h3render.cli", *args], capture_output=True, text=True, env=env,
+                       cwd=REPO, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     import json
 
@@ -178,7 +188,49 @@ def test_batch_on_two_cpu_ranks_renders_then_resumes(tmp_path):
         side = json.loads((tmp_path / "out" / f"{name}.json").read_text())
         assert side["extra"]["world_size"] == 2
         assert frames_of(tmp_path / "out" / f"{name}.mp4").shape[0] == 22
-    r = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO, timeout=300)
+
+    import h3render.parallel.launch as launch
+
+    def no_ranks(*a, **k):
+        raise AssertionError("a queue with every job rendered started ranks")
+
+    monkeypatch.setattr(launch, "spawn", no_ranks)
+    r = run_here(*args)
     assert r.returncode == 0, r.stderr[-3000:]
     report = json.loads((tmp_path / "out" / "batch-report.json").read_text())
     assert [j["status"] for j in report["jobs"]] == ["skipped"] * 2
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_mid_job_on_two_cpu_ranks_exits_130_without_a_hang(tmp_path, signum):
+    """Ctrl-C (SIGINT to the process group) on `--gpus 2` mid-job hung until killed: rank 0 broadcast "stop" while
+    rank 1 sat in one of the job's collectives; SIGTERM exited 1 with a traceback beside a report saying 130 (rank 1
+    died of it, rank 0's stop failed). Rank 0 now leaves without the broadcast, and rank 1 says in one line that it
+    stopped."""
+    manifest = tmp_path / "jobs.jsonl"
+    manifest.write_text('{"id": "a", "prompt": "Surf at dawn", "frames": 345, "steps": 50}\n')
+    out = tmp_path / "out"
+    env = {**os.environ, "PYTHONPATH": repo_pythonpath(), "OMP_NUM_THREADS": "1"}
+    env.pop("H3RENDER_CHECKPOINT", None)
+    q = subprocess.Popen([sys.executable, "-m", "h3render.cli", "batch", str(manifest), "--out-dir", str(out),
+                          "--device", "cpu", "--gpus", "2"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True, env=env, cwd=REPO, start_new_session=True)
+    deadline = time.monotonic() + 120
+    while not (out / "a.lock").exists():  # the job is claimed: its render (and the ranks' collectives) starts
+        assert q.poll() is None and time.monotonic() < deadline, q.communicate()[1][-3000:]
+        time.sleep(0.1)
+    time.sleep(1.5)
+    os.killpg(q.pid, signum)
+    try:
+        _, err = q.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(q.pid, signal.SIGKILL)
+        raise AssertionError(f"{signal.Signals(signum).name} on two ranks mid-job: no exit within 60 s")
+    assert q.returncode == 130, err[-3000:]
+    assert "Traceback" not in err, err[-3000:]
+    import json
+
+    report = json.loads((out / "batch-report.json").read_text())
+    assert report["exit_code"] == 130 and report["signal"] == signal.Signals(signum).name
+    assert [j["status"] for j in report["jobs"]] == ["interrupted"]
+    assert not (out / "a.mp4").exists()
