@@ -165,17 +165,16 @@ def _child(rank: int, world: int, code, fn, args, rendezvous: dict[str, str], fo
 
 
 def _as_if_spawned() -> None:
-    """In a forked rank: the signal handling a spawned rank starts with. The CLI's `ProcessGuard` (inherited with
-    the fork) is the parent's: Python's defaults again, except that a signal the parent's own start left ignored
+    """In a forked rank: the signal handlers a spawned rank starts with. The CLI's (inherited with the fork) raise
+    in Python code, which a rank blocked in a collective never reaches: the parent's `terminate` of a stuck
+    follower would not end it. Python's defaults again, except that a signal the parent's own start left ignored
     (a background job's SIGINT) stays ignored, as it would across exec."""
     import signal
 
-    from h3render import signals
-
-    for signum in signals.HANDLED:
-        if signal.getsignal(signum) is not signal.SIG_IGN:
+    for signum in signal.valid_signals():
+        handler = signal.getsignal(signum)
+        if callable(handler) and handler is not signal.default_int_handler:
             signal.signal(signum, signal.default_int_handler if signum == signal.SIGINT else signal.SIG_DFL)
-    signals._process_guard = None
 
 
 def _thread_lock_for_tqdm() -> None:

@@ -214,7 +214,7 @@ def test_a_signal_mid_job_on_two_cpu_ranks_exits_130_without_a_hang(tmp_path, si
     env.pop("H3RENDER_CHECKPOINT", None)
     q = subprocess.Popen([sys.executable, "-m", "h3render.cli", "batch", str(manifest), "--out-dir", str(out),
                           "--device", "cpu", "--gpus", "2"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                         text=True, env=env, cwd=REPO, start_new_session=True)
+                         text=True, env=env, cwd=REPO, start_new_session=True, preexec_fn=_default_sigint)
     deadline = time.monotonic() + 120
     while not (out / "a.lock").exists():  # the job is claimed: its render (and the ranks' collectives) starts
         assert q.poll() is None and time.monotonic() < deadline, q.communicate()[1][-3000:]
@@ -234,3 +234,9 @@ def test_a_signal_mid_job_on_two_cpu_ranks_exits_130_without_a_hang(tmp_path, si
     assert report["exit_code"] == 130 and report["signal"] == signal.Signals(signum).name
     assert [j["status"] for j in report["jobs"]] == ["interrupted"]
     assert not (out / "a.mp4").exists()
+
+
+def _default_sigint() -> None:
+    """In the child before exec: SIGINT as a terminal's foreground job has it. A test run started in the background
+    (`pytest &` in a script) ignores SIGINT, and an ignored SIGINT is inherited across exec and stays ignored."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
