@@ -12,7 +12,8 @@
            the engine's mode (fuse for bf16, side for fp8), against the same 4 jobs without LoRAs: total seconds
            and the ratio.
 
-A forward takes ≈ 15.7 s at the default canvas on one H200: run one `--lora-precisions` per call (docs/lora.md).
+A dense forward takes ≈ 15.7 s at the default canvas on one H200: run one `--lora-precisions` per call (docs/lora.md),
+or both with `--lora-vsa 0.9` (FastH3's attention, ≈ 8 s a forward).
 CPU smoke (tests/unit/test_bench_lora.py): `--stages lora --lora-model tiny --lora-device cpu --lora-canvas
 160x128x22 --lora-text 6 --lora-ranks 4 --lora-counts 1,2 --lora-reps 1 --lora-queue-forwards 1`.
 """
@@ -41,6 +42,9 @@ def add_arguments(p) -> None:
                    help="lora stage: timed forwards per row (the base row has one warm-up before them)")
     p.add_argument("--lora-queue-forwards", type=int, default=1, help="lora stage: forwards per queued job")
     p.add_argument("--lora-dir", default=None, help="where the synthetic LoRA files go (default: a temp folder)")
+    p.add_argument("--lora-vsa", type=float, default=None,
+                   help="lora stage: VSA at this sparsity with random gates, as FastH3 students run (default: dense "
+                        "attention, the base model's); LoRAs never touch the gates")
 
 
 def stage_lora(args, bench) -> None:
@@ -64,6 +68,7 @@ def stage_lora(args, bench) -> None:
     ranks = [int(r) for r in args.lora_ranks.split(",")]
     counts = [int(n) for n in args.lora_counts.split(",")]
     folder = Path(args.lora_dir or tempfile.mkdtemp(prefix="h3render-bench-lora-"))
+    folder.mkdir(parents=True, exist_ok=True)  # a named --lora-dir may not exist yet (it failed a device call)
     files = {}
     t0 = time.perf_counter()
     for rank in ranks:
@@ -83,6 +88,10 @@ def stage_lora(args, bench) -> None:
 
         select_backend(args.attention)
         dit.set_attention(attention, refiner=True)
+    if args.lora_vsa is not None:
+        from bench_fp8 import enable_random_vsa_
+
+        enable_random_vsa_(dit, args.lora_vsa)  # bf16 gates, quantized with the rest for the fp8 rows
     layout = t2va_layout(args.lora_text, height, width, frames).to(device)
     g = torch.Generator().manual_seed(0)
     text = torch.randn(args.lora_text, cfg.text_dim, generator=g).to(device, dtype)
@@ -95,7 +104,8 @@ def stage_lora(args, bench) -> None:
     index = layout.row_timestep_index(tables.index_of(t), tables.index_of(1 - schedule.audio[1]))
     rope = dit.rope_tables(layout.positions)
     shape = f"{width}x{height}x{frames}"
-    row = dict(stage="lora", model=args.lora_model, canvas=shape, seq=layout.seq_len, layers=cfg.num_layers)
+    row = dict(stage="lora", model=args.lora_model, canvas=shape, seq=layout.seq_len, layers=cfg.num_layers,
+               attention="dense" if args.lora_vsa is None else f"vsa {args.lora_vsa}")
 
     def forward():
         return dit(video_rows, audio_rows, text, layout, tables, index, rope)

@@ -113,9 +113,15 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
 
 
 def _cudnn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """cuDNN's attention first, PyTorch's other SDPA kernels where cuDNN cannot take the inputs. cuDNN alone
+    failed ("No available kernel") on inputs it has no kernel for, which failed the job: the built-in tiny
+    model's heads of dim 16 on the H200 whenever the probe at the released shape had picked cuDNN (its two fastest
+    backends are within noise of each other there: 4 of the 5 runs seen on 2026-12-02), and host tensors."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+    order = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
+             SDPBackend.MATH]
+    with sdpa_kernel(order, set_priority=True):
         return sdpa_attention(q, k, v)
 
 

@@ -96,6 +96,19 @@ def test_host_tensors_use_sdpa_whatever_gpu_backend_was_selected(monkeypatch):
     torch.testing.assert_close(attention(q, k, v), naive_attention(q, k, v), atol=1e-5, rtol=1e-5)
 
 
+_CUDA = torch.cuda.is_available()  # read before the autouse fixture hides the GPU
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not _CUDA, reason="needs CUDA"))])
+def test_the_cudnn_backend_runs_inputs_cudnn_has_no_kernel_for(device):
+    # Heads of dim 16 (the built-in tiny model's): cuDNN alone raised "No available kernel" and failed the job
+    # whenever the probe had picked cuDNN (tests/e2e/test_signals.py on the H200, 2026-12-02); host tensors too.
+    g = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(1, 37, 2, 16, generator=g).to(device) for _ in range(3))
+    out = attn_mod.REGISTRY["cudnn"].run(q, k, v)
+    torch.testing.assert_close(out.cpu(), naive_attention(q, k, v).cpu(), atol=1e-5, rtol=1e-5)
+
+
 def test_attention_rejects_mismatched_inputs():
     q = torch.randn(1, 5, 2, 8)
     with pytest.raises(ValueError, match=r"\[B, S, H, D\]"):

@@ -20,7 +20,8 @@ def test_bench_lora_stage_runs_on_cpu(tmp_path):
 
     argv = ["bench.py", "--stages", "lora", "--lora-model", "tiny", "--lora-device", "cpu", "--lora-canvas",
             "128x64x22", "--lora-text", "6", "--lora-ranks", "4", "--lora-counts", "1,2", "--lora-reps", "1",
-            "--lora-queue-forwards", "1", "--lora-dir", str(tmp_path), "--out", str(tmp_path / "rows.json")]
+            "--lora-queue-forwards", "1", "--lora-vsa", "0.75", "--lora-dir", str(tmp_path / "new"),
+            "--out", str(tmp_path / "rows.json")]
     saved_argv, threads = sys.argv, torch.get_num_threads()
     sys.argv = argv
     torch.set_num_threads(1)
@@ -34,6 +35,7 @@ def test_bench_lora_stage_runs_on_cpu(tmp_path):
     rows = [r for r in json.loads((tmp_path / "rows.json").read_text()) if r["stage"] == "lora"]
     assert not [r for r in rows if "error" in r], rows
     whats = {r["what"] for r in rows}
+    assert {r["attention"] for r in rows if "forward" in r["what"]} == {"vsa 0.75"}  # as the device call runs it
     for precision in ("bf16", "fp8"):
         assert {f"forward base {precision}", f"forward side 1 x rank 4 {precision}",
                 f"forward side 2 x rank 4 {precision}", f"queue 4 jobs x 1 forwards {precision}"} <= whats
