@@ -142,7 +142,10 @@ def stage_lora(args, bench) -> None:
                               unfuse_s=round(time.perf_counter() - t0, 6), loras=n, rank=rank)
         # The 4-job queue: X, Y, X, Y (one LoRA each, the largest rank) against the same 4 jobs without LoRAs.
         rank = max(ranks)
-        state = LoraState(dit, cfg, mode)
+        # One fuse state per DiT, as the Engine holds: a second one pinned another copy of every base weight (39 GB
+        # of host memory at release beside the first's); the bf16 call of 2026-12-02 was SIGKILLed right after its
+        # fuse rows, most likely for that (128 GB host).
+        state = fuse if mode == "fuse" else LoraState(dit, cfg, mode)
 
         def queue(sets) -> float:
             _sync(device)
