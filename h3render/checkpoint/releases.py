@@ -75,8 +75,11 @@ def _tiny_qwen3vl(hidden: int, layers: int, heads: int, head_dim: int, mrope: li
     }
 
 
-# Tiny conditioner: 3 layers read at layer 2, so the un-normed inner read is exercised; width = DIT_TINY.text_dim.
-QWEN3VL_TINY = _tiny_qwen3vl(hidden=DIT_TINY.text_dim, layers=3, heads=4, head_dim=16, mrope=[2, 3, 3])
+# Tiny conditioner: 51 layers read at layer 50, so the un-normed inner read is exercised at the released index
+# (diffusers 0.42.1 reads a hard-coded `hidden_states[50]`, `MiniMaxH3ModularPipeline.text_encoder_layer`: a
+# make-checkpoint folder of 3 layers read at 2 was one diffusers could load but not encode with, issue #29);
+# width = DIT_TINY.text_dim. 1.1 M parameters, about 1 ms per layer for a prompt on one CPU thread.
+QWEN3VL_TINY = _tiny_qwen3vl(hidden=DIT_TINY.text_dim, layers=51, heads=4, head_dim=16, mrope=[2, 3, 3])
 QWEN3VL_SMALL = _tiny_qwen3vl(hidden=DIT_SMALL.text_dim, layers=4, heads=4, head_dim=64, mrope=[8, 12, 12])
 
 
@@ -179,7 +182,7 @@ RELEASES: dict[str, Release] = {
     # fast. 128 px tiles with 32 px overlap make the tiled decode run even on this small canvas (2 tiles wide).
     "tiny": Release(
         name="tiny", dit=DIT_TINY, video_vae=VIDEO_VAE_TINY, audio_vae=AUDIO_VAE_TINY,
-        text_encoder=QWEN3VL_TINY, text_read_layer=2, video_shift=RELEASED_VIDEO_SHIFT,
+        text_encoder=QWEN3VL_TINY, text_read_layer=50, video_shift=RELEASED_VIDEO_SHIFT,
         audio_shift=RELEASED_AUDIO_SHIFT,
         min_frames=22, max_frames=362, canvas_short_edge=128, canvas_max_pixels=128 * 224,
         default_canvas=(224, 128), default_duration_s=1.0, sigma_points=8,

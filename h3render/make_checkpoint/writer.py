@@ -13,13 +13,11 @@ islands (patch projections, time embedder, output heads), text encoder bf16, bot
   `ModularPipeline.from_pretrained` reads: the pipeline and blocks classes, each component's folder, the canvas
   rule), `transformer/` and `transformer_ref/` (ref2va's DiT; diffusers names and row orders), `vae/`, `audio_vae/`, `scheduler/`, `audio_scheduler/`,
   `text_encoder/`, `tokenizer/`, `processor/` (image and video processor configs). diffusers 0.42.1 loads it with
-  `load_components` (accelerate installed); it cannot *run* the tiny or small model's text encode, which it reads at
-  a hard-coded `hidden_states[50]` (`MiniMaxH3ModularPipeline.text_encoder_layer`) from a 3- or 4-layer encoder.
-  Deliberately so (issue #29, round 2): a deeper encoder in this layout alone would make the diffusers folder
-  another model than the built-in tiny one its other layouts hold bit for bit (same config hash, same encode:
-  tests/unit/test_checkpoint.py). The consistent fix deepens the tiny registry entry itself to 51 text layers read
-  at 50, as released (+1.1 M parameters, +2.2 MB bf16 per written checkpoint), which changes every tiny render; and
-  diffusers' t2va text-encode block also needs `processor/` built as a `Qwen3VLProcessor`, which needs torchvision.
+  `load_components` (accelerate installed), and its prompt encode (`get_qwen3vl_prompt_embeds` at its hard-coded
+  `hidden_states[50]`) gives h3render's embeddings: the tiny conditioner has 51 layers read at 50, as released
+  (tests/unit/test_make_checkpoint_diffusers.py). Its t2va text-encode *block* also builds `processor/` as a
+  `Qwen3VLProcessor`, which needs torchvision (not on the project's CPU machines; the test stands in for the one
+  processor method a text-only prompt uses).
 * "single-file": `OUT` is one `.safetensors` file holding the DiT, native names with q/k/v stacked `[q; k; v]`
   (ComfyUI style), the DiT config in its `config` metadata.
 """

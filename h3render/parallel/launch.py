@@ -113,7 +113,9 @@ def spawn(world: int, fn: Callable[..., int], *args: Any, device: str | None = N
     forked = device == "cpu"
     ctx = mp.get_context("fork" if forked else "spawn")
     code = ctx.Value("i", 1)
-    procs = [ctx.Process(target=_child, args=(rank, world, code, fn, args, rendezvous, forked), daemon=False)
+    leader_done = ctx.Value("b", 0)  # set by rank 0 once `fn` returned, before its process (and sockets) go
+    procs = [ctx.Process(target=_child, args=(rank, world, code, leader_done, fn, args, rendezvous, forked),
+                         daemon=False)
              for rank in range(world)]
     sys.stdout.flush()  # a forked rank inherits unflushed output and would print it again
     sys.stderr.flush()
@@ -145,7 +147,8 @@ def spawn(world: int, fn: Callable[..., int], *args: Any, device: str | None = N
 FOLLOWER_GRACE_S = 30.0
 
 
-def _child(rank: int, world: int, code, fn, args, rendezvous: dict[str, str], forked: bool = False) -> None:
+def _child(rank: int, world: int, code, leader_done, fn, args, rendezvous: dict[str, str],
+           forked: bool = False) -> None:
     import signal
 
     if forked:
@@ -158,9 +161,20 @@ def _child(rank: int, world: int, code, fn, args, rendezvous: dict[str, str], fo
         # SIGUSR1's default action).
         for sig in (signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2):
             signal.signal(sig, signal.SIG_IGN)
-    result = fn(*args)
+    try:
+        result = fn(*args)
+    except Exception as exc:
+        if rank != 0 and leader_done.value:
+            # Rank 0 stopped (a signal) while this rank was still loading, warming up or inside a job: its next
+            # collective failed on the closed connection. Rank 0's report says what happened; one line here.
+            first = (str(exc).strip().splitlines() or [""])[0][:200]
+            print(f"h3render rank {rank}: stopped: rank 0 has exited ({type(exc).__name__}: {first})",
+                  file=sys.stderr)
+            hard_exit(1)
+        raise
     if rank == 0:
         code.value = int(result)
+        leader_done.value = 1
     hard_exit(0 if rank != 0 else int(result))
 
 

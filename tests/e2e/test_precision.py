@@ -68,7 +68,7 @@ def test_fp8_prompt_renders_a_playable_mp4_whose_sidecar_says_fp8(renders):
     parts = run["precision_components"]
     # DIT_TINY: 2 blocks x (qkv, out, fc1, fc2); the tiny conditioner: 2 read layers x 7 linears
     assert parts["dit_blocks"].startswith(f"{FP8_PREFIX} (") and "; 8 linears)" in parts["dit_blocks"]
-    assert parts["text_encoder"].startswith(f"{FP8_PREFIX} weights") and "14 linears" in parts["text_encoder"]
+    assert parts["text_encoder"].startswith(f"{FP8_PREFIX} weights") and "350 linears" in parts["text_encoder"]  # 7 per layer, 50 read
     assert parts["dit_other"].startswith("bf16") and parts["audio_vae"] == "fp32"
     # VIDEO_VAE_TINY: 2 decoder blocks x (fused q/k/v, out, SwiGLU in, SwiGLU out)
     assert parts["video_vae"].startswith(f"{FP8_PREFIX} decoder blocks (") and "; 8 linears)" in parts["video_vae"]

@@ -169,7 +169,7 @@ def test_read_checkpoint_info(ckpts, tmp_path):
     for info in (official, diffusers, builtin):
         assert (info.video_shift, info.audio_shift) == (12.0, 3.0)
         assert (info.min_frames, info.max_frames) == (22, 362)
-        assert info.release.dit == RELEASES["tiny"].dit and info.release.text_read_layer == 2
+        assert info.release.dit == RELEASES["tiny"].dit and info.release.text_read_layer == 50
     assert official.config_hash == diffusers.config_hash == builtin.config_hash
     assert official.random_model == diffusers.random_model == builtin.random_model == "tiny"
     assert read_checkpoint_info(ckpts["single-file"]).random_model == "tiny"
@@ -319,15 +319,16 @@ def test_text_encoder_and_vae_strict(ckpts, tmp_path):
         save_file(tensors, str(te / shard))
         return shard
 
-    # Layers past the read layer (2), the final norm, the vision tower and the LM head are never read: mis-shaping
-    # them changes nothing.
-    for name in ("model.language_model.layers.2.mlp.up_proj.weight", "model.language_model.norm.weight",
+    # Layers past the read layer (50 of 51), the final norm, the vision tower and the LM head are never read:
+    # mis-shaping them changes nothing.
+    read = RELEASES["tiny"].text_read_layer
+    for name in (f"model.language_model.layers.{read}.mlp.up_proj.weight", "model.language_model.norm.weight",
                  "model.visual.blocks.0.attn.qkv.weight", "lm_head.weight"):
         reshape(name)
     encoder = load_components(root, parts=("text_encoder",)).text_encoder
-    assert len(encoder.layers) == 2
-    shard = reshape("model.language_model.layers.1.mlp.up_proj.weight")
-    with pytest.raises(CheckpointError, match=rf"{shard}: tensor 'layers.1.mlp.up_proj.weight' has shape"):
+    assert len(encoder.layers) == read == 50
+    shard = reshape(f"model.language_model.layers.{read - 1}.mlp.up_proj.weight")
+    with pytest.raises(CheckpointError, match=rf"{shard}: tensor 'layers.{read - 1}.mlp.up_proj.weight' has shape"):
         load_components(root, parts=("text_encoder",))
 
     vae = root / "FL2VA" / "video_vae" / "diffusion_pytorch_model.safetensors"

@@ -1,8 +1,9 @@
 """`h3render make-checkpoint --layout diffusers` writes a folder diffusers 0.42.1 itself loads
 (`ModularPipeline.from_pretrained` + `load_components`), with the same weights h3render's own loader reads from it.
 
-What diffusers cannot do with the tiny model is *run* its text encode: it reads a hard-coded `hidden_states[50]`
-(`MiniMaxH3ModularPipeline.text_encoder_layer`, no config), and the tiny conditioner has 3 layers read at layer 2.
+diffusers reads a hard-coded `hidden_states[50]` (`MiniMaxH3ModularPipeline.text_encoder_layer`, no config): the tiny
+conditioner has 51 layers read at 50, as released, so diffusers' own prompt encode runs on the written folder and
+gives h3render's embeddings (a 3-layer encoder read at 2 made that encode refuse, issue #29).
 """
 
 from __future__ import annotations
@@ -88,3 +89,30 @@ def test_h3renders_loader_still_reads_the_folder_as_the_official_layout(folder, 
     index = json.loads((folder / "modular_model_index.json").read_text())
     assert index["_blocks_class_name"] == "MiniMaxH3Blocks"
     assert {name for name, value in index.items() if isinstance(value, list)} == {*FOLDERS, "processor"}
+
+
+def test_diffusers_encodes_a_prompt_from_the_folder_as_h3render_does(folder):
+    """diffusers' `get_qwen3vl_prompt_embeds` (the function its text-encode block calls) on the folder's text encoder,
+    at its own `text_encoder_layer`, against h3render's encoder loaded from the same folder. The processor is a
+    stand-in for its one method used here: `Qwen3VLProcessor` itself needs torchvision, which these machines lack;
+    a text-only presentation's token types are all 0 (text)."""
+    from diffusers import ModularPipeline
+    from diffusers.modular_pipelines.minimax_h3.encoders import get_qwen3vl_prompt_embeds
+
+    class TextOnlyProcessor:
+        @staticmethod
+        def create_mm_token_type_ids(batch):
+            return [[0] * len(ids) for ids in batch]
+
+    pipe = ModularPipeline.from_pretrained(str(folder))
+    pipe.load_components(names=["text_encoder"], dtype=torch.float32)
+    layer = pipe.text_encoder_layer
+    assert layer == RELEASES["tiny"].text_read_layer == 50
+    ours = load_components(str(folder), parts=("text_encoder",), dtype=torch.float32).text_encoder.eval()
+    ids = torch.randint(0, 512, (1, 17), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        theirs = get_qwen3vl_prompt_embeds(pipe.text_encoder, TextOnlyProcessor(), ids[0].tolist(),
+                                           text_encoder_layer=layer, dtype=torch.float32)
+        mine = ours(ids)
+    assert theirs.shape == mine.shape == (1, 17, RELEASES["tiny"].dit.text_dim)
+    torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-5)
