@@ -277,7 +277,8 @@ def follow(renderer, ctx: ParallelContext) -> bool:
 
 def _leader_gone(ctx: ParallelContext, exc: BaseException) -> bool:
     first = (str(exc).strip().splitlines() or [""])[0][:200]
-    print(f"h3render rank {ctx.rank}: stopped: rank 0 left the queue ({type(exc).__name__}: {first})", file=sys.stderr)
+    print(f"h3render rank {ctx.rank}: stopped: rank 0 left the queue ({type(exc).__name__}: {first})",
+          file=sys.stderr)
     return False
 
 

@@ -99,7 +99,8 @@ def test_host_tensors_use_sdpa_whatever_gpu_backend_was_selected(monkeypatch):
 _CUDA = torch.cuda.is_available()  # read before the autouse fixture hides the GPU
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not _CUDA, reason="needs CUDA"))])
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not _CUDA,
+                                                                                  reason="needs CUDA"))])
 def test_the_cudnn_backend_runs_inputs_cudnn_has_no_kernel_for(device):
     # Heads of dim 16 (the built-in tiny model's): cuDNN alone raised "No available kernel" and failed the job
     # whenever the probe had picked cuDNN (tests/e2e/test_signals.py on the H200, 2026-12-02); host tensors too.
