@@ -15,6 +15,7 @@ traffic is the prompt, the noise, and the finished frames and samples.
 
 from __future__ import annotations
 
+import copy
 import sys
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -131,6 +132,9 @@ def render_windows(engine, job, windows: Sequence, mp4_path: Path, sidecar_path:
         done: Future = Future()
         done.set_result({})
         return done
+    # The engine's warm-up record as this job leaves it, copied here: the sidecar is written on the writer's thread,
+    # by when the next job may have added its own warm-up (a LoRA switch, a new canvas's tables).
+    warmup = copy.deepcopy(engine.warmup)
 
     def facts() -> dict[str, Any]:
         # Read on the writer's thread once the MP4 is in place (the sidecar goes last, so a sidecar never describes
@@ -145,7 +149,7 @@ def render_windows(engine, job, windows: Sequence, mp4_path: Path, sidecar_path:
         if len(windows) > 1:
             result["windows"] = records
         run = run_facts(engine, mp4_path, started_at, precision)
-        return _write_sidecar(engine, job, first.schedule, timer, sidecar_path, result, run, mp4_path)
+        return _write_sidecar(engine, job, first.schedule, timer, sidecar_path, result, run, mp4_path, warmup)
 
     return sink.finish(timer, t_start, facts)
 
@@ -362,9 +366,10 @@ def _main_dtype(module: torch.nn.Module) -> str:
 
 
 def _write_sidecar(engine, job, schedule: sampling.Schedule, timer: StageTimer, path: Path,
-                   result: dict[str, Any], run: dict[str, Any], mp4_path: Path) -> dict[str, Any]:
+                   result: dict[str, Any], run: dict[str, Any], mp4_path: Path,
+                   warmup: dict[str, Any]) -> dict[str, Any]:
     info = engine.c.info
-    extra = {"load_s": engine.load_seconds, "warmup": engine.warmup, "world_size": engine.ctx.world_size,
+    extra = {"load_s": engine.load_seconds, "warmup": warmup, "world_size": engine.ctx.world_size,
              "mode": job.mode, **result}
     if engine.adapter is not None and job.mode == "fasth3":
         extra["fasth3"] = engine.adapter

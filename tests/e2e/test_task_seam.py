@@ -133,3 +133,30 @@ def test_a_task_warm_up_failure_fails_its_job_alone(engine, tmp_path):
     assert not (tmp_path / "k.mp4").exists()
     engine.render(JOB, tmp_path / "a.mp4", tmp_path / "a.json")  # the queue goes on
     assert (tmp_path / "a.mp4").is_file()
+
+
+def test_the_sidecar_keeps_the_warm_up_record_as_the_job_left_it(engine, tmp_path, monkeypatch):
+    """The sidecar is written on the writer's thread, after `render_async` has returned and the next job may have
+    started: it showed that job's warm-up keys (the live `engine.warmup` was serialized there)."""
+    import threading
+
+    from h3render import render
+
+    release = threading.Event()
+    write = render._write_sidecar
+
+    def held(*args, **kwargs):  # the writer reaches the sidecar only once the "next job" has run
+        release.wait(30)
+        return write(*args, **kwargs)
+
+    monkeypatch.setattr(render, "_write_sidecar", held)
+    mp4 = tmp_path / "a.mp4"
+    future = engine.render_async(JOB, mp4, mp4.with_suffix(".json"))
+    engine.warmup["next_job_probe"] = 1.0  # what a later job's warm-up adds while this job's MP4 is written
+    try:
+        release.set()
+        future.result(timeout=60)
+    finally:
+        engine.warmup.pop("next_job_probe", None)
+    warmup = json.loads(mp4.with_suffix(".json").read_text())["extra"]["warmup"]
+    assert "next_job_probe" not in warmup and "adaln_tables_s" in warmup
