@@ -132,8 +132,10 @@ class MemoryPlan:
 
 
 def largest_canvas(jobs: Sequence) -> Canvas:
-    """The jobs' shape with the most packed rows (the denoise peak), as a `Canvas`."""
-    canvases = [Canvas(j.width, j.height, j.frames) for j in jobs]
+    """The jobs' shape with the most packed rows (the denoise peak), as a `Canvas`: a long clip's longest window
+    (`Job.pass_frames`), not its whole frame count, which is no pass's (720 for 30 s raised "frames must be 17n + 5"
+    here, a traceback for the README's own long-clip command)."""
+    canvases = [Canvas(j.width, j.height, j.pass_frames) for j in jobs]
     if not canvases:
         raise ValueError("no jobs to plan memory for")
     return max(canvases, key=lambda c: (c.rows, c.width * c.height))

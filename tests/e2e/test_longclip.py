@@ -159,3 +159,15 @@ def test_keyframes_of_a_long_clip_go_to_the_windows_they_fall_in(engine, tmp_pat
     record = prepared.record["continuation"]
     assert record["keyframes"][0]["anchor"] == 12 and "<Picture 1>" in record["presentation"]
     json.dumps(record)  # all of it goes into the sidecar
+
+
+def test_a_long_clip_through_the_cli_plans_memory_by_its_longest_window(tmp_path):
+    """`h3render prompt --duration 16` (384 frames, not 17n + 5) raised "frames must be 17n + 5" from the memory
+    plan, which sized the clip's whole frame count as one pass: a traceback for the README's own long-clip command."""
+    from tests._cli import run_here
+
+    out = tmp_path / "long.mp4"
+    r = run_here("prompt", "A slow dolly along a night market", "--duration", "16", "--width", "32", "--height", "32",
+                 "--steps", "2", "-o", str(out), "--device", "cpu")
+    assert r.returncode == 0, r.stderr
+    assert decode(out)[0].shape[0] == 384
