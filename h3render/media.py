@@ -307,7 +307,14 @@ class Mp4Writer:
                 raise MediaError(f"{self.path}: audio was written for {self._audio_windows} of "
                                  f"{len(self._audio_bounds) - 1} window(s) (call write_audio before close)")
             self._then, self._state = then, "closing"
-            self._put(_CLOSE)
+            try:
+                self._put(_CLOSE)
+            except BaseException:
+                # The close never reached the encoder (Ctrl-C while the queue was full): abort as an open writer.
+                # As "closing", `abort` waited for a tail that was never asked for, forever (a second signal is
+                # ignored during the cleanup), and left the temp file, the job's lock and a "running" report.
+                self._state = "open"
+                raise
         except BaseException:
             self.abort()
             raise

@@ -452,3 +452,34 @@ def test_writer_waits_and_releases_staged_chunks(tmp_path):
     with pytest.raises(MediaError):
         writer.write_frames(bad)
     assert bad.releases == 1
+
+
+def test_a_signal_while_the_close_waits_for_the_queue_aborts_instead_of_hanging(tmp_path, monkeypatch):
+    """Ctrl-C right after the decode, while `finish_async` waited to queue the close behind the frames: `abort`
+    then joined an encoder thread that was never told to close, forever (a fresh-user trial, 3 of 3 runs)."""
+    rgb = frames_to_uint8(smooth_video())
+    writer = Mp4Writer(tmp_path / "a.mp4", W, H, F, audio=False)
+    writer.write_frames(rgb)
+    real_put = Mp4Writer._put
+
+    def interrupted(self, item):
+        if item is not None and not isinstance(item, tuple):  # the close marker, not a frame chunk
+            raise KeyboardInterrupt
+        return real_put(self, item)
+
+    monkeypatch.setattr(Mp4Writer, "_put", interrupted)
+    outcome = []
+
+    def close():
+        try:
+            writer.finish_async()
+        except KeyboardInterrupt:
+            outcome.append("interrupted")
+
+    t = threading.Thread(target=close, daemon=True)
+    t.start()
+    t.join(30)
+    assert not t.is_alive(), "finish_async hung after the interrupt"
+    assert outcome == ["interrupted"]
+    assert not writer._thread.is_alive()
+    assert not writer.tmp_path.exists() and not (tmp_path / "a.mp4").exists()
