@@ -175,7 +175,7 @@ def test_the_text_store_spills_past_its_bound(tmp_path):
 # -- the chooser, at the released sizes ---------------------------------------------------------------------------
 
 RELEASED = RELEASES["released"]
-BIG = SimpleNamespace(width=1344, height=768, frames=243, task="t2va")  # the 10.125 s 1344x768 clip
+BIG = SimpleNamespace(width=1344, height=768, frames=243, pass_frames=243, task="t2va")  # the 10.125 s 1344x768 clip
 AMPERE = "FP8 GEMMs need compute capability 8.9 or newer"
 
 
