@@ -4,31 +4,14 @@ it prints must be there and hold real numbers (no stage error)."""
 
 from __future__ import annotations
 
-import json
-import sys
-from pathlib import Path
-
-import torch
-
-SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
+from tests._bench import run_bench
 
 
 def test_longclip_stage_runs_at_a_tiny_shape(tmp_path):
-    sys.path.insert(0, str(SCRIPTS))
-    saved_argv, threads = sys.argv, torch.get_num_threads()
-    sys.argv = ["bench.py", "--stages", "longclip", "--longclip-model", "tiny", "--longclip-device", "cpu",
-                "--longclip-canvas", "160x128", "--longclip-duration", "1.8", "--longclip-window", "39",
-                "--longclip-overlap", "5", "--vsa-sparsity", "0.75", "--longclip-dir", str(tmp_path),
-                "--out", str(tmp_path / "rows.json")]
-    try:
-        import bench
-
-        bench.main()
-    finally:
-        sys.argv = saved_argv
-        torch.set_num_threads(threads)
-        sys.path.remove(str(SCRIPTS))
-    rows = [r for r in json.loads((tmp_path / "rows.json").read_text()) if r.get("stage") == "longclip"]
+    argv = ["--stages", "longclip", "--longclip-model", "tiny", "--longclip-device", "cpu", "--longclip-canvas",
+            "160x128", "--longclip-duration", "1.8", "--longclip-window", "39", "--longclip-overlap", "5",
+            "--vsa-sparsity", "0.75", "--longclip-dir", str(tmp_path)]
+    rows = [r for r in run_bench(argv, tmp_path / "rows.json") if r.get("stage") == "longclip"]
     assert not [r for r in rows if "error" in r], rows
     what = [r.get("what", "") for r in rows if r.get("what") != "fp8: components loaded"]
     assert what[0].startswith("plan: 1.8 s → 43 frames = 1.792 s in 2 windows of 39/22 frames, 5-frame overlaps "

@@ -4,35 +4,16 @@ times, the side-path rows for each count and the fp8 rows, so the GPU runs the c
 
 from __future__ import annotations
 
-import json
 import math
-import sys
-from pathlib import Path
 
-import torch
-
-SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
+from tests._bench import run_bench
 
 
 def test_bench_lora_stage_runs_on_cpu(tmp_path):
-    sys.path.insert(0, str(SCRIPTS))
-    import bench
-
-    argv = ["bench.py", "--stages", "lora", "--lora-model", "tiny", "--lora-device", "cpu", "--lora-canvas",
-            "128x64x22", "--lora-text", "6", "--lora-ranks", "4", "--lora-counts", "1,2", "--lora-reps", "1",
-            "--lora-queue-forwards", "1", "--lora-vsa", "0.75", "--lora-dir", str(tmp_path / "new"),
-            "--out", str(tmp_path / "rows.json")]
-    saved_argv, threads = sys.argv, torch.get_num_threads()
-    sys.argv = argv
-    torch.set_num_threads(1)
-    bench.RESULTS.clear()
-    try:
-        bench.main()
-    finally:
-        sys.argv = saved_argv
-        torch.set_num_threads(threads)
-        sys.path.remove(str(SCRIPTS))
-    rows = [r for r in json.loads((tmp_path / "rows.json").read_text()) if r["stage"] == "lora"]
+    argv = ["--stages", "lora", "--lora-model", "tiny", "--lora-device", "cpu", "--lora-canvas", "128x64x22",
+            "--lora-text", "6", "--lora-ranks", "4", "--lora-counts", "1,2", "--lora-reps", "1",
+            "--lora-queue-forwards", "1", "--lora-vsa", "0.75", "--lora-dir", str(tmp_path / "new")]
+    rows = [r for r in run_bench(argv, tmp_path / "rows.json") if r.get("stage") == "lora"]
     assert not [r for r in rows if "error" in r], rows
     whats = {r["what"] for r in rows}
     assert {r["attention"] for r in rows if "forward" in r["what"]} == {"vsa 0.75"}  # as the device call runs it

@@ -4,32 +4,16 @@ streamed run whose latents must equal it, and a 2-prompt queue's text phase."""
 
 from __future__ import annotations
 
-import json
 import math
-import sys
-from pathlib import Path
 
-import torch
-
-SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
+from tests._bench import run_bench
 
 
 def test_memplans_stage_runs_on_cpu(tmp_path):
-    sys.path.insert(0, str(SCRIPTS))
-    saved_argv, threads = sys.argv, torch.get_num_threads()
-    sys.argv = ["bench.py", "--stages", "memplans", "--memplan-model", "tiny", "--memplan-device", "cpu",
-                "--memplan-canvas", "128x64x22", "--forwards", "1", "--memplans", "resident:bf16,streamed:bf16@1",
-                "--memplan-queue", "2", "--vsa-sparsity", "0.5", "--memplan-dir", str(tmp_path),
-                "--out", str(tmp_path / "rows.json")]
-    try:
-        import bench
-
-        bench.main()
-    finally:
-        sys.argv = saved_argv
-        torch.set_num_threads(threads)
-        sys.path.remove(str(SCRIPTS))
-    rows = [r for r in json.loads((tmp_path / "rows.json").read_text()) if r.get("stage") == "memplans"]
+    argv = ["--stages", "memplans", "--memplan-model", "tiny", "--memplan-device", "cpu", "--memplan-canvas",
+            "128x64x22", "--forwards", "1", "--memplans", "resident:bf16,streamed:bf16@1", "--memplan-queue", "2",
+            "--vsa-sparsity", "0.5", "--memplan-dir", str(tmp_path)]
+    rows = [r for r in run_bench(argv, tmp_path / "rows.json") if r.get("stage") == "memplans"]
     assert not [r for r in rows if "error" in r], rows
     resident, streamed, queue = rows[0], rows[1], rows[2]
     assert resident["plan"] == "resident" and streamed["plan"] == "streamed" and streamed["cap_gb"] == 1.0

@@ -5,33 +5,15 @@ the complete MP4s of one engine."""
 
 from __future__ import annotations
 
-import json
 import math
-import sys
-from pathlib import Path
 
-import torch
-
-SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
+from tests._bench import run_bench
 
 
 def test_ref2va_stage_on_cpu(tmp_path):
-    sys.path.insert(0, str(SCRIPTS))
-    saved_argv, threads = sys.argv, torch.get_num_threads()
-    sys.argv = ["bench.py", "--stages", "ref2va", "--ref2va-model", "tiny", "--ref2va-device", "cpu",
-                "--ref2va-canvas", "128x64x22", "--ref2va-forwards", "1", "--ref2va-video-seconds", "0.6",
-                "--ref2va-reps", "1", "--out", str(tmp_path / "rows.json")]
-    torch.set_num_threads(1)
-    try:
-        import bench
-
-        bench.RESULTS.clear()
-        bench.main()
-    finally:
-        sys.argv = saved_argv
-        torch.set_num_threads(threads)
-        sys.path.remove(str(SCRIPTS))
-    rows = [r for r in json.loads((tmp_path / "rows.json").read_text()) if r["stage"] == "ref2va"]
+    argv = ["--stages", "ref2va", "--ref2va-model", "tiny", "--ref2va-device", "cpu", "--ref2va-canvas", "128x64x22",
+            "--ref2va-forwards", "1", "--ref2va-video-seconds", "0.6", "--ref2va-reps", "1"]
+    rows = [r for r in run_bench(argv, tmp_path / "rows.json") if r.get("stage") == "ref2va"]
     assert not [r for r in rows if "error" in r], rows
     by = {r["what"]: r for r in rows}
     assert by["image reference: resize + vision tower"]["encoded_size"] == [128, 64]  # 1920x1080 at short edge 64

@@ -5,33 +5,16 @@ path really ran) and bounded."""
 
 from __future__ import annotations
 
-import json
 import math
-import sys
-from pathlib import Path
 
-import torch
-
-SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
+from tests._bench import run_bench
 
 
 def test_vae_fp8_stage_runs_on_cpu_at_a_tiny_shape(tmp_path, capsys):
-    sys.path.insert(0, str(SCRIPTS))
-    saved_argv, threads = sys.argv, torch.get_num_threads()
-    try:
-        import bench
-
-        sys.argv = ["bench.py", "--stages", "vae-fp8", "--vae-fp8-model", "tiny", "--vae-fp8-device", "cpu",
-                    "--vae-fp8-latents", "7x4x4", "--vae-fp8-reps", "1", "--vae-fp8-modes", "eager,compiled",
-                    "--vae-fp8-gains", "0.02,0.3", "--vae-fp8-batch", "2", "--out", str(tmp_path / "rows.json")]
-        torch.set_num_threads(1)
-        bench.RESULTS.clear()
-        bench.main()
-    finally:
-        sys.argv = saved_argv
-        torch.set_num_threads(threads)
-        sys.path.remove(str(SCRIPTS))
-    rows = [r for r in json.loads((tmp_path / "rows.json").read_text()) if r.get("stage") == "vae-fp8"]
+    argv = ["--stages", "vae-fp8", "--vae-fp8-model", "tiny", "--vae-fp8-device", "cpu", "--vae-fp8-latents",
+            "7x4x4", "--vae-fp8-reps", "1", "--vae-fp8-modes", "eager,compiled", "--vae-fp8-gains", "0.02,0.3",
+            "--vae-fp8-batch", "2"]
+    rows = [r for r in run_bench(argv, tmp_path / "rows.json") if r.get("stage") == "vae-fp8"]
     assert not [r for r in rows if "error" in r], rows
     setup = next(r for r in rows if r.get("what") == "video VAE fp8 setup")
     assert setup["fp8_linears"] == 8 and setup["modes"] == ["eager"]  # compiled is CUDA-only: dropped on the CPU
