@@ -1,12 +1,17 @@
 """Running `h3render` from tests: in-process through click's CliRunner (usage errors, which stop before any weights
-load, and renders that need no process of their own), or as a real subprocess (exit codes, signals, a fresh
-interpreter)."""
+load, and renders that need no process of their own); in a process of its own forked from a server that has
+imported torch, transformers and h3render once (exit codes, `os._exit`, multi-rank runs, state that must not leak
+between renders); or as a real subprocess of a fresh interpreter (what only a fresh interpreter shows: imports,
+`python -m`, signals around start-up)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import subprocess
 import sys
+import tempfile
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,6 +50,78 @@ def run_cli(*args: str, env: dict | None = None, cwd: Path | None = None) -> sub
     full_env.pop("H3RENDER_CHECKPOINT", None) if env is None or "H3RENDER_CHECKPOINT" not in env else None
     return subprocess.run([sys.executable, "-m", "h3render.cli", *args], capture_output=True, text=True,
                           env=full_env, cwd=cwd or REPO, timeout=600)
+
+
+class Forked:
+    """`h3render ARGS` running in a child forked from `tests._spawn`'s server, which has imported torch,
+    transformers' Qwen3-VL and h3render and never rendered: the ~6 s of CPU a fresh interpreter spends importing
+    them is spent once per test process. The child runs `h3render.cli.main` as `python -m h3render.cli` would: its
+    own pid and exit status (`sys.exit` and `os._exit` alike; -N when killed by signal N), Python's default SIGINT
+    handler, `env` (on top of this process's, without H3RENDER_CHECKPOINT unless `env` sets it) as its whole
+    environment, `cwd` (default: the checkout) as its folder, stdout and stderr in files read back, and with
+    `new_session` a session (and process group) of its own, as `subprocess.Popen(start_new_session=True)`."""
+
+    def __init__(self, *args: str, env: dict | None = None, cwd: Path | None = None, new_session: bool = False):
+        from tests._spawn import context
+
+        full_env = {**os.environ, "PYTHONPATH": repo_pythonpath(), **(env or {})}
+        if env is None or "H3RENDER_CHECKPOINT" not in env:
+            full_env.pop("H3RENDER_CHECKPOINT", None)
+        self.args = args
+        self._tmp = tempfile.TemporaryDirectory(prefix="h3render-forked-")
+        self._streams = (Path(self._tmp.name) / "stdout", Path(self._tmp.name) / "stderr")
+        self._proc = context().Process(target=_forked_main, args=(list(args), full_env, str(cwd or REPO),
+                                                                  *map(str, self._streams), new_session))
+        self._proc.start()
+        self.pid = self._proc.pid
+
+    def poll(self) -> int | None:
+        return self._proc.exitcode
+
+    def wait(self, timeout: float = 600) -> "Ran":
+        """Wait for the exit; its `Ran`. Past `timeout`: kill it (and its process group if it has one of its own)
+        and raise `subprocess.TimeoutExpired`."""
+        try:
+            self._proc.join(timeout)
+            if self._proc.exitcode is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(self.pid, 9) if os.getpgid(self.pid) == self.pid else self._proc.kill()
+                self._proc.join()
+                raise subprocess.TimeoutExpired(["h3render", *self.args], timeout)
+            text = [p.read_text(errors="replace") if p.exists() else "" for p in self._streams]  # none: died starting
+            return Ran(self._proc.exitcode, *text)
+        finally:
+            self._tmp.cleanup()
+
+
+def run_forked(*args: str, env: dict | None = None, cwd: Path | None = None, timeout: float = 600) -> "Ran":
+    """`h3render ARGS` in a forked child (`Forked`), waited for: the fields `run_cli` returns, at a fraction of
+    its CPU."""
+    return Forked(*args, env=env, cwd=cwd).wait(timeout)
+
+
+def _forked_main(args: list[str], env: dict, cwd: str, stdout: str, stderr: str, new_session: bool) -> None:
+    """In the forked child: become `python -m h3render.cli ARGS` with this environment, folder and output files."""
+    if new_session:
+        os.setsid()
+    # What a fresh interpreter has: the server may have inherited an ignored SIGINT (a test run in the background).
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    os.environ.clear()
+    os.environ.update(env)
+    if env.get("OMP_NUM_THREADS", "").isdigit():  # read once, when the interpreter starts torch
+        import torch
+
+        torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
+    os.chdir(cwd)
+    sys.stdout.flush(), sys.stderr.flush()
+    for fd, path in ((1, stdout), (2, stderr)):
+        target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        os.dup2(target, fd)
+        os.close(target)
+    sys.argv = [str(REPO / "h3render" / "cli.py"), *args]
+    from h3render.cli import main
+
+    main()
 
 
 @dataclass

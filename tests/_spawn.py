@@ -52,10 +52,11 @@ def put_result(queue, obj) -> None:
 # process): a spawned rank re-imports them, ~4-6 s of CPU each, which on CI's two cores was most of a 2-rank test's
 # cost. A fork server is single-threaded and holds no process group, so its children start as clean as spawned ones.
 _PRELOAD = ["torch", "torch.distributed", "h3render.parallel.groups", "h3render.models.dit",
-            "h3render.checkpoint.load", "tests._spawn"]
+            "h3render.checkpoint.load", "h3render.cli", "h3render.engine", "h3render.runner", "h3render.media",
+            "tests._spawn", "tests._cli"]
 
 
-def _context():
+def context():
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(_PRELOAD)
     return ctx
@@ -64,7 +65,7 @@ def _context():
 def run_ranks(target, world: int, args: tuple = (), results: int | None = None, timeout: float = 180) -> list:
     """Start `target(rank, port, *args, queue)` on `world` ranks (forked from a server that has preloaded torch and
     h3render); return the `results` objects they put (default: one per rank), then check that every rank exited 0."""
-    ctx = _context()
+    ctx = context()
     queue = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=target, args=(rank, port, *args, queue)) for rank in range(world)]

@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -17,17 +16,19 @@ from h3render.parallel.groups import largest_dividing_world, launcher_env
 from h3render.parallel.ulysses import shard_rows
 from h3render.parallel.vae import assign_items
 from tests._mp4 import frames_of
-from tests._env import repo_pythonpath
 from tests._spawn import free_port
-from tests._cli import run_here
+from tests._cli import Forked, run_forked, run_here
 from tests._numerics import rel_err
 
 REPO = Path(__file__).resolve().parents[2]
 
 
 def render(out: Path, nproc: int, *extra: str, launcher: str = "torchrun"):
-    env = {**os.environ, "PYTHONPATH": repo_pythonpath(), "OMP_NUM_THREADS": "1"}
-    env.pop("H3RENDER_CHECKPOINT", None)
+    """`h3render prompt` on `nproc` CPU ranks. launcher "spawn": the command's own `--gpus N` (its ranks fork from
+    it); "torchrun": `nproc` processes with the environment torchrun gives its ranks (RANK, WORLD_SIZE, LOCAL_RANK,
+    MASTER_ADDR/PORT), each `h3render prompt` itself; rank 0's result, once every rank exited 0. Each process forks
+    from a server that has imported torch and transformers (`tests._cli.Forked`): an interpreter of its own costs
+    ~6 s of CPU to import them, which was most of these tests' time on CI's two cores."""
     args = ["prompt", "A fox crosses a frozen river, ice creaking", "-o", str(out), "--steps", "3", "--seed", "7",
             "--save-latents", "--vae-batch", "1", "--device", "cpu", *extra]
     if nproc == 1:  # the 1-process reference renders in this process (no interpreter of its own to start)
@@ -41,11 +42,14 @@ def render(out: Path, nproc: int, *extra: str, launcher: str = "torchrun"):
         finally:
             torch.set_num_threads(threads)
     if launcher == "spawn":
-        cmd = [sys.executable, "-m", "h3render.cli", *args, "--gpus", str(nproc)]
-    else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port",
-               str(free_port()), "-m", "h3render.cli", *args]
-    return subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO, timeout=600)
+        return run_forked(*args, "--gpus", str(nproc), env={"OMP_NUM_THREADS": "1"})
+    port = str(free_port())
+    ranks = [Forked(*args, env={"OMP_NUM_THREADS": "1", "RANK": str(rank), "LOCAL_RANK": str(rank),
+                                "WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port})
+             for rank in range(nproc)]
+    results = [rank.wait() for rank in ranks]
+    assert [r.returncode for r in results[1:]] == [0] * (nproc - 1), [r.stderr[-2000:] for r in results[1:]]
+    return results[0]
 
 
 @pytest.fixture(scope="module")
@@ -65,10 +69,8 @@ def one_rank(tmp_path_factory):
     return get
 
 
-# 2 ranks run through the in-process spawn launcher here; torchrun (3 ranks, 2 of them used) is
-# test_split_decode_batches_across_windows below. Every rank is an interpreter importing torch and transformers
-# (~4 s of CPU each), so each case here costs CI seconds: 4 ranks (2 heads each) and more are
-# tests/cluster/test_ulysses.py's, whose ranks fork from a preloaded server.
+# 2 ranks run through the command's own launcher here; torchrun's environment (3 ranks, 2 of them used) is
+# test_split_decode_batches_across_windows below. 4 ranks (2 heads each) and more are tests/cluster/test_ulysses.py's.
 @pytest.mark.parametrize("nproc, launcher", [(2, "spawn")])
 def test_multi_rank_gloo_matches_one_process(nproc, launcher, one_rank, tmp_path):
     """Same seed on N ranks: latents within 1e-5 of 1 rank, decoded frames identical (with the same VAE batch
@@ -91,7 +93,7 @@ def test_multi_rank_gloo_matches_one_process(nproc, launcher, one_rank, tmp_path
 
 
 def test_split_decode_batches_across_windows(one_rank, tmp_path):
-    """3 ranks started by torchrun: the tiny model's 8 heads do not divide by 3, so the run uses 2 of them, with a
+    """3 ranks started as torchrun starts them: the tiny model's 8 heads do not divide by 3, so the run uses 2 of them, with a
     warning, and the third sits it out (`groups.restrict`; the spawn launcher starts 2 instead, `plan_world`).
     320x192: 2 windows x 6 tiles; with 4 items per decoder forward a rank's batch holds items of both windows
     (3 + 1, then 2), so windows are gathered mid-queue. Batch grouping differs from one
@@ -176,11 +178,8 @@ def test_batch_on_two_cpu_ranks_renders_then_resumes(tmp_path, monkeypatch):
         '{"id": "a", "prompt": "Surf at dawn", "frames": 22, "steps": 2}',
         '{"id": "b", "prompt": "A train in the night", "frames": 22, "steps": 3, "seed": 3}',
     ]) + "\n")
-    env = {**os.environ, "PYTHONPATH": repo_pythonpath(), "OMP_NUM_THREADS": "1"}
-    env.pop("H3RENDER_CHECKPOINT", None)
     args = ["batch", str(manifest), "--out-dir", str(tmp_path / "out"), "--device", "cpu", "--gpus", "2", "--quiet"]
-    r = subprocess.run([sys.executable, "-m", "h3render.cli", *args], capture_output=True, text=True, env=env,
-                       cwd=REPO, timeout=600)
+    r = run_forked(*args, env={"OMP_NUM_THREADS": "1"})
     assert r.returncode == 0, r.stderr[-3000:]
     import json
 
@@ -212,23 +211,21 @@ def test_a_signal_mid_job_on_two_cpu_ranks_exits_130_without_a_hang(tmp_path, si
     manifest = tmp_path / "jobs.jsonl"
     manifest.write_text('{"id": "a", "prompt": "Surf at dawn", "frames": 345, "steps": 50}\n')
     out = tmp_path / "out"
-    env = {**os.environ, "PYTHONPATH": repo_pythonpath(), "OMP_NUM_THREADS": "1"}
-    env.pop("H3RENDER_CHECKPOINT", None)
-    q = subprocess.Popen([sys.executable, "-m", "h3render.cli", "batch", str(manifest), "--out-dir", str(out),
-                          "--device", "cpu", "--gpus", "2"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                         text=True, env=env, cwd=REPO, start_new_session=True, preexec_fn=_default_sigint)
+    # A session of its own, as a terminal's foreground job: the signal goes to the process group, ranks included.
+    q = Forked("batch", str(manifest), "--out-dir", str(out), "--device", "cpu", "--gpus", "2",
+               env={"OMP_NUM_THREADS": "1"}, new_session=True)
     deadline = time.monotonic() + 120
     while not (out / "a.lock").exists():  # the job is claimed: its render (and the ranks' collectives) starts
-        assert q.poll() is None and time.monotonic() < deadline, q.communicate()[1][-3000:]
+        assert q.poll() is None and time.monotonic() < deadline, q.wait().stderr[-3000:]
         time.sleep(0.1)
     time.sleep(1.5)
     os.killpg(q.pid, signum)
     try:
-        _, err = q.communicate(timeout=60)
+        r = q.wait(timeout=60)
     except subprocess.TimeoutExpired:
-        os.killpg(q.pid, signal.SIGKILL)
         raise AssertionError(f"{signal.Signals(signum).name} on two ranks mid-job: no exit within 60 s")
-    assert q.returncode == 130, err[-3000:]
+    err = r.stderr
+    assert r.returncode == 130, err[-3000:]
     assert "Traceback" not in err, err[-3000:]
     import json
 
@@ -236,9 +233,3 @@ def test_a_signal_mid_job_on_two_cpu_ranks_exits_130_without_a_hang(tmp_path, si
     assert report["exit_code"] == 130 and report["signal"] == signal.Signals(signum).name
     assert [j["status"] for j in report["jobs"]] == ["interrupted"]
     assert not (out / "a.mp4").exists()
-
-
-def _default_sigint() -> None:
-    """In the child before exec: SIGINT as a terminal's foreground job has it. A test run started in the background
-    (`pytest &` in a script) ignores SIGINT, and an ignored SIGINT is inherited across exec and stays ignored."""
-    signal.signal(signal.SIGINT, signal.SIG_DFL)

@@ -88,17 +88,21 @@ def test_array_job_renders_every_job_exactly_once(slurm_conf, tmp_path):
                                             "height": 128, "steps": 3}) + "\n" for i in range(4)))
     out = tmp_path / "out"
     env = _submit_env(slurm_conf)
-    cmd = ["sbatch", "--wait", "--array=0-1", "--export=ALL", f"--chdir={tmp_path}",
+    cmd = ["sbatch", "--parsable", "--array=0-1", "--export=ALL", f"--chdir={tmp_path}",
            f"--output={tmp_path}/task-%A_%a.out", str(SBATCH_SCRIPT), str(manifest), str(out), *H3RENDER_OPTIONS]
-    try:
-        result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    except subprocess.TimeoutExpired:
-        queue = subprocess.run(["squeue"], env=env, capture_output=True, text=True).stdout
-        pytest.fail(f"sbatch --wait did not return in 600 s\n{queue}\n{_logs(slurm_conf.parent)}")
+    submit = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60)
+    assert submit.returncode == 0, submit.stderr
+    job_id = submit.stdout.strip().split(";")[0]
+    # Not `sbatch --wait`: it polls at 2, 10 and 42 s (its sleep grows x4 while under MinJobAge / 3), so this
+    # 12-s array returned after 42 s. squeue lists a job until every task has ended.
+    _wait_for(lambda: not subprocess.run(["squeue", "-h", "-j", job_id], env=env, capture_output=True,
+                                         text=True).stdout.strip(), 600, "the array job's end", slurm_conf)
     task_logs = "\n".join(f"===== {p.name}\n{p.read_text()}" for p in sorted(tmp_path.glob("task-*.out")))
     print(task_logs)
-    assert result.returncode == 0, (f"sbatch exit {result.returncode}\n{result.stdout}{result.stderr}\n{task_logs}\n"
-                                    f"{_logs(slurm_conf.parent)}")
+    tasks = subprocess.run(["scontrol", "-o", "show", "job", job_id], env=env, capture_output=True, text=True).stdout
+    states = sorted(field for line in tasks.splitlines() for field in line.split()
+                    if field.startswith(("JobState=", "ExitCode=")))
+    assert states == ["ExitCode=0:0"] * 2 + ["JobState=COMPLETED"] * 2, f"{tasks}\n{task_logs}"
     assert len(list(tmp_path.glob("task-*.out"))) == 2, task_logs
 
     # Each MP4 exists exactly once, complete (with its sidecar), and nothing temporary is left behind.

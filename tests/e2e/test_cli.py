@@ -1,7 +1,7 @@
 """End-to-end CLI tests on the tiny model: real MP4s opened with PyAV, determinism, and bad-argument handling.
 
-Usage errors and most renders run in-process through click's CliRunner (`tests._cli.run_here`); one render of
-each kind and the exit behaviour run the real command in a subprocess (`run_cli`).
+Usage errors and most renders run in-process through click's CliRunner (`tests._cli.run_here`); one render runs
+in a process of its own (`run_forked`), and the exit behaviour of the real command in a subprocess (`run_cli`).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from h3render.spec import audio_samples as audio_samples_for
-from tests._cli import click_error, invoke, one_error_line, run_cli, run_here
+from tests._cli import click_error, invoke, one_error_line, run_cli, run_forked, run_here
 from tests._mp4 import decode
 
 
@@ -59,7 +59,7 @@ def check_mp4(path: Path, frames: int, width: int, height: int) -> None:
 def test_prompt_renders_playable_mp4_from_checkpoint(layout, official_ckpt, diffusers_ckpt, tmp_path):
     ckpt = official_ckpt if layout == "official" else diffusers_ckpt
     out = tmp_path / "clip.mp4"
-    run = run_cli if layout == "official" else run_here  # one real process; the other layout in this one
+    run = run_forked if layout == "official" else run_here  # one in a process of its own; the other in this one
     r = run("prompt", "A red fox runs through snow, wind howling", "-o", str(out), "--checkpoint", str(ckpt),
             "--width", "224", "--height", "128", "--frames", "22", "--steps", "3", "--seed", "5")
     assert r.returncode == 0, r.stderr
@@ -77,13 +77,13 @@ def test_prompt_renders_playable_mp4_from_checkpoint(layout, official_ckpt, diff
 
 
 def test_builtin_tiny_same_seed_identical_other_seed_differs(tmp_path):
-    """"a" renders in a fresh interpreter, "b" and "c" in this one: the same seed gives the same MP4 content
-    whatever ran before it in the process."""
+    """"a" renders in a process of its own that has never rendered, "b" and "c" in this one: the same seed gives the
+    same MP4 content whatever ran before it in the process."""
     outs = {}
     for name, seed in (("a", 3), ("b", 3), ("c", 4)):
         out = tmp_path / f"{name}.mp4"
         args = ("prompt", "Rain on a tin roof", "-o", str(out), "--seed", str(seed), "--steps", "3")
-        r = run_cli(*args) if name == "a" else run_here(*args)
+        r = run_forked(*args) if name == "a" else run_here(*args)
         assert r.returncode == 0, r.stderr
         assert "random weights" in r.stderr
         outs[name] = decode(out)

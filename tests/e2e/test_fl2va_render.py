@@ -4,9 +4,6 @@ hash), the vision tower loaded from make-checkpoint's official and diffusers lay
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -19,23 +16,18 @@ from h3render.checkpoint.info import read_checkpoint_info
 from h3render.checkpoint.load import load_vision
 from h3render.make_checkpoint.writer import make_checkpoint
 from tests._mp4 import frames_of
-from tests._env import repo_pythonpath
-from tests._cli import run_here
+from tests._cli import run_forked, run_here
 from tests._numerics import rel_err
 
 REPO = Path(__file__).resolve().parents[2]
 ARGS = ("--steps", "3", "--seed", "5", "--device", "cpu", "--save-latents", "--vae-batch", "1")
 
 
-def cli(*args: str, cwd: Path = REPO, launcher: list[str] | None = None):
-    """`h3render ARGS` in this process (`tests._cli.run_here`), or in a subprocess (`launcher`: the interpreter's
-    arguments before `-m h3render.cli`)."""
-    if launcher is None:
-        return run_here(*args, cwd=cwd)
-    env = {**os.environ, "PYTHONPATH": repo_pythonpath(), "OMP_NUM_THREADS": "1"}
-    env.pop("H3RENDER_CHECKPOINT", None)
-    cmd = [sys.executable, *(launcher or []), "-m", "h3render.cli", *args]
-    return subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=cwd, timeout=600)
+def cli(*args: str, cwd: Path = REPO, forked: bool = False):
+    """`h3render ARGS` in this process (`tests._cli.run_here`), or in a process of its own (`run_forked`)."""
+    if forked:
+        return run_forked(*args, env={"OMP_NUM_THREADS": "1"}, cwd=cwd)
+    return run_here(*args, cwd=cwd)
 
 
 def _png(path: Path, size=(128, 96), seed=0, mode="RGB") -> Path:
@@ -150,7 +142,7 @@ def test_two_gloo_ranks_match_one_for_fl2va(tmp_path):
         torch.set_num_threads(threads)
     assert r1.returncode == 0, r1.stderr
     # Two CPU ranks forked by the command itself (`--gpus 2`; torchrun's launch is tests/cluster/test_parallel.py's)
-    r2 = cli("prompt", "Waves on black rocks", *keyframes, "-o", str(two), *ARGS, "--gpus", "2", launcher=[])
+    r2 = cli("prompt", "Waves on black rocks", *keyframes, "-o", str(two), *ARGS, "--gpus", "2", forked=True)
     assert r2.returncode == 0, r2.stderr
     a, b = _latents(one), _latents(two)
     for key in ("video", "audio"):

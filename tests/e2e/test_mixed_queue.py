@@ -65,7 +65,7 @@ def test_mixed_engine_matches_base_then_fused_engines(adapter, tmp_path):
 def test_cli_mixed_queue_renders_base_jobs_then_the_student(adapter, tmp_path):
     import json
 
-    from tests._cli import invoke, run_cli
+    from tests._cli import invoke, run_forked
 
     manifest = tmp_path / "m.jsonl"
     lines = [{"id": "a", "prompt": "base", "frames": 22, "steps": 2, "width": 128, "height": 64},
@@ -80,7 +80,7 @@ def test_cli_mixed_queue_renders_base_jobs_then_the_student(adapter, tmp_path):
     assert not out.exists()
     # the adapter named in the manifest's defaults: t2va jobs on the base weights, then the fused student
     manifest.write_text(json.dumps({"defaults": {"adapter": adapter}}) + "\n" + manifest.read_text())
-    r = run_cli("batch", str(manifest), "--out-dir", str(out), "--quiet")
+    r = run_forked("batch", str(manifest), "--out-dir", str(out), "--quiet")
     assert r.returncode == 0, r.stderr
     done = [line.split()[4] for line in r.stderr.splitlines() if " succeeded in " in line]
     assert done == ["a", "c", "b"]  # render order: t2va first
