@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # A throw-away one-node SLURM cluster for trying scripts/h3render.sbatch and for tests/cluster/test_slurm.py.
 #
-#   scripts/slurm_local.sh install          # apt-get the Debian pieces if a command is missing (root)
+#   scripts/slurm_local.sh install          # apt-get the Debian pieces if a command is missing (root; one at a time)
 #   scripts/slurm_local.sh start DIR        # write DIR/slurm.conf, start munged, slurmctld, slurmd; wait for the node
 #   scripts/slurm_local.sh stop DIR         # cancel its jobs, stop the three daemons started in DIR (by pid file)
 #   scripts/slurm_local.sh logs DIR         # print the daemons' logs
@@ -20,6 +20,10 @@ die() { echo "slurm_local.sh: $*" >&2; exit 1; }
 
 cmd_install() {
     local missing=0
+    # One install at a time: .ci/run starts one in the background while pip works, and the test's own call then
+    # waits for it here (two apt-gets at once fail on dpkg's lock) and finds everything installed.
+    exec 9> /tmp/h3render-slurm-install.lock
+    flock 9
     for c in munged slurmctld slurmd sbatch; do command -v "$c" >/dev/null 2>&1 || missing=1; done
     if [ "$missing" = 0 ]; then echo "slurm + munge already installed"; return 0; fi
     [ "$(id -u)" = 0 ] || die "installing needs root (apt-get install slurmd slurmctld slurm-client munge)"
