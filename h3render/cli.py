@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import sys
+import tempfile
 from pathlib import Path
 from typing import NoReturn
 
@@ -35,14 +36,39 @@ def _say(message: str) -> None:
     """Print on the launcher's rank 0 only (under torchrun/srun every rank parses the command line). A rank variable
     that is no number (RANK=x) prints everywhere: the rank is unknown, and the one check (`plan_ranks`) refuses the
     variable as a usage error, whose line must print rather than raise a second ValueError from its handler."""
+    if _rank0():
+        _end_status()
+        print(message, file=sys.stderr)
+
+
+def _rank0() -> bool:
     from h3render.parallel.launcher import launcher_env  # torch-free: an error line prints at once
 
     try:
-        rank = launcher_env()[0]
+        return launcher_env()[0] == 0
     except ValueError:
-        rank = 0
-    if rank == 0:
-        print(message, file=sys.stderr)
+        return True
+
+
+_status_shown = False
+
+
+def _status(message: str) -> None:
+    """On a terminal only: `message` on a line that the next line printed (`_say`, `_end_status`) erases. The checks
+    after parsing import torch and transformers (about 5 s), in which the command said nothing; an error found
+    there is still its one line, and a log never sees this."""
+    global _status_shown
+    if sys.stderr.isatty() and _rank0():
+        sys.stderr.write(message)
+        sys.stderr.flush()
+        _status_shown = True
+
+
+def _end_status() -> None:
+    global _status_shown
+    if _status_shown:
+        sys.stderr.write("\r\033[K")
+        _status_shown = False
 
 
 def _check(run: RunSettings, info, mode: str | None = None, jobs=None) -> int:
@@ -52,7 +78,7 @@ def _check(run: RunSettings, info, mode: str | None = None, jobs=None) -> int:
     for line in run.check(info, mode=mode, jobs=jobs, world=world):
         _say(line)
     if warning:
-        print(f"h3render: warning: {warning}", file=sys.stderr)
+        _say(f"h3render: warning: {warning}")
     return world
 
 
@@ -88,6 +114,17 @@ def _check_writable(folder: Path) -> None:
         probe = probe.parent
     if not os.access(probe, os.W_OK):
         raise SettingsError(f"output folder {folder} is not writable")
+    # The mode bits are not the whole story (root passes them; /proc, /sys or a read-only mount refuse anyway, which
+    # was found after the whole render): create and remove a file of our own there. (A file in the way is
+    # `outputs.prepare_out_dir`'s to name.)
+    if not probe.is_dir():
+        return
+    try:
+        fd, name = tempfile.mkstemp(prefix=".h3render-probe-", dir=probe)
+    except OSError as exc:
+        raise SettingsError(f"output folder {folder} takes no file: {exc.strerror or exc}") from None
+    os.close(fd)
+    os.unlink(name)
 
 
 def _exit(code: int) -> NoReturn:
@@ -162,6 +199,8 @@ def _prompt(text: str, output: str, quiet: bool, opts: dict) -> int:
         if final.is_dir():
             raise SettingsError(f"output {final} is a folder; nothing can be written there")
     _check_writable(out.parent if str(out.parent) else Path("."))
+    if not quiet:
+        _status("h3render: checking the job and the checkpoint ...")
     # The checks that need no torch come first (option values and files, the checkpoint's configs, the job's
     # fields and keyframes), so a typo answers at once; then the device and the weights' headers.
     checkpoint, notice = resolve_checkpoint(opts["checkpoint"], os.environ)
@@ -186,6 +225,7 @@ def _prompt(text: str, output: str, quiet: bool, opts: dict) -> int:
                 _say(line)
         if job.conditions_note():
             _say(f"h3render: {job.conditions_note()}")
+    _end_status()
     return run_jobs(run, [job], world, info.release.dit.num_attention_heads, quiet=quiet,
                     single=(out, out.with_suffix(".json")))
 
@@ -236,6 +276,8 @@ def batch_command(manifest, out_dir, shard, skip_existing, fail_fast, dry_run, q
 
 def _batch(manifest, out_dir, shard, skip_existing, fail_fast, dry_run, quiet, opts) -> int:
     # As `_prompt`: the torch-free checks (options, files, the checkpoint's configs, the manifest) first.
+    if not quiet:
+        _status("h3render: checking the manifest and the checkpoint ...")
     checkpoint, notice = resolve_checkpoint(opts["checkpoint"], os.environ)
     info = checkpoint_info(checkpoint)
     RunSettings.check_options(opts, info)
@@ -259,6 +301,7 @@ def _batch(manifest, out_dir, shard, skip_existing, fail_fast, dry_run, quiet, o
             _say(line)
         if notice:  # what the run would render with, once the plan holds
             _say(notice)
+        _end_status()
         print("\n".join(plan_lines(jobs, Path(out_dir), overwrite=not skip_existing,
                                             current=run.record(), run=run.summary(), limits=info.limits())))
         return EXIT_OK
@@ -268,6 +311,7 @@ def _batch(manifest, out_dir, shard, skip_existing, fail_fast, dry_run, quiet, o
     if notice:  # checked: the queue runs
         _say(notice)
     queue = Queue(out_dir, shard=shard_spec, overwrite=not skip_existing, fail_fast=fail_fast)
+    _end_status()
     return run_jobs(run, jobs, world, info.release.dit.num_attention_heads, quiet=quiet, queue=queue)
 
 

@@ -112,6 +112,10 @@ def resolve_loras(value: list, base_dir: str | Path) -> tuple[tuple[LoraRef, ...
         given = item["path"]
         path = Path(base_dir) / os.path.expanduser(given)
         if not path.is_file():
+            head, colon, tail = str(given).rpartition(":")
+            if colon and (Path(base_dir) / os.path.expanduser(head)).is_file():  # --lora FILE:STRENGTH, mistyped
+                return (), (f"[{i}] {given}: no such LoRA file; {head} is one, but {tail!r} after its ':' is not a "
+                            f"strength (a number)")
             return (), f"[{i}] {given}: no such LoRA file ({path})"
         schedule = item.get("schedule")
         if schedule is not None:

@@ -98,9 +98,17 @@ def _rank_main(run: RunSettings, jobs: list, heads: int, quiet: bool, single, qu
     def load():
         # A queue with t2va jobs beside a student adapter renders them on the base weights first, then fuses the
         # student once (Engine.fuse_student) for the fasth3 jobs.
+        said = ctx.is_main and not quiet  # a real checkpoint loads for minutes: say so, and when it is done
+        if said:  # through the progress object: on a terminal, above batch's queue bar
+            fp8 = " (fp8 DiT)" if run.precision == "fp8" else ""
+            ranks = f" x {ctx.world_size}" if ctx.distributed else ""
+            run.progress.write(f"h3render: loading {run.checkpoint}{fp8} on {ctx.device.type}{ranks}, then warming up ...")
+        t0 = time.perf_counter()
         base_first = run.adapter is not None and any(j.mode == "t2va" for j in jobs)
         engine = Engine.load(run, ctx, base_jobs_first=base_first, jobs=_to_render(jobs, queue))
         engine.prepare(distinct_setups(jobs))
+        if said:
+            run.progress.write(f"h3render: loaded and warmed up in {time.perf_counter() - t0:.1f} s")
         return engine
 
     # Whether the followers wait for rank 0's next word: after a signal (or an error outside a job) they may be

@@ -4,6 +4,7 @@ each is now a one-line exit 2 before any weights load (issue #29); and bare `h3r
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -194,3 +195,94 @@ def test_a_missing_checkpoint_from_the_environment_says_where_it_came_from(tmp_p
     exist', not where the path came from."""
     line = one_error_line(invoke("presets", env={"H3RENDER_CHECKPOINT": str(tmp_path / "nope")}))
     assert f"checkpoint {tmp_path / 'nope'} (from $H3RENDER_CHECKPOINT) does not exist" in line
+
+
+def test_python_dash_m_h3render_is_the_command():
+    """A trial: `python -m h3render` did not exist (no __main__), for an environment whose scripts are not on PATH."""
+    import subprocess
+    import sys
+
+    from tests._env import REPO, repo_pythonpath
+
+    r = subprocess.run([sys.executable, "-m", "h3render", "prompt", "x", "-o", "x.mkv"], capture_output=True,
+                       text=True, cwd=REPO, timeout=120, env={**__import__("os").environ, "PYTHONPATH": repo_pythonpath()})
+    assert r.returncode == 2 and r.stderr.splitlines() == ["h3render: error: output x.mkv must end in .mp4"], r.stderr
+
+
+def test_a_folder_that_takes_no_file_is_refused_before_loading(tmp_path, monkeypatch):
+    """A trial: `-o /proc/x.mp4` passed the mode-bit check (root) and failed after the whole render (exit 1). Now
+    a file is created and removed there first; a folder that takes none is a one-line exit 2 before loading."""
+    import errno
+    import tempfile
+
+    _no_load(monkeypatch)
+    real = tempfile.mkstemp
+    refused = tmp_path / "read-only-mount"
+    refused.mkdir()
+
+    def mkstemp(*args, dir=None, **kwargs):  # a read-only mount: the mode bits say yes, creating says no
+        if dir is not None and Path(dir) == refused:
+            raise OSError(errno.EROFS, "Read-only file system")
+        return real(*args, dir=dir, **kwargs)
+
+    monkeypatch.setattr(tempfile, "mkstemp", mkstemp)
+    for args, folder in ((("prompt", "x", "-o", str(refused / "a.mp4")), refused),
+                         (("batch", str(_manifest(tmp_path)), "--out-dir", str(refused / "sub")), refused / "sub")):
+        line = one_error_line(invoke(*args))
+        assert line == f"h3render: error: output folder {folder} takes no file: Read-only file system", line
+    assert not list(refused.iterdir()) and not list(tmp_path.glob("*/.h3render-probe-*"))
+    if Path("/proc/self").is_dir():  # the trial's own case, on Linux
+        assert "output folder /proc takes no file" in one_error_line(invoke("prompt", "x", "-o", "/proc/x.mp4"))
+
+
+def _manifest(tmp_path):
+    path = tmp_path / "m.jsonl"
+    path.write_text('{"prompt": "a", "frames": 22, "steps": 2}\n')
+    return path
+
+
+def test_a_lora_strength_that_is_no_number_says_so(tmp_path, monkeypatch):
+    """A trial: `--lora f.safetensors:abc` said "no such LoRA file" though f.safetensors is there."""
+    from h3render.make_checkpoint.synthetic_lora import write_synthetic_lora
+
+    _no_load(monkeypatch)
+    lora = write_synthetic_lora(tmp_path / "f.safetensors", RELEASES["tiny"].dit, "peft", seed=0)
+    line = one_error_line(invoke("prompt", "x", "-o", str(tmp_path / "a.mp4"), "--lora", f"{lora}:abc"))
+    assert line.endswith(f"loras: [0] {lora}:abc: no such LoRA file; {lora} is one, but 'abc' after its ':' is not "
+                         f"a strength (a number)"), line
+    missing = tmp_path / "g.safetensors"
+    line = one_error_line(invoke("prompt", "x", "-o", str(tmp_path / "a.mp4"), "--lora", f"{missing}:abc"))
+    assert line.endswith(f"no such LoRA file ({missing}:abc)"), line  # no file before the ':' either
+
+
+def test_loading_is_announced_and_timed_unless_quiet(tmp_path):
+    """A trial: `batch` said nothing while the model loaded (8 s for the tiny one; minutes for real weights)."""
+    manifest = _manifest(tmp_path)
+    r = run_here("batch", str(manifest), "--out-dir", str(tmp_path / "out"), "--device", "cpu")
+    assert r.returncode == 0, r.stderr
+    lines = r.stderr.splitlines()
+    loading = lines.index("h3render: loading tiny on cpu, then warming up ...")
+    assert lines[loading + 1].startswith("h3render: loaded and warmed up in ") and "job 1/1" in lines[loading + 2]
+    r = run_here("batch", str(manifest), "--out-dir", str(tmp_path / "q"), "--device", "cpu", "--quiet")
+    assert r.returncode == 0 and "h3render: loading" not in r.stderr, r.stderr
+
+
+def test_a_terminal_sees_a_status_line_during_the_checks_that_the_next_line_erases(monkeypatch):
+    """On a terminal the ~5 s of checks after parsing (torch and transformers import) showed nothing: a status line
+    now stands there until the next line replaces it, so an error found there is still one line; not a terminal
+    (a log, a pipe): nothing."""
+    import io
+
+    from h3render import cli
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    for stream, want in ((Terminal(), "h3render: checking ...\r\033[Kh3render: error: x\n"),
+                         (io.StringIO(), "h3render: error: x\n")):
+        monkeypatch.setattr("sys.stderr", stream)
+        cli._status("h3render: checking ...")
+        cli._say("h3render: error: x")
+        cli._end_status()  # nothing left to erase
+        assert stream.getvalue() == want

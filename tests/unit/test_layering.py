@@ -52,7 +52,7 @@ REPO = Path(__file__).resolve().parents[2]
 SOURCES = {"h3render": REPO / "h3render", "h3render.kernels": REPO / "kernels"}
 
 LAYERS: dict[int, tuple[str, ...]] = {
-    7: ("h3render.cli", "h3render.cli_*", "h3render.settings", "h3render.manifest", "h3render.manifest_formats",
+    7: ("h3render.__main__", "h3render.cli", "h3render.cli_*", "h3render.settings", "h3render.manifest", "h3render.manifest_formats",
         "h3render.manifest_fields",
         "h3render.jobs", "h3render.dry_run", "h3render.shards", "h3render.job_keyframes", "h3render.job_references", "h3render.job_loras",
         "h3render.batch", "h3render.report", "h3render.locks", "h3render.signals", "h3render.runner"),
