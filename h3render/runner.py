@@ -102,7 +102,8 @@ def _rank_main(run: RunSettings, jobs: list, heads: int, quiet: bool, single, qu
         if said:  # through the progress object: on a terminal, above batch's queue bar
             fp8 = " (fp8 DiT)" if run.precision == "fp8" else ""
             ranks = f" x {ctx.world_size}" if ctx.distributed else ""
-            run.progress.write(f"h3render: loading {run.checkpoint}{fp8} on {ctx.device.type}{ranks}, then warming up ...")
+            run.progress.write(f"h3render: loading {run.checkpoint}{fp8} on {ctx.device.type}{ranks}, then warming "
+                               f"up ...")
         t0 = time.perf_counter()
         base_first = run.adapter is not None and any(j.mode == "t2va" for j in jobs)
         engine = Engine.load(run, ctx, base_jobs_first=base_first, jobs=_to_render(jobs, queue))

@@ -46,6 +46,9 @@ def add_arguments(p) -> None:
     p.add_argument("--memplan-queue", type=int, default=16,
                    help="memplans: prompts of the queue's text phase (0: none)")
     p.add_argument("--memplan-dir", default="/tmp/h3render-memplans", help="memplans: MP4s and sidecars")
+    p.add_argument("--memplan-oom-sites", type=int, default=0,
+                   help="memplans: on CUDA, record the allocator's history (slower) and, when a run runs out of "
+                        "memory, list its N largest live allocation sites in the row")
 
 
 def parse_runs(text: str) -> list[tuple[str, str, float | None]]:
@@ -60,6 +63,25 @@ def parse_runs(text: str) -> list[tuple[str, str, float | None]]:
             raise ValueError(f"--memplans: {item!r} is not PLAN:PRECISION[@GB] (plans {', '.join(PLANS)})")
         runs.append((plan, precision, float(cap) if cap else None))
     return runs
+
+
+def live_sites(snapshot: dict, top: int) -> list[dict]:
+    """The `top` allocation sites holding the most live device memory in an allocator snapshot
+    (`torch.cuda.memory._snapshot()` taken with history on): a site is the innermost two frames of h3render's or the
+    bench's own code in the block's allocation stack; bytes (GB) and block count each."""
+    totals: dict[str, list] = {}
+    for segment in snapshot.get("segments", []):
+        for block in segment.get("blocks", []):
+            if block.get("state") != "active_allocated":
+                continue
+            ours = [f"{Path(f['filename']).name}:{f['line']} {f['name']}" for f in block.get("frames", [])
+                    if "/h3render/" in f["filename"] or "/scripts/" in f["filename"]]
+            site = " < ".join(ours[:2]) or "(no h3render frame)"
+            entry = totals.setdefault(site, [0, 0])
+            entry[0] += block["size"]
+            entry[1] += 1
+    ranked = sorted(totals.items(), key=lambda kv: -kv[1][0])[:top]
+    return [{"site": site, "gb": round(size / 1e9, 3), "blocks": count} for site, (size, count) in ranked]
 
 
 def _cap(device: torch.device, gb: float | None) -> None:
@@ -138,6 +160,9 @@ def _render(args, bench, ctx, plan: str, precision: str, cap: float | None, job,
     free_memory(device)
     row["build_s"] = round(time.perf_counter() - t0, 1)
     _cap(device, cap)
+    sites = args.memplan_oom_sites if device.type == "cuda" else 0
+    if sites:
+        torch.cuda.memory._record_memory_history(stacks="python", max_entries=200_000)
     try:
         engine.prepare([job])
         from bench_e2e import _warm_forward
@@ -169,7 +194,11 @@ def _render(args, bench, ctx, plan: str, precision: str, cap: float | None, job,
                                    h2d_gb_s=round(streamer.slot_bytes * len(streamer.layers) / copy_s / 1e9, 2))
     except torch.cuda.OutOfMemoryError as exc:
         row["error"] = f"OutOfMemoryError: {str(exc).splitlines()[0][:200]}"
+        if sites:
+            row["oom_sites"] = live_sites(torch.cuda.memory._snapshot(), sites)
     finally:
+        if sites:
+            torch.cuda.memory._record_memory_history(enabled=None)
         del engine, components, texts
         gc.collect()
         torch._dynamo.reset()

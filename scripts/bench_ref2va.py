@@ -46,7 +46,8 @@ def add_arguments(p) -> None:
     p.add_argument("--ref2va-reps", type=int, default=3, help="ref2va stage: timed calls per measurement (median)")
     p.add_argument("--ref2va-te", type=int, default=1, help="ref2va stage: 0 skips the text encoder (≈ 50 GB)")
     p.add_argument("--ref2va-video-seconds", type=float, default=5.0, help="ref2va stage: the video reference")
-    p.add_argument("--ref2va-e2e", type=int, default=1, help="ref2va stage: 0 skips the complete MP4s")
+    p.add_argument("--ref2va-e2e", type=int, default=1, choices=[0, 1, 2],
+                   help="ref2va stage: 0 skips the complete MP4s, 2 runs only them")
 
 
 def _peak(device: torch.device) -> float | None:
@@ -80,6 +81,9 @@ def run(args, bench) -> None:
     width, height, frames = parse_canvas(args.ref2va_canvas)
     reps = args.ref2va_reps
     row = dict(stage="ref2va", canvas=f"{width}x{height}x{frames}", model=release.name, device=device.type)
+    if args.ref2va_e2e == 2:
+        _e2e(args, bench, device, release, width, height, frames, row)
+        return
 
     # 1. the image reference: host resize, processor, vision tower
     picture = Image.fromarray(np.random.default_rng(0).integers(0, 256, (1080, 1920, 3), dtype=np.uint8))
@@ -189,6 +193,17 @@ def run(args, bench) -> None:
         _e2e(args, bench, device, release, width, height, frames, row)
 
 
+def _host_memory() -> dict:
+    """This process's resident host memory now and at its peak, GB (Linux /proc; {} elsewhere): the engine with both
+    DiT partitions keeps each one's AdaLN projections (≈26 GB at release) in host memory."""
+    try:
+        status = Path("/proc/self/status").read_text().splitlines()
+    except OSError:
+        return {}
+    fields = dict(line.split(":", 1) for line in status if line.startswith(("VmRSS", "VmHWM")))
+    return {k: round(int(v.split()[0]) * 1024 / 1e9, 2) for k, v in fields.items()}
+
+
 def _wav(path: Path, seconds: float, rate: int = 32000) -> None:
     """A stereo 16-bit WAV of noise at the audio VAE's rate (the e2e job's audio reference)."""
     import av
@@ -229,7 +244,8 @@ def _e2e(args, bench, device, release, width, height, frames, row) -> None:
     fits = device.type != "cuda" or torch.cuda.mem_get_info(device)[0] >= SWAP_HEADROOM
     engine.hold_partition("transformer_ref", ref_dit, resident=fits)
     bench.rec(**row, what="engine with both DiT partitions", seconds=round(time.perf_counter() - t0, 1),
-              gb=round(torch.cuda.memory_allocated(device) / 1e9, 2) if device.type == "cuda" else None)
+              gb=round(torch.cuda.memory_allocated(device) / 1e9, 2) if device.type == "cuda" else None,
+              host=_host_memory())
     folder = Path(tempfile.mkdtemp(prefix="bench-ref2va-"))
     Image.fromarray(np.random.default_rng(0).integers(0, 256, (1080, 1920, 3), dtype=np.uint8)).save(folder / "r.png")
     _wav(folder / "voice.wav", args.ref2va_video_seconds)
@@ -239,7 +255,8 @@ def _e2e(args, bench, device, release, width, height, frames, row) -> None:
     jobs = [Job(id="t2va", output="t2va", **common), Job(id="ref2va", output="ref2va", references=references, **common)]
     engine.prepare(jobs)
     bench.rec(**row, what="warm-up (outside job timings)", warmup={k: v for k, v in engine.warmup.items()
-                                                                  if "partition" in k or "warmup" in k})
+                                                                  if "partition" in k or "warmup" in k},
+              host=_host_memory())
     for job in jobs + jobs[:1]:  # t2va, ref2va, t2va: a swap each way where the device cannot hold both
         _reset(device)
         t0 = time.perf_counter()
@@ -247,7 +264,8 @@ def _e2e(args, bench, device, release, width, height, frames, row) -> None:
         wall = time.perf_counter() - t0
         stages = {k: round(v["seconds"], 3) for k, v in side["timings"]["stages"].items()}
         bench.rec(**row, what=f"complete MP4, {job.task}, {args.ref2va_forwards} forwards", wall_s=round(wall, 2),
-                  stages=stages, peak_gb=_peak(device), swaps=engine.warmup.get("partition_swaps"))
+                  stages=stages, peak_gb=_peak(device), swaps=engine.warmup.get("partition_swaps"),
+                  host=_host_memory())
     if device.type == "cuda":
         engine.dit_of("transformer_ref")  # the Ref2VA DiT on the device (the engine swaps the base out if it must)
         sync(device)

@@ -93,8 +93,8 @@ def test_multi_rank_gloo_matches_one_process(nproc, launcher, one_rank, tmp_path
 
 
 def test_split_decode_batches_across_windows(one_rank, tmp_path):
-    """3 ranks started as torchrun starts them: the tiny model's 8 heads do not divide by 3, so the run uses 2 of them, with a
-    warning, and the third sits it out (`groups.restrict`; the spawn launcher starts 2 instead, `plan_world`).
+    """3 ranks started as torchrun starts them: the tiny model's 8 heads do not divide by 3, so the run uses 2 of them,
+    with a warning, and the third sits it out (`groups.restrict`; the spawn launcher starts 2 instead, `plan_world`).
     320x192: 2 windows x 6 tiles; with 4 items per decoder forward a rank's batch holds items of both windows
     (3 + 1, then 2), so windows are gathered mid-queue. Batch grouping differs from one
     rank's, which moves float rounding only: frames within 1 code value, latents within float rounding."""

@@ -199,13 +199,15 @@ def test_a_missing_checkpoint_from_the_environment_says_where_it_came_from(tmp_p
 
 def test_python_dash_m_h3render_is_the_command():
     """A trial: `python -m h3render` did not exist (no __main__), for an environment whose scripts are not on PATH."""
+    import os
     import subprocess
     import sys
 
     from tests._env import REPO, repo_pythonpath
 
+    env = {**os.environ, "PYTHONPATH": repo_pythonpath()}
     r = subprocess.run([sys.executable, "-m", "h3render", "prompt", "x", "-o", "x.mkv"], capture_output=True,
-                       text=True, cwd=REPO, timeout=120, env={**__import__("os").environ, "PYTHONPATH": repo_pythonpath()})
+                       text=True, cwd=REPO, timeout=120, env=env)
     assert r.returncode == 2 and r.stderr.splitlines() == ["h3render: error: output x.mkv must end in .mp4"], r.stderr
 
 

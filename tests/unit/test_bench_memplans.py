@@ -23,3 +23,37 @@ def test_memplans_stage_runs_on_cpu(tmp_path):
     assert streamed["expected_gb"]["denoise"] >= 0 and streamed["memory"]["plan"] == "streamed"
     assert queue["text_phase"]["prompts"] == 2 and queue["text_phase"]["seconds_per_prompt"] > 0
     assert queue["text_phase"]["host_bytes"] > 0
+
+
+def test_oom_sites_rank_live_blocks_by_their_innermost_frames_of_ours():
+    """`--memplan-oom-sites`: the row of a run that ran out of memory lists where the live memory was allocated, so
+    the streamed plan's excess over its model (issue #27) can be found from one device call."""
+    import sys
+
+    from tests._env import REPO
+
+    sys.path.insert(0, str(REPO / "scripts"))
+    try:
+        from bench_memplans import live_sites
+    finally:
+        sys.path.remove(str(REPO / "scripts"))
+
+    def frame(path, line, name):
+        return {"filename": path, "line": line, "name": name}
+
+    torch_frame = frame("/venv/site-packages/torch/nn/modules/module.py", 1, "_apply")
+    stream = [frame("/repo/h3render/block_stream.py", 80, "_fetch"),
+              frame("/repo/h3render/block_stream.py", 60, "fetch"), frame("/repo/h3render/engine.py", 9, "render")]
+    vae = [torch_frame, frame("/repo/h3render/models/video_vae.py", 5, "decode"),
+           frame("/repo/scripts/bench.py", 2, "main")]
+    snapshot = {"segments": [
+        {"blocks": [{"state": "active_allocated", "size": 3_000_000_000, "frames": stream},
+                    {"state": "inactive", "size": 9_000_000_000, "frames": stream},  # free: not counted
+                    {"state": "active_allocated", "size": 1_000_000_000, "frames": vae}]},
+        {"blocks": [{"state": "active_allocated", "size": 2_500_000_000, "frames": vae},
+                    {"state": "active_allocated", "size": 7, "frames": [torch_frame]}]},
+    ]}
+    assert live_sites(snapshot, 2) == [
+        {"site": "video_vae.py:5 decode < bench.py:2 main", "gb": 3.5, "blocks": 2},
+        {"site": "block_stream.py:80 _fetch < block_stream.py:60 fetch", "gb": 3.0, "blocks": 1}]
+    assert live_sites(snapshot, 5)[-1] == {"site": "(no h3render frame)", "gb": 0.0, "blocks": 1}
