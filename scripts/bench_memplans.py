@@ -146,6 +146,9 @@ def _render(args, bench, ctx, plan: str, precision: str, cap: float | None, job,
                            attention=args.attention, progress=False, save_latents=True, memory_plan=plan,
                            max_gpu_memory=cap)
     row: dict = {}
+    from h3render.engine import fit_allocator
+
+    row["allocator"] = fit_allocator(device, plan, capped=cap is not None)  # as `Engine.load` sets it, first
     texts = text_record = None
     if plan != "resident":
         texts, text_record = _text_phase(args, bench, ctx, precision, [job], plan == "streamed", cap)
@@ -199,6 +202,8 @@ def _render(args, bench, ctx, plan: str, precision: str, cap: float | None, job,
     finally:
         if sites:
             torch.cuda.memory._record_memory_history(enabled=None)
+        if row["allocator"]:  # the next run starts as its own plan would
+            torch.cuda.memory._set_allocator_settings("expandable_segments:False")
         del engine, components, texts
         gc.collect()
         torch._dynamo.reset()

@@ -265,3 +265,25 @@ def test_fl2va_presentations_encode_in_a_streamed_text_phase(tmp_path):
     assert torch.equal(got.states, ref.states) and got.extra.describe() == ref.extra.describe()
     assert record["vision_load_s"] > 0 and record["streamed"]["layers"] == 50 and record["prompts"] == 1
 
+
+
+def test_capped_and_phased_plans_ask_for_expandable_segments(monkeypatch):
+    """The streamed fp8 render at a 22 GB cap ran out of memory with ~10 GB live and the rest of 20.4 GiB reserved
+    in cut-up fixed segments; with expandable segments it peaked at 15.84 GB (H200, docs/performance.md §18.3). Under
+    a cap or a phased / streamed plan on CUDA the allocator is switched (unless PYTORCH_CUDA_ALLOC_CONF says
+    otherwise); the uncapped resident plan and the CPU are left alone."""
+    import torch
+
+    from h3render.engine import fit_allocator
+
+    asked = []
+    monkeypatch.setattr(torch.cuda.memory, "_set_allocator_settings", asked.append)
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    cuda = torch.device("cuda")
+    assert [fit_allocator(cuda, plan, capped) for plan, capped in (
+        ("resident", False), ("resident", True), ("phased", False), ("streamed", False))] == \
+        [None, "expandable_segments", "expandable_segments", "expandable_segments"]
+    assert asked == ["expandable_segments:True"] * 3
+    assert fit_allocator(torch.device("cpu"), "streamed", True) is None
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:512")
+    assert fit_allocator(cuda, "streamed", True) is None and len(asked) == 3
