@@ -113,7 +113,9 @@ def _check_writable(folder: Path) -> None:
     while not probe.exists():
         probe = probe.parent
     if not os.access(probe, os.W_OK):
-        raise SettingsError(f"output folder {folder} is not writable")
+        if probe == folder:
+            raise SettingsError(f"output folder {folder} is not writable")
+        raise SettingsError(f"output folder {folder} cannot be made: {probe} is not writable")
     # The mode bits are not the whole story (root passes them; /proc, /sys or a read-only mount refuse anyway, which
     # was found after the whole render): create and remove a file of our own there. (A file in the way is
     # `outputs.prepare_out_dir`'s to name.)

@@ -150,5 +150,15 @@ def warm_job(job):
     """The job the engine warms this task up on before the queue (`Engine.prepare` runs `prepare` on it and one DiT
     forward): `job` itself on the shortest clip, so the vision tower's load, the presentation encode of the job's
     own keyframes on its canvas and the Triton specialization of the longer row count stay out of the first fl2va
-    job, at milliseconds of DiT time."""
-    return replace(job, frames=spec.FRAMES_REMAINDER)
+    job, at milliseconds of DiT time.
+
+    Keyframes anchored at frame indices (`--keyframe 240:mid.png`) move onto the short clip in their order, spread
+    at least 4 pixel frames apart (one latent frame each): left at 240 they were past its last frame, and the warm-up
+    failed after the load, and with it every job of a batch whose first fl2va job had one."""
+    keyframes = job.keyframes
+    frames = spec.snap_frames_up(4 * max(len(keyframes) - 1, 1) + 1)  # 5 for one or two keyframes
+    if not job.frame_keyframes:
+        return replace(job, frames=frames)
+    spread = {id(ref): round(i * (frames - 1) / max(len(keyframes) - 1, 1)) for i, ref in enumerate(keyframes)}
+    moved = tuple(replace(ref, anchor=spread[id(ref)]) for ref in job.frame_keyframes)
+    return replace(job, frames=frames, frame_keyframes=moved)

@@ -22,7 +22,7 @@ from h3render.settings import RunSettings
 from h3render.spec import latent_first_frame
 from h3render.tasks import fl2va
 from h3render.timing import StageTimer
-from tests._cli import one_error_line, invoke
+from tests._cli import invoke, one_error_line, run_here
 
 LIMITS = read_checkpoint_info("tiny").limits()
 
@@ -102,3 +102,30 @@ def test_prompt_keyframe_option_reaches_the_job(pictures):
     result = invoke("prompt", "x", "-o", str(pictures / "o.mp4"), "--frames", "22", "--keyframe",
                     f"30:{pictures / 'a.png'}")
     assert "frame 30 is past the clip's last frame 21" in one_error_line(result)
+
+
+def test_the_warm_up_moves_interior_keyframes_onto_its_short_clip(pictures, tmp_path):
+    """A trial: `--keyframe 20:b.png` on a 39-frame clip failed after the load ("frame 20 is past the clip's last
+    frame 4 (5 frames)"): the warm-up job kept the keyframe on its 5-frame clip. In a batch whose first fl2va job
+    had one, the warm-up failed and with it every job, a plain t2va one included."""
+    two = fl2va.warm_job(_job(pictures, keyframes=["0:a.png", "20:b.png"]))
+    assert two.frames == 5 and [k.frame(5) for k in two.keyframes] == [0, 4]
+    four = fl2va.warm_job(_job(pictures, first_frame="a.png", keyframes=["10:b.png", "20:c.png"], last_frame="b.png"))
+    assert four.frames == 22 and [k.frame(22) for k in four.keyframes] == [0, 7, 14, 21]  # a latent frame apart
+    assert [k.given for k in four.keyframes] == ["a.png", "b.png", "c.png", "b.png"]  # the job's own pictures
+    manifest = pictures / "m.jsonl"
+    manifest.write_text('{"id": "mid", "prompt": "a", "frames": 39, "steps": 2, "keyframes": ["20:b.png"]}\n'
+                        '{"id": "plain", "prompt": "b", "frames": 22, "steps": 2}\n')
+    r = run_here("batch", str(manifest), "--out-dir", str(tmp_path), "--device", "cpu", "--quiet")
+    assert r.returncode == 0 and "2 succeeded, 0 failed" in r.stderr, r.stderr[-3000:]
+    # and its sidecar passes the published schema, which allowed only "first" / "last" as an anchor
+    import json
+
+    import jsonschema
+
+    from tests._env import REPO
+
+    side = json.loads((tmp_path / "mid.json").read_text())
+    assert [k["anchor"] for k in side["extra"]["fl2va"]["keyframes"]] == [20]
+    schema = json.loads((REPO / "docs" / "schema" / "sidecar.schema.json").read_text())
+    jsonschema.Draft202012Validator(schema).validate(side)

@@ -43,6 +43,8 @@ def t2va(tmp_path_factory):
 def test_t2va_sidecar_matches_the_schema_and_says_what_ran(t2va):
     side, stderr, before, after, out = t2va
     validate(side, "sidecar")
+    # `-o x.MP4` is accepted (the suffix is checked without case), and its sidecar failed the schema (a trial)
+    validate({**side, "run": {**side["run"], "output": "/renders/x.MP4"}}, "sidecar")
     # The tiny model's notice comes once the run is checked (after the --attention warning), then the plan line.
     lines = stderr.splitlines()
     notice = next(i for i, line in enumerate(lines) if "no checkpoint given" in line)

@@ -288,3 +288,19 @@ def test_a_terminal_sees_a_status_line_during_the_checks_that_the_next_line_eras
         cli._say("h3render: error: x")
         cli._end_status()  # nothing left to erase
         assert stream.getvalue() == want
+
+
+def test_an_output_folder_that_cannot_be_made_names_the_folder_in_the_way(tmp_path, monkeypatch):
+    """A trial: a missing output folder under a read-only one was "not writable" (it does not exist yet); the line
+    now says it cannot be made and names the read-only folder above it."""
+    import os
+
+    _no_load(monkeypatch)
+    locked = tmp_path / "ro"
+    locked.mkdir()
+    real = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode, **k: False if Path(p) == locked else real(p, mode, **k))
+    line = one_error_line(invoke("prompt", "x", "-o", str(locked / "sub" / "a.mp4")))
+    assert line == f"h3render: error: output folder {locked / 'sub'} cannot be made: {locked} is not writable", line
+    line = one_error_line(invoke("prompt", "x", "-o", str(locked / "a.mp4")))
+    assert line == f"h3render: error: output folder {locked} is not writable", line

@@ -269,7 +269,9 @@ def test_yaml_syntax_error_and_file_level_errors(tmp_path):
     assert error.startswith(f"{broken}:") and "not valid YAML" in error
     empty = write(tmp_path, "empty.jsonl", "# nothing\n")
     assert errors_of(empty) == [f"{empty}: the manifest has no jobs"]
-    assert "unknown manifest type '.txt'" in errors_of(write(tmp_path, "m.txt", "x"))[0]
+    # every suffix read is named (a trial: .ndjson and .yml were left out)
+    assert errors_of(write(tmp_path, "m.txt", "x"))[0].endswith(
+        "unknown manifest type '.txt'; use .jsonl (or .ndjson) or .yaml (or .yml)")
     assert errors_of(tmp_path / "missing.yaml") == [f"{tmp_path / 'missing.yaml'}: manifest not found"]
     wrong_top = write(tmp_path, "top.yaml", "job:\n  - prompt: x\n")
     assert any("top.yaml:1: job: unknown top-level key" in e for e in errors_of(wrong_top))
