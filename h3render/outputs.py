@@ -52,7 +52,7 @@ def lock_path(mp4: Path) -> Path:
 
 def render_reason(job, mp4: Path, sidecar: Path, *, overwrite: bool = False) -> str | None:
     """Why the job must be rendered ("overwrite", "no MP4", "no sidecar", "sidecar unreadable", "parameters
-    changed", "MP4 empty", or an MP4 that is not the one its sidecar records: `h3render.sidecar.media_mismatch`),
+    changed (seed, keyframes)": the job fields that differ, "MP4 empty", or an MP4 that is not the one its sidecar records: `h3render.sidecar.media_mismatch`),
     or None when its outputs are complete and were rendered with ``job.params()`` (skip it)."""
     if overwrite:
         return "overwrite"
@@ -69,8 +69,11 @@ def render_reason(job, mp4: Path, sidecar: Path, *, overwrite: bool = False) -> 
     except (SidecarUnreadable, KeyError):
         return "sidecar unreadable"
     # Round-trip through JSON so tuples compare equal to the lists the sidecar holds.
-    if recorded != json.loads(json.dumps(job.params())):
-        return "parameters changed"
+    now = json.loads(json.dumps(job.params()))
+    if recorded != now:  # named, as resume's "skipped" line names what differs ("parameters changed (seed)")
+        keys = sorted(k for k in {*recorded, *now} if recorded.get(k) != now.get(k)) if isinstance(recorded, dict) \
+            else []
+        return "parameters changed" + (f" ({', '.join(keys)})" if keys else "")
     record = doc.get("mp4")
     if record is None:  # a sidecar written before the MP4 record existed: only an empty MP4 can be told
         try:

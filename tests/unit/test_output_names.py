@@ -220,3 +220,21 @@ def test_a_jobs_folder_may_not_be_another_jobs_file(tmp_path):
                       "job at m.jsonl:1",
                       "m.jsonl:3: output: 'a.lock/y' needs a folder 'a.lock', which is the file a.lock of the "
                       "job at m.jsonl:1"]
+
+
+def test_render_reason_names_the_job_fields_that_changed(tmp_path):
+    """A trial: after a keyframe picture was edited, `--dry-run` said only `render: parameters changed`, while the
+    resume's skip line names what differs; now the reason lists the job fields that changed."""
+    import json
+
+    from h3render.manifest import job_from_fields
+
+    limits = Limits(min_frames=22, max_frames=362, default_canvas=(224, 128), default_frames=39, default_steps=8)
+    job = job_from_fields({"prompt": "a", "seed": 3, "steps": 4, "output": "x"}, limits)
+    mp4, side = tmp_path / "x.mp4", tmp_path / "x.json"
+    mp4.write_bytes(b"\0" * 16)
+    recorded = json.loads(json.dumps(job.params()))
+    side.write_text(json.dumps({"job": {**recorded, "seed": 4, "steps": 8}}))
+    assert render_reason(job, mp4, side) == "parameters changed (seed, steps)"
+    side.write_text(json.dumps({"job": recorded}))  # the same job (and a sidecar with no MP4 record): done
+    assert render_reason(job, mp4, side) is None
