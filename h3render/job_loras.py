@@ -113,9 +113,13 @@ def resolve_loras(value: list, base_dir: str | Path) -> tuple[tuple[LoraRef, ...
         path = Path(base_dir) / os.path.expanduser(given)
         if not path.is_file():
             head, colon, tail = str(given).rpartition(":")
-            if colon and (Path(base_dir) / os.path.expanduser(head)).is_file():  # --lora FILE:STRENGTH, mistyped
-                return (), (f"[{i}] {given}: no such LoRA file; {head} is one, but {tail!r} after its ':' is not a "
-                            f"strength (a number)")
+            if colon and (Path(base_dir) / os.path.expanduser(head)).is_file():  # FILE:STRENGTH, mistyped
+                try:
+                    float(tail)
+                    hint = f"give its strength as {{path: {head}, strength: {tail}}} (FILE:STRENGTH is --lora's form)"
+                except ValueError:
+                    hint = f"but {tail!r} after its ':' is not a strength (a number)"
+                return (), f"[{i}] {given}: no such LoRA file; {head} is one, {hint}"
             return (), f"[{i}] {given}: no such LoRA file ({path})"
         schedule = item.get("schedule")
         if schedule is not None:

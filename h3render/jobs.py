@@ -264,12 +264,15 @@ class Job:
 
     def conditions_note(self) -> str | None:
         """What conditions the video beside the prompt, for the plan line of `h3render prompt`: "ref2va: <each
-        reference>" or "fl2va: <each keyframe>", or None for a prompt alone."""
+        reference>" or "fl2va: <each keyframe>", then "LoRA <file> at <strength>" for each LoRA (a trial: only the
+        sidecar said a LoRA was applied), or None for a prompt alone."""
+        notes = []
         if self.references:
-            return "ref2va: " + "; ".join(r.describe() for r in self.references)
-        if self.keyframes:
-            return "fl2va: " + "; ".join(k.describe() for k in self.keyframes)
-        return None
+            notes.append("ref2va: " + "; ".join(r.describe() for r in self.references))
+        elif self.keyframes:
+            notes.append("fl2va: " + "; ".join(k.describe() for k in self.keyframes))
+        notes += [f"LoRA {ref.given} at {ref.strength:g}" for ref in self.loras]
+        return "; ".join(notes) or None
 
     def canvas_note(self) -> str:
         """How the canvas came about, e.g. "16:9 → 1344x768" or "1344x768 (default)"."""

@@ -255,6 +255,16 @@ def test_a_lora_strength_that_is_no_number_says_so(tmp_path, monkeypatch):
     missing = tmp_path / "g.safetensors"
     line = one_error_line(invoke("prompt", "x", "-o", str(tmp_path / "a.mp4"), "--lora", f"{missing}:abc"))
     assert line.endswith(f"no such LoRA file ({missing}:abc)"), line  # no file before the ':' either
+    # and a LoRA that is used is said on stderr, not only in the sidecar (a trial)
+    from h3render.checkpoint.info import read_checkpoint_info
+    from h3render.manifest import job_from_fields
+    from h3render.manifest_formats import ManifestError
+
+    limits = read_checkpoint_info("tiny").limits()
+    job = job_from_fields({"prompt": "x", "loras": [{"path": str(lora), "strength": 0.5}]}, limits)
+    assert job.conditions_note() == f"LoRA {lora} at 0.5"
+    with pytest.raises(ManifestError, match=r"is one, give its strength as \{path: .*, strength: 0\.5\}"):
+        job_from_fields({"prompt": "x", "loras": [f"{lora}:0.5"]}, limits)  # --lora's form in a manifest
 
 
 def test_loading_is_announced_and_timed_unless_quiet(tmp_path):
