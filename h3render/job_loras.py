@@ -116,7 +116,7 @@ def resolve_loras(value: list, base_dir: str | Path) -> tuple[tuple[LoraRef, ...
             if colon and (Path(base_dir) / os.path.expanduser(head)).is_file():  # FILE:STRENGTH, mistyped
                 try:
                     float(tail)
-                    hint = f"give its strength as {{path: {head}, strength: {tail}}} (FILE:STRENGTH is --lora's form)"
+                    hint = f"give its strength as {{path: {head}, strength: {tail}}} (FILE:STRENGTH is --lora's)"
                 except ValueError:
                     hint = f"but {tail!r} after its ':' is not a strength (a number)"
                 return (), f"[{i}] {given}: no such LoRA file; {head} is one, {hint}"

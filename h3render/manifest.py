@@ -80,7 +80,8 @@ def read_manifest(path: str | Path, limits: Limits, defaults_overrides: Mapping[
     presets = _load_presets_for(errors, str(path), presets_dir)
     suffix = path.suffix.lower()
     if suffix not in (".jsonl", ".ndjson", ".yaml", ".yml"):
-        raise ManifestError([f"{path}: unknown manifest type {suffix or '(no extension)'!r}; use .jsonl (or .ndjson) or .yaml (or .yml)"])
+        raise ManifestError([f"{path}: unknown manifest type {suffix or '(no extension)'!r}; use .jsonl (or .ndjson) "
+                             f"or .yaml (or .yml)"])
     try:
         text = path.read_text(encoding="utf-8-sig")
     except FileNotFoundError:

@@ -52,8 +52,9 @@ def lock_path(mp4: Path) -> Path:
 
 def render_reason(job, mp4: Path, sidecar: Path, *, overwrite: bool = False) -> str | None:
     """Why the job must be rendered ("overwrite", "no MP4", "no sidecar", "sidecar unreadable", "parameters
-    changed (seed, keyframes)": the job fields that differ, "MP4 empty", or an MP4 that is not the one its sidecar records: `h3render.sidecar.media_mismatch`),
-    or None when its outputs are complete and were rendered with ``job.params()`` (skip it)."""
+    changed (seed, keyframes)" naming the job fields that differ, "MP4 empty", or an MP4 that is not the one its
+    sidecar records: `h3render.sidecar.media_mismatch`), or None when its outputs are complete and were rendered
+    with ``job.params()`` (skip it)."""
     if overwrite:
         return "overwrite"
     try:  # is_file() raises for a name the OS refuses (ENAMETOOLONG: out dir + output over PATH_MAX)
