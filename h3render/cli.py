@@ -17,6 +17,7 @@ import click
 
 from h3render import jobs as jobs_mod
 from h3render.cli_options import canvas_time_options, engine_options
+from h3render.cli_say import end_status, say, status
 from h3render.dry_run import plan_lines
 from h3render.exits import EXIT_OK, EXIT_USAGE, UsageError, error_exit_code
 from h3render.job_loras import parse_lora_option
@@ -32,53 +33,14 @@ from h3render.signals import ProcessGuard, signal_name, signum_of
 # `h3render --help` and click's usage errors answer at once.
 
 
-def _say(message: str) -> None:
-    """Print on the launcher's rank 0 only (under torchrun/srun every rank parses the command line). A rank variable
-    that is no number (RANK=x) prints everywhere: the rank is unknown, and the one check (`plan_ranks`) refuses the
-    variable as a usage error, whose line must print rather than raise a second ValueError from its handler."""
-    if _rank0():
-        _end_status()
-        print(message, file=sys.stderr)
-
-
-def _rank0() -> bool:
-    from h3render.parallel.launcher import launcher_env  # torch-free: an error line prints at once
-
-    try:
-        return launcher_env()[0] == 0
-    except ValueError:
-        return True
-
-
-_status_shown = False
-
-
-def _status(message: str) -> None:
-    """On a terminal only: `message` on a line that the next line printed (`_say`, `_end_status`) erases. The checks
-    after parsing import torch and transformers (about 5 s), in which the command said nothing; an error found
-    there is still its one line, and a log never sees this."""
-    global _status_shown
-    if sys.stderr.isatty() and _rank0():
-        sys.stderr.write(message)
-        sys.stderr.flush()
-        _status_shown = True
-
-
-def _end_status() -> None:
-    global _status_shown
-    if _status_shown:
-        sys.stderr.write("\r\033[K")
-        _status_shown = False
-
-
 def _check(run: RunSettings, info, mode: str | None = None, jobs=None) -> int:
     """Plan the ranks and check the settings once against them (and `prompt`'s mode or `batch`'s jobs); print the
     warnings; the world size."""
     world, warning = plan_ranks(run, info.release.dit.num_attention_heads)
     for line in run.check(info, mode=mode, jobs=jobs, world=world):
-        _say(line)
+        say(line)
     if warning:
-        _say(f"h3render: warning: {warning}")
+        say(f"h3render: warning: {warning}")
     return world
 
 
@@ -93,7 +55,7 @@ def _plan_memory(run: RunSettings, info, jobs, world: int, quiet: bool) -> RunSe
     except PlanError as exc:
         raise SettingsError(str(exc)) from None
     if not quiet and plan is not None and (plan.limit is not None or run.memory_plan != "resident"):
-        _say(plan.log_line())  # a CPU run with no limit runs resident, as always: the sidecar says so
+        say(plan.log_line())  # a CPU run with no limit runs resident, as always: the sidecar says so
     return run
 
 
@@ -143,11 +105,11 @@ def _main_guard(fn, *args) -> int:
     try:
         return fn(*args)
     except KeyboardInterrupt as exc:  # a signal before the queue took over (start-up: imports, manifest, load)
-        _say(f"h3render: interrupted ({signal_name(signum_of(exc))}) before any job started; nothing written")
+        say(f"h3render: interrupted ({signal_name(signum_of(exc))}) before any job started; nothing written")
         return error_exit_code(exc)
     except UsageError as exc:
         for line in getattr(exc, "errors", [str(exc)]):
-            _say(f"h3render: error: {line}")
+            say(f"h3render: error: {line}")
         return error_exit_code(exc)
 
 
@@ -202,7 +164,7 @@ def _prompt(text: str, output: str, quiet: bool, opts: dict) -> int:
             raise SettingsError(f"output {final} is a folder; nothing can be written there")
     _check_writable(out.parent if str(out.parent) else Path("."))
     if not quiet:
-        _status("h3render: checking the job and the checkpoint ...")
+        status("h3render: checking the job and the checkpoint ...")
     # The checks that need no torch come first (option values and files, the checkpoint's configs, the job's
     # fields and keyframes), so a typo answers at once; then the device and the weights' headers.
     checkpoint, notice = resolve_checkpoint(opts["checkpoint"], os.environ)
@@ -224,10 +186,10 @@ def _prompt(text: str, output: str, quiet: bool, opts: dict) -> int:
     if not quiet:  # checked: the run renders, and these say what it renders (never before an unrelated error)
         for line in (notice, note, f"h3render: {job.canvas_note()}, {job.time_note(info.limits())}"):
             if line:
-                _say(line)
+                say(line)
         if job.conditions_note():
-            _say(f"h3render: {job.conditions_note()}")
-    _end_status()
+            say(f"h3render: {job.conditions_note()}")
+    end_status()
     return run_jobs(run, [job], world, info.release.dit.num_attention_heads, quiet=quiet,
                     single=(out, out.with_suffix(".json")))
 
@@ -279,7 +241,7 @@ def batch_command(manifest, out_dir, shard, skip_existing, fail_fast, dry_run, q
 def _batch(manifest, out_dir, shard, skip_existing, fail_fast, dry_run, quiet, opts) -> int:
     # As `_prompt`: the torch-free checks (options, files, the checkpoint's configs, the manifest) first.
     if not quiet:
-        _status("h3render: checking the manifest and the checkpoint ...")
+        status("h3render: checking the manifest and the checkpoint ...")
     checkpoint, notice = resolve_checkpoint(opts["checkpoint"], os.environ)
     info = checkpoint_info(checkpoint)
     RunSettings.check_options(opts, info)
@@ -300,10 +262,10 @@ def _batch(manifest, out_dir, shard, skip_existing, fail_fast, dry_run, quiet, o
     run = RunSettings.resolve(opts, checkpoint=checkpoint, info=info, manifest=m)
     if dry_run:
         for line in run.check(info, jobs=jobs):  # against the dtype only: nothing is created
-            _say(line)
+            say(line)
         if notice:  # what the run would render with, once the plan holds
-            _say(notice)
-        _end_status()
+            say(notice)
+        end_status()
         print("\n".join(plan_lines(jobs, Path(out_dir), overwrite=not skip_existing,
                                             current=run.record(), run=run.summary(), limits=info.limits())))
         return EXIT_OK
@@ -311,9 +273,9 @@ def _batch(manifest, out_dir, shard, skip_existing, fail_fast, dry_run, quiet, o
     run = _plan_memory(run, info, jobs, world, quiet)
     prepare_out_dir(out_dir)  # a file or a broken/looping symlink in the way: exit 2 before any rank starts
     if notice:  # checked: the queue runs
-        _say(notice)
+        say(notice)
     queue = Queue(out_dir, shard=shard_spec, overwrite=not skip_existing, fail_fast=fail_fast)
-    _end_status()
+    end_status()
     return run_jobs(run, jobs, world, info.release.dit.num_attention_heads, quiet=quiet, queue=queue)
 
 

@@ -285,7 +285,7 @@ def test_a_terminal_sees_a_status_line_during_the_checks_that_the_next_line_eras
     (a log, a pipe): nothing."""
     import io
 
-    from h3render import cli
+    from h3render import cli_say
 
     class Terminal(io.StringIO):
         def isatty(self):
@@ -294,9 +294,9 @@ def test_a_terminal_sees_a_status_line_during_the_checks_that_the_next_line_eras
     for stream, want in ((Terminal(), "h3render: checking ...\r\033[Kh3render: error: x\n"),
                          (io.StringIO(), "h3render: error: x\n")):
         monkeypatch.setattr("sys.stderr", stream)
-        cli._status("h3render: checking ...")
-        cli._say("h3render: error: x")
-        cli._end_status()  # nothing left to erase
+        cli_say.status("h3render: checking ...")
+        cli_say.say("h3render: error: x")
+        cli_say.end_status()  # nothing left to erase
         assert stream.getvalue() == want
 
 

@@ -143,7 +143,7 @@ def out_dir(tmp_path_factory):
 @given(variable=st.sampled_from(["RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_PROCID", "SLURM_NTASKS"]),
        raw=NOT_PLAIN.filter(lambda t: "\x00" not in t), command=st.sampled_from(["prompt", "batch"]))
 def test_a_malformed_launcher_variable_is_one_line_exit_2_on_the_command(out_dir, variable, raw, command):
-    """The tiny model's notice went through `cli._say`, which called `launcher_env` outside the usage-error
+    """The tiny model's notice went through the CLI's `say`, which called `launcher_env` outside the usage-error
     handling: RANK=x printed a ValueError traceback (exit 1). Now every malformed rank variable is one line, exit 2,
     before anything loads."""
     from tests._cli import invoke, one_error_line
