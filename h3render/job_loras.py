@@ -118,7 +118,7 @@ def resolve_loras(value: list, base_dir: str | Path) -> tuple[tuple[LoraRef, ...
                     float(tail)
                     hint = f"give its strength as {{path: {head}, strength: {tail}}} (FILE:STRENGTH is --lora's)"
                 except ValueError:
-                    hint = f"but {tail!r} after its ':' is not a strength (a number)"
+                    return (), f"[{i}] {given}: the strength after ':' ({tail!r}) is not a number ({head} is the file)"
                 return (), f"[{i}] {given}: no such LoRA file; {head} is one, {hint}"
             return (), f"[{i}] {given}: no such LoRA file ({path})"
         schedule = item.get("schedule")

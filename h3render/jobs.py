@@ -153,6 +153,9 @@ class Job:
             raise ValueError(f"Job {self.output!r}: references (ref2va) and keyframes (fl2va) cannot be combined")
         if self.mode == "fasth3" and self.references:
             raise ValueError(f"Job {self.output!r}: FastH3 students are t2va-only; a ref2va job needs mode t2va")
+        if self.references and any(ref.strength != 0 for ref in self.loras):  # the LoRA state covers the base DiT
+            raise ValueError(f"Job {self.output!r}: LoRAs apply to t2va and fl2va jobs; a ref2va job (references) "
+                             f"runs the Ref2VA DiT, which takes none yet")
         problem = output_path_problem(self.output)
         if problem:
             raise ValueError(f"Job output {self.output!r}: {problem}")

@@ -368,6 +368,10 @@ def _resolve_job(job: Layer, layers: list[Layer], limits: Limits, presets: Mappi
         if problem:
             errors.add(where, problem)
             return None
+        if references and any(ref.strength != 0 for ref in loras):  # it rendered without them, silently (a trial)
+            errors.add(where, "LoRAs apply to t2va and fl2va jobs; this ref2va job (references) runs the Ref2VA DiT, "
+                              "which takes none yet (give it loras: [])")
+            return None
     if any(ref.turbo and ref.strength != 0 for ref in loras):  # it runs its LoRA's own schedule (docs/lora.md)
         if "steps" in job.fields:
             errors.add(job.where("steps"), "a turbo LoRA of this job brings its own schedule; remove steps")

@@ -114,11 +114,12 @@ def test_the_warm_up_moves_interior_keyframes_onto_its_short_clip(pictures, tmp_
     assert four.frames == 22 and [k.frame(22) for k in four.keyframes] == [0, 7, 14, 21]  # a latent frame apart
     assert [k.given for k in four.keyframes] == ["a.png", "b.png", "c.png", "b.png"]  # the job's own pictures
     manifest = pictures / "m.jsonl"
-    manifest.write_text('{"id": "mid", "prompt": "a", "frames": 39, "steps": 2, "keyframes": ["20:b.png"]}\n'
+    manifest.write_text('{"id": "mid", "prompt": "a", "frames": 39, "steps": 2, "keyframes": ["20:b.png", '
+                        '"30:c.png", "38:a.png"]}\n'
                         '{"id": "plain", "prompt": "b", "frames": 22, "steps": 2}\n')
     r = run_here("batch", str(manifest), "--out-dir", str(tmp_path), "--device", "cpu", "--quiet")
     assert r.returncode == 0 and "2 succeeded, 0 failed" in r.stderr, r.stderr[-3000:]
-    # and its sidecar passes the published schema, which allowed only "first" / "last" as an anchor
+    # and its sidecar passes the published schema, which allowed only "first" / "last" as an anchor, and two pictures
     import json
 
     import jsonschema
@@ -126,6 +127,6 @@ def test_the_warm_up_moves_interior_keyframes_onto_its_short_clip(pictures, tmp_
     from tests._env import REPO
 
     side = json.loads((tmp_path / "mid.json").read_text())
-    assert [k["anchor"] for k in side["extra"]["fl2va"]["keyframes"]] == [20]
+    assert [k["anchor"] for k in side["extra"]["fl2va"]["keyframes"]] == [20, 30, 38]
     schema = json.loads((REPO / "docs" / "schema" / "sidecar.schema.json").read_text())
     jsonschema.Draft202012Validator(schema).validate(side)

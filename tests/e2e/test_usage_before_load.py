@@ -250,8 +250,8 @@ def test_a_lora_strength_that_is_no_number_says_so(tmp_path, monkeypatch):
     _no_load(monkeypatch)
     lora = write_synthetic_lora(tmp_path / "f.safetensors", RELEASES["tiny"].dit, "peft", seed=0)
     line = one_error_line(invoke("prompt", "x", "-o", str(tmp_path / "a.mp4"), "--lora", f"{lora}:abc"))
-    assert line.endswith(f"loras: [0] {lora}:abc: no such LoRA file; {lora} is one, but 'abc' after its ':' is not "
-                         f"a strength (a number)"), line
+    assert line.endswith(f"loras: [0] {lora}:abc: the strength after ':' ('abc') is not a number ({lora} is the "
+                         f"file)"), line
     missing = tmp_path / "g.safetensors"
     line = one_error_line(invoke("prompt", "x", "-o", str(tmp_path / "a.mp4"), "--lora", f"{missing}:abc"))
     assert line.endswith(f"no such LoRA file ({missing}:abc)"), line  # no file before the ':' either
@@ -265,6 +265,13 @@ def test_a_lora_strength_that_is_no_number_says_so(tmp_path, monkeypatch):
     assert job.conditions_note() == f"LoRA {lora} at 0.5"
     with pytest.raises(ManifestError, match=r"is one, give its strength as \{path: .*, strength: 0\.5\}"):
         job_from_fields({"prompt": "x", "loras": [f"{lora}:0.5"]}, limits)  # --lora's form in a manifest
+    # a ref2va job rendered without its LoRA and said it had one (a second trial): refused, before loading
+    from PIL import Image
+
+    Image.new("RGB", (128, 64)).save(tmp_path / "r.png")
+    line = one_error_line(invoke("prompt", "<Picture 1> x", "--reference", str(tmp_path / "r.png"), "-o",
+                                 str(tmp_path / "a.mp4"), "--lora", f"{lora}:0.7"))
+    assert "this ref2va job (references) runs the Ref2VA DiT, which takes none yet" in line, line
 
 
 def test_loading_is_announced_and_timed_unless_quiet(tmp_path):
