@@ -86,7 +86,10 @@ def _check_writable(folder: Path) -> None:
     try:
         fd, name = tempfile.mkstemp(prefix=".h3render-probe-", dir=probe)
     except OSError as exc:
-        raise SettingsError(f"output folder {folder} takes no file: {exc.strerror or exc}") from None
+        why = exc.strerror or str(exc)
+        if probe != folder:
+            raise SettingsError(f"output folder {folder} cannot be made in {probe}: {why}") from None
+        raise SettingsError(f"output folder {folder} takes no file (creating one there failed: {why})") from None
     os.close(fd)
     os.unlink(name)
 

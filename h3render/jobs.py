@@ -291,6 +291,11 @@ class Job:
         return f"{canvas} (default)"
 
 
+def _given(ref: KeyframeRef) -> str:
+    """A keyframe as the user wrote it: `first_frame a.png`, `last_frame b.png` or `keyframe 240:c.png`."""
+    return f"keyframe {ref.anchor}:{ref.given}" if isinstance(ref.anchor, int) else f"{ref.anchor}_frame {ref.given}"
+
+
 def keyframe_problem(keyframes: tuple[KeyframeRef, ...], frames: int) -> str | None:
     """Why a job's keyframes cannot be anchored in a `frames`-frame clip, or None: an index past the last frame, or
     two keyframes on one frame (a first_frame and `keyframes: ["0:..."]` are both frame 0)."""
@@ -300,7 +305,10 @@ def keyframe_problem(keyframes: tuple[KeyframeRef, ...], frames: int) -> str | N
         if not 0 <= index < frames:
             return f"{ref.label} is past the clip's last frame {frames - 1} ({frames} frames)"
         if index in seen:
-            return f"{ref.label} and {seen[index].label} are both frame {index}; give one picture per frame"
+            # named by what was given ("keyframe 0:b.png and first_frame b.png"), not "frame 0 and first frame are
+            # both frame 0" (a trial)
+            return (f"{_given(ref)} and {_given(seen[index])} both anchor frame {index}; give one picture per "
+                    f"frame")
         seen[index] = ref
     return None
 

@@ -70,9 +70,14 @@ class Errors:
 
     def __init__(self) -> None:
         self.found: list[tuple[Where, str]] = []
+        self._seen: set[tuple[Where, str]] = set()
 
     def add(self, where: Where, message: str) -> None:
-        self.found.append((where, message))
+        # A defaults layer (the command line's, a manifest's defaults line) is resolved once per job it reaches:
+        # its problem is one line, not one per job (a trial: `batch --lora f:abc` printed the same line 4 times).
+        if (where, message) not in self._seen:
+            self._seen.add((where, message))
+            self.found.append((where, message))
 
     def raise_if_any(self) -> None:
         if self.found:  # sorted by line; the sort is stable, so same-line problems keep pass order

@@ -87,7 +87,8 @@ def test_an_interior_keyframe_sits_at_its_frame_time():
 
 def test_keyframe_mistakes_are_field_errors(pictures):
     for fields, text in (({"keyframes": ["39:a.png"]}, "frame 39 is past the clip's last frame 38"),
-                         ({"keyframes": ["0:a.png"], "first_frame": "b.png"}, "are both frame 0"),
+                         ({"keyframes": ["0:a.png"], "first_frame": "b.png"},
+                          "keyframe 0:a.png and first_frame b.png both anchor frame 0"),
                          ({"keyframes": ["x:a.png"]}, 'must be "FRAME:IMAGE"'),
                          ({"keyframes": "0:a.png"}, "must be a non-empty list"),
                          ({"keyframes": ["0:missing.png"]}, "keyframe image not found"),

@@ -228,13 +228,15 @@ def test_a_folder_that_takes_no_file_is_refused_before_loading(tmp_path, monkeyp
         return real(*args, dir=dir, **kwargs)
 
     monkeypatch.setattr(tempfile, "mkstemp", mkstemp)
-    for args, folder in ((("prompt", "x", "-o", str(refused / "a.mp4")), refused),
-                         (("batch", str(_manifest(tmp_path)), "--out-dir", str(refused / "sub")), refused / "sub")):
-        line = one_error_line(invoke(*args))
-        assert line == f"h3render: error: output folder {folder} takes no file: Read-only file system", line
+    line = one_error_line(invoke("prompt", "x", "-o", str(refused / "a.mp4")))
+    assert line == (f"h3render: error: output folder {refused} takes no file (creating one there failed: Read-only "
+                    f"file system)"), line
+    line = one_error_line(invoke("batch", str(_manifest(tmp_path)), "--out-dir", str(refused / "sub")))
+    assert line == f"h3render: error: output folder {refused / 'sub'} cannot be made in {refused}: Read-only file system"
     assert not list(refused.iterdir()) and not list(tmp_path.glob("*/.h3render-probe-*"))
     if Path("/proc/self").is_dir():  # the trial's own case, on Linux
-        assert "output folder /proc takes no file" in one_error_line(invoke("prompt", "x", "-o", "/proc/x.mp4"))
+        assert "output folder /proc takes no file (creating one there failed" in one_error_line(
+            invoke("prompt", "x", "-o", "/proc/x.mp4"))
 
 
 def _manifest(tmp_path):
@@ -252,6 +254,11 @@ def test_a_lora_strength_that_is_no_number_says_so(tmp_path, monkeypatch):
     line = one_error_line(invoke("prompt", "x", "-o", str(tmp_path / "a.mp4"), "--lora", f"{lora}:abc"))
     assert line.endswith(f"loras: [0] {lora}:abc: the strength after ':' ('abc') is not a number ({lora} is the "
                          f"file)"), line
+    # on `batch` the command line's LoRA reaches every job: its problem is one line, not one per job (a trial)
+    manifest = tmp_path / "three.jsonl"
+    manifest.write_text('{"prompt": "a"}\n{"prompt": "b"}\n{"prompt": "c"}\n')
+    line = one_error_line(invoke("batch", str(manifest), "--lora", f"{lora}:abc", "--dry-run"))
+    assert line.endswith("is not a number " f"({lora} is the file)"), line
     missing = tmp_path / "g.safetensors"
     line = one_error_line(invoke("prompt", "x", "-o", str(tmp_path / "a.mp4"), "--lora", f"{missing}:abc"))
     assert line.endswith(f"no such LoRA file ({missing}:abc)"), line  # no file before the ':' either
