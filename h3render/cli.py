@@ -22,7 +22,7 @@ from h3render.dry_run import plan_lines
 from h3render.exits import EXIT_OK, EXIT_USAGE, UsageError, error_exit_code
 from h3render.job_loras import parse_lora_option
 from h3render.manifest import job_from_fields, read_manifest
-from h3render.outputs import prepare_out_dir
+from h3render.outputs import blocker, prepare_out_dir
 from h3render.runner import Queue, plan_ranks, ran_distributed, run_jobs
 from h3render.settings import (RunSettings, SettingsError, checkpoint_info, has_v2_contract, prompt_mode,
                                resolve_checkpoint, usage)
@@ -262,6 +262,8 @@ def _batch(manifest, out_dir, shard, skip_existing, fail_fast, dry_run, quiet, o
     _check_partitions(info, jobs)
     if not dry_run:
         _check_writable(Path(out_dir))
+    elif (problem := blocker(Path(out_dir))) is not None:  # read-only: what the run would refuse (a third trial)
+        raise SettingsError(f"--out-dir {out_dir}: {problem}")
     run = RunSettings.resolve(opts, checkpoint=checkpoint, info=info, manifest=m)
     if dry_run:
         for line in run.check(info, jobs=jobs):  # against the dtype only: nothing is created

@@ -369,8 +369,10 @@ def _resolve_job(job: Layer, layers: list[Layer], limits: Limits, presets: Mappi
             errors.add(where, problem)
             return None
         if references and any(ref.strength != 0 for ref in loras):  # it rendered without them, silently (a trial)
-            errors.add(where, "LoRAs apply to t2va and fl2va jobs; this ref2va job (references) runs the Ref2VA DiT, "
-                              "which takes none yet (give it loras: [])")
+            fix = ("drop --lora" if where.file == _COMMAND_LINE else "remove its loras" if loras_layer is job else
+                   f"give it loras: [] over the defaults' ({where})")
+            errors.add(job.where("references"), f"LoRAs apply to t2va and fl2va jobs; this ref2va job runs the Ref2VA "
+                                                f"DiT, which takes none yet ({fix})")
             return None
     if any(ref.turbo and ref.strength != 0 for ref in loras):  # it runs its LoRA's own schedule (docs/lora.md)
         if "steps" in job.fields:

@@ -278,7 +278,13 @@ def test_a_lora_strength_that_is_no_number_says_so(tmp_path, monkeypatch):
     Image.new("RGB", (128, 64)).save(tmp_path / "r.png")
     line = one_error_line(invoke("prompt", "<Picture 1> x", "--reference", str(tmp_path / "r.png"), "-o",
                                  str(tmp_path / "a.mp4"), "--lora", f"{lora}:0.7"))
-    assert "this ref2va job (references) runs the Ref2VA DiT, which takes none yet" in line, line
+    assert line.endswith("references: LoRAs apply to t2va and fl2va jobs; this ref2va job runs the Ref2VA DiT, which "
+                         "takes none yet (drop --lora)"), line
+    manifest = tmp_path / "ref.yaml"  # from the defaults: the job's own line is blamed, and told how to opt out
+    manifest.write_text(f"defaults: {{loras: ['{lora}']}}\njobs:\n  - {{prompt: x, references: [r.png]}}\n")
+    line = one_error_line(invoke("batch", str(manifest), "--dry-run"))
+    assert f"{manifest}:3: references: " in line and f"(give it loras: [] over the defaults' ({manifest}:1" in line, \
+        line
 
 
 def test_loading_is_announced_and_timed_unless_quiet(tmp_path):

@@ -291,3 +291,5 @@ def test_the_cli_gives_exit_2_and_one_line_for_a_bad_out_dir(tmp_path):
     for out, needle in ((tmp_path / "file/sub", "is a file, not a folder"), (tmp_path / "broken", "broken symlink"),
                         (tmp_path / "loop", "symlink loop")):
         assert needle in one_error_line(invoke("batch", str(manifest), "--out-dir", str(out)))
+        # --dry-run validates: it planned every job into a file as if it were a folder (exit 0; a third trial)
+        assert needle in one_error_line(invoke("batch", str(manifest), "--out-dir", str(out), "--dry-run"))
