@@ -277,7 +277,7 @@ def _batch(manifest, out_dir, shard, skip_existing, fail_fast, dry_run, quiet, o
     world = _check(run, info, jobs=jobs)
     run = _plan_memory(run, info, jobs, world, quiet)
     prepare_out_dir(out_dir)  # a file or a broken/looping symlink in the way: exit 2 before any rank starts
-    if notice:  # checked: the queue runs
+    if notice and not quiet:  # checked: the queue runs (--quiet keeps the queue's own log only, as prompt's drops it)
         say(notice)
     queue = Queue(out_dir, shard=shard_spec, overwrite=not skip_existing, fail_fast=fail_fast)
     end_status()

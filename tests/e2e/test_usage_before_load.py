@@ -297,6 +297,7 @@ def test_loading_is_announced_and_timed_unless_quiet(tmp_path):
     assert lines[loading + 1].startswith("h3render: loaded and warmed up in ") and "job 1/1" in lines[loading + 2]
     r = run_here("batch", str(manifest), "--out-dir", str(tmp_path / "q"), "--device", "cpu", "--quiet")
     assert r.returncode == 0 and "h3render: loading" not in r.stderr, r.stderr
+    assert "no checkpoint given" not in r.stderr  # nor the tiny model's notice, as `prompt --quiet` (a third trial)
 
 
 def test_a_terminal_sees_a_status_line_during_the_checks_that_the_next_line_erases(monkeypatch):
