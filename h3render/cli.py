@@ -268,7 +268,7 @@ def _batch(manifest, out_dir, shard, skip_existing, fail_fast, dry_run, quiet, o
     if dry_run:
         for line in run.check(info, jobs=jobs):  # against the dtype only: nothing is created
             say(line)
-        if notice:  # what the run would render with, once the plan holds
+        if notice and not quiet:  # what the run would render with, once the plan holds
             say(notice)
         end_status()
         print("\n".join(plan_lines(jobs, Path(out_dir), overwrite=not skip_existing,

@@ -298,6 +298,8 @@ def test_loading_is_announced_and_timed_unless_quiet(tmp_path):
     r = run_here("batch", str(manifest), "--out-dir", str(tmp_path / "q"), "--device", "cpu", "--quiet")
     assert r.returncode == 0 and "h3render: loading" not in r.stderr, r.stderr
     assert "no checkpoint given" not in r.stderr  # nor the tiny model's notice, as `prompt --quiet` (a third trial)
+    planned = invoke("batch", str(manifest), "--out-dir", str(tmp_path / "q"), "--dry-run", "--quiet")
+    assert planned.exit_code == 0 and "no checkpoint given" not in planned.stderr, planned.stderr  # (a fourth)
 
 
 def test_a_terminal_sees_a_status_line_during_the_checks_that_the_next_line_erases(monkeypatch):
