@@ -46,10 +46,17 @@ def click_error(result) -> str:
 
 
 def run_cli(*args: str, env: dict | None = None, cwd: Path | None = None) -> subprocess.CompletedProcess:
-    full_env = {**os.environ, "PYTHONPATH": repo_pythonpath(), **(env or {})}
-    full_env.pop("H3RENDER_CHECKPOINT", None) if env is None or "H3RENDER_CHECKPOINT" not in env else None
     return subprocess.run([sys.executable, "-m", "h3render.cli", *args], capture_output=True, text=True,
-                          env=full_env, cwd=cwd or REPO, timeout=600)
+                          env=_child_env(env), cwd=cwd or REPO, timeout=600)
+
+
+def _child_env(env: dict | None) -> dict:
+    """A child's whole environment: this process's, this checkout importable, `env` on top, and no
+    H3RENDER_CHECKPOINT unless `env` sets it."""
+    full_env = {**os.environ, "PYTHONPATH": repo_pythonpath(), **(env or {})}
+    if env is None or "H3RENDER_CHECKPOINT" not in env:
+        full_env.pop("H3RENDER_CHECKPOINT", None)
+    return full_env
 
 
 class Forked:
@@ -64,13 +71,10 @@ class Forked:
     def __init__(self, *args: str, env: dict | None = None, cwd: Path | None = None, new_session: bool = False):
         from tests._spawn import context
 
-        full_env = {**os.environ, "PYTHONPATH": repo_pythonpath(), **(env or {})}
-        if env is None or "H3RENDER_CHECKPOINT" not in env:
-            full_env.pop("H3RENDER_CHECKPOINT", None)
         self.args = args
         self._tmp = tempfile.TemporaryDirectory(prefix="h3render-forked-")
         self._streams = (Path(self._tmp.name) / "stdout", Path(self._tmp.name) / "stderr")
-        self._proc = context().Process(target=_forked_main, args=(list(args), full_env, str(cwd or REPO),
+        self._proc = context().Process(target=_forked_main, args=(list(args), _child_env(env), str(cwd or REPO),
                                                                   *map(str, self._streams), new_session))
         self._proc.start()
         self.pid = self._proc.pid

@@ -167,8 +167,7 @@ def _child(rank: int, world: int, code, leader_done, fn, args, rendezvous: dict[
         if rank != 0 and leader_done.value:
             # Rank 0 stopped (a signal) while this rank was still loading, warming up or inside a job: its next
             # collective failed on the closed connection. Rank 0's report says what happened; one line here.
-            first = (str(exc).strip().splitlines() or [""])[0][:200]
-            print(f"h3render rank {rank}: stopped: rank 0 has exited ({type(exc).__name__}: {first})",
+            print(f"h3render rank {rank}: stopped: rank 0 has exited ({type(exc).__name__}: {_first_line(exc)})",
                   file=sys.stderr)
             hard_exit(1)
         raise
@@ -276,10 +275,14 @@ def follow(renderer, ctx: ParallelContext) -> bool:
 
 
 def _leader_gone(ctx: ParallelContext, exc: BaseException) -> bool:
-    first = (str(exc).strip().splitlines() or [""])[0][:200]
-    print(f"h3render rank {ctx.rank}: stopped: rank 0 left the queue ({type(exc).__name__}: {first})",
+    print(f"h3render rank {ctx.rank}: stopped: rank 0 left the queue ({type(exc).__name__}: {_first_line(exc)})",
           file=sys.stderr)
     return False
+
+
+def _first_line(exc: BaseException) -> str:
+    """An error's first line, at most 200 characters (a follower's one-line exit)."""
+    return (str(exc).strip().splitlines() or [""])[0][:200]
 
 
 def _broadcast(message, ctx: ParallelContext) -> None:
