@@ -32,6 +32,8 @@ from typing import Iterable
 import torch
 from torch import nn
 
+from h3render.pinned import PinnedArena
+
 
 class LayerStreamer:
     """Stream `layers` (same tensor shapes in every layer) through two device slots on `device`.
@@ -54,6 +56,9 @@ class LayerStreamer:
         self._slots_of: list[list[tuple[nn.Module, str, str]]] = []
         self._host: list[list[torch.Tensor]] = []
         self._empty: list[torch.Tensor] = []
+        # Pinned slabs, not one pinned allocation per tensor: torch rounds those up to a power of two (+50 % for
+        # the released DiT's linears, `h3render.pinned`).
+        arena = PinnedArena() if self.cuda else None
         for i, layer in enumerate(self.layers):
             refs, host = [], []
             for name, module in layer.named_modules():
@@ -64,7 +69,7 @@ class LayerStreamer:
                         if t is None:
                             continue
                         refs.append((module, attr, kind))
-                        host.append(_host_copy(t, pin=self.cuda))
+                        host.append(arena.copy(t) if arena is not None else _host_copy(t))
             if self._host and [(t.shape, t.dtype) for t in host] != [(t.shape, t.dtype) for t in self._host[0]]:
                 raise ValueError(f"LayerStreamer: layer {i} differs from layer 0 in its tensors; two shared slots "
                                  "cannot hold both")
@@ -74,6 +79,7 @@ class LayerStreamer:
                 self._empty = [torch.empty(0, dtype=t.dtype, device=self.device) for t in host]
             self._point(i, self._empty)  # the layer's own tensors go now: one layer's worth of them at a time
         self.host_bytes = sum(t.numel() * t.element_size() for h in self._host for t in h)
+        self.host_held_bytes = arena.held_bytes if arena is not None else self.host_bytes
         self._slots = [[torch.empty_like(t, device=self.device) for t in self._host[0]] for _ in range(2)]
         self.slot_bytes = sum(t.numel() * t.element_size() for t in self._slots[0])
         self._stream = torch.cuda.Stream(self.device) if self.cuda else None
@@ -144,17 +150,14 @@ class LayerStreamer:
     def record(self) -> dict:
         """For the engine's warm-up record: what streams and what it holds."""
         return {"layers": len(self.layers), "host_gb": round(self.host_bytes / 1e9, 3),
+                "host_held_gb": round(self.host_held_bytes / 1e9, 3),
                 "slot_gb": round(self.slot_bytes / 1e9, 3), "pinned": self.cuda}
 
 
-def _host_copy(t: torch.Tensor, pin: bool) -> torch.Tensor:
-    """`t` in host memory (pinned when `pin`, so a copy to the device can run asynchronously on the side stream)."""
+def _host_copy(t: torch.Tensor) -> torch.Tensor:
+    """`t` in (pageable) host memory, its own storage: the module's pointer swap must not alias a CPU tensor."""
     host = t.detach().to("cpu")
-    if pin:
-        host = host.pin_memory()
-    elif host.data_ptr() == t.data_ptr():
-        host = host.clone()  # a CPU tensor: its own storage, so the module's pointer swap cannot alias it
-    return host
+    return host.clone() if host.data_ptr() == t.data_ptr() else host
 
 
 def stream_layers_(model: nn.Module, layers: nn.ModuleList, device: torch.device,

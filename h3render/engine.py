@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from h3render.dit_swap import exchange, move_dit
 from h3render.errors import RenderError
 from h3render.graphs import ShapeGraphs
 from h3render.models.attention import attention as fast_attention
@@ -415,8 +416,9 @@ class Engine(WarmUp):
         queue's t2va, fl2va and ref2va jobs share the base DiT and the ref2va jobs share `transformer_ref`).
 
         On CUDA, a DiT that does not fit beside the active one (free memory below its parameter bytes plus
-        `SWAP_HEADROOM` for activations) sends the active one to host memory first; the swap's seconds are appended
-        to `warmup["partition_swaps"]`. Off CUDA every partition stays resident.
+        `SWAP_HEADROOM` for activations) sends the active one to pinned host memory first, trading places with it
+        tensor by tensor when it waits there (`dit_swap.exchange`); the swap's seconds are appended to
+        `warmup["partition_swaps"]`. Off CUDA every partition stays resident.
 
         Raises:
             CheckpointError: the checkpoint has no such partition (`checkpoint.load.load_partition_dit`).
@@ -425,11 +427,16 @@ class Engine(WarmUp):
             return self.dits[partition]
         t0 = time.perf_counter()
         loading = partition not in self.dits
+        waiting = not loading and self.warmup["dit_partitions"].get(partition) == "host"
         if self.device.type == "cuda":
             need = sum(p.numel() * p.element_size() for p in self.c.dit.parameters()) + SWAP_HEADROOM
             active = self.dits[self._active]
             if torch.cuda.mem_get_info(self.device)[0] < need:
-                move_dit(active, "cpu")  # the inactive partition waits in host memory
+                if waiting:  # the two trade places through the same host buffers (never two DiTs on the host)
+                    exchange(active, self.dits[partition])
+                    waiting = False
+                else:
+                    move_dit(active, "cpu", pin=True)  # the inactive partition waits in host memory
                 torch.cuda.empty_cache()
                 self.warmup["dit_partitions"][self._active] = "host"
         if loading:
@@ -438,7 +445,7 @@ class Engine(WarmUp):
             self.hold_partition(partition, load_partition_dit(self.c.info, partition, self.device,
                                                               self.settings.torch_dtype, precision=self.precision))
             self.warmup[f"{partition}_load_s"] = time.perf_counter() - t0
-        elif self.warmup["dit_partitions"].get(partition) == "host":
+        elif waiting:
             move_dit(self.dits[partition], self.device)
         self.warmup["dit_partitions"][partition] = "resident"
         if self.device.type == "cuda":
@@ -461,7 +468,7 @@ class Engine(WarmUp):
         self.dits[partition], self._forwards[partition] = dit, self.plan.dit_forward(dit)
         self.warmup["dit_partitions"][partition] = "resident"
         if not resident and partition != self._active:
-            move_dit(dit, "cpu")
+            move_dit(dit, "cpu", pin=self.device.type == "cuda")
             self.warmup["dit_partitions"][partition] = "host"
 
     def ensure_vision(self, timer=None) -> None:
@@ -545,17 +552,3 @@ def fit_allocator(device: torch.device, plan: str, capped: bool) -> str | None:
     except (AttributeError, RuntimeError):  # a torch without the runtime switch: fixed segments, as before
         return None
     return "expandable_segments"
-
-
-def move_dit(dit, device) -> None:
-    """`dit.to(device)` except its AdaLN projections, which stay where they are (host memory on CUDA, after
-    `DiT.offload_adaln_`: ≈26 GB at release that a partition swap neither copies nor brings back)."""
-    holders = [*dit.blocks, dit.final_layer]
-    projections = [holder.adaln_proj for holder in holders]
-    for holder in holders:
-        holder.adaln_proj = None
-    try:
-        dit.to(device)
-    finally:
-        for holder, projection in zip(holders, projections):
-            holder.adaln_proj = projection

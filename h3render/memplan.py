@@ -25,7 +25,9 @@ config's modules built empty, counted) + that phase's activations:
 * denoise: `DIT_ACT_FIXED` + packed rows x `DIT_ACT_WIDTHS` x hidden x 2 bytes / ranks. Calibrated on the four
   measured VSA renders of docs/performance.md §9.4 (1344x768x243 and 960x544x124, bf16 and fp8: peak minus resident
   minus the VSA gates = 12.74 / 3.47 GB bf16, 12.37 / 3.39 GB fp8 at 73,642 / 19,540 rows; least squares gives
-  16.1 widths and 0.13 GB); the model reproduces the measured peaks 113.70 / 67.76 GB within 1 %.
+  16.1 widths and 0.13 GB); the model reproduced the measured peaks 113.70 / 67.76 GB within 1 %. The peak is
+  inside VSA attention, where the qkv projection output (3 x 7168 = 4.0 widths) was still alive beside q, k, v
+  and their tile-ordered copies; `Attention.forward` now frees it first: 12.1 widths (to be re-measured).
 * decode: `VAE_ACT_BYTES` at 1344x768 with 8 work items per decoder batch, scaled by canvas pixels and --vae-batch
   (§7.3: the decode stage peaked 2.1 GB above the 97.18 GB resident, dense and VSA alike).
 * text: `TEXT_ROWS_ESTIMATE` token rows through one decoder layer (hidden + 3 x intermediate widths, bf16): tens of MB.
@@ -44,7 +46,7 @@ PLANS = ("resident", "phased", "streamed")
 CHOICES = ("auto",) + PLANS  # --memory-plan
 GB = 1e9  # the unit of --max-gpu-memory, the log line and the sidecar (docs/performance.md's GB too)
 
-DIT_ACT_WIDTHS = 16.1  # bf16 hidden-widths alive per packed row at the denoise peak (calibrated, module docstring)
+DIT_ACT_WIDTHS = 12.1  # bf16 hidden-widths alive per packed row at the denoise peak (calibrated, module docstring)
 DIT_ACT_FIXED = 0.13 * GB  # per-job state beside the rows (tables, rope, sampler state, VSA metadata)
 VAE_ACT_BYTES = 2.1 * GB  # decode activations at 1344x768, 8 items per batch (§7.3)
 VAE_ACT_CANVAS = 1344 * 768

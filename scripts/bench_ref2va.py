@@ -17,7 +17,7 @@ Random weights of the release's real sizes (`--ref2va-model released`, the defau
 5. complete MP4s through the Engine (random components; the Ref2VA DiT a second random DiT held as the
    `transformer_ref` partition): a t2va job, then a ref2va job with the image and a `--ref2va-video-seconds`
    32 kHz stereo audio clip (what h3render renders today; the video part is not), `--ref2va-forwards` forwards each; the warm-up record (`dit_partitions`, `partition_swaps`);
-6. the partition swap itself on CUDA: the Ref2VA DiT's parameters to host memory and back (seconds, GB).
+6. the partition swap itself on CUDA: `Engine.dit_of` each way, the two DiTs trading places (seconds, GB).
 
 GPU:  python scripts/bench.py --stages ref2va --out ref2va.json
 CPU:  python scripts/bench.py --stages ref2va --ref2va-model tiny --ref2va-device cpu --ref2va-canvas 224x128x22 \
@@ -225,7 +225,7 @@ def _e2e(args, bench, device, release, width, height, frames, row) -> None:
     from h3render.parallel.groups import init_parallel
     from h3render.settings import RunSettings
 
-    from h3render.engine import SWAP_HEADROOM, Engine, move_dit
+    from h3render.engine import SWAP_HEADROOM, Engine
 
     ctx = init_parallel(device.type)
     dtype = "bf16" if device.type == "cuda" else "fp32"
@@ -266,19 +266,19 @@ def _e2e(args, bench, device, release, width, height, frames, row) -> None:
         bench.rec(**row, what=f"complete MP4, {job.task}, {args.ref2va_forwards} forwards", wall_s=round(wall, 2),
                   stages=stages, peak_gb=_peak(device), swaps=engine.warmup.get("partition_swaps"),
                   host=_host_memory())
-    if device.type == "cuda":
-        engine.dit_of("transformer_ref")  # the Ref2VA DiT on the device (the engine swaps the base out if it must)
-        sync(device)
-        t0 = time.perf_counter()
-        move_dit(ref_dit, "cpu")  # what `Engine.dit_of` does to the inactive partition (AdaLN stays on the host)
-        sync(device)
-        out_s = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        move_dit(ref_dit, device)
-        sync(device)
-        bench.rec(**row, what="partition swap (Ref2VA DiT parameters, device <-> host)", to_host_s=round(out_s, 2),
-                  to_device_s=round(time.perf_counter() - t0, 2),
+    if device.type == "cuda":  # the engine's own swap (`dit_swap.exchange`), each way, timed alone
+        from h3render.tasks.base import BASE_PARTITION
+
+        seconds = []
+        for partition in ("transformer_ref", BASE_PARTITION):
+            sync(device)
+            t0 = time.perf_counter()
+            engine.dit_of(partition)
+            sync(device)
+            seconds.append(round(time.perf_counter() - t0, 2))
+        bench.rec(**row, what="partition swap (Engine.dit_of: base -> Ref2VA, Ref2VA -> base)", seconds=seconds,
                   gb=bench.gb(sum(p.numel() * p.element_size() for n, p in ref_dit.named_parameters()
-                                  if "adaln_proj" not in n)), engine_swaps=engine.warmup.get("partition_swaps"))
+                                  if "adaln_proj" not in n)), dit_partitions=dict(engine.warmup["dit_partitions"]),
+                  engine_swaps=engine.warmup.get("partition_swaps"), host=_host_memory())
     del engine, ref_dit
     _free(device)

@@ -142,6 +142,9 @@ class Attention(nn.Module):
         q, k, v = qkv.unbind(2)  # each [S, H, D]
         cos, sin = rope if rope is not None else (None, None)
         q, k, v = qk_norm_rope(q, k, v, self.q_norm.weight, self.k_norm.weight, cos, sin, self.qk_norm_eps)
+        # The projection output is dead once normalized: freed here, not when the call returns, it leaves attention
+        # 4 hidden-widths per row more room (3.2 GB at 1344x768x243; the streamed plan's peak, memplan.py).
+        del qkv
         out = self.attention(q[None], k[None], v[None])[0] if sparse is None else sparse(q, k, v, gate)
         return self.out_proj(out.reshape(s, self.heads * self.head_dim))
 
