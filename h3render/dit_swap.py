@@ -22,11 +22,11 @@ from h3render.pinned import PinnedArena
 Slot = tuple[nn.Module, str, str]  # (module, "_parameters" | "_buffers", name)
 
 
-def _slots(dit: nn.Module) -> dict[str, Slot]:
-    """Every parameter and buffer of `dit` outside its AdaLN projections, by qualified name."""
+def _slots(dit: nn.Module, adaln: bool = False) -> dict[str, Slot]:
+    """Every parameter and buffer of `dit` outside its AdaLN projections (`adaln`: inside them), by qualified name."""
     slots: dict[str, Slot] = {}
     for path, module in dit.named_modules():
-        if "adaln_proj" in path.split("."):
+        if ("adaln_proj" in path.split(".")) != adaln:
             continue
         for kind in ("_parameters", "_buffers"):
             for name, t in getattr(module, kind).items():
@@ -44,7 +44,11 @@ def _put(slot: Slot, t: torch.Tensor) -> None:
     """Point the slot at `t`; a parameter keeps its identity (the forward and optimizers hold the object)."""
     module, kind, name = slot
     if kind == "_parameters":
-        module._parameters[name].data = t
+        param = module._parameters[name]
+        if torch._has_compatible_shallow_copy_type(param, t):
+            param.data = t
+        else:  # meta and real tensors do not share a tensor type (as `nn.Module._apply`, a new parameter)
+            module._parameters[name] = nn.Parameter(t, requires_grad=param.requires_grad)
     else:
         module._buffers[name] = t
 
@@ -55,6 +59,8 @@ def _move(slots: Iterator[Slot], device: torch.device | str, pin: bool) -> int:
     moved = 0
     for slot in slots:
         t = _get(slot).detach()
+        if t.device == torch.device(device) or to_host and t.device.type == "cpu":
+            continue
         if not to_host:
             moved_t = t.to(device)
         elif arena is not None:
@@ -74,6 +80,14 @@ def move_dit(dit: nn.Module, device: torch.device | str, pin: bool = False) -> i
     frees each one as the other side receives it. To "cpu" with `pin` the copies are pinned (a later `exchange` or
     move back then runs at the link's rate). Returns the bytes moved."""
     return _move(iter(_slots(dit).values()), device, pin)
+
+
+def offload_adaln(dit: nn.Module, pin: bool) -> int:
+    """`DiT.offload_adaln_("cpu")`, into pinned slabs when `pin`: the bf16 engine's ≈26 GB of AdaLN projections
+    copied into fresh pageable pages took 24-26 s on the H200 host (docs/performance.md §11.2); pinned, the copy runs
+    at the link's rate and each later table build reads them back at that rate too. Projections already in host
+    memory stay where they are. Returns the bytes moved."""
+    return _move(iter(_slots(dit, adaln=True).values()), "cpu", pin)
 
 
 def exchange(outgoing: nn.Module, incoming: nn.Module) -> int:

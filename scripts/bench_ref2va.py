@@ -225,6 +225,7 @@ def _e2e(args, bench, device, release, width, height, frames, row) -> None:
     from h3render.parallel.groups import init_parallel
     from h3render.settings import RunSettings
 
+    from h3render.dit_swap import offload_adaln
     from h3render.engine import SWAP_HEADROOM, Engine
 
     ctx = init_parallel(device.type)
@@ -235,7 +236,7 @@ def _e2e(args, bench, device, release, width, height, frames, row) -> None:
     engine = Engine(bench_e2e.random_components(release.name, device, settings.torch_dtype, "bf16"), ctx, settings)
     host = "cpu" if device.type == "cuda" else None
     if host:
-        engine.c.dit.offload_adaln_(host)  # as `Engine.prepare` does: 26 GB of AdaLN projections to host memory
+        offload_adaln(engine.c.dit, pin=True)  # as `Engine.prepare` does: 26 GB of AdaLN projections to host memory
         torch.cuda.empty_cache()
     ref_dit = bench_e2e.random_components(release.name, device, settings.torch_dtype, "bf16", seed=1,
                                           parts=("dit",), adaln_device=host).dit
