@@ -46,7 +46,7 @@ PLANS = ("resident", "phased", "streamed")
 CHOICES = ("auto",) + PLANS  # --memory-plan
 GB = 1e9  # the unit of --max-gpu-memory, the log line and the sidecar (docs/performance.md's GB too)
 
-DIT_ACT_WIDTHS = 12.1  # bf16 hidden-widths alive per packed row at the denoise peak (calibrated, module docstring)
+DIT_ACT_WIDTHS = 12.5  # bf16 hidden-widths alive per packed row at the denoise peak (calibrated, module docstring)
 DIT_ACT_FIXED = 0.13 * GB  # per-job state beside the rows (tables, rope, sampler state, VSA metadata)
 VAE_ACT_BYTES = 2.1 * GB  # decode activations at 1344x768, 8 items per batch (§7.3)
 VAE_ACT_CANVAS = 1344 * 768
@@ -164,9 +164,10 @@ def expected_phases(sizes: dict, name: str, canvas: Canvas, hidden: int, *, text
         return {"text": te.resident + vision + te_act, "denoise": dit.resident + vaes + dit_act,
                 "decode": dit.resident + vaes + vae_act}
     if name == "streamed":
-        dit_dev = dit.outside_layers + STREAM_SLOTS * dit.layer
+        # the audio VAE stays on the device (`block_stream.stream_parts`); the video VAE comes for decodes only
+        dit_dev = dit.outside_layers + STREAM_SLOTS * dit.layer + av.resident
         return {"text": te.outside_layers + STREAM_SLOTS * te.layer + vision + te_act, "denoise": dit_dev + dit_act,
-                "decode": dit_dev + vaes + vae_act}
+                "decode": dit_dev + vv.resident + vae_act}
     raise ValueError(f"memory plan must be one of {', '.join(PLANS)}, got {name!r}")
 
 

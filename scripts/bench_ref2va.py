@@ -235,9 +235,12 @@ def _e2e(args, bench, device, release, width, height, frames, row) -> None:
     t0 = time.perf_counter()
     engine = Engine(bench_e2e.random_components(release.name, device, settings.torch_dtype, "bf16"), ctx, settings)
     host = "cpu" if device.type == "cuda" else None
+    offload_s = None
     if host:
+        t1 = time.perf_counter()
         offload_adaln(engine.c.dit, pin=True)  # as `Engine.prepare` does: 26 GB of AdaLN projections to host memory
         torch.cuda.empty_cache()
+        offload_s = round(time.perf_counter() - t1, 2)
     ref_dit = bench_e2e.random_components(release.name, device, settings.torch_dtype, "bf16", seed=1,
                                           parts=("dit",), adaln_device=host).dit
     # released: both DiTs (≈40 GB each without AdaLN) and the text encoder do not leave room for a forward, so the
@@ -245,6 +248,7 @@ def _e2e(args, bench, device, release, width, height, frames, row) -> None:
     fits = device.type != "cuda" or torch.cuda.mem_get_info(device)[0] >= SWAP_HEADROOM
     engine.hold_partition("transformer_ref", ref_dit, resident=fits)
     bench.rec(**row, what="engine with both DiT partitions", seconds=round(time.perf_counter() - t0, 1),
+              adaln_offload_pinned_s=offload_s,
               gb=round(torch.cuda.memory_allocated(device) / 1e9, 2) if device.type == "cuda" else None,
               host=_host_memory())
     folder = Path(tempfile.mkdtemp(prefix="bench-ref2va-"))
@@ -256,7 +260,8 @@ def _e2e(args, bench, device, release, width, height, frames, row) -> None:
     jobs = [Job(id="t2va", output="t2va", **common), Job(id="ref2va", output="ref2va", references=references, **common)]
     engine.prepare(jobs)
     bench.rec(**row, what="warm-up (outside job timings)", warmup={k: v for k, v in engine.warmup.items()
-                                                                  if "partition" in k or "warmup" in k},
+                                                                  if "partition" in k or "warmup" in k
+                                                                  or k == "adaln_tables_s"},
               host=_host_memory())
     for job in jobs + jobs[:1]:  # t2va, ref2va, t2va: a swap each way where the device cannot hold both
         _reset(device)

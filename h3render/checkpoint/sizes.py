@@ -3,8 +3,8 @@ on meta, as the loader builds them, FP8 replacements included) and their tensors
 Nothing is read from the weight files, so the memory-plan chooser (`h3render.memplan`) answers before any load.
 
 Validated against the resident sizes measured on one H200 (docs/performance.md §9.4; 1 GB = 1e9 bytes there and
-here): text encoder 50.32 GB bf16 / 25.95 fp8, DiT (AdaLN projections in host memory) 40.20 / 20.95, video VAE 5.57,
-audio VAE 0.61 (tests/unit/test_memplan.py holds them to 1 %).
+here): text encoder 50.32 GB bf16 / 25.95 fp8, DiT (AdaLN projections in host memory) 40.20 / 20.95, video VAE 5.57
+(3.16 at fp8, its decoder's FP8 linears), audio VAE 0.61 (tests/unit/test_memplans.py holds them to 1 %).
 """
 
 from __future__ import annotations
@@ -88,11 +88,23 @@ def _part_sizes(release: Release, precision: str, dtype: torch.dtype, vsa: bool)
     encoder = _empty_text_encoder(release, dtype, tokenizer=None, precision=precision)
     layers = [_bytes(layer) for layer in encoder.layers]
     sizes["text_encoder"] = PartSize(resident=_bytes(encoder), layer=max(layers, default=0), layers=len(layers))
-    key = (release.config_hash(), dtype)
-    if key not in _VAE_CACHE:  # the same at both precisions
-        _VAE_CACHE[key] = {"video_vae": PartSize(resident=_bytes(_empty_video_vae(release, dtype))),
+    key = (release.config_hash(), dtype, precision)
+    if key not in _VAE_CACHE:
+        _VAE_CACHE[key] = {"video_vae": PartSize(resident=_bytes(_video_vae(release, dtype, precision))),
                            "audio_vae": PartSize(resident=_bytes(_meta_audio_vae(release)))}
     return {**sizes, **_VAE_CACHE[key]}
+
+
+def _video_vae(release: Release, dtype: torch.dtype, precision: str) -> nn.Module:
+    """The video VAE as the Engine holds it: at fp8 its decoder blocks' linears are e4m3 (`Engine.__init__`: fused
+    q/k/v, then `quantize_video_decoder_fp8_`; 3.16 GB against 5.57 at release)."""
+    vae = _empty_video_vae(release, dtype)
+    if precision == "fp8":
+        from h3render.models.fp8 import quantize_video_decoder_fp8_
+
+        vae.fuse_qkv_()
+        quantize_video_decoder_fp8_(vae)
+    return vae
 
 
 _VAE_CACHE: dict[tuple, dict[str, PartSize]] = {}

@@ -84,7 +84,8 @@ def test_the_arena_carves_tensors_first_fit_out_of_slabs(monkeypatch):
 def test_exchange_on_cuda_moves_each_dit_across_without_a_second_copy():
     base, ref = _pair()
     base.to("cuda")
-    move_dit(ref, "cpu", pin=True)
+    ref.to("cuda")
+    move_dit(ref, "cpu", pin=True)  # as `Engine.hold_partition` parks a partition: from the device, pinned
     want_base, want_ref = _values(base), _values(ref)
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()

@@ -187,7 +187,8 @@ def sizes():
 
 
 def test_the_size_model_matches_the_h200_measurements(sizes):
-    """docs/performance.md §9.3/§9.4: resident GB per part, and the VSA renders' denoise peaks (256 text rows)."""
+    """docs/performance.md §9.3/§9.4: resident GB per part; §19: the denoise peaks of the 1344x768x243 VSA render
+    (256 text rows) in each plan measured, which the chooser may overestimate by a little, never underestimate."""
     measured = {("bf16", "text_encoder"): 50.32, ("bf16", "dit"): 40.20, ("fp8", "text_encoder"): 25.95,
                 ("fp8", "dit"): 20.95, ("bf16", "video_vae"): 5.57, ("bf16", "audio_vae"): 0.61}
     cfg = RELEASED.dit
@@ -196,12 +197,13 @@ def test_the_size_model_matches_the_h200_measurements(sizes):
         got = sizes[precision][part].resident - (gates * (2 if precision == "bf16" else 1) if part == "dit" else 0)
         assert got / 1e9 == pytest.approx(gb, rel=0.01), (precision, part)
     assert sizes["bf16"]["dit"].resident / 1e9 == pytest.approx(44.06, rel=0.01)  # with the gates, measured too
-    peaks = {("bf16", 1344, 768, 243): 113.70, ("fp8", 1344, 768, 243): 67.76, ("bf16", 960, 544, 124): 104.43,
-             ("fp8", 960, 544, 124): 58.78}
-    for (precision, w, h, f), gb in peaks.items():
-        phases = memplan.expected_phases(sizes[precision], "resident", memplan.Canvas(w, h, f, 256), 5376,
+    assert sizes["fp8"]["video_vae"].resident < 0.6 * sizes["bf16"]["video_vae"].resident  # FP8 decoder linears
+    peaks = {("bf16", "resident"): 110.56, ("fp8", "resident"): 62.18, ("bf16", "phased"): 60.19,
+             ("fp8", "streamed"): 12.68}
+    for (precision, plan), gb in peaks.items():
+        phases = memplan.expected_phases(sizes[precision], plan, memplan.Canvas(1344, 768, 243, 256), 5376,
                                          text_hidden=5120, text_intermediate=25600)
-        assert phases["denoise"] / 1e9 == pytest.approx(gb, rel=0.01), (precision, w)
+        assert gb <= phases["denoise"] / 1e9 <= gb * (1.01 if plan != "streamed" else 1.04), (precision, plan)
 
 
 @pytest.mark.parametrize("gb, problem, given, plan", [
@@ -224,12 +226,12 @@ def test_the_chooser_picks_the_expected_plan(sizes, gb, problem, given, plan):
 
 def test_the_chooser_refuses_what_cannot_fit(sizes):
     with pytest.raises(memplan.PlanError) as caught:
-        memplan.choose(RELEASED, [BIG], limit=int(14e9), limit_source="--max-gpu-memory", vsa=True)
-    assert str(caught.value).startswith("no memory plan fits 14.0 GB (--max-gpu-memory) for the 1344x768x243 job: "
-                                        "the smallest, streamed fp8, needs 15.4 GB expected peak (text 2.6, "
-                                        "denoise 15.4, decode 10.8)")
+        memplan.choose(RELEASED, [BIG], limit=int(12e9), limit_source="--max-gpu-memory", vsa=True)
+    assert str(caught.value).startswith("no memory plan fits 12.0 GB (--max-gpu-memory) for the 1344x768x243 job: "
+                                        "the smallest, streamed fp8, needs 13.2 GB expected peak (text 2.6, "
+                                        "denoise 13.2, decode 8.4)")
     with pytest.raises(memplan.PlanError, match=r"^--memory-plan resident fits 80.0 GB .* the smallest, resident "
-                                                r"bf16, needs 113.5 GB"):
+                                                r"bf16, needs 110.6 GB"):
         memplan.choose(RELEASED, [BIG], asked="resident", limit=int(80e9), limit_source="--max-gpu-memory", vsa=True)
 
 
