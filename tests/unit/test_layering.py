@@ -13,7 +13,7 @@ layer  name            modules (and why they sit there)
                        torch modules only inside functions.
   6    job path        engine, warmup, adaln_cache, render, tasks/, seams, sidecar, keyframes, references,
                        ref_packing, media, staging, colour, graphs, timing, outputs, progress, parallel/, memplan,
-                       text_phase, block_stream: what renders one job (torch, PyAV, process groups). sidecar (the sidecar's
+                       text_phase, block_stream, dit_swap, pinned: what renders one job (torch, PyAV, process groups). sidecar (the sidecar's
                        format, its write, read and compare), outputs (a job's file paths, the resume check) and
                        progress (the denoise loop's step display) are torch-free themselves: the front end imports
                        them at load, and the job path may too.
@@ -60,7 +60,8 @@ LAYERS: dict[int, tuple[str, ...]] = {
         "h3render.keyframes", "h3render.references", "h3render.ref_packing", "h3render.media", "h3render.soundtrack",
         "h3render.staging", "h3render.colour",
         "h3render.graphs", "h3render.timing", "h3render.outputs", "h3render.progress", "h3render.parallel",
-        "h3render.parallel.*", "h3render.memplan", "h3render.text_phase", "h3render.block_stream", "h3render.seams"),
+        "h3render.parallel.*", "h3render.memplan", "h3render.text_phase", "h3render.block_stream", "h3render.seams",
+        "h3render.dit_swap", "h3render.pinned"),
     5: ("h3render.make_checkpoint", "h3render.make_checkpoint.*"),
     4: ("h3render.checkpoint", "h3render.checkpoint.*"),
     3: ("h3render.sampling",),
