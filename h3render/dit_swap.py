@@ -6,8 +6,9 @@ inactive partition waits in host memory. Sending the active DiT to the host with
 sat there held both there at once: 2 x 26 GB of projections + 2 x 40 GB of DiTs, and the two-partition engine was
 killed by the out-of-memory killer of a 128 GB host (docs/performance.md §18.2). `exchange` swaps the two tensor by
 tensor through the host buffers the incoming DiT leaves, so neither the host nor the device ever holds more than one
-DiT plus one tensor; the parked DiT's buffers are pinned on CUDA, so both copies run at the link's rate instead of
-paging fresh host memory in (≈1 GB/s on the H200 host, §11.2).
+DiT plus one tensor; the parked DiT's buffers are pinned on CUDA (`pinned.PinnedArena`), so both copies run at the
+link's rate instead of paging fresh host memory in (≈1 GB/s on the H200 host, §11.2). Measured on one H200 with the
+released DiT (40.2 GB): 1.48 s a swap, host memory of the whole two-partition engine 101.9 GB at its peak (§20).
 """
 
 from __future__ import annotations
@@ -22,11 +23,11 @@ from h3render.pinned import PinnedArena
 Slot = tuple[nn.Module, str, str]  # (module, "_parameters" | "_buffers", name)
 
 
-def _slots(dit: nn.Module, adaln: bool = False) -> dict[str, Slot]:
-    """Every parameter and buffer of `dit` outside its AdaLN projections (`adaln`: inside them), by qualified name."""
+def _slots(dit: nn.Module) -> dict[str, Slot]:
+    """Every parameter and buffer of `dit` outside its AdaLN projections, by qualified name."""
     slots: dict[str, Slot] = {}
     for path, module in dit.named_modules():
-        if ("adaln_proj" in path.split(".")) != adaln:
+        if "adaln_proj" in path.split("."):
             continue
         for kind in ("_parameters", "_buffers"):
             for name, t in getattr(module, kind).items():
@@ -78,16 +79,9 @@ def _move(slots: Iterator[Slot], device: torch.device | str, pin: bool) -> int:
 def move_dit(dit: nn.Module, device: torch.device | str, pin: bool = False) -> int:
     """`dit.to(device)` except its AdaLN projections, which stay where they are; tensor by tensor, so the source side
     frees each one as the other side receives it. To "cpu" with `pin` the copies are pinned (a later `exchange` or
-    move back then runs at the link's rate). Returns the bytes moved."""
+    move back then runs at the link's rate). Tensors already there (to "cpu": in host memory) stay as they are.
+    Returns the bytes moved."""
     return _move(iter(_slots(dit).values()), device, pin)
-
-
-def offload_adaln(dit: nn.Module, pin: bool) -> int:
-    """`DiT.offload_adaln_("cpu")`, into pinned slabs when `pin`: the bf16 engine's ≈26 GB of AdaLN projections
-    copied into fresh pageable pages took 24-26 s on the H200 host (docs/performance.md §11.2); pinned, the copy runs
-    at the link's rate and each later table build reads them back at that rate too. Projections already in host
-    memory stay where they are. Returns the bytes moved."""
-    return _move(iter(_slots(dit, adaln=True).values()), "cpu", pin)
 
 
 def exchange(outgoing: nn.Module, incoming: nn.Module) -> int:

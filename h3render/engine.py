@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from h3render.dit_swap import exchange, move_dit, offload_adaln
+from h3render.dit_swap import exchange, move_dit
 from h3render.errors import RenderError
 from h3render.graphs import ShapeGraphs
 from h3render.models.attention import attention as fast_attention
@@ -464,7 +464,7 @@ class Engine(WarmUp):
         a random released-size DiT."""
         if self.device.type == "cuda":
             dit.set_attention(fast_attention, refiner=True)
-            offload_adaln(dit, pin=True)
+            dit.offload_adaln_("cpu")
         self.dits[partition], self._forwards[partition] = dit, self.plan.dit_forward(dit)
         self.warmup["dit_partitions"][partition] = "resident"
         if not resident and partition != self._active:

@@ -13,7 +13,6 @@ from typing import Any
 import torch
 
 from h3render import spec
-from h3render.dit_swap import offload_adaln
 from h3render.models.attention import fastest_for
 from h3render.models.attention import runner as attention_runner
 from h3render.packing import t2va_layout
@@ -49,7 +48,7 @@ class WarmUp:
                 schedule = self.schedule(window)
                 self.tables(schedule, task_of(window).timesteps(schedule), task_of(window).PARTITION)
         if self.device.type == "cuda":
-            offload_adaln(self.c.dit, pin=True)
+            self.c.dit.offload_adaln_("cpu")
             torch.cuda.empty_cache()
         self.warmup["adaln_tables_s"] = time.perf_counter() - t0
         if jobs:

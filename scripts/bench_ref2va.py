@@ -225,7 +225,6 @@ def _e2e(args, bench, device, release, width, height, frames, row) -> None:
     from h3render.parallel.groups import init_parallel
     from h3render.settings import RunSettings
 
-    from h3render.dit_swap import offload_adaln
     from h3render.engine import SWAP_HEADROOM, Engine
 
     ctx = init_parallel(device.type)
@@ -238,7 +237,7 @@ def _e2e(args, bench, device, release, width, height, frames, row) -> None:
     offload_s = None
     if host:
         t1 = time.perf_counter()
-        offload_adaln(engine.c.dit, pin=True)  # as `Engine.prepare` does: 26 GB of AdaLN projections to host memory
+        engine.c.dit.offload_adaln_(host)  # as `Engine.prepare` does: 26 GB of AdaLN projections to host memory
         torch.cuda.empty_cache()
         offload_s = round(time.perf_counter() - t1, 2)
     ref_dit = bench_e2e.random_components(release.name, device, settings.torch_dtype, "bf16", seed=1,
@@ -248,7 +247,7 @@ def _e2e(args, bench, device, release, width, height, frames, row) -> None:
     fits = device.type != "cuda" or torch.cuda.mem_get_info(device)[0] >= SWAP_HEADROOM
     engine.hold_partition("transformer_ref", ref_dit, resident=fits)
     bench.rec(**row, what="engine with both DiT partitions", seconds=round(time.perf_counter() - t0, 1),
-              adaln_offload_pinned_s=offload_s,
+              adaln_offload_s=offload_s,
               gb=round(torch.cuda.memory_allocated(device) / 1e9, 2) if device.type == "cuda" else None,
               host=_host_memory())
     folder = Path(tempfile.mkdtemp(prefix="bench-ref2va-"))

@@ -12,7 +12,7 @@ import torch
 from h3render.checkpoint.info import read_checkpoint_info
 from h3render.checkpoint.load import load_partition_dit
 from h3render import pinned
-from h3render.dit_swap import exchange, move_dit, offload_adaln
+from h3render.dit_swap import exchange, move_dit
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -51,7 +51,7 @@ def test_exchange_trades_storage_and_keeps_each_dits_values():
 
 
 def test_move_dit_leaves_the_adaln_projections_and_counts_its_bytes():
-    """A swap must not copy the AdaLN projections, which `offload_adaln` put in host memory (≈26 GB at release):
+    """A swap must not copy the AdaLN projections, which `DiT.offload_adaln_` put in host memory (≈26 GB at release):
     meta stands in for the device."""
     base, _ = _pair()
     moved = move_dit(base, "meta")
@@ -59,7 +59,6 @@ def test_move_dit_leaves_the_adaln_projections_and_counts_its_bytes():
     assert all(p.device.type == "cpu" for n, p in base.named_parameters() if "adaln_proj" in n)
     assert all(p.device.type == "meta" for n, p in base.named_parameters() if "adaln_proj" not in n)
     assert move_dit(base, "meta") == 0  # nothing left to move
-    assert offload_adaln(base, pin=False) == 0  # already in host memory: stays
 
 
 def test_the_arena_carves_tensors_first_fit_out_of_slabs(monkeypatch):
@@ -101,17 +100,6 @@ def test_exchange_on_cuda_moves_each_dit_across_without_a_second_copy():
     for dit, want in ((base, want_base), (ref, want_ref)):
         got = _values(dit)
         assert all(torch.equal(got[k], want[k]) for k in want)
-
-
-@CUDA
-def test_offload_adaln_pins_the_projections_and_keeps_their_values():
-    base, _ = _pair()
-    base.to("cuda")
-    want = {n: p.detach().cpu().clone() for n, p in base.named_parameters() if "adaln_proj" in n}
-    assert offload_adaln(base, pin=True) == sum(t.numel() * t.element_size() for t in want.values())
-    got = {n: p for n, p in base.named_parameters() if "adaln_proj" in n}
-    assert all(p.device.type == "cpu" and p.is_pinned() and torch.equal(p, want[n]) for n, p in got.items())
-    assert all(p.device.type == "cuda" for n, p in base.named_parameters() if "adaln_proj" not in n)
 
 
 @CUDA
