@@ -22,12 +22,12 @@ phased, streamed, all bf16.
 The expected peak of a phase = the bytes of the parts on the device in it (`checkpoint.sizes.part_sizes`: the
 config's modules built empty, counted) + that phase's activations:
 
-* denoise: `DIT_ACT_FIXED` + packed rows x `DIT_ACT_WIDTHS` x hidden x 2 bytes / ranks. Calibrated on the four
-  measured VSA renders of docs/performance.md §9.4 (1344x768x243 and 960x544x124, bf16 and fp8: peak minus resident
-  minus the VSA gates = 12.74 / 3.47 GB bf16, 12.37 / 3.39 GB fp8 at 73,642 / 19,540 rows; least squares gives
-  16.1 widths and 0.13 GB); the model reproduced the measured peaks 113.70 / 67.76 GB within 1 %. The peak is
-  inside VSA attention, where the qkv projection output (3 x 7168 = 4.0 widths) was still alive beside q, k, v
-  and their tile-ordered copies; `Attention.forward` now frees it first: 12.1 widths (to be re-measured).
+* denoise: `DIT_ACT_FIXED` + packed rows x `DIT_ACT_WIDTHS` x hidden x 2 bytes / ranks. First calibrated on the four
+  VSA renders of docs/performance.md §9.4 (16.1 widths, 0.13 GB). The peak is inside VSA attention; since the qkv
+  projection output (3 x 7168 = 4.0 widths) is freed before attending, the 1344x768x243 VSA renders peak at
+  110.56 GB bf16 / 62.18 GB fp8 resident, 60.19 phased bf16, 12.68 streamed fp8 (§20): 12.5 widths, the larger of
+  the bf16 (12.5) and fp8 (12.0) fits, so the model errs toward fitting (within 0.7 % of the resident and phased
+  peaks, 3.7 % above the streamed one).
 * decode: `VAE_ACT_BYTES` at 1344x768 with 8 work items per decoder batch, scaled by canvas pixels and --vae-batch
   (§7.3: the decode stage peaked 2.1 GB above the 97.18 GB resident, dense and VSA alike).
 * text: `TEXT_ROWS_ESTIMATE` token rows through one decoder layer (hidden + 3 x intermediate widths, bf16): tens of MB.
