@@ -159,6 +159,53 @@ def test_triton_matches_reference(prefix, grid, heads, dim, sparsity, dtype, wit
     assert rel_err(out, ref) < (1e-6 if dtype == torch.float32 else 1e-2)
 
 
+# Odd prefix tile count (3), odd video tile count (9, so the last query pair has one tile), odd k (3), partial tiles.
+ODD = ((70, 5), (1, 9, 9), 3, 32, 0.7)
+HOPPER_CASES = [(*CASES[0], F32, True, 1), (*CASES[0], BF16, True, 2), (*CASES[1], BF16, False, 2),
+                (*CASES[2], F32, True, 2), (*ODD, BF16, True, 2), (*ODD, F32, False, 1), (*ODD, F32, True, 2)]
+
+
+@pytest.mark.parametrize("prefix, grid, heads, dim, sparsity, dtype, with_gate, query_tiles", HOPPER_CASES)
+def test_hopper_fine_matches_reference(prefix, grid, heads, dim, sparsity, dtype, with_gate, query_tiles):
+    """The TMA kernel, one query tile or a 128-row pair over the union of two kept sets, against the reference."""
+    from h3render.kernels.vsa.naive import coarse_attention_naive
+    from h3render.kernels.vsa.triton_hopper import fine_attention_hopper
+
+    plan = tile_plan(prefix, grid, FAST_DEVICE)
+    q, k, v, g = _rand(plan, heads, dim, seed=sum(grid) + 7 * heads, dtype=dtype)
+    gate = g if with_gate else None
+    ref = vsa_attention_naive(q, k, v, gate, plan, sparsity)
+    scores = tile_scores(pool_tiles_naive(q, plan), pool_tiles_naive(k, plan))
+    coarse = coarse_attention_naive(scores, pool_tiles_naive(v, plan)) if with_gate else None
+    out = torch.full_like(q, float("nan"))
+    fine_attention_hopper(q, k, v, plan, select_tiles(scores, plan, sparsity), gate, coarse, out=out,
+                          query_tiles=query_tiles)
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(out, ref, **tol)
+    assert rel_err(out, ref) < (1e-6 if dtype == torch.float32 else 1e-2)
+
+
+def test_pair_union_hand_computed():
+    from h3render.kernels.vsa.triton_hopper import pair_union
+
+    sel = torch.tensor([[[2, 5, 7], [3, 5, 9], [4, 6, 8]]], dtype=torch.int32)  # H = 1, V = 3 (odd), k = 3
+    keys, bits, count = pair_union(sel)
+    assert count.tolist() == [[5, 3]]
+    assert keys[0, 0, :5].tolist() == [2, 3, 5, 7, 9] and bits[0, 0, :5].tolist() == [1, 2, 3, 1, 2]
+    assert keys[0, 1, :3].tolist() == [4, 6, 8] and bits[0, 1, :3].tolist() == [3, 3, 3]
+
+
+def test_gather_tiles_matches_to_tiles_on_valid_slots():
+    from h3render.kernels.vsa.tiles import gather_tiles
+
+    plan = tile_plan((70, 5), (1, 9, 9))
+    (x,) = _rand(plan, 2, 4, seed=12, n=1)
+    valid = plan.row_of_slot >= 0
+    gathered = gather_tiles(x, plan)
+    assert torch.equal(gathered[valid], to_tiles(x, plan)[valid])
+    assert torch.equal(gathered[~valid], x[0].expand(int((~valid).sum()), -1, -1))  # pad slots: row 0, finite
+
+
 def test_triton_reads_strided_rows():
     """Ulysses hands the kernel `[S, h, D]` slices of a wider buffer: row and head strides must be honoured."""
     plan = tile_plan((37, 21), (5, 6, 7), FAST_DEVICE)
