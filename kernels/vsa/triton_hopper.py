@@ -141,32 +141,38 @@ def _fine_tma_kernel(
 def pair_union(sel: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Ascending union of the kept key tiles of video query tiles (2i, 2i + 1).
 
+    Merge by rank, no sort: with a, b the two ascending kept lists, a[i] lands at i + (b-only ids below it) and a
+    b-only b[j] at (b-only ids before it) + (a ids below it); two searchsorted, one cumsum, two scatters.
+
     Args:
-        sel: `[H, V, k]` int32 absolute key tile ids, ascending per row.
+        sel: `[H, V, k]` int32 absolute key tile ids, ascending and distinct per row.
     Returns:
-        keys `[H, ceil(V/2), 2k]` int32 (entries past count: the largest id, never read), bits `[H, ceil(V/2), 2k]`
+        keys `[H, ceil(V/2), 2k]` int32 (entries past count: unspecified, never read), bits `[H, ceil(V/2), 2k]`
         int8 (1: the first tile keeps it, 2: the second, 3: both), count `[H, ceil(V/2)]` int32. An odd V's last
         group has only its first tile: its keys are that tile's, bits 3.
     """
     heads, v, k = sel.shape
     if v % 2:
         sel = torch.cat([sel, sel[:, -1:]], dim=1)
-    a, b = sel[:, 0::2].long(), sel[:, 1::2].long()
-    enc, _ = torch.cat([a * 2, b * 2 + 1], dim=-1).sort(dim=-1)  # id * 2 + source; equal ids sit side by side
-    ids, src = enc >> 1, enc & 1
-    dup_prev = torch.zeros_like(ids, dtype=torch.bool)
-    dup_prev[..., 1:] = ids[..., 1:] == ids[..., :-1]
-    dup_next = torch.zeros_like(dup_prev)
-    dup_next[..., :-1] = dup_prev[..., 1:]
-    bits = torch.where(dup_next, 3, 1 << src)
+    a, b = sel[:, 0::2].contiguous(), sel[:, 1::2].contiguous()  # [H, G, k]
+    ia = torch.searchsorted(b, a)  # b ids below a[i]
+    ib = torch.searchsorted(a, b)  # a ids below b[j]
+    a_in_b = b.gather(-1, ia.clamp(max=k - 1)) == a
+    b_only = a.gather(-1, ib.clamp(max=k - 1)) != b
+    b_only_before = torch.cumsum(b_only, -1) - b_only.long()  # exclusive: b-only ids before b[j]
+    b_only_below_a = torch.where(ia < k, b_only_before.gather(-1, ia.clamp(max=k - 1)), b_only.sum(-1, keepdim=True))
+    pos_a = torch.arange(k, device=sel.device) + b_only_below_a
+    pos_b = torch.where(b_only, b_only_before + ib, 2 * k - 1)  # shared ids: parked in the last slot, overwritten
+    keys = torch.zeros(*a.shape[:-1], 2 * k, dtype=torch.int32, device=sel.device)
+    bits = torch.zeros(*a.shape[:-1], 2 * k, dtype=torch.int8, device=sel.device)
+    keys.scatter_(-1, pos_b, b)  # b first: a's scatter then overwrites the parked slot when the union fills it
+    bits.scatter_(-1, pos_b, torch.full_like(bits[..., :k], 2))
+    keys.scatter_(-1, pos_a, a)
+    bits.scatter_(-1, pos_a, (1 + 2 * a_in_b).to(torch.int8))
     if v % 2:
         bits[:, -1] = 3
-    # Drop the second of each equal pair: push it past every kept id, then a stable sort keeps the kept ascending.
-    order = torch.where(dup_prev, torch.iinfo(torch.int32).max, ids).sort(dim=-1, stable=True).indices
-    keys = torch.where(dup_prev, ids.amax(-1, keepdim=True), ids).gather(-1, order)
-    bits = bits.gather(-1, order)
-    count = (~dup_prev).sum(-1)
-    return keys.to(torch.int32).contiguous(), bits.to(torch.int8).contiguous(), count.to(torch.int32).contiguous()
+    count = k + b_only.sum(-1)
+    return keys, bits, count.to(torch.int32)
 
 
 def _descriptor(x_t: torch.Tensor, d: int):

@@ -193,6 +193,16 @@ def test_pair_union_hand_computed():
     assert count.tolist() == [[5, 3]]
     assert keys[0, 0, :5].tolist() == [2, 3, 5, 7, 9] and bits[0, 0, :5].tolist() == [1, 2, 3, 1, 2]
     assert keys[0, 1, :3].tolist() == [4, 6, 8] and bits[0, 1, :3].tolist() == [3, 3, 3]
+    g = torch.Generator().manual_seed(13)
+    for v, n, k in ((4, 20, 7), (5, 9, 8), (2, 30, 1), (3, 12, 6)):  # disjoint, near-full, single-tile, mixed sets
+        sel = torch.stack([torch.randperm(n, generator=g)[:k].sort().values for _ in range(2 * v)]).view(2, v, k)
+        keys, bits, count = pair_union(sel.int() + 5)
+        for h, grp in ((0, 0), (1, (v - 1) // 2)):
+            first = set(sel[h, 2 * grp].tolist())
+            second = set(sel[h, 2 * grp + 1].tolist()) if 2 * grp + 1 < v else first
+            union = sorted(first | second)
+            assert count[h, grp] == len(union) and keys[h, grp, :len(union)].tolist() == [x + 5 for x in union]
+            assert bits[h, grp, :len(union)].tolist() == [(x in first) + 2 * (x in second) for x in union]
 
 
 def test_gather_tiles_matches_to_tiles_on_valid_slots():
