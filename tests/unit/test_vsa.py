@@ -153,23 +153,24 @@ def test_triton_matches_reference(prefix, grid, heads, dim, sparsity, dtype, wit
 
         coarse = coarse_attention_naive(scores, pool_tiles_naive(v, plan))
     out = torch.full_like(q, float("nan"))
-    fine_attention_triton(q, k, v, plan, select_tiles(scores, plan, sparsity), gate, coarse, out=out)
+    # the pointer kernel (tma=False; on sm_90 GPUs the TMA kernel is the default, tested below)
+    fine_attention_triton(q, k, v, plan, select_tiles(scores, plan, sparsity), gate, coarse, out=out, tma=False)
     tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(out, ref, **tol)
     assert rel_err(out, ref) < (1e-6 if dtype == torch.float32 else 1e-2)
 
 
-# Odd prefix tile count (3), odd video tile count (9, so the last query pair has one tile), odd k (3), partial tiles.
+# Odd prefix tile count (3), odd video tile count (9), odd k (3), partial video and prefix tiles.
 ODD = ((70, 5), (1, 9, 9), 3, 32, 0.7)
-HOPPER_CASES = [(*CASES[0], F32, True, 1), (*CASES[0], BF16, True, 2), (*CASES[1], BF16, False, 2),
-                (*CASES[2], F32, True, 2), (*ODD, BF16, True, 2), (*ODD, F32, False, 1), (*ODD, F32, True, 2)]
+TMA_CASES = [(*CASES[0], F32, True), (*CASES[0], BF16, True), (*CASES[1], BF16, False), (*CASES[2], F32, True),
+             (*ODD, BF16, True), (*ODD, F32, False)]
 
 
-@pytest.mark.parametrize("prefix, grid, heads, dim, sparsity, dtype, with_gate, query_tiles", HOPPER_CASES)
-def test_hopper_fine_matches_reference(prefix, grid, heads, dim, sparsity, dtype, with_gate, query_tiles):
-    """The TMA kernel, one query tile or a 128-row pair over the union of two kept sets, against the reference."""
+@pytest.mark.parametrize("prefix, grid, heads, dim, sparsity, dtype, with_gate", TMA_CASES)
+def test_tma_fine_matches_reference(prefix, grid, heads, dim, sparsity, dtype, with_gate):
+    """The TMA kernel (kernels/vsa/triton_hopper.py; the default on sm_90 GPUs) against the reference."""
     from h3render.kernels.vsa.naive import coarse_attention_naive
-    from h3render.kernels.vsa.triton_hopper import fine_attention_hopper
+    from h3render.kernels.vsa.triton_impl import fine_attention_triton
 
     plan = tile_plan(prefix, grid, FAST_DEVICE)
     q, k, v, g = _rand(plan, heads, dim, seed=sum(grid) + 7 * heads, dtype=dtype)
@@ -178,31 +179,10 @@ def test_hopper_fine_matches_reference(prefix, grid, heads, dim, sparsity, dtype
     scores = tile_scores(pool_tiles_naive(q, plan), pool_tiles_naive(k, plan))
     coarse = coarse_attention_naive(scores, pool_tiles_naive(v, plan)) if with_gate else None
     out = torch.full_like(q, float("nan"))
-    fine_attention_hopper(q, k, v, plan, select_tiles(scores, plan, sparsity), gate, coarse, out=out,
-                          query_tiles=query_tiles)
+    fine_attention_triton(q, k, v, plan, select_tiles(scores, plan, sparsity), gate, coarse, out=out, tma=True)
     tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(out, ref, **tol)
     assert rel_err(out, ref) < (1e-6 if dtype == torch.float32 else 1e-2)
-
-
-def test_pair_union_hand_computed():
-    from h3render.kernels.vsa.triton_hopper import pair_union
-
-    sel = torch.tensor([[[2, 5, 7], [3, 5, 9], [4, 6, 8]]], dtype=torch.int32)  # H = 1, V = 3 (odd), k = 3
-    keys, bits, count = pair_union(sel)
-    assert count.tolist() == [[5, 3]]
-    assert keys[0, 0, :5].tolist() == [2, 3, 5, 7, 9] and bits[0, 0, :5].tolist() == [1, 2, 3, 1, 2]
-    assert keys[0, 1, :3].tolist() == [4, 6, 8] and bits[0, 1, :3].tolist() == [3, 3, 3]
-    g = torch.Generator().manual_seed(13)
-    for v, n, k in ((4, 20, 7), (5, 9, 8), (2, 30, 1), (3, 12, 6)):  # disjoint, near-full, single-tile, mixed sets
-        sel = torch.stack([torch.randperm(n, generator=g)[:k].sort().values for _ in range(2 * v)]).view(2, v, k)
-        keys, bits, count = pair_union(sel.int() + 5)
-        for h, grp in ((0, 0), (1, (v - 1) // 2)):
-            first = set(sel[h, 2 * grp].tolist())
-            second = set(sel[h, 2 * grp + 1].tolist()) if 2 * grp + 1 < v else first
-            union = sorted(first | second)
-            assert count[h, grp] == len(union) and keys[h, grp, :len(union)].tolist() == [x + 5 for x in union]
-            assert bits[h, grp, :len(union)].tolist() == [(x in first) + 2 * (x in second) for x in union]
 
 
 def test_gather_tiles_matches_to_tiles_on_valid_slots():
@@ -214,6 +194,8 @@ def test_gather_tiles_matches_to_tiles_on_valid_slots():
     gathered = gather_tiles(x, plan)
     assert torch.equal(gathered[valid], to_tiles(x, plan)[valid])
     assert torch.equal(gathered[~valid], x[0].expand(int((~valid).sum()), -1, -1))  # pad slots: row 0, finite
+    strided = gather_tiles(x[:, 1:], plan)  # a Ulysses head slice: the TMA kernel views the result as [n*64, H*D]
+    assert strided.is_contiguous() and torch.equal(strided, gathered[:, 1:])
 
 
 def test_triton_reads_strided_rows():
