@@ -2,9 +2,11 @@
 
 The pool kernel and the fine kernel's queries read the packed rows `[S, H, D]` through the plan's `row_of_slot`
 (slot -> row, -1 on a pad slot); the fine kernel's keys and values come from tile-ordered copies `[n * 64, H, D]`
-(`tiles.gather_tiles`), so every key tile it visits is 64 consecutive slots at an address affine in the tile id, which the
-Triton pipeliner can prefetch (per-row index loads measured 0.090 s per layer at 1344x768x243 on an H200, 2026-12-01).
-The output is written in packed row order.
+(`tiles.gather_tiles`), so every key tile it visits is 64 consecutive slots at an address affine in the tile id,
+which the Triton pipeliner can prefetch (per-row index loads measured 0.090 s per layer at 1344x768x243 on an H200,
+2026-12-01). The output is written in packed row order. On sm_90+ GPUs `fine_attention_triton` launches the same
+algorithm with TMA key/value loads (`triton_hopper.py`, 5 % faster on an H200); the pointer kernel here is the
+checked alternative and the kernel of older GPUs.
 
 Fine kernel, one program per (head, 64-row query tile), query tiles fastest, head by head:
 * query tiles below `dense_q` (the prefix tiles; all tiles when k == V) visit key tiles 0..n-1;
