@@ -227,14 +227,19 @@ def stage_vsa(args) -> None:
 
     rec(stage="vsa", what="VSA coarse stage (pool, scores, top-k, coarse out)", ours_s=round(cuda_time(coarse), 4))
     _, sel, out_c = coarse()
-    # Each fixed launch setting, then the autotuned default (issue 26: the autotuner's pick among FINE_CONFIGS).
-    for warps, stages in FINE_CONFIGS + ((None, None),):
-        fn = lambda: fine_attention_triton(q, k, v, plan, sel, gate, out_c, num_warps=warps,  # noqa: E731
-                                           num_stages=stages)
-        t = cuda_time(fn, reps=5, warm=2)
-        label = f"num_warps={warps} num_stages={stages}" if warps else f"autotuned (picked {tuned_fine_config()})"
-        rec(stage="vsa", what=f"VSA fine+gate Triton {label}",
-            ours_s=round(t, 4), tflops=round(flop_dense * density / t / 1e12, 1), rel_err=rel_err(fn()[:, sub], ref))
+    # Each fixed launch setting, then the autotuned pick (issue 26), of the pointer kernel (tma=False) and of the TMA
+    # kernel (kernels/vsa/triton_hopper.py, the default on sm_90).
+    from h3render.kernels.vsa.triton_hopper import TMA_CONFIGS
+
+    for tma, configs in ((False, FINE_CONFIGS), (True, TMA_CONFIGS)):
+        for warps, stages in configs + ((None, None),):
+            fn = lambda: fine_attention_triton(q, k, v, plan, sel, gate, out_c, num_warps=warps,  # noqa: E731
+                                               num_stages=stages, tma=tma)
+            t = cuda_time(fn, reps=5, warm=2)
+            label = (f"num_warps={warps} num_stages={stages}" if warps
+                     else f"autotuned (picked {tuned_fine_config(tma=tma)})")
+            rec(stage="vsa", what=f"VSA fine+gate Triton{' TMA' if tma else ''} {label}", ours_s=round(t, 4),
+                tflops=round(flop_dense * density / t / 1e12, 1), rel_err=rel_err(fn()[:, sub], ref))
     del q, k, v, gate, ref, sel, out_c
     torch.cuda.empty_cache()
     if args.vsa_layer_only:

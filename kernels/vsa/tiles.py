@@ -163,6 +163,21 @@ def to_tiles(x: torch.Tensor, plan: TilePlan) -> torch.Tensor:
     return out
 
 
+def gather_tiles(x: torch.Tensor, plan: TilePlan) -> torch.Tensor:
+    """Packed rows in tile order for the fine kernels: one gather, no zero fill.
+
+    Args:
+        x: `[S, ...]` packed rows (S = plan.seq_len).
+    Returns:
+        `[n * 64, ...]`, same dtype, contiguous; a pad slot holds a copy of row 0 (finite: the fine kernels give pad
+        keys -inf scores, so their p is 0 and a finite pad value adds 0 to P·V). `to_tiles` zero-fills the pad and
+        scatters: a memset plus a scatter, measured slower (scripts/vsa_probe.py, docs/performance.md §19).
+    """
+    if x.shape[0] != plan.seq_len:
+        raise ValueError(f"kernels/vsa/tiles.py: gather_tiles: {x.shape[0]} rows, the plan tiles {plan.seq_len}")
+    return x.index_select(0, plan.row_of_slot.clamp(min=0))
+
+
 def from_tiles(x_t: torch.Tensor, plan: TilePlan) -> torch.Tensor:
     """Inverse of `to_tiles`: `[n * 64, ...]` -> `[S, ...]` in packed row order."""
     return x_t[plan.slot]

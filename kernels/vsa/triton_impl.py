@@ -2,9 +2,11 @@
 
 The pool kernel and the fine kernel's queries read the packed rows `[S, H, D]` through the plan's `row_of_slot`
 (slot -> row, -1 on a pad slot); the fine kernel's keys and values come from tile-ordered copies `[n * 64, H, D]`
-(`tiles.to_tiles`), so every key tile it visits is 64 consecutive slots at an address affine in the tile id, which the
-Triton pipeliner can prefetch (per-row index loads measured 0.090 s per layer at 1344x768x243 on an H200, 2026-12-01).
-The output is written in packed row order.
+(`tiles.gather_tiles`), so every key tile it visits is 64 consecutive slots at an address affine in the tile id,
+which the Triton pipeliner can prefetch (per-row index loads measured 0.090 s per layer at 1344x768x243 on an H200,
+2026-12-01). The output is written in packed row order. With `tma=True` (sm_90+) `fine_attention_triton` launches
+the same algorithm with TMA key/value loads (`triton_hopper.py`, 5 % faster on an H200); it becomes the default on
+those GPUs once its final form has run on one (`TMA_BY_DEFAULT`).
 
 Fine kernel, one program per (head, 64-row query tile), query tiles fastest, head by head:
 * query tiles below `dense_q` (the prefix tiles; all tiles when k == V) visit key tiles 0..n-1;
@@ -25,7 +27,7 @@ import triton
 import triton.language as tl
 
 from h3render.kernels.utils import interpreting
-from h3render.kernels.vsa.tiles import TILE, TilePlan, to_tiles
+from h3render.kernels.vsa.tiles import TILE, TilePlan, gather_tiles
 
 LOG2E = 1.4426950408889634  # exp(x) = exp2(x * log2(e))
 
@@ -57,7 +59,7 @@ def _pool_kernel(
 @triton.jit
 def _fine_kernel(
     q_ptr, o_ptr,  # [S, H, D] packed rows (any row/head strides, unit stride over D)
-    kt_ptr, vt_ptr,  # [n * TILE, H, D] keys / values in tile order (slot = tile * 64 + offset); pad slots of v zero
+    kt_ptr, vt_ptr,  # [n * TILE, H, D] keys / values in tile order (slot = tile * 64 + offset); pad slots finite
     gate_ptr,  # [S, H, D] (GATE only)
     coarse_ptr,  # [H, n, D] fp32 coarse output per tile (GATE only)
     row_of_slot_ptr,  # [n * TILE] int32, -1 on a pad slot
@@ -147,9 +149,18 @@ _fine_tuned = triton.autotune(
 )(_fine_kernel)
 
 
-def tuned_fine_config(shape_key: tuple | None = None) -> tuple[int, int] | None:
-    """(num_warps, num_stages) the autotuner picked for the last tuned shape (or `shape_key`), None before."""
-    cache = getattr(_fine_tuned, "cache", {})
+# The TMA kernel as timed (docs/performance.md §19, tree 25de9a1: fine 0.0562-0.0578 s against 0.0595-0.0606 s) held
+# the two-query-tile branches since removed; the kernel as shipped has run in the interpreter only, and its CUDA cases
+# (tests/unit/test_vsa.py) not yet on a GPU. Not the default of a renderer until they have.
+TMA_BY_DEFAULT = False
+
+
+def tuned_fine_config(shape_key: tuple | None = None, tma: bool = False) -> tuple[int, int] | None:
+    """(num_warps, num_stages) the autotuner (of the TMA kernel with `tma`) picked for the last tuned shape (or
+    `shape_key`), None before."""
+    from h3render.kernels.vsa.triton_hopper import _fine_tma_tuned
+
+    cache = getattr(_fine_tma_tuned if tma else _fine_tuned, "cache", {})
     if not cache:
         return None
     config = cache[shape_key] if shape_key is not None else list(cache.values())[-1]
@@ -185,6 +196,7 @@ def fine_attention_triton(
     out: torch.Tensor | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    tma: bool | None = None,
 ) -> torch.Tensor:
     """Block-sparse fine attention (plus the gated coarse add when `gate` is given), packed rows in and out.
 
@@ -196,8 +208,11 @@ def fine_attention_triton(
         gate: `[S, H, D]` or None; coarse: `[H, n, D]` fp32 coarse output, required with `gate`.
         out: optional `[S, H, D]` output buffer.
         num_warps, num_stages: launch settings (4 warps = one Hopper warpgroup per 64-row tile); None (both) = on
-            CUDA the autotuner's pick among `FINE_CONFIGS` for this shape (timed once, on the shape's first call),
-            in the interpreter 4 and 1.
+            CUDA the autotuner's pick among `FINE_CONFIGS` (`triton_hopper.TMA_CONFIGS` with TMA) for this shape
+            (timed once, on the shape's first call), in the interpreter 4 and 1.
+        tma: read keys / values through tensor descriptors (`triton_hopper`, bulk tensor copies on sm_90; 5 %
+            faster on an H200, docs/performance.md §19); None = `TMA_BY_DEFAULT` on CUDA GPUs of compute capability
+            >= 9.0, else the pointer kernel here. True runs it in the interpreter too.
     Returns:
         `[S, H, D]` in q's dtype.
     """
@@ -216,23 +231,28 @@ def fine_attention_triton(
                              f"K], got {sel.dtype} {list(sel.shape)}")
     g = gate if gate is not None else q
     c = coarse if coarse is not None else q
-    # one row scatter each (≈1 GB at 1344x768x243): key/value loads at addresses affine in the tile id
-    kt, vt = to_tiles(k, plan), to_tiles(v, plan)
-    launch: dict = {"num_warps": num_warps, "num_stages": num_stages}
-    kernel = _fine_kernel
+    # one row gather each (≈1 GB at 1344x768x243): key/value loads at addresses affine in the tile id
+    kt, vt = gather_tiles(k, plan), gather_tiles(v, plan)
+    launch: dict | None = {"num_warps": num_warps, "num_stages": num_stages}
+    compiled = q.is_cuda and not interpreting()
     if num_warps is None and num_stages is None:
-        if q.is_cuda and not interpreting():
-            kernel, launch = _fine_tuned, {}
-        else:
-            launch = {"num_warps": 4, "num_stages": 1}
+        launch = None if compiled else {"num_warps": 4, "num_stages": 1}  # None: autotune
     elif num_warps is None or num_stages is None:
         raise ValueError("kernels/vsa/triton_impl.py: give num_warps and num_stages together (or neither: autotune)")
+    from h3render.kernels.vsa import triton_hopper
+
+    use_tma = tma if tma is not None else compiled and TMA_BY_DEFAULT and triton_hopper.tma_supported(q)
+    if use_tma:
+        triton_hopper.launch_fine_tma(q, out, kt, vt, g, c, plan, sel, dense_q, topk, gate=gate is not None,
+                                      upcast=not q.is_cuda and interpreting(), launch=launch)
+        return out
+    kernel = _fine_tuned if launch is None else _fine_kernel
     kernel[(plan.num_tiles, heads)](
         q, out, kt, vt, g, c, plan.row_of_slot, plan.sizes, sel,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), kt.stride(0), kt.stride(1), g.stride(0), g.stride(1),
         plan.num_tiles, plan.num_prefix, plan.num_video, dense_q, topk,
         LOG2E / math.sqrt(d),
         HEAD_DIM=d, TILE_ROWS=TILE, GATE=gate is not None, IEEE=q.dtype == torch.float32,
-        UPCAST=not q.is_cuda and interpreting(), **launch,
+        UPCAST=not q.is_cuda and interpreting(), **(launch or {}),
     )
     return out

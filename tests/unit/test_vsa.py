@@ -153,10 +153,49 @@ def test_triton_matches_reference(prefix, grid, heads, dim, sparsity, dtype, wit
 
         coarse = coarse_attention_naive(scores, pool_tiles_naive(v, plan))
     out = torch.full_like(q, float("nan"))
-    fine_attention_triton(q, k, v, plan, select_tiles(scores, plan, sparsity), gate, coarse, out=out)
+    # the pointer kernel (tma=False: whatever the default, `TMA_BY_DEFAULT`; the TMA kernel is tested below)
+    fine_attention_triton(q, k, v, plan, select_tiles(scores, plan, sparsity), gate, coarse, out=out, tma=False)
     tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(out, ref, **tol)
     assert rel_err(out, ref) < (1e-6 if dtype == torch.float32 else 1e-2)
+
+
+# Odd prefix tile count (3), odd video tile count (9), odd k (3), partial video and prefix tiles.
+ODD = ((70, 5), (1, 9, 9), 3, 32, 0.7)
+TMA_CASES = [(*CASES[0], F32, True), (*CASES[0], BF16, True), (*CASES[1], BF16, False), (*CASES[2], F32, True),
+             (*ODD, BF16, True), (*ODD, F32, False)]
+
+
+@pytest.mark.parametrize("prefix, grid, heads, dim, sparsity, dtype, with_gate", TMA_CASES)
+def test_tma_fine_matches_reference(prefix, grid, heads, dim, sparsity, dtype, with_gate):
+    """The TMA kernel (kernels/vsa/triton_hopper.py; the default on sm_90 GPUs) against the reference."""
+    from h3render.kernels.vsa.naive import coarse_attention_naive
+    from h3render.kernels.vsa.triton_impl import fine_attention_triton
+
+    plan = tile_plan(prefix, grid, FAST_DEVICE)
+    q, k, v, g = _rand(plan, heads, dim, seed=sum(grid) + 7 * heads, dtype=dtype)
+    gate = g if with_gate else None
+    ref = vsa_attention_naive(q, k, v, gate, plan, sparsity)
+    scores = tile_scores(pool_tiles_naive(q, plan), pool_tiles_naive(k, plan))
+    coarse = coarse_attention_naive(scores, pool_tiles_naive(v, plan)) if with_gate else None
+    out = torch.full_like(q, float("nan"))
+    fine_attention_triton(q, k, v, plan, select_tiles(scores, plan, sparsity), gate, coarse, out=out, tma=True)
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(out, ref, **tol)
+    assert rel_err(out, ref) < (1e-6 if dtype == torch.float32 else 1e-2)
+
+
+def test_gather_tiles_matches_to_tiles_on_valid_slots():
+    from h3render.kernels.vsa.tiles import gather_tiles
+
+    plan = tile_plan((70, 5), (1, 9, 9))
+    (x,) = _rand(plan, 2, 4, seed=12, n=1)
+    valid = plan.row_of_slot >= 0
+    gathered = gather_tiles(x, plan)
+    assert torch.equal(gathered[valid], to_tiles(x, plan)[valid])
+    assert torch.equal(gathered[~valid], x[0].expand(int((~valid).sum()), -1, -1))  # pad slots: row 0, finite
+    strided = gather_tiles(x[:, 1:], plan)  # a Ulysses head slice: the TMA kernel views the result as [n*64, H*D]
+    assert strided.is_contiguous() and torch.equal(strided, gathered[:, 1:])
 
 
 def test_triton_reads_strided_rows():

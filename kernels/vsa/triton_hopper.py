@@ -1,0 +1,139 @@
+"""The VSA-H3 fine kernel with TMA key/value loads (Hopper, sm_90+): the default fine kernel on such GPUs.
+
+Same contract as `triton_impl._fine_kernel` (one program per (head, 64-row query tile), block-sparse attention over
+the kept 64-slot key tiles, the gated coarse add fused in the epilogue, packed rows in and out). The difference: keys
+and values are read through tensor descriptors, `TensorDescriptor` over the tile-ordered copies viewed as
+`[n * 64, H * D]` with block `[64, D]` at `(tile * 64, h * D)`, so on sm_90 the pipeliner issues bulk tensor copies
+completing on mbarriers instead of 128 threads' cp.async addresses. At 1344x768x243, s = 0.9 on an H200
+(2026-12-02, docs/performance.md §19): 0.0562-0.0578 s against 0.0595-0.0606 s for the pointer kernel, same inputs.
+
+Measured and dropped (§19): two query tiles per program (128 rows, 8 warps) over the union of their kept sets, 0.094
+s on random inputs (the union is 1.9 k) and 0.059 s even when both tiles keep the same set; Triton 3.6's automatic
+warp specialization of the key loop (does not compile for this loop: NVGPUWarpSpecialization fails).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from h3render.kernels.vsa.tiles import TILE, TilePlan
+
+
+@triton.jit
+def _fine_tma_kernel(
+    q_ptr, o_ptr,  # [S, H, D] packed rows (any row/head strides, unit stride over D)
+    desc_k, desc_v,  # TensorDescriptor over [n * TILE, H * D] tile-ordered keys / values, block [TILE, D]
+    gate_ptr,  # [S, H, D] (GATE only)
+    coarse_ptr,  # [H, n, D] fp32 coarse output per tile (GATE only)
+    row_of_slot_ptr,  # [n * TILE] int32, -1 on a pad slot
+    sizes_ptr,  # [n] int32 valid rows per tile
+    sel_ptr,  # [H, V, topk] int32 absolute key tile ids, ascending (unused when dense_q == n)
+    stride_qs, stride_qh, stride_os, stride_oh, stride_gs, stride_gh,
+    num_tiles, num_prefix, num_video, dense_q, topk,
+    scale_log2,  # log2(e) / sqrt(D)
+    HEAD_DIM: tl.constexpr,
+    TILE_ROWS: tl.constexpr,
+    GATE: tl.constexpr,
+    IEEE: tl.constexpr,  # fp32 inputs: exact fp32 dots (no TF32)
+    UPCAST: tl.constexpr,  # interpreter only: its bf16 dot is wrong, an fp32 dot of the same bf16 values is exact
+):
+    # Programs run head by head, query tiles fastest: the programs in flight read one head's keys and values, which
+    # stay in L2 (see triton_impl._fine_kernel).
+    qt = tl.program_id(0)
+    h = tl.program_id(1)
+    offs_m = tl.arange(0, TILE_ROWS)
+    offs_d = tl.arange(0, HEAD_DIM)
+
+    q_rows = tl.load(row_of_slot_ptr + qt * TILE_ROWS + offs_m)
+    q_valid = q_rows >= 0
+    q_rows = tl.where(q_valid, q_rows, 0).to(tl.int64)
+    q = tl.load(q_ptr + q_rows[:, None] * stride_qs + h * stride_qh + offs_d[None, :], mask=q_valid[:, None],
+                other=0.0)
+
+    m_i = tl.full([TILE_ROWS], -1.0e30, dtype=tl.float32)  # finite start: every tile holds >= 1 row anyway
+    l_i = tl.zeros([TILE_ROWS], dtype=tl.float32)
+    acc = tl.zeros([TILE_ROWS, HEAD_DIM], dtype=tl.float32)
+
+    dense = qt < dense_q
+    count = tl.where(dense, num_tiles, num_prefix + topk)
+    vq = tl.maximum(qt - num_prefix, 0)
+    sel_row = sel_ptr + (h.to(tl.int64) * num_video + vq) * topk
+    col = h * HEAD_DIM
+    for j in range(0, count):
+        pick = tl.minimum(tl.maximum(j - num_prefix, 0), topk - 1)
+        picked = tl.load(sel_row + pick, mask=qt >= dense_q, other=0)
+        kv = tl.where(dense | (j < num_prefix), j, picked)
+        size = tl.load(sizes_ptr + kv)
+        k = desc_k.load([kv * TILE_ROWS, col])  # [TILE, D], one bulk tensor copy
+        v = desc_v.load([kv * TILE_ROWS, col])
+        if UPCAST:
+            qk = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+        elif IEEE:
+            qk = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            qk = tl.dot(q, tl.trans(k))
+        qk = tl.where(offs_m[None, :] < size, qk * scale_log2, float("-inf"))  # pad key slots: p = 0
+        m_new = tl.maximum(m_i, tl.max(qk, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(qk - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        if UPCAST:
+            pv = tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32), input_precision="ieee")
+            acc = acc * alpha[:, None] + pv
+        elif IEEE:
+            acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision="ieee")
+        else:
+            acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
+        m_i = m_new
+
+    out = (acc / l_i[:, None]).to(o_ptr.dtype.element_ty)
+    if GATE:
+        c = tl.load(coarse_ptr + (h * num_tiles + qt) * HEAD_DIM + offs_d).to(o_ptr.dtype.element_ty)  # [D]
+        g = tl.load(gate_ptr + q_rows[:, None] * stride_gs + h * stride_gh + offs_d[None, :], mask=q_valid[:, None],
+                    other=0.0)
+        cg = (c.to(tl.float32)[None, :] * g.to(tl.float32)).to(o_ptr.dtype.element_ty)
+        out = (out.to(tl.float32) + cg.to(tl.float32)).to(o_ptr.dtype.element_ty)
+    tl.store(o_ptr + q_rows[:, None] * stride_os + h * stride_oh + offs_d[None, :], out, mask=q_valid[:, None])
+
+
+# 4 warps (one warpgroup per 64-row tile) x 2, 3, 4 stages: 0.0562, 0.0570, 0.0567 s at 1344x768x243, s = 0.9 on an
+# H200 (2026-12-02), within 1.5 % of each other, so the autotuner picks per shape, as for the pointer kernel.
+TMA_CONFIGS = ((4, 2), (4, 3), (4, 4))
+_fine_tma_tuned = triton.autotune(
+    configs=[triton.Config({}, num_warps=w, num_stages=st) for w, st in TMA_CONFIGS],
+    key=["num_tiles", "num_prefix", "topk", "dense_q"],
+)(_fine_tma_kernel)
+
+
+def tma_supported(x: torch.Tensor) -> bool:
+    """Whether `x`'s device runs the TMA kernel compiled: a CUDA GPU of compute capability 9.0 or newer."""
+    return x.is_cuda and torch.cuda.get_device_capability(x.device)[0] >= 9
+
+
+def launch_fine_tma(q, out, kt, vt, g, c, plan: TilePlan, sel, dense_q: int, topk: int, *, gate: bool,
+                    upcast: bool, launch: dict | None) -> None:
+    """Launch the TMA fine kernel; `fine_attention_triton` checks the arguments and builds kt, vt.
+
+    Args:
+        q, out, g: `[S, H, D]`; kt, vt: `[n * 64, H, D]` contiguous tile-ordered keys / values; c: `[H, n, D]` fp32
+            (or any tensor without a gate); sel: `[H, V, topk]` int32 (any int32 tensor when dense_q == n).
+        launch: {"num_warps", "num_stages"}, or None: the autotuner's pick among `TMA_CONFIGS` for this shape.
+    """
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    s, heads, d = q.shape
+    # [n * 64, H * D]: a key tile of head h is the [64, D] box at (tile * 64, h * D).
+    desc_k = TensorDescriptor.from_tensor(kt.view(kt.shape[0], heads * d), [TILE, d])
+    desc_v = TensorDescriptor.from_tensor(vt.view(vt.shape[0], heads * d), [TILE, d])
+    kernel = _fine_tma_tuned if launch is None else _fine_tma_kernel
+    kernel[(plan.num_tiles, heads)](
+        q, out, desc_k, desc_v, g, c, plan.row_of_slot, plan.sizes, sel,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), g.stride(0), g.stride(1),
+        plan.num_tiles, plan.num_prefix, plan.num_video, dense_q, topk,
+        1.4426950408889634 / math.sqrt(d),  # log2(e) / sqrt(D): exp(x) = exp2(x * log2(e))
+        HEAD_DIM=d, TILE_ROWS=TILE, GATE=gate, IEEE=q.dtype == torch.float32, UPCAST=upcast, **(launch or {}),
+    )
