@@ -328,10 +328,9 @@ def make_checkpoint_command(out, config, layout, seed, adapter, adapter_kind, ad
     FastH3 student kind for it: a dense or VSA adapter file, the v1 LoRA bundle, or a full student checkpoint."""
 
     def run() -> int:
-        from h3render.make_checkpoint.writer import check_extras, check_output, make_checkpoint, \
-            write_synthetic_full_student
+        from h3render.make_checkpoint.targets import check_extras, check_output
 
-        # Before anything is written (the writers check again).
+        # Before anything is written or torch is imported (the writers check again).
         if adapter_kind is not None and adapter is None:
             raise SettingsError("--adapter-kind needs --adapter FILE")
         if student is not None and layout == "single-file":
@@ -342,6 +341,8 @@ def make_checkpoint_command(out, config, layout, seed, adapter, adapter_kind, ad
                                 f"drop --adapter / --adapter-bundle")
         usage(check_output, out, layout)
         usage(check_extras, adapter, adapter_bundle)
+        from h3render.make_checkpoint.writer import make_checkpoint, write_synthetic_full_student
+
         if student is not None:
             path = write_synthetic_full_student(out, student, config, layout, seed)
             print(f"h3render: wrote a random {config} FastH3 {student} student checkpoint ({layout} layout) to "

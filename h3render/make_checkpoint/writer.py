@@ -38,6 +38,7 @@ from h3render.checkpoint.names import QKV_NATIVE, VSA_GATE, deinterleave_qkv, di
 from h3render.checkpoint.releases import BUILTIN, RELEASES, Release, dit_fields
 from h3render.models.dit_config import DiTConfig
 from h3render.make_checkpoint.files import save_tensors
+from h3render.make_checkpoint.targets import check_extras, check_output
 from h3render.make_checkpoint.synthetic_adapter import FULL_STUDENTS, write_synthetic_adapter, write_synthetic_bundle
 
 LAYOUTS = ("official", "diffusers", "single-file")
@@ -109,44 +110,6 @@ def make_checkpoint(
         write_synthetic_adapter(adapter, release.dit, seed=seed, with_set_weight=adapter_kind == "vsa")
     if bundle is not None:
         write_synthetic_bundle(bundle, release.dit, seed=seed)
-    return out
-
-
-def check_extras(adapter: str | Path | None = None, bundle: str | Path | None = None) -> None:
-    """The adapter file and bundle folder `make_checkpoint` would also write, refused before anything is written:
-    the adapter a new file, the bundle a new or empty folder (as `check_output` holds OUT).
-
-    Raises:
-        ValueError: the message names the path and what to do.
-    """
-    if adapter is not None:
-        path = Path(adapter)
-        if path.exists():
-            raise ValueError(f"make-checkpoint: --adapter {adapter} already exists; name a new file")
-    if bundle is not None:
-        path = Path(bundle)
-        if path.exists() and (path.is_file() or any(path.iterdir())):
-            raise ValueError(f"make-checkpoint: --adapter-bundle {bundle} already exists and is not empty; name a "
-                             f"new or empty folder")
-
-
-def check_output(out_dir: str | Path, layout: str) -> Path:
-    """The path `make_checkpoint` would write `layout` to, refused before anything is written.
-
-    A "single-file" DiT must be named `*.safetensors`: `read_checkpoint_info` (hence `--checkpoint` and
-    `--transformer`) tells a single file from a checkpoint folder by that suffix, so a file named otherwise could
-    not be loaded. Any layout: the path must be new, or an empty folder.
-
-    Raises:
-        ValueError: the message names the path and what to do.
-    """
-    out = Path(out_dir)
-    if layout == "single-file" and out.suffix != ".safetensors":
-        raise ValueError(f"make-checkpoint: {out_dir}: a single-file checkpoint must end in .safetensors "
-                         f"(it is found by that suffix), e.g. {out.name}.safetensors")
-    if out.exists() and (out.is_file() or any(out.iterdir())):
-        raise ValueError(f"make-checkpoint: {out_dir} already exists and is not empty; name a new "
-                         f"{'file' if layout == 'single-file' else 'or empty folder'}")
     return out
 
 

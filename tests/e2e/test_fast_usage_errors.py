@@ -49,6 +49,11 @@ def test_usage_errors_come_before_torch_is_imported(tmp_path):
         "--checkpoint": (["prompt", "x", "-o", mp4, "--checkpoint", str(tmp_path / "none")], "does not exist"),
         "manifest": (["batch", str(bad), "--out-dir", str(tmp_path / "out")], "widht: unknown field"),
         "manifest file": (["batch", str(tmp_path / "none.jsonl"), "--out-dir", str(tmp_path / "out")], "none.jsonl"),
+        "make-checkpoint OUT": (["make-checkpoint", str(tmp_path)], "already exists and is not empty"),
+        "make-checkpoint single file": (["make-checkpoint", str(tmp_path / "dit.bin"), "--layout", "single-file"],
+                                        "must end in .safetensors"),
+        "make-checkpoint --adapter": (["make-checkpoint", str(tmp_path / "ckpt"), "--adapter", str(bad)],
+                                      "already exists; name a new file"),
     }
     probe = subprocess.run([sys.executable, "-c", _PROBE, json.dumps([args for args, _ in cases.values()])],
                            capture_output=True, text=True, cwd=REPO, timeout=300,

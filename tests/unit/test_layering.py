@@ -73,7 +73,7 @@ LAYERS: dict[int, tuple[str, ...]] = {
 LAYER_NAMES = {7: "front end", 6: "job path", 5: "writers", 4: "checkpoint", 3: "schedules", 2: "models",
                1: "kernels", 0: "foundation"}
 # The front end's modules that must import without torch (a manifest is checked before anything heavy loads).
-TORCH_FREE = ("h3render.spec", "h3render.windows", "h3render.errors", "h3render.exits", "h3render.runner", "h3render.sidecar", "h3render.jobs", "h3render.manifest", "h3render.manifest_formats",
+TORCH_FREE = ("h3render.make_checkpoint.targets", "h3render.spec", "h3render.windows", "h3render.errors", "h3render.exits", "h3render.runner", "h3render.sidecar", "h3render.jobs", "h3render.manifest", "h3render.manifest_formats",
               "h3render.manifest_fields", "h3render.shards", "h3render.dry_run",
               "h3render.job_keyframes", "h3render.job_references", "h3render.job_loras", "h3render.outputs",
               "h3render.settings", "h3render.batch", "h3render.report", "h3render.locks", "h3render.progress",
