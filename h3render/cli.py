@@ -23,7 +23,7 @@ from h3render.exits import EXIT_OK, EXIT_USAGE, UsageError, error_exit_code
 from h3render.job_loras import parse_lora_option
 from h3render.manifest import job_from_fields, read_manifest
 from h3render.outputs import blocker, prepare_out_dir
-from h3render.runner import Queue, plan_ranks, ran_distributed, run_jobs
+from h3render.runner import Queue, plan_ranks, ran_distributed, run_jobs, to_render
 from h3render.settings import (RunSettings, SettingsError, checkpoint_info, has_v2_contract, prompt_mode,
                                resolve_checkpoint, usage)
 from h3render.shards import parse_shard, shard_from_slurm, shard_jobs
@@ -275,11 +275,13 @@ def _batch(manifest, out_dir, shard, skip_existing, fail_fast, dry_run, quiet, o
                                             current=run.record(), run=run.summary(), limits=info.limits())))
         return EXIT_OK
     world = _check(run, info, jobs=jobs)
-    run = _plan_memory(run, info, jobs, world, quiet)
-    prepare_out_dir(out_dir)  # a file or a broken/looping symlink in the way: exit 2 before any rank starts
-    if notice and not quiet:  # checked: the queue runs (--quiet keeps the queue's own log only, as prompt's drops it)
-        say(notice)
     queue = Queue(out_dir, shard=shard_spec, overwrite=not skip_existing, fail_fast=fail_fast)
+    rendering = bool(to_render(jobs, queue))  # resumed with every job rendered: no memory plan, nothing loads
+    if rendering:
+        run = _plan_memory(run, info, jobs, world, quiet)
+    prepare_out_dir(out_dir)  # a file or a broken/looping symlink in the way: exit 2 before any rank starts
+    if notice and not quiet and rendering:  # checked: the queue runs (--quiet keeps the queue's own log only)
+        say(notice)
     end_status()
     return run_jobs(run, jobs, world, info.release.dit.num_attention_heads, quiet=quiet, queue=queue)
 

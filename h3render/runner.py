@@ -58,8 +58,14 @@ def run_jobs(run: RunSettings, jobs: Sequence, world: int, heads: int, *, quiet:
         heads: the DiT's attention heads (Ulysses splits whole heads).
         single: `h3render prompt`'s (MP4, sidecar) for its one job; else `queue` runs `jobs` as a batch.
     """
-    if world > 1 and queue is not None and not _to_render(jobs, queue):
-        world = 1  # a resumed queue with every job rendered: no ranks to start, no weights to load
+    if queue is not None and not to_render(jobs, queue):
+        # A resumed queue with every job rendered: no ranks to start, no weights to load, no torch to import (7 s
+        # before a trial's "nothing to render" report).
+        from h3render.batch import run_batch
+
+        return run_batch(list(jobs), _never_loaded, queue.out_dir, overwrite=queue.overwrite,
+                         fail_fast=queue.fail_fast, quiet=quiet, shard=queue.shard, render_order=render_order(jobs),
+                         current=run.record()).exit_code
     if world > 1:
         from h3render.parallel.launch import spawn
 
@@ -106,7 +112,7 @@ def _rank_main(run: RunSettings, jobs: list, heads: int, quiet: bool, single, qu
                                f"up ...")
         t0 = time.perf_counter()
         base_first = run.adapter is not None and any(j.mode == "t2va" for j in jobs)
-        engine = Engine.load(run, ctx, base_jobs_first=base_first, jobs=_to_render(jobs, queue))
+        engine = Engine.load(run, ctx, base_jobs_first=base_first, jobs=to_render(jobs, queue))
         engine.prepare(distinct_setups(jobs))
         if said:
             run.progress.write(f"h3render: loaded and warmed up in {time.perf_counter() - t0:.1f} s")
@@ -184,7 +190,11 @@ def _render_single(factory, job, mp4: Path, sidecar: Path, *, quiet: bool = Fals
     return EXIT_OK
 
 
-def _to_render(jobs, queue: Queue | None) -> list:
+def _never_loaded():
+    raise AssertionError("h3render/runner.py: a queue with nothing to render asked for the engine")
+
+
+def to_render(jobs, queue: Queue | None) -> list:
     """The jobs the queue will render (resume: finished, current ones left out), for the text phase of the phased
     and streamed memory plans, which encodes only those."""
     if queue is None:

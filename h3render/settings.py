@@ -344,6 +344,8 @@ def resolve_device(device: str | None) -> str:
     Raises:
         SettingsError: --device cuda without a CUDA device.
     """
+    if device == "cpu":
+        return device  # no torch import: a dry run or a resumed queue with nothing left answers at once
     import torch
 
     if device == "cuda" and not torch.cuda.is_available():

@@ -67,3 +67,30 @@ def test_usage_errors_come_before_torch_is_imported(tmp_path):
         assert code == 2 and len(lines) == 1 and needle in lines[0], (name, code, stderr)
     assert out["heavy"] == [], out["heavy"]
     assert not (tmp_path / "out").exists() and not (tmp_path / "a.mp4").exists()
+
+
+def test_a_resumed_queue_with_nothing_left_loads_nothing(tmp_path):
+    """A trial's nit: a resumed queue whose every job is rendered took 7 s to say so (the memory plan imported the
+    checkpoint loader and transformers, then a rank started and imported the engine). Now it answers from the
+    sidecars alone: the report says the job was skipped, and neither the engine nor the loader is imported."""
+    from tests._cli import run_here
+
+    (tmp_path / "q.jsonl").write_text('{"id": "a", "prompt": "a cat", "frames": 22, "width": 128, "height": 64, '
+                                      '"steps": 2}\n')
+    args = ("batch", "q.jsonl", "--out-dir", "out", "--device", "cpu")
+    first = run_here(*args, cwd=tmp_path)
+    assert first.returncode == 0, first.stderr
+    probe = _PROBE.replace("heavy = sorted(m for m in (\"torch\", \"transformers\", \"h3render.checkpoint.load\")",
+                           "heavy = sorted(m for m in (\"h3render.engine\", \"h3render.checkpoint.load\")")
+    done = subprocess.run([sys.executable, "-c", probe, json.dumps([list(args)])], capture_output=True, text=True,
+                          cwd=tmp_path, timeout=300, env={**{k: v for k, v in os.environ.items()
+                                                             if k != "H3RENDER_CHECKPOINT"},
+                                                          "PYTHONPATH": repo_pythonpath()})
+    assert done.returncode == 0, done.stderr
+    out = json.loads(done.stdout.splitlines()[-1])
+    (code, stderr), = out["results"]
+    assert code == 0 and "1 already rendered (skipped), 0 to render" in stderr, stderr
+    assert "renders noise" not in stderr  # the tiny model's notice is for a queue that renders
+    assert out["heavy"] == [], out["heavy"]
+    report = json.loads((tmp_path / "out" / "batch-report.json").read_text())
+    assert [(j["id"], j["status"]) for j in report["jobs"]] == [("a", "skipped")]

@@ -134,11 +134,11 @@ def test_a_prompt_that_fails_to_encode_fails_its_job_alone(renders):
 
 def test_the_text_phase_encodes_only_what_the_queue_will_render(renders):
     """Resume stays per job: the runner hands the text phase the jobs whose outputs are not complete."""
-    from h3render.runner import Queue, _to_render
+    from h3render.runner import Queue, to_render
 
     out, _ = renders
-    assert _to_render([A, B, C], Queue(str(out["phased"]))) == [C]  # A and B are rendered, C failed
-    assert _to_render([A, B, C], Queue(str(out["phased"]), overwrite=True)) == [A, B, C]
+    assert to_render([A, B, C], Queue(str(out["phased"]))) == [C]  # A and B are rendered, C failed
+    assert to_render([A, B, C], Queue(str(out["phased"]), overwrite=True)) == [A, B, C]
 
 
 def test_the_sidecar_records_the_plan(renders):
