@@ -191,7 +191,11 @@ def _render_single(factory, job, mp4: Path, sidecar: Path, *, quiet: bool = Fals
 
 
 def _never_loaded():
-    raise AssertionError("h3render/runner.py: a queue with nothing to render asked for the engine")
+    """The engine factory of a queue found complete: only reached when its outputs changed since that check (another
+    process removed one); those jobs then fail with this line and the next run renders them."""
+    from h3render.errors import RenderError
+
+    raise RenderError("the queue's outputs changed after it was found complete (another process?); run it again")
 
 
 def to_render(jobs, queue: Queue | None) -> list:
