@@ -181,3 +181,33 @@ def test_a_signal_during_the_dits_attention_at_the_largest_tiny_canvas_is_handle
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
+
+
+@pytest.mark.parametrize("sparse", [False, True])
+def test_the_qkv_projection_output_is_freed_before_attending(sparse):
+    """The projection output `[S, 3 * heads * head_dim]` is dead once q, k, v are normalized; alive through the
+    attention call it was the streamed plan's peak (3.2 GB at 1344x768x243, docs/performance.md §20)."""
+    import weakref
+
+    from h3render.models.dit import Attention
+
+    torch.manual_seed(0)
+    module = Attention(64, 4, 16, 1e-6)
+    if sparse:  # VSA: the gate projection reads the same input; `sparse` stands in for `SparseAttention`
+        module.gate_proj = torch.nn.Linear(64, 64, bias=False)
+    project, refs, alive = module.qkv_proj.forward, [], []
+
+    def tracked(x):
+        out = project(x)
+        refs.append(weakref.ref(out))
+        return out
+
+    def attend(q, k, v, gate=None):
+        alive.append(refs[-1]() is not None)
+        return v
+
+    module.qkv_proj.forward = tracked
+    module.attention = attend
+    with torch.no_grad():
+        out = module(torch.randn(50, 64), None, attend if sparse else None)
+    assert out.shape == (50, 64) and alive == [False]
