@@ -92,3 +92,28 @@ def test_cli_mixed_queue_renders_base_jobs_then_the_student(adapter, tmp_path):
     # resume with another CRF: skipped, and the log says what differs
     r = invoke("batch", str(manifest), "--out-dir", str(out), "--quiet", "--crf", "23")  # in-process
     assert r.exit_code == 0 and "job 1/3 a (a.mp4) skipped: rendered earlier with crf 18 (now 23)" in r.stderr, r.stderr
+
+
+def test_keyframe_and_reference_jobs_render_on_the_base_weights_before_the_student(adapter, tmp_path):
+    """A trial: with an adapter, a queue holding an fl2va or ref2va job (mode t2va) passed every check, then failed
+    whole after loading ("FastH3 students are t2va-only"). They run before the student is fused, as t2va jobs do."""
+    import json
+
+    from tests._cli import run_forked
+    from tests._media import png
+
+    png(tmp_path / "fox.png", (64, 40), seed=0)
+    png(tmp_path / "first.png", (128, 64), seed=1)
+    common = {"frames": 22, "width": 128, "height": 64}
+    lines = [{"defaults": {"adapter": adapter}},
+             {"id": "f", "prompt": "fast", "mode": "fasth3", **common},
+             {"id": "r", "prompt": "A red fox", "references": ["fox.png"], "steps": 2, **common},
+             {"id": "k", "prompt": "A red fox", "first_frame": "first.png", "steps": 2, **common}]
+    (tmp_path / "m.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    r = run_forked("batch", str(tmp_path / "m.jsonl"), "--out-dir", str(tmp_path / "out"), "--quiet")
+    assert r.returncode == 0, r.stderr
+    done = [line.split()[4] for line in r.stderr.splitlines() if " succeeded in " in line]
+    assert done == ["k", "r", "f"]  # fl2va, then ref2va (its own partition), then the fused student
+    sides = {n: json.loads((tmp_path / "out" / f"{n}.json").read_text()) for n in "frk"}
+    assert sides["r"]["job"]["task"] == "ref2va" and sides["k"]["job"]["task"] == "fl2va"
+    assert ["fasth3" in sides[n]["extra"] for n in "frk"] == [True, False, False]
