@@ -307,7 +307,7 @@ def presets_command(checkpoint) -> None:
 
 
 @cli.command("make-checkpoint", short_help="Write a random checkpoint (or FastH3 student) in a real on-disk layout.")
-@click.argument("out", type=click.Path(file_okay=False))
+@click.argument("out", type=click.Path())  # checked by make_checkpoint.targets (a single file is a file)
 @click.option("--config", "config", type=click.Choice(["tiny", "small"]), default="tiny", show_default=True)
 @click.option("--layout", type=click.Choice(["official", "diffusers", "single-file"]), default="official",
               show_default=True, help="single-file: OUT is one .safetensors DiT (ComfyUI style, q/k/v stacked).")
@@ -342,7 +342,7 @@ def make_checkpoint_command(out, config, layout, seed, adapter, adapter_kind, ad
             raise SettingsError(f"--student {student} writes a full FastH3 checkpoint, which takes no adapter; "
                                 f"drop --adapter / --adapter-bundle")
         usage(check_output, out, layout)
-        usage(check_extras, adapter, adapter_bundle)
+        usage(check_extras, adapter, adapter_bundle, out)
         from h3render.make_checkpoint.writer import make_checkpoint, write_synthetic_full_student
 
         if student is not None:

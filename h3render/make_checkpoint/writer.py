@@ -94,7 +94,7 @@ def make_checkpoint(
         raise ValueError(f"make-checkpoint: unknown adapter kind {adapter_kind!r} (choose from "
                          f"{', '.join(ADAPTER_KINDS)})")
     out = check_output(out_dir, layout)
-    check_extras(adapter, bundle)
+    check_extras(adapter, bundle, out_dir)
     release = RELEASES[config]
 
     if layout == "single-file":
