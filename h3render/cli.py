@@ -212,8 +212,8 @@ def _lora_options(values) -> list[dict]:
 @click.argument("manifest", type=click.Path(dir_okay=False))
 @click.option("--out-dir", default="renders", show_default=True, help="Folder for MP4s, sidecars and the report.")
 @click.option("--shard", default=None, help='This task\'s shard "i/n" (0-based); default from SLURM_ARRAY_TASK_*.')
-@click.option("--skip-existing/--overwrite", default=True, show_default=True,
-              help="Resume (skip finished, current jobs) or render everything again.")
+@click.option("--skip-existing", is_flag=True, help="Resume: skip finished, current jobs (the default).")
+@click.option("--overwrite", is_flag=True, help="Render every job again, replacing its outputs.")
 @click.option("--fail-fast", is_flag=True, help="Stop after the first failed job.")
 @click.option("--dry-run", is_flag=True, help="Validate and print the plan; load nothing.")
 @click.option("--quiet", is_flag=True, help="One log line per job; no bars, no stage lines.")
@@ -226,7 +226,7 @@ def _lora_options(values) -> list[dict]:
               help="Batch-wide default canvas preset (see `h3render presets`): replaces the manifest's default "
                    "canvas; a job's own preset/aspect/width/height win.")
 @engine_options
-def batch_command(manifest, out_dir, shard, skip_existing, fail_fast, dry_run, quiet, **opts) -> None:
+def batch_command(manifest, out_dir, shard, skip_existing, overwrite, fail_fast, dry_run, quiet, **opts) -> None:
     """Render every job of MANIFEST (JSONL or YAML; schema in docs/manifest.md) with one resident model.
 
     Docs, JSON schemas and the SLURM script are installed with h3render: `python -m h3render.docs` lists them.
@@ -238,7 +238,13 @@ def batch_command(manifest, out_dir, shard, skip_existing, fail_fast, dry_run, q
     Progress: on a terminal a queue bar and a bar per stage of the running job; in a log one line per job, plus
     stage lines only for a stage that runs 10 s or longer; --quiet keeps the job lines only.
     """
-    _exit(_main_guard(_batch, manifest, out_dir, shard, skip_existing, fail_fast, dry_run, quiet, opts))
+    if skip_existing and overwrite:  # a flag pair let the last one win: skipping asked for, outputs replaced
+        _exit(_main_guard(_refuse, "--skip-existing and --overwrite ask for opposite things; give one"))
+    _exit(_main_guard(_batch, manifest, out_dir, shard, not overwrite, fail_fast, dry_run, quiet, opts))
+
+
+def _refuse(message: str) -> int:
+    raise SettingsError(message)
 
 
 def _batch(manifest, out_dir, shard, skip_existing, fail_fast, dry_run, quiet, opts) -> int:

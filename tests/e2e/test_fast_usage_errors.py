@@ -62,6 +62,8 @@ def test_usage_errors_come_before_torch_is_imported(tmp_path):
                                                     str(tmp_path / "c" / "b")], "is inside OUT"),
         "make-checkpoint folder .safetensors": (["make-checkpoint", str(tmp_path / "c.safetensors")],
                                                 "a checkpoint folder cannot end in .safetensors"),
+        "--skip-existing --overwrite": (["batch", str(bad), "--skip-existing", "--overwrite"],
+                                        "ask for opposite things"),  # a flag pair let the last one win
         "make-checkpoint onto a file": (["make-checkpoint", str(bad), "--layout", "single-file"],
                                         "must end in .safetensors"),
     }
