@@ -113,13 +113,13 @@ class MemoryPlan:
         return self.limit is None or self.peak <= self.limit
 
     def describe_peak(self) -> str:
-        parts = ", ".join(f"{k} {v / GB:.1f}" for k, v in self.phases.items())
-        return f"{self.peak / GB:.1f} GB expected peak ({parts})"
+        parts = ", ".join(f"{k} {_gb(v)}" for k, v in self.phases.items())
+        return f"{_gb(self.peak)} GB expected peak ({parts})"
 
     def log_line(self) -> str:
         """The run's one log line: `h3render: memory plan phased bf16: 63.1 GB expected peak (...) of 80.0 GB
         (--max-gpu-memory); <reason>`."""
-        limit = "no device limit" if self.limit is None else f"of {self.limit / GB:.1f} GB ({self.limit_source})"
+        limit = "no device limit" if self.limit is None else f"of {_gb(self.limit)} GB ({self.limit_source})"
         return f"h3render: memory plan {self.label}: {self.describe_peak()} {limit}; {self.reason}"
 
     def record(self) -> dict[str, Any]:
@@ -256,11 +256,19 @@ def choose(release, jobs: Sequence, *, asked: str = "auto", precision: str = "bf
             return MemoryPlan(name, prec, phases, plan.host_bytes, limit, limit_source, reason, canvas)
         tried.append(plan)
     smallest = min(tried, key=lambda p: p.peak)
-    what = f"--memory-plan {asked}" if asked != "auto" else "no memory plan"
     extra = f"; {'; '.join(steps.skipped)}" if steps.skipped else ""
-    raise PlanError(f"{what} fits {limit / GB:.1f} GB ({limit_source}) for the {canvas.describe()} job: the smallest, "
-                    f"{smallest.label}, needs {smallest.describe_peak()}{extra}; render a smaller canvas or fewer "
-                    f"frames, or use a larger GPU")
+    budget = f"{_gb(limit)} GB ({limit_source}) for the {canvas.describe()} job"
+    if asked != "auto":  # the plan asked for, not the smallest of a search (a trial read "fits" as the opposite)
+        raise PlanError(f"--memory-plan {asked} does not fit {budget}: {smallest.label} needs "
+                        f"{smallest.describe_peak()}{extra}; choose another --memory-plan (or auto), render a smaller "
+                        f"canvas or fewer frames, or use a larger GPU")
+    raise PlanError(f"no memory plan fits {budget}: the smallest, {smallest.label}, needs {smallest.describe_peak()}"
+                    f"{extra}; render a smaller canvas or fewer frames, or use a larger GPU")
+
+
+def _gb(n: float) -> str:
+    """Bytes as GB with one decimal, or two significant digits below 1 GB (0.0001 GB is not "0.0 GB")."""
+    return f"{n / GB:.1f}" if n >= 0.95 * GB else f"{n / GB:.2g}"
 
 
 def device_limit(run, world: int) -> tuple[int | None, str]:

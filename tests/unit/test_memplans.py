@@ -230,15 +230,15 @@ def test_the_chooser_refuses_what_cannot_fit(sizes):
     assert str(caught.value).startswith("no memory plan fits 12.0 GB (--max-gpu-memory) for the 1344x768x243 job: "
                                         "the smallest, streamed fp8, needs 13.2 GB expected peak (text 2.6, "
                                         "denoise 13.2, decode 8.4)")
-    with pytest.raises(memplan.PlanError, match=r"^--memory-plan resident fits 80.0 GB .* the smallest, resident "
-                                                r"bf16, needs 110.6 GB"):
+    with pytest.raises(memplan.PlanError, match=r"^--memory-plan resident does not fit 80.0 GB .* job: resident "
+                                                r"bf16 needs 110.6 GB"):
         memplan.choose(RELEASED, [BIG], asked="resident", limit=int(80e9), limit_source="--max-gpu-memory", vsa=True)
 
 
 def test_the_cli_refuses_before_loading(tmp_path):
     line = one_error_line(invoke("prompt", "a cat", "-o", str(tmp_path / "a.mp4"), "--device", "cpu",
                                  "--max-gpu-memory", "0.0001", "--frames", "22"))
-    assert line.startswith("h3render: error: no memory plan fits 0.0 GB (--max-gpu-memory) for the ") and \
+    assert line.startswith("h3render: error: no memory plan fits 0.0001 GB (--max-gpu-memory) for the ") and \
         "the smallest, streamed bf16, needs" in line  # fp32 activations on CPU: no fp8 rung
     assert list(tmp_path.iterdir()) == []
     line = one_error_line(invoke("prompt", "a cat", "-o", str(tmp_path / "b.mp4"), "--max-gpu-memory", "0"))
