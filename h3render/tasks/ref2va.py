@@ -172,10 +172,11 @@ def _reference_record(index: int, ref, item, encoded, frames: int) -> dict:
     if ref.type == "image":
         return {**out, "duration_s": None, "size": [ref.info["width"], ref.info["height"]],
                 "encoded_size": list(next(encoded).size), "used": "image"}
-    used = item.shape[-1] / AUDIO_RATE
+    used, target = item.shape[-1] / AUDIO_RATE, frames / spec.FPS
+    cut = ref.info.get("audio_duration_s") is None or ref.info["audio_duration_s"] > used + 1e-3
+    how = f"the clip cut to the {target:.3f} s target" if cut else f"all of it; the target is {target:.3f} s"
     return {**out, "duration_s": ref.info.get("audio_duration_s"), "sample_rate": ref.info.get("sample_rate"),
-            "channels": ref.info.get("channels"), "used": f"audio: first {used:.3f} s (the clip cut to the "
-            f"{frames / spec.FPS:.3f} s target), stereo"}
+            "channels": ref.info.get("channels"), "used": f"audio: first {used:.3f} s ({how}), stereo"}
 
 
 def warm_job(job):

@@ -129,3 +129,21 @@ def test_cli_refusals_are_one_line_before_load(media, monkeypatch, args, message
     assert message in line, line
     assert not (media / "out.mp4").exists() and not (media / "out.json").exists()
     assert "encode done" not in result.stderr  # refused before the engine
+
+
+def test_the_sidecar_says_whether_an_audio_reference_was_cut():
+    """A trial: a 0.5 s voice on a 1.625 s job was recorded as "the clip cut to the 1.625 s target"."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from h3render.tasks.ref2va import _reference_record
+
+    def used(seconds: float, frames: int) -> str:
+        ref = SimpleNamespace(type="audio", path="/v.wav", given="v.wav", sha256="0" * 64,
+                              info={"audio_duration_s": seconds, "sample_rate": 32000, "channels": 2})
+        kept = min(seconds, frames / 24)
+        return _reference_record(1, ref, torch.zeros(2, round(kept * 32000)), iter(()), frames)["used"]
+
+    assert used(0.5, 39) == "audio: first 0.500 s (all of it; the target is 1.625 s), stereo"
+    assert used(3.0, 39) == "audio: first 1.625 s (the clip cut to the 1.625 s target), stereo"
