@@ -312,8 +312,8 @@ class Engine(WarmUp):
         """
         info = self.c.info
         task = task_of(job)
-        # A student fused in a mixed queue's deferred fusion has not happened yet: fl2va and ref2va jobs (mode t2va)
-        # run on the base weights first, as t2va jobs do (a trial: the queue failed whole after loading).
+        # Until a mixed queue's deferred fusion runs the DiT holds the base weights: fl2va and ref2va jobs (mode t2va)
+        # render on them, as t2va jobs do (a trial: such a queue failed whole after loading).
         student_fused = self.fasth3 is not None and self._deferred_fusion is None
         if not task.FEW_STEP and (job.mode == "fasth3" or student_fused):
             raise RenderError(f"job {job.output!r} is {task.NAME}: FastH3 students are t2va-only; render it on the "

@@ -1,8 +1,10 @@
 """Host tensors carved out of large pinned slabs, so pinning a model costs its bytes and not up to twice them.
 
 torch's pinned (page-locked) host allocator rounds every allocation up to a power of two (ATen
-`CachingHostAllocator`, `PowerOf2Ceil`; torch 2.11 and 2.13): the released DiT's block linears are 77, 154, 231 and
-308 MB, which round to 128, 256, 256 and 512 MB, so a 40 GB DiT pinned tensor by tensor holds ≈60 GB of host memory.
+`CachingHostAllocator::allocate`, `PowerOf2Ceil`, as torch 2.13's headers show): the released DiT's block linears are
+77, 154, 231 and 308 MB, which round to 128, 256, 256 and 512 MB, so a 40 GB DiT pinned tensor by tensor would hold
+≈60 GB of host memory (computed). Measured with the slabs on the H200 host: the streamed fp8 DiT blocks hold 22.55 GB
+for 21.21 GB of tensors (docs/performance.md §20.1).
 Slabs of `SLAB_BYTES` (itself a power of two, so not rounded) filled first-fit lose only what no tensor fits into.
 """
 
