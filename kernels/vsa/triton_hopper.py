@@ -1,4 +1,5 @@
-"""The VSA-H3 fine kernel with TMA key/value loads (Hopper, sm_90+): the default fine kernel on such GPUs.
+"""The VSA-H3 fine kernel with TMA key/value loads (Hopper, sm_90+): `fine_attention_triton(..., tma=True)`; the
+default on such GPUs once `triton_impl.TMA_BY_DEFAULT` is set (after this form has run on one).
 
 Same contract as `triton_impl._fine_kernel` (one program per (head, 64-row query tile), block-sparse attention over
 the kept 64-slot key tiles, the gated coarse add fused in the epilogue, packed rows in and out). The difference: keys
