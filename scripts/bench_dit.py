@@ -226,6 +226,12 @@ def stage_vsa(args) -> None:
         return scores, select_tiles(scores, plan, s), coarse_attention_naive(scores, pool_tiles_triton(v, plan))
 
     rec(stage="vsa", what="VSA coarse stage (pool, scores, top-k, coarse out)", ours_s=round(cuda_time(coarse), 4))
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:  # where a whole layer's device time goes
+        vsa_attention(q, k, v, gate, plan, s, fine="triton")
+        torch.cuda.synchronize()
+    rec(stage="vsa", what="VSA layer (triton fine), top kernels", kernels=_top_kernels(prof, 15))
     _, sel, out_c = coarse()
     # Each fixed launch setting, then the autotuned pick (issue 26), of the pointer kernel (tma=False) and of the TMA
     # kernel (kernels/vsa/triton_hopper.py, the default on sm_90).
@@ -292,13 +298,25 @@ def stage_prof(args) -> None:
     select_backend(args.attention)
     dit = released_dit(8)
     dit.set_attention(attention, refiner=True)
+    what = "DiT 8 blocks"
+    if args.prof_dit == "fp8-vsa":  # as a FastH3 render runs: VSA with (random) gates, then the FP8 linears
+        import bench_fp8
+
+        from h3render.models.fp8 import quantize_dit_fp8_
+
+        bench_fp8.enable_random_vsa_(dit, args.vsa_sparsity, seed=1)
+        quantize_dit_fp8_(dit)
+        what += f" fp8 VSA s={args.vsa_sparsity}"
     layout, inputs = _dit_step(dit, 768, 1344, 243)
     fn = (lambda: sharded_forward(dit, ctx, *inputs)) if ctx.distributed else (lambda: dit(*inputs))
-    cuda_time(fn, reps=1)
+    t = cuda_time(fn, reps=2)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
-    rec(stage="prof", what=f"DiT 8 blocks, {ctx.world_size} GPU(s), top kernels", kernels=_top_kernels(prof))
+    rec(stage="prof", what=f"{what}, {ctx.world_size} GPU(s), top kernels", seconds=round(t, 4),
+        kernels=_top_kernels(prof, 30))
+    if args.prof_dit != "bf16-dense":
+        return
     del dit, inputs
     peak_reset()
     if ctx.distributed:

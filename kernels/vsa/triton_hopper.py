@@ -1,5 +1,5 @@
-"""The VSA-H3 fine kernel with TMA key/value loads (Hopper, sm_90+): `fine_attention_triton(..., tma=True)`; the
-default on such GPUs once `triton_impl.TMA_BY_DEFAULT` is set (after this form has run on one).
+"""The VSA-H3 fine kernel with TMA key/value loads (Hopper, sm_90+): the default of
+`fine_attention_triton` on such GPUs (`triton_impl.TMA_BY_DEFAULT`; `tma=False` runs the pointer kernel).
 
 Same contract as `triton_impl._fine_kernel` (one program per (head, 64-row query tile), block-sparse attention over
 the kept 64-slot key tiles, the gated coarse add fused in the epilogue, packed rows in and out). The difference: keys
@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from h3render.kernels.vsa.tiles import TILE, TilePlan
+from h3render.kernels.vsa.triton_impl import fine_epilogue, fine_prologue, key_tile, online_softmax_step
 
 
 @triton.jit
@@ -43,62 +44,23 @@ def _fine_tma_kernel(
     UPCAST: tl.constexpr,  # interpreter only: its bf16 dot is wrong, an fp32 dot of the same bf16 values is exact
 ):
     # Programs run head by head, query tiles fastest: the programs in flight read one head's keys and values, which
-    # stay in L2 (see triton_impl._fine_kernel).
+    # stay in L2 (see triton_impl._fine_kernel, whose prologue, softmax step and epilogue this kernel shares).
     qt = tl.program_id(0)
     h = tl.program_id(1)
-    offs_m = tl.arange(0, TILE_ROWS)
-    offs_d = tl.arange(0, HEAD_DIM)
-
-    q_rows = tl.load(row_of_slot_ptr + qt * TILE_ROWS + offs_m)
-    q_valid = q_rows >= 0
-    q_rows = tl.where(q_valid, q_rows, 0).to(tl.int64)
-    q = tl.load(q_ptr + q_rows[:, None] * stride_qs + h * stride_qh + offs_d[None, :], mask=q_valid[:, None],
-                other=0.0)
-
-    m_i = tl.full([TILE_ROWS], -1.0e30, dtype=tl.float32)  # finite start: every tile holds >= 1 row anyway
+    q, q_rows, q_valid = fine_prologue(q_ptr, row_of_slot_ptr, stride_qs, stride_qh, qt, h, TILE_ROWS, HEAD_DIM)
+    m_i = tl.full([TILE_ROWS], -1.0e30, dtype=tl.float32)  # finite start: exp2(m_i - m_new) is 0, never NaN
     l_i = tl.zeros([TILE_ROWS], dtype=tl.float32)
     acc = tl.zeros([TILE_ROWS, HEAD_DIM], dtype=tl.float32)
-
-    dense = qt < dense_q
-    count = tl.where(dense, num_tiles, num_prefix + topk)
-    vq = tl.maximum(qt - num_prefix, 0)
-    sel_row = sel_ptr + (h.to(tl.int64) * num_video + vq) * topk
+    count = tl.where(qt < dense_q, num_tiles, num_prefix + topk)
+    sel_row = sel_ptr + (h.to(tl.int64) * num_video + tl.maximum(qt - num_prefix, 0)) * topk
     col = h * HEAD_DIM
     for j in range(0, count):
-        pick = tl.minimum(tl.maximum(j - num_prefix, 0), topk - 1)
-        picked = tl.load(sel_row + pick, mask=qt >= dense_q, other=0)
-        kv = tl.where(dense | (j < num_prefix), j, picked)
-        size = tl.load(sizes_ptr + kv)
+        kv, size = key_tile(j, qt, sel_row, sizes_ptr, dense_q, num_prefix, topk)
         k = desc_k.load([kv * TILE_ROWS, col])  # [TILE, D], one bulk tensor copy
         v = desc_v.load([kv * TILE_ROWS, col])
-        if UPCAST:
-            qk = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
-        elif IEEE:
-            qk = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            qk = tl.dot(q, tl.trans(k))
-        qk = tl.where(offs_m[None, :] < size, qk * scale_log2, float("-inf"))  # pad key slots: p = 0
-        m_new = tl.maximum(m_i, tl.max(qk, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(qk - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        if UPCAST:
-            pv = tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32), input_precision="ieee")
-            acc = acc * alpha[:, None] + pv
-        elif IEEE:
-            acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision="ieee")
-        else:
-            acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
-        m_i = m_new
-
-    out = (acc / l_i[:, None]).to(o_ptr.dtype.element_ty)
-    if GATE:
-        c = tl.load(coarse_ptr + (h * num_tiles + qt) * HEAD_DIM + offs_d).to(o_ptr.dtype.element_ty)  # [D]
-        g = tl.load(gate_ptr + q_rows[:, None] * stride_gs + h * stride_gh + offs_d[None, :], mask=q_valid[:, None],
-                    other=0.0)
-        cg = (c.to(tl.float32)[None, :] * g.to(tl.float32)).to(o_ptr.dtype.element_ty)
-        out = (out.to(tl.float32) + cg.to(tl.float32)).to(o_ptr.dtype.element_ty)
-    tl.store(o_ptr + q_rows[:, None] * stride_os + h * stride_oh + offs_d[None, :], out, mask=q_valid[:, None])
+        m_i, l_i, acc = online_softmax_step(q, k, v, m_i, l_i, acc, size, scale_log2, TILE_ROWS, IEEE, UPCAST)
+    fine_epilogue(acc, l_i, o_ptr, gate_ptr, coarse_ptr, q_rows, q_valid, qt, h, num_tiles, stride_os, stride_oh,
+                   stride_gs, stride_gh, HEAD_DIM, GATE)
 
 
 # 4 warps (one warpgroup per 64-row tile) x 2, 3, 4 stages: 0.0562, 0.0570, 0.0567 s at 1344x768x243, s = 0.9 on an

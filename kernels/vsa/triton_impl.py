@@ -4,9 +4,8 @@ The pool kernel and the fine kernel's queries read the packed rows `[S, H, D]` t
 (slot -> row, -1 on a pad slot); the fine kernel's keys and values come from tile-ordered copies `[n * 64, H, D]`
 (`tiles.gather_tiles`), so every key tile it visits is 64 consecutive slots at an address affine in the tile id,
 which the Triton pipeliner can prefetch (per-row index loads measured 0.090 s per layer at 1344x768x243 on an H200,
-2026-12-01). The output is written in packed row order. With `tma=True` (sm_90+) `fine_attention_triton` launches
-the same algorithm with TMA key/value loads (`triton_hopper.py`, 5 % faster on an H200); it becomes the default on
-those GPUs once its final form has run on one (`TMA_BY_DEFAULT`).
+2026-12-01). The output is written in packed row order. On sm_90+ `fine_attention_triton` launches the
+same algorithm with TMA key/value loads by default (`triton_hopper.py`, 5 % faster on an H200; `TMA_BY_DEFAULT`).
 
 Fine kernel, one program per (head, 64-row query tile), query tiles fastest, head by head:
 * query tiles below `dense_q` (the prefix tiles; all tiles when k == V) visit key tiles 0..n-1;
@@ -56,6 +55,74 @@ def _pool_kernel(
     tl.store(out_ptr + (h * num_tiles + t) * HEAD_DIM + offs_d, total / size)
 
 
+# The fine kernels' shared steps (`_fine_kernel` here, `triton_hopper._fine_tma_kernel`): they differ only in how a
+# key/value tile reaches the program, so the prologue, the online-softmax step and the epilogue live once, below.
+
+@triton.jit
+def fine_prologue(q_ptr, row_of_slot_ptr, stride_qs, stride_qh, qt, h, TILE_ROWS: tl.constexpr,
+                   HEAD_DIM: tl.constexpr):
+    """The query tile `qt` of head `h` from the packed rows: (q [TILE, D], its rows int64 [TILE], valid [TILE])."""
+    offs_m = tl.arange(0, TILE_ROWS)
+    offs_d = tl.arange(0, HEAD_DIM)
+    q_rows = tl.load(row_of_slot_ptr + qt * TILE_ROWS + offs_m)
+    q_valid = q_rows >= 0
+    q_rows = tl.where(q_valid, q_rows, 0).to(tl.int64)
+    q = tl.load(q_ptr + q_rows[:, None] * stride_qs + h * stride_qh + offs_d[None, :], mask=q_valid[:, None],
+                other=0.0)
+    return q, q_rows, q_valid
+
+
+@triton.jit
+def key_tile(j, qt, sel_row, sizes_ptr, dense_q, num_prefix, topk):
+    """The j-th key tile a query tile visits and its valid rows: every tile below `dense_q` (prefix query tiles),
+    else the P prefix tiles, then the kept video tiles `sel_row[0..topk)`."""
+    dense = qt < dense_q
+    pick = tl.minimum(tl.maximum(j - num_prefix, 0), topk - 1)
+    picked = tl.load(sel_row + pick, mask=qt >= dense_q, other=0)
+    kv = tl.where(dense | (j < num_prefix), j, picked)
+    return kv, tl.load(sizes_ptr + kv)
+
+
+@triton.jit
+def online_softmax_step(q, k, v, m_i, l_i, acc, size, scale_log2, TILE_ROWS: tl.constexpr, IEEE: tl.constexpr,
+                         UPCAST: tl.constexpr):
+    """One key tile `k, v [TILE, D]` (`size` valid rows) into the running (max m_i, sum l_i, acc) of `q`."""
+    offs_m = tl.arange(0, TILE_ROWS)
+    if UPCAST:
+        qk = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+    elif IEEE:
+        qk = tl.dot(q, tl.trans(k), input_precision="ieee")
+    else:
+        qk = tl.dot(q, tl.trans(k))
+    qk = tl.where(offs_m[None, :] < size, qk * scale_log2, float("-inf"))  # pad key slots: p = 0
+    m_new = tl.maximum(m_i, tl.max(qk, axis=1))  # finite: every tile holds >= 1 row
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(qk - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    if UPCAST:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32), input_precision="ieee")
+    elif IEEE:
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision="ieee")
+    else:
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])  # the rescale rides in the MMA's accumulator
+    return m_new, l_i, acc
+
+
+@triton.jit
+def fine_epilogue(acc, l_i, o_ptr, gate_ptr, coarse_ptr, q_rows, q_valid, qt, h, num_tiles, stride_os, stride_oh,
+                   stride_gs, stride_gh, HEAD_DIM: tl.constexpr, GATE: tl.constexpr):
+    """Normalize, add `dtype(dtype(coarse[h, qt]) * gate)` with GATE, store in packed row order."""
+    offs_d = tl.arange(0, HEAD_DIM)
+    out = (acc / l_i[:, None]).to(o_ptr.dtype.element_ty)
+    if GATE:
+        c = tl.load(coarse_ptr + (h * num_tiles + qt) * HEAD_DIM + offs_d).to(o_ptr.dtype.element_ty)  # [D]
+        g = tl.load(gate_ptr + q_rows[:, None] * stride_gs + h * stride_gh + offs_d[None, :], mask=q_valid[:, None],
+                    other=0.0)
+        cg = (c.to(tl.float32)[None, :] * g.to(tl.float32)).to(o_ptr.dtype.element_ty)
+        out = (out.to(tl.float32) + cg.to(tl.float32)).to(o_ptr.dtype.element_ty)
+    tl.store(o_ptr + q_rows[:, None] * stride_os + h * stride_oh + offs_d[None, :], out, mask=q_valid[:, None])
+
+
 @triton.jit
 def _fine_kernel(
     q_ptr, o_ptr,  # [S, H, D] packed rows (any row/head strides, unit stride over D)
@@ -79,62 +146,23 @@ def _fine_kernel(
     # every selected key tile came from HBM: 0.086 against 0.062 s per layer on an H200 (2026-12-01).
     qt = tl.program_id(0)
     h = tl.program_id(1)
-    offs_m = tl.arange(0, TILE_ROWS)
-    offs_d = tl.arange(0, HEAD_DIM)
-
-    q_rows = tl.load(row_of_slot_ptr + qt * TILE_ROWS + offs_m)
-    q_valid = q_rows >= 0
-    q_rows = tl.where(q_valid, q_rows, 0).to(tl.int64)
-    q = tl.load(q_ptr + q_rows[:, None] * stride_qs + h * stride_qh + offs_d[None, :], mask=q_valid[:, None],
-                other=0.0)
-
-    m_i = tl.full([TILE_ROWS], float("-inf"), dtype=tl.float32)
+    q, q_rows, q_valid = fine_prologue(q_ptr, row_of_slot_ptr, stride_qs, stride_qh, qt, h, TILE_ROWS, HEAD_DIM)
+    m_i = tl.full([TILE_ROWS], -1.0e30, dtype=tl.float32)  # finite start: exp2(m_i - m_new) is 0, never NaN
     l_i = tl.zeros([TILE_ROWS], dtype=tl.float32)
     acc = tl.zeros([TILE_ROWS, HEAD_DIM], dtype=tl.float32)
-
-    dense = qt < dense_q
-    count = tl.where(dense, num_tiles, num_prefix + topk)
-    vq = tl.maximum(qt - num_prefix, 0)
-    sel_row = sel_ptr + (h.to(tl.int64) * num_video + vq) * topk
+    count = tl.where(qt < dense_q, num_tiles, num_prefix + topk)
+    sel_row = sel_ptr + (h.to(tl.int64) * num_video + tl.maximum(qt - num_prefix, 0)) * topk
     # A key tile is TILE consecutive slots of the tile-ordered buffers: its address is affine in the tile id.
     # (Two key tiles per iteration, one 64 x 128 score block, measured slower: 0.072 vs 0.062 s per layer.)
-    kv_offs = offs_m[:, None] * stride_ts + h * stride_th + offs_d[None, :]
+    kv_offs = tl.arange(0, TILE_ROWS)[:, None] * stride_ts + h * stride_th + tl.arange(0, HEAD_DIM)[None, :]
     for j in range(0, count):
-        pick = tl.minimum(tl.maximum(j - num_prefix, 0), topk - 1)
-        picked = tl.load(sel_row + pick, mask=qt >= dense_q, other=0)
-        kv = tl.where(dense | (j < num_prefix), j, picked)
-        size = tl.load(sizes_ptr + kv)
+        kv, size = key_tile(j, qt, sel_row, sizes_ptr, dense_q, num_prefix, topk)
         base = kv.to(tl.int64) * TILE_ROWS * stride_ts
         k = tl.load(kt_ptr + base + kv_offs)
         v = tl.load(vt_ptr + base + kv_offs)
-        if UPCAST:
-            qk = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
-        elif IEEE:
-            qk = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            qk = tl.dot(q, tl.trans(k))
-        qk = tl.where(offs_m[None, :] < size, qk * scale_log2, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, axis=1))  # finite: every tile holds >= 1 row
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(qk - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        if UPCAST:
-            pv = tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32), input_precision="ieee")
-            acc = acc * alpha[:, None] + pv
-        elif IEEE:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
-
-    out = (acc / l_i[:, None]).to(o_ptr.dtype.element_ty)
-    if GATE:
-        c = tl.load(coarse_ptr + (h * num_tiles + qt) * HEAD_DIM + offs_d).to(o_ptr.dtype.element_ty)  # [D]
-        g = tl.load(gate_ptr + q_rows[:, None] * stride_gs + h * stride_gh + offs_d[None, :], mask=q_valid[:, None],
-                    other=0.0)
-        cg = (c.to(tl.float32)[None, :] * g.to(tl.float32)).to(o_ptr.dtype.element_ty)
-        out = (out.to(tl.float32) + cg.to(tl.float32)).to(o_ptr.dtype.element_ty)
-    tl.store(o_ptr + q_rows[:, None] * stride_os + h * stride_oh + offs_d[None, :], out, mask=q_valid[:, None])
+        m_i, l_i, acc = online_softmax_step(q, k, v, m_i, l_i, acc, size, scale_log2, TILE_ROWS, IEEE, UPCAST)
+    fine_epilogue(acc, l_i, o_ptr, gate_ptr, coarse_ptr, q_rows, q_valid, qt, h, num_tiles, stride_os, stride_oh,
+                   stride_gs, stride_gh, HEAD_DIM, GATE)
 
 
 # Launch settings the fine kernel's autotuner tries on the first call of each shape (keyed on the tile counts and
@@ -149,9 +177,9 @@ _fine_tuned = triton.autotune(
 )(_fine_kernel)
 
 
-# The TMA kernel as timed (docs/performance.md §19, tree 25de9a1: fine 0.0562-0.0578 s against 0.0595-0.0606 s) held
-# the two-query-tile branches since removed; the kernel as shipped has run in the interpreter only, and its CUDA cases
-# (tests/unit/test_vsa.py) not yet on a GPU. Not the default of a renderer until they have.
+# The TMA kernel (kernels/vsa/triton_hopper.py) on sm_90+: 0.0562-0.0578 s against 0.0595-0.0606 s per layer for the
+# pointer kernel at 1344x768x243, s = 0.9 on an H200 (docs/performance.md §19); its shipped form's CUDA cases and
+# timing: §21.
 TMA_BY_DEFAULT = False
 
 
