@@ -232,7 +232,12 @@ def stage_vsa(args) -> None:
         vsa_attention(q, k, v, gate, plan, s, fine="triton")
         torch.cuda.synchronize()
     rec(stage="vsa", what="VSA layer (triton fine), top kernels", kernels=_top_kernels(prof, 15))
-    _, sel, out_c = coarse()
+    scores, sel, out_c = coarse()
+    # The kept-set selection alone: torch topk + sort against the one-launch Triton select (issue 26).
+    for use_triton in (False, True):
+        t = cuda_time(lambda: select_tiles(scores, plan, s, use_triton=use_triton), reps=20)  # noqa: B023
+        rec(stage="vsa", what=f"VSA tile selection ({'Triton select' if use_triton else 'torch topk + sort'})",
+            ours_s=round(t, 5), same_set=bool(torch.equal(select_tiles(scores, plan, s, use_triton=use_triton), sel)))
     # Each fixed launch setting, then the autotuned pick (issue 26), of the pointer kernel (tma=False) and of the TMA
     # kernel (kernels/vsa/triton_hopper.py, the default on sm_90).
     from h3render.kernels.vsa.triton_hopper import TMA_CONFIGS
@@ -246,7 +251,7 @@ def stage_vsa(args) -> None:
                      else f"autotuned (picked {tuned_fine_config(tma=tma)})")
             rec(stage="vsa", what=f"VSA fine+gate Triton{' TMA' if tma else ''} {label}", ours_s=round(t, 4),
                 tflops=round(flop_dense * density / t / 1e12, 1), rel_err=rel_err(fn()[:, sub], ref))
-    del q, k, v, gate, ref, sel, out_c
+    del q, k, v, gate, ref, sel, out_c, scores
     torch.cuda.empty_cache()
     if args.vsa_layer_only:
         return

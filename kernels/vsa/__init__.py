@@ -36,11 +36,14 @@ __all__ = ["FINE_BACKENDS", "TILE", "TilePlan", "select_tiles", "tile_plan", "to
 FINE_BACKENDS = ("triton", "flex", "torch")
 
 
-def select_tiles(scores: torch.Tensor, plan: TilePlan, sparsity: float) -> torch.Tensor | None:
+def select_tiles(scores: torch.Tensor, plan: TilePlan, sparsity: float, *, use_triton: bool | None = None
+                 ) -> torch.Tensor | None:
     """Kept video key tiles of every video query tile.
 
     Args:
         scores: `[H, n, n]` fp32 tile scores.
+        use_triton: None = the one-launch Triton select (`select_triton.py`) on CUDA, torch `topk` + sort elsewhere;
+            True / False force one (True on CPU tensors needs TRITON_INTERPRET=1).
     Returns:
         `[H, V, k]` int32 absolute tile ids (P..n-1), ascending; None when k == V (every tile kept).
     """
@@ -48,6 +51,10 @@ def select_tiles(scores: torch.Tensor, plan: TilePlan, sparsity: float) -> torch
     k = topk_budget(sparsity, v)
     if k == v:
         return None
+    if use_triton_for(scores, use_triton):
+        from h3render.kernels.vsa.select_triton import select_tiles_triton
+
+        return select_tiles_triton(scores, p, k)
     idx = scores[:, p:, p:].topk(k, dim=-1, sorted=False).indices  # [H, V, k]
     return (idx.sort(dim=-1).values + p).to(torch.int32).contiguous()
 

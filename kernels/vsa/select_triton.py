@@ -1,0 +1,82 @@
+"""The VSA top-k tile selection as one Triton kernel: `select_tiles`'s torch path (`topk` over the video key tiles, then
+a sort of the kept ids) in one launch.
+
+At the released geometry (56 heads x 1,188 video query tiles, k = 119 of 1,188) the torch path is six kernels (the
+radix top-k's digit counts, cumulative sums and gather, then `radixSortKVInPlace` of the ids): 4.0 ms of each VSA layer's
+device time on an H200 (2026-12-02, `scripts/bench.py --stages prof --prof-dit fp8-vsa`, docs/performance.md §21),
+0.2 s of a 50-block forward. Here one program per (head, video query tile) row:
+
+1. maps each score to an int64 key whose order is the float order (the fp32 bit pattern, negative values' magnitude
+   bits flipped, offset to be non-negative), so that NaN ranks above +inf as in `torch.topk`;
+2. finds the k-th largest key exactly by a 32-step bitwise radix select (each step counts the keys at or above a
+   candidate threshold);
+3. keeps every key above it and, of the keys equal to it, the lowest tile ids (the torch top-k leaves ties to its
+   implementation: on distinct scores both keep the same set);
+4. writes the kept ids in ascending order (a cumulative sum of the keep mask gives each id its slot).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from h3render.kernels.utils import calculate_settings
+
+
+@triton.jit
+def _select_kernel(
+    scores_ptr,  # [H, n, n] fp32 tile scores (any strides over H and query tiles, unit stride over key tiles)
+    out_ptr,  # [H, V, k] int32 kept absolute key tile ids, ascending
+    stride_h, stride_q,
+    num_prefix, num_video, k,
+    BLOCK: tl.constexpr,  # power of two >= num_video
+):
+    row = tl.program_id(0)  # h * V + video query tile
+    h = row // num_video
+    vq = row % num_video
+    offs = tl.arange(0, BLOCK)
+    valid = offs < num_video
+    x = tl.load(scores_ptr + h.to(tl.int64) * stride_h + (num_prefix + vq).to(tl.int64) * stride_q + num_prefix + offs,
+                mask=valid, other=0.0)
+    bits = x.to(tl.int32, bitcast=True)
+    # Float order as signed int32 order: negative floats' magnitude bits flipped. Then offset into [0, 2^32) as
+    # int64 so that the radix select below builds its threshold with plain non-negative comparisons.
+    ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)
+    key = tl.where(valid, ordered.to(tl.int64) + 2147483648, -1)  # pad lanes below every score
+    threshold = tl.zeros([], dtype=tl.int64)
+    for b in tl.static_range(31, -1, -1):  # the largest t with #(key >= t) >= k: the k-th largest key
+        candidate = threshold + (1 << b)
+        count = tl.sum((key >= candidate).to(tl.int32), axis=0)
+        threshold = tl.where(count >= k, candidate, threshold)
+    above = key > threshold
+    tied = key == threshold
+    need = k - tl.sum(above.to(tl.int32), axis=0)  # >= 1: the threshold key itself is among the top k
+    keep = above | (tied & (tl.cumsum(tied.to(tl.int32), axis=0) <= need))
+    slot = tl.cumsum(keep.to(tl.int32), axis=0) - 1
+    tl.store(out_ptr + row.to(tl.int64) * k + slot, (offs + num_prefix).to(tl.int32), mask=keep)
+
+
+def select_tiles_triton(scores: torch.Tensor, num_prefix: int, k: int) -> torch.Tensor:
+    """Kept video key tiles of every video query tile: the top `k` of each row's video columns, ascending ids.
+
+    Args:
+        scores: `[H, n, n]` fp32 tile scores (`naive.tile_scores`), unit stride over the last dim.
+        num_prefix: P prefix tiles (the first P rows and columns, not selected here).
+        k: kept video tiles per query tile, 1 <= k <= V = n - P.
+    Returns:
+        `[H, V, k]` int32 absolute tile ids (P..n-1), ascending in each row: the set `torch.topk` keeps when the
+        row's scores are distinct (ties at the k-th score keep the lowest ids).
+    """
+    heads, n, _ = scores.shape
+    num_video = n - num_prefix
+    if scores.dtype != torch.float32 or scores.stride(-1) != 1:
+        raise ValueError(f"kernels/vsa/select_triton.py: scores must be fp32 with unit stride over key tiles, got "
+                         f"{scores.dtype} strides {scores.stride()}")
+    if not 1 <= k <= num_video:
+        raise ValueError(f"kernels/vsa/select_triton.py: k = {k} outside 1..{num_video} (video tiles)")
+    out = torch.empty(heads, num_video, k, dtype=torch.int32, device=scores.device)
+    block, num_warps = calculate_settings(num_video)
+    _select_kernel[(heads * num_video,)](
+        scores, out, scores.stride(0), scores.stride(1), num_prefix, num_video, k, BLOCK=block, num_warps=num_warps)
+    return out
