@@ -384,9 +384,11 @@ def load_components(
         seed: weights seed of a built-in model ("tiny", "small"); ignored otherwise.
         precision: "bf16" (default: all linears in `dtype`) or "fp8": DiT block linears `Fp8Linear`, text encoder
             decoder-layer linears `Fp8WeightLinear`, each weight quantized on `device` as it streams. On a CUDA
-            `device` the DiT's AdaLN projections load into host memory at either precision. Peak device memory on a GPU, released sizes: ≈53 GB (FP8 DiT 20.9 +
-            VAEs 6.2 + FP8 text encoder 26.0, plus ≈1 GB transient; derivation in `assemble_components`), where
-            the bf16 DiT alone was 66.3 GB. `models.fp8.precision_report(components)` describes the result.
+            `device` the DiT's AdaLN projections load into host memory at either precision. Peak device memory of
+            fp8 on a GPU, released sizes: ≈53 GB (FP8 DiT 20.9 + VAEs 6.2 + FP8 text encoder 26.0, plus ≈1 GB
+            transient; derivation in `assemble_components`), where the bf16 DiT alone is 40.2 GB (66.3 GB with its
+            AdaLN projections, as a bf16 load held it before). `models.fp8.precision_report(components)` describes
+            the result.
 
     Raises:
         CheckpointError: layout, config or tensor problems, naming the file and tensor; an unknown part.

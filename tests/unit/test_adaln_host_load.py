@@ -32,7 +32,8 @@ def ckpts(tmp_path_factory):
 
 
 def _adaln_names(dit) -> set[str]:
-    return {f"{n}.{leaf}" for n, m in dit.named_modules() if isinstance(m, AdaLNProj) for leaf, _ in m.named_parameters()}
+    return {f"{n}.{leaf}" for n, m in dit.named_modules() if isinstance(m, AdaLNProj)
+            for leaf, _ in m.named_parameters()}
 
 
 def _device_reads_refused(entries, names: set[str]):
