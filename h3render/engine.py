@@ -462,9 +462,9 @@ class Engine(WarmUp):
     def hold_partition(self, partition: str, dit, resident: bool = True) -> None:
         """Hold `dit` (already on this device) as the DiT of `partition`, with the parallel plan's forward; on CUDA
         its attention is the engine's and its AdaLN projections go to host memory (read only by
-        `modulation_tables`, which brings each block's over). `resident=False` sends it to host memory at once
-        (`dit_of` brings it back when a job needs it). `dit_of` loads through here; scripts/bench_ref2va.py hands it
-        a random released-size DiT."""
+        `modulation_tables`, which brings each block's over; a loaded DiT has them there already).
+        `resident=False` sends it to host memory at once (`dit_of` brings it back when a job needs it). `dit_of`
+        loads through here; scripts/bench_ref2va.py hands it a random released-size DiT."""
         if self.device.type == "cuda":
             dit.set_attention(fast_attention, refiner=True)
             dit.offload_adaln_("cpu")

@@ -20,7 +20,8 @@ the ladder is resident, phased, phased fp8, streamed fp8. On Ampere (sm_80/86) t
 phased, streamed, all bf16.
 
 The expected peak of a phase = the bytes of the parts on the device in it (`checkpoint.sizes.part_sizes`: the
-config's modules built empty, counted) + that phase's activations:
+config's modules built empty, counted; the DiT without its AdaLN projections, which load into host memory on CUDA at
+either precision, `checkpoint.load._adaln_home`) + that phase's activations:
 
 * denoise: `DIT_ACT_FIXED` + packed rows x `DIT_ACT_WIDTHS` x hidden x 2 bytes / ranks. First calibrated on the four
   VSA renders of docs/performance.md §9.4 (16.1 widths, 0.13 GB). The peak is inside VSA attention; since the qkv

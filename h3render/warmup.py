@@ -26,8 +26,9 @@ class WarmUp:
     student and LoRA state) and call its `schedule`, `tables`, `model_fn` and `vae_on_device`."""
 
     def prepare(self, jobs: list) -> None:
-        """Warm-up outside job timings, for the jobs about to run: the AdaLN tables of their schedules (then, on
-        CUDA, the AdaLN projections, ≈13 B parameters at release, go to host memory); one text encode and two short
+        """Warm-up outside job timings, for the jobs about to run: the AdaLN tables of their schedules (on CUDA built
+        block by block from the AdaLN projections in host memory, ≈13 B parameters at release, or read from the
+        table cache, `h3render.adaln_cache`); one text encode and two short
         DiT forwards; on CUDA the VAE decoder's attention backend measured at its own shape and its blocks
         compiled for the jobs' tile shapes (`compile_vae`), the audio decoder's activations checked, and the audio
         decode's CUDA graph captured for the jobs' audio lengths (`graph_audio`)."""
@@ -48,6 +49,8 @@ class WarmUp:
                 schedule = self.schedule(window)
                 self.tables(schedule, task_of(window).timesteps(schedule), task_of(window).PARTITION)
         if self.device.type == "cuda":
+            # The loader put the projections in host memory already (`checkpoint.load._adaln_home`): a no-op then.
+            # A DiT handed to the Engine on the device (scripts/bench_engine.py's) pays the copy here, once.
             self.c.dit.offload_adaln_("cpu")
             torch.cuda.empty_cache()
         self.warmup["adaln_tables_s"] = time.perf_counter() - t0

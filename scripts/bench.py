@@ -31,8 +31,11 @@ Stages (`--stages`, comma-separated):
             issue 18 (scripts/bench_fp8.py): the DiT's block GEMMs bf16 vs FP8, the fused FP8 producers, a DiT
             forward and the 4-forward FastH3 chain bf16 vs FP8 (errors, memory); `--fp8-model tiny --fp8-device cpu
             --fp8-canvas 160x128x22` is the CPU smoke run
-  tables    AdaLN tables of the released DiT: built (projections on the GPU / in host memory), the offload, then
+  tables    AdaLN tables of the released DiT: built (projections on the GPU / in host memory), the copy to host, then
             through the on-disk cache, first and second run (scripts/bench_prepare.py; issue 26)
+  prepare   Engine.prepare of a first and a second run per --precision (bf16,fp8: one engine at a time) against
+            one AdaLN table cache folder, and the load before it (scripts/bench_prepare.py; issue 26); `--e2e-model
+            tiny --e2e-device cpu --e2e-canvases 160x128x22 --prepare-steps 3` is the CPU smoke run
   te-fp8    FP8 text encoder, per-call dequantize vs the Triton weight-only GEMM, and that GEMM's launch settings
             per linear shape and prompt length (scripts/bench_prepare.py; issue 26)
   vae-fp8   video VAE decode, bf16 vs FP8 decoder block linears (`--precision fp8`), eager and compiled, at
@@ -168,6 +171,13 @@ def stage_tables(args) -> None:
     bench_prepare.stage_tables(args, bench_common)
 
 
+def stage_prepare(args) -> None:
+    """A first and a second run's Engine.prepare per --precision, one table cache (scripts/bench_prepare.py)."""
+    import bench_prepare
+
+    bench_prepare.stage_prepare(args, bench_common)
+
+
 def stage_vae_fp8(args) -> None:
     """Video VAE decode, bf16 vs FP8 decoder block linears (scripts/bench_vae_fp8.py)."""
     import bench_vae_fp8
@@ -191,8 +201,8 @@ def stage_ref2va(args) -> None:
 STAGES = {f.__name__: f for f in (
     stage_ceil, stage_attn, stage_kernels, stage_dit, stage_vae, stage_audio, stage_te, stage_ulysses, stage_vsa,
     stage_prof, stage_compare, stage_e2e, stage_fp8_gemm, stage_fp8_quant, stage_fp8_dit, stage_fp8_memory,
-    stage_fl2va, stage_ref2va, stage_batch, stage_media, stage_tables, stage_te_fp8, stage_vae_fp8, stage_memplans,
-    stage_longclip, stage_lora)}
+    stage_fl2va, stage_ref2va, stage_batch, stage_media, stage_tables, stage_prepare, stage_te_fp8, stage_vae_fp8,
+    stage_memplans, stage_longclip, stage_lora)}
 
 
 def main() -> None:

@@ -27,7 +27,7 @@ def released_engine(args, ctx):
     release = RELEASES["released"]
     t0 = time.perf_counter()
     dit = released_dit(50)
-    dit.offload_adaln_("cpu")  # tables are built block by block in prepare(); keeps the build under the GPU's memory
+    dit.offload_adaln_("cpu")  # where the loader puts them on CUDA (`checkpoint.load._adaln_home`): off the GPU
     torch.cuda.empty_cache()
     vae = build_on_gpu(lambda: VideoVAE(release.video_vae, release.vae_tiling), torch.float32)
     random_(vae, 1).apply_precision_(torch.bfloat16)

@@ -1,12 +1,25 @@
-"""Issue 26's stages of scripts/bench.py: the AdaLN table cache and the FP8 text encoder's fused GEMM. Random weights
-at the released shapes, before and after measured in the same process on the same weights and inputs.
+"""Issue 26's stages of scripts/bench.py: the AdaLN table cache, a second run's prepare and the FP8 text encoder's
+fused GEMM. Random weights at the released shapes, before and after measured in the same process on the same weights
+and inputs.
 
   tables   the AdaLN tables of the released DiT (50 blocks, random bf16 weights on the GPU) for K = `--tables-k`
-           timesteps: built with the projections on the GPU, the offload of the projections to host memory (what
-           `Engine.prepare` does next on CUDA), built again with the projections in host memory (the fp8 engine's
-           case, and any table built after prepare), then through `adaln_cache.cached_tables` into a fresh folder
-           (`--tables-dir`): the first call builds and writes, the second reads and verifies (a second run's
-           prepare); tables equal bit for bit.
+           timesteps: built with the projections on the GPU, the copy of the projections to host memory (what
+           `Engine.prepare` paid on CUDA for a bf16 load before the loader put them there), built again with the
+           projections in host memory (every engine's case on CUDA now), then through `adaln_cache.cached_tables`
+           into a fresh folder (`--tables-dir`): the first call builds and writes, the second reads and verifies (a
+           second run's prepare); tables equal bit for bit.
+  prepare  per `--precision` (one engine at a time), the Engine over random components (`bench_e2e._build`, or
+           `Engine.load` of `--e2e-checkpoint`), then `Engine.prepare` twice for one job of the first
+           `--e2e-canvases` canvas and `--prepare-steps` steps (default the release's schedule), with
+           `H3RENDER_ADALN_CACHE` at a fresh folder (under `--tables-dir`) per precision: the first prepare
+           builds the tables from the projections in host memory and writes them (a first run), the second, with
+           the engine's in-memory tables dropped, reads them back (a second run's tables). Rows: the load (random
+           weights are made on the GPU, so their AdaLN projections cross to host memory in the load: a
+           checkpoint's load reads them there directly), each prepare's wall and warm-up record (`adaln_tables_s`,
+           the cache's records), and whether the read tables equal the built ones bit for bit. The second prepare
+           runs in the warm process (kernels compiled, tokenizer loaded): its other warm-up parts are lower bounds
+           of a second process's. CPU smoke: `--e2e-model tiny --e2e-device cpu --e2e-canvases 160x128x22
+           --prepare-steps 3`.
   te-fp8   the text encoder (50 of 64 Qwen3-VL-32B layers) at `--te-tokens` tokens: bf16, then quantized in place
            to FP8 (`quantize_text_encoder_fp8_`) in each `Fp8WeightLinear.mode`: the old per-call torch dequantize,
            the Triton weight-only GEMM, the Triton dequantize + cuBLAS, and "auto"; rel. error of the read states
@@ -26,7 +39,10 @@ import torch.nn.functional as F
 
 def add_arguments(p) -> None:
     p.add_argument("--tables-k", default="5,50", help="tables stage: comma-separated timestep counts")
-    p.add_argument("--tables-dir", default=None, help="tables stage: cache folder (default: a fresh temp folder)")
+    p.add_argument("--tables-dir", default=None,
+                   help="tables / prepare stages: where the fresh cache folder is made (default: the temp folder)")
+    p.add_argument("--prepare-steps", type=int, default=None,
+                   help="prepare stage: the job's steps (default: the release's schedule, 50 sigma points)")
     p.add_argument("--te-tokens", default="77,256,2000", help="te-fp8 stage: comma-separated prompt lengths")
     p.add_argument("--te-gemm-rows", default="16,77,256,2000", help="te-fp8 stage: row counts of the GEMM sweep")
 
@@ -54,10 +70,10 @@ def stage_tables(args, bench) -> None:
         t, _ = _sync_time(lambda: dit.modulation_tables(steps[k], device="cuda"))
         rec(stage="tables", what=f"build, projections on the GPU, K={k}", seconds=round(t, 3))
     t, _ = _sync_time(lambda: dit.offload_adaln_("cpu"))
-    rec(stage="tables", what="offload the AdaLN projections to host memory (Engine.prepare on CUDA)",
-        seconds=round(t, 3))
+    rec(stage="tables", what="copy the AdaLN projections to host memory (bf16 Engine.prepare on CUDA before the "
+        "loader put them there)", seconds=round(t, 3))
     t, _ = _sync_time(lambda: dit.modulation_tables(steps[ks[0]], device="cuda"))
-    rec(stage="tables", what=f"build, projections in host memory (fp8 engine), K={ks[0]} (before: cold prepare)",
+    rec(stage="tables", what=f"build, projections in host memory (every engine on CUDA), K={ks[0]} (a first run)",
         seconds=round(t, 3))
     root = tempfile.mkdtemp(prefix="h3render-tables-", dir=args.tables_dir)
     from pathlib import Path
@@ -73,6 +89,69 @@ def stage_tables(args, bench) -> None:
             states=[r1["cache"], r2["cache"]], bit_equal=same, file_mb=round(size / 2**20, 1))
     del dit
     bench.peak_reset()
+
+
+@torch.no_grad()
+def stage_prepare(args, bench) -> None:
+    """A first and a second run's `Engine.prepare` per `--precision` against one table-cache folder (module
+    docstring)."""
+    import os
+
+    import bench_e2e
+    from bench_fp8 import parse_canvas, peak_gb, reset_peak, sync
+
+    from h3render.adaln_cache import ENV
+    from h3render.jobs import Job
+    from h3render.parallel.groups import init_parallel
+    from h3render.tasks import task_of
+
+    ctx = init_parallel(args.e2e_device)
+    device = ctx.device
+    width, height, frames = parse_canvas(args.e2e_canvases.split(",")[0])
+    job = Job(id="bench", prompt=bench.PROMPT, width=width, height=height, frames=frames, seed=0,
+              steps=args.prepare_steps, mode="t2va", output="bench")
+    root = tempfile.mkdtemp(prefix="h3render-prepare-", dir=args.tables_dir)
+    saved = os.environ.get(ENV)
+    try:
+        for precision in bench_e2e._precisions(args):
+            # A folder per precision: both engines' projections are the same bf16 random weights, so the second
+            # engine's first prepare would read the first engine's tables (a correct hit, not a first run).
+            cache = os.path.join(root, precision)
+            os.environ[ENV] = cache  # read by `adaln_cache.cache_root` at each table request
+            engine = bench_e2e._build(args, bench, ctx, precision, "prepare")
+            dit = engine.c.dit
+            homes = sorted({p.device.type for m in [*dit.blocks, dit.final_layer] for p in m.adaln_proj.parameters()})
+            bench.rec(stage="prepare", what=f"{precision}: where the AdaLN projections are after the load",
+                      precision=precision, adaln_on=homes, cache_dir=cache)
+            built: dict = {}
+            for run in ("first", "second"):
+                engine._tables.clear()  # a second run starts without the tables in memory, as a new process would
+                engine.warmup.pop("adaln_cache", None)
+                reset_peak(device)
+                t0 = time.perf_counter()
+                engine.prepare([job])
+                sync(device)
+                wall = time.perf_counter() - t0
+                caches = engine.warmup.get("adaln_cache", [])
+                row = dict(stage="prepare", precision=precision, seconds=round(wall, 2),
+                           adaln_tables_s=round(engine.warmup["adaln_tables_s"], 3),
+                           cache=[r["cache"] for r in caches], cache_io_s=[r.get("seconds") for r in caches],
+                           peak_gb=peak_gb(bench, device), warmup=dict(engine.warmup))
+                if run == "first":
+                    built = dict(engine._tables)
+                else:
+                    same = [torch.equal(a.final, b.final) and all(torch.equal(x, y) for x, y in zip(a.blocks, b.blocks))
+                            for key, b in engine._tables.items() for a in [built.get(key)] if a is not None]
+                    row["bit_equal"] = bool(same) and all(same)
+                k = task_of(job).timesteps(engine.schedule(job)).numel()  # the tables' timesteps
+                bench.rec(what=f"{precision}: Engine.prepare, {run} run ({width}x{height}x{frames}, K={k})", **row)
+            del engine, dit, built
+            bench_e2e._teardown(bench, device, "prepare", precision)
+    finally:
+        if saved is None:
+            os.environ.pop(ENV, None)
+        else:
+            os.environ[ENV] = saved
 
 
 def _te_linear_shapes(cfg) -> list[tuple[str, int, int]]:

@@ -38,7 +38,7 @@ def _native_dit_entries(entries: Iterable[Entry]) -> Iterator[Entry]:
     """Native names as they are; a full FastH3 export's VSA gates (`attn.to_gate_compress`) as `attn.gate_proj`."""
     for entry in entries:
         if entry.name not in IGNORED_DIT_TENSORS:
-            yield Entry(entry.file, native_gate_name(entry.name), entry.load)
+            yield entry._replace(name=native_gate_name(entry.name))  # `_replace` keeps the host loader
 
 
 def _stacked_dit_entries(entries: Iterable[Entry], config: DiTConfig) -> Iterator[Entry]:
@@ -56,7 +56,7 @@ def _stacked_dit_entries(entries: Iterable[Entry], config: DiTConfig) -> Iterato
                 return interleave_qkv(*stacked.chunk(3, dim=0), heads, head_dim)
             yield Entry(entry.file, name, load)
         else:
-            yield Entry(entry.file, native_gate_name(name), entry.load)
+            yield entry._replace(name=native_gate_name(name))
 
 
 def _diffusers_dit_entries(entries: Iterable[Entry], config: DiTConfig) -> Iterator[Entry]:
@@ -73,10 +73,10 @@ def _diffusers_dit_entries(entries: Iterable[Entry], config: DiTConfig) -> Itera
             raise CheckpointError(f"{entry.file}: unexpected tensor {entry.name!r} (not a diffusers "
                                   f"MiniMaxH3Transformer3DModel name)") from None
         if slot is None:
-            load = entry.load
-            if native.endswith(FC1_NATIVE):
-                load = functools.partial(lambda e: swap_halves(e.load()), entry)
-            yield Entry(entry.file, native, load)
+            if native.endswith(FC1_NATIVE):  # re-ordered rows: a computed tensor, read on the device only
+                yield Entry(entry.file, native, functools.partial(lambda e: swap_halves(e.load()), entry))
+            else:
+                yield entry._replace(name=native)
             continue
         parts = pending.setdefault(native, {})
         if slot in parts:

@@ -8,8 +8,12 @@ The DiT goes through an optional per-tensor hook on the way (FastH3 fusion). The
 `precision="fp8"` (issue #18, `h3render.models.fp8`): the DiT block linears are empty `Fp8Linear` modules from the
 start (after a FastH3 hook's `prepare` has added any VSA gates) and each weight is quantized as it streams, after
 the hook has fused it; the text encoder's decoder-layer linears are `Fp8WeightLinear` the same way. So neither the
-bf16 DiT nor the bf16 encoder ever exists on the device, and the DiT's AdaLN projections (read only to build the
-modulation tables) go to host memory as they stream.
+bf16 DiT nor the bf16 encoder ever exists on the device.
+
+On a CUDA device, at either precision, the DiT's AdaLN projections (≈13 B parameters at release, read only to
+build the modulation tables) load into host memory: a safetensors source reads them there directly (`Entry.host`),
+so they never visit the GPU. Before, a bf16 load put them on the GPU and `Engine.prepare` copied them back, 26 GB at
+≈1 GB/s: 19.5–26 s of every run's prepare on an H200, table cache or not (docs/performance.md §11.2, §20.3).
 """
 
 from __future__ import annotations
@@ -117,7 +121,9 @@ class _DitPlacement:
       [1, N] scale is the `<name>_scale` entry that `entries` adds right after it. Each bf16 weight is dropped as
       soon as it is quantized, so one exists at a time, and the result equals quantizing the loaded bf16 DiT.
     * an AdaLN projection tensor (`blocks.*.adaln_proj`, `final_layer.adaln_proj`): cast to its parameter's dtype
-      and moved to `adaln_device` (host memory), so at most one projection is on the device at a time.
+      and moved to `adaln_device` (host memory). `stream_into` reads it there already (`elsewhere`) when its entry
+      has a host loader; otherwise (random weights made on the device, a fusion computed there) at most one
+      projection is on the device at a time.
 
     Args:
         dit: the empty DiT, already swapped to FP8 (`empty_dit_fp8_`) where it should be.
@@ -161,10 +167,12 @@ class _DitPlacement:
 
 
 def _adaln_home(adaln_device: torch.device | str | None, precision: str, device: torch.device | str) -> torch.device:
-    """Where the AdaLN projections load: `adaln_device` when given, else host memory under fp8, else `device`."""
+    """Where the AdaLN projections load: `adaln_device` when given, else host memory when the DiT loads onto a CUDA
+    device (any precision) or at fp8, else `device` (a CPU load keeps them with the DiT)."""
     if adaln_device is not None:
         return torch.device(adaln_device)
-    return torch.device("cpu") if precision == "fp8" else torch.device(device)
+    device = torch.device(device)
+    return torch.device("cpu") if precision == "fp8" or device.type == "cuda" else device
 
 
 # Prefixes under which Qwen3-VL checkpoints store the language model: transformers >= 4.57
@@ -231,7 +239,7 @@ def assemble_components(
             they stream too. Only one bf16 weight exists at a time.
         adaln_device: where the DiT's AdaLN projections (`blocks.*.adaln_proj`, `final_layer.adaln_proj`; read only
             by `DiT.modulation_tables`, which brings each to the tables' device for its own block) are placed as
-            they stream; None: host memory ("cpu") with precision "fp8", else `device`.
+            they stream; None: host memory ("cpu") on a CUDA `device` or with precision "fp8", else `device`.
 
     Peak device memory with precision "fp8" on a GPU, released sizes (parameter counts of the release configs'
     modules built on meta, times bytes per element; parts load in the order dit, video_vae, audio_vae,
@@ -266,7 +274,9 @@ def assemble_components(
                 empty_dit_fp8_(dit)  # after `prepare`: a VSA student's gates become FP8 too
             hook = _DitPlacement(dit, tensor_hook, adaln_away)
             entries = hook.entries(entries)
-        built["dit"] = stream_into(dit, entries, device, what=_WHAT["dit"], where=where("dit"), tensor_hook=hook)
+        elsewhere = dict.fromkeys(hook.adaln, adaln_away) if adaln_away is not None else None
+        built["dit"] = stream_into(dit, entries, device, what=_WHAT["dit"], where=where("dit"), tensor_hook=hook,
+                                   elsewhere=elsewhere)
         finish_hook(tensor_hook)
     if "video_vae" in parts:
         built["video_vae"] = stream_into(_empty_video_vae(release, dtype), source("video_vae"), device,
@@ -309,8 +319,8 @@ def load_dit(info: CheckpointInfo, device: torch.device | str = "cpu", dtype: to
         dtype: block-stack dtype; `DiT.apply_precision_` keeps the fp32 islands fp32.
         tensor_hook: optional `hook(native_name, tensor) -> tensor` applied to every DiT tensor while streaming
             (e.g. FastH3 fusion), then `hook.finish()` if it has one.
-        precision: "bf16" or "fp8" (block linears quantized as they stream, after the fusion; AdaLN projections
-            in host memory; see `assemble_components`).
+        precision: "bf16" or "fp8" (block linears quantized as they stream, after the fusion; see
+            `assemble_components`). On CUDA the AdaLN projections load into host memory at either precision.
 
     Raises:
         CheckpointError: as `stream_into`.
@@ -373,10 +383,12 @@ def load_components(
         transformer_file: a single-file transformer replacing the checkpoint's own; its architecture must match.
         seed: weights seed of a built-in model ("tiny", "small"); ignored otherwise.
         precision: "bf16" (default: all linears in `dtype`) or "fp8": DiT block linears `Fp8Linear`, text encoder
-            decoder-layer linears `Fp8WeightLinear`, each weight quantized on `device` as it streams, and the DiT's
-            AdaLN projections in host memory. Peak device memory on a GPU, released sizes: ≈53 GB (FP8 DiT 20.9 +
-            VAEs 6.2 + FP8 text encoder 26.0, plus ≈1 GB transient; derivation in `assemble_components`), where
-            the bf16 DiT alone was 66.3 GB. `models.fp8.precision_report(components)` describes the result.
+            decoder-layer linears `Fp8WeightLinear`, each weight quantized on `device` as it streams. On a CUDA
+            `device` the DiT's AdaLN projections load into host memory at either precision. Peak device memory of
+            fp8 on a GPU, released sizes: ≈53 GB (FP8 DiT 20.9 + VAEs 6.2 + FP8 text encoder 26.0, plus ≈1 GB
+            transient; derivation in `assemble_components`), where the bf16 DiT alone is 40.2 GB (66.3 GB with its
+            AdaLN projections, as a bf16 load held it before). `models.fp8.precision_report(components)` describes
+            the result.
 
     Raises:
         CheckpointError: layout, config or tensor problems, naming the file and tensor; an unknown part.

@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from pathlib import Path
-from typing import Callable, Collection, Iterable, Iterator, NamedTuple
+from typing import Callable, Collection, Iterable, Iterator, Mapping, NamedTuple
 
 import torch
 from safetensors import safe_open
@@ -26,11 +26,13 @@ from h3render.checkpoint.info import read_json
 
 class Entry(NamedTuple):
     """One checkpoint tensor: the file it lives in, its name there, and a loader returning it (on the device the
-    source was opened for, in its stored dtype)."""
+    source was opened for, in its stored dtype); `host`, when the source can, reads the same tensor straight into
+    host memory (a safetensors file's entries have one; a computed tensor, such as a fused q/k/v, has none)."""
 
     file: str
     name: str
     load: Callable[[], Tensor]
+    host: Callable[[], Tensor] | None = None
 
 
 def open_safetensors(path: Path, device: torch.device, tensor: str | None = None):
@@ -61,8 +63,17 @@ def file_entries(path: Path, device: torch.device, expect: Collection[str] | Non
         extra = sorted(set(names) - set(expect))
         if extra:
             raise CheckpointError(f"{path}: tensor {extra[0]!r} is in this shard but not in the index")
+    host = [handle] if device.type == "cpu" else []
+
+    def host_tensor(name: str) -> Tensor:
+        # A second handle, opened for host memory on first use: a tensor the loader keeps on the host (the DiT's
+        # AdaLN projections) is copied from the file's pages, never through the device and back (≈1 GB/s D2H).
+        if not host:
+            host.append(open_safetensors(path, torch.device("cpu"), tensor=name))
+        return host[0].get_tensor(name)
+
     for name in names:
-        yield Entry(str(path), name, functools.partial(handle.get_tensor, name))
+        yield Entry(str(path), name, functools.partial(handle.get_tensor, name), functools.partial(host_tensor, name))
 
 
 def safetensors_entries(directory: Path, device: torch.device | str = "cpu") -> Iterator[Entry]:
@@ -154,15 +165,19 @@ def stream_into(
     where: str,
     skip: Callable[[str], bool] = lambda name: False,
     tensor_hook: TensorHook | None = None,
+    elsewhere: Mapping[str, torch.device] | None = None,
 ) -> nn.Module:
     """Strictly load `entries` into an empty (meta-parameter) `module`, shard by shard, with `assign=True`.
 
-    Each tensor goes straight to `device`, through `tensor_hook(name, tensor)` when given (stored dtype in, any dtype
-    out), and is cast to the dtype of the module's own (meta) parameter: the module's precision policy decides.
+    Each tensor goes straight to `device` (or to its `elsewhere` place), through `tensor_hook(name, tensor)` when
+    given (stored dtype in, any dtype out), and is cast to the dtype of the module's own (meta) parameter: the
+    module's precision policy decides.
 
     Args:
         what: the component, for messages ("DiT", "video VAE", ...); where: the folder/file, for missing tensors.
         skip: names present in the checkpoint that this module does not build (never read).
+        elsewhere: tensors (by name) that go to another device than `device`; one bound for host memory is read
+            with its entry's `host` loader when it has one, so it never visits `device`.
 
     Raises:
         CheckpointError: unexpected, repeated, mis-shaped or missing tensor, or an integer (or bool) tensor for a
@@ -184,7 +199,8 @@ def stream_into(
             module.load_state_dict(shard, strict=False, assign=True)
             shard = {}
         shard_file = entry.file
-        tensor = entry.load()
+        place = device if elsewhere is None else elsewhere.get(entry.name, device)
+        tensor = (entry.host if place.type == "cpu" and entry.host is not None else entry.load)()
         shape, dtype = targets[entry.name]
         if tuple(tensor.shape) != shape:
             raise CheckpointError(f"{entry.file}: tensor {entry.name!r} has shape {tuple(tensor.shape)}, the "
@@ -193,7 +209,7 @@ def stream_into(
             # A cast would turn stored integers (a quantized or corrupt export) into garbage weights silently.
             raise CheckpointError(f"{entry.file}: tensor {entry.name!r} is stored as {tensor.dtype}, the {what} "
                                   f"parameter is floating point; refusing to cast integers into weights")
-        tensor = tensor.to(device)
+        tensor = tensor.to(place)
         if tensor_hook is not None:
             tensor = tensor_hook(entry.name, tensor)
         shard[entry.name] = tensor.to(dtype)

@@ -154,7 +154,8 @@ def test_adaln_projections_load_where_asked_and_nothing_else_moves():
 
 def test_adaln_home_defaults():
     assert _adaln_home(None, "fp8", "cuda") == torch.device("cpu")  # host memory under fp8
-    assert _adaln_home(None, "bf16", "cuda") == torch.device("cuda")  # as before
+    assert _adaln_home(None, "bf16", "cuda") == torch.device("cpu")  # host memory on CUDA at bf16 too (issue 26)
+    assert _adaln_home(None, "bf16", "cpu") == torch.device("cpu")
     assert _adaln_home("cuda:1", "fp8", "cuda:0") == torch.device("cuda", 1)
 
 
