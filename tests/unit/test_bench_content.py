@@ -4,24 +4,18 @@ smoke run of the e2e stage in which the painted content really reached the encod
 
 from __future__ import annotations
 
-import sys
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-from tests._bench import SCRIPTS, run_bench
+from tests._bench import run_bench, script_module
 
 
 @pytest.fixture(scope="module")
 def bench_content():
-    sys.path.insert(0, str(SCRIPTS))
-    try:
-        import bench_content
-
-        yield bench_content
-    finally:
-        sys.path.remove(str(SCRIPTS))
+    with script_module("bench_content") as module:
+        yield module
 
 
 def test_paint_shows_frame_first_plus_i_of_the_looping_scene(bench_content):
