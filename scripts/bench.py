@@ -26,7 +26,11 @@ Stages (`--stages`, comma-separated):
   e2e       complete MP4 of --e2e-canvases clips (default a 10.125 s 1344x768) with --forwards DiT forwards (4 = FastH3
             length; --e2e-vsa: then again with VSA at --vsa-sparsity, random gates), all
             components resident, for each of --precision (bf16,fp8: one engine after the other), --e2e-attention
-            to pick dense / vsa; scripts/bench_e2e.py; run under torchrun for several GPUs
+            to pick dense / vsa; scripts/bench_e2e.py; run under torchrun for several GPUs. --e2e-content
+            noise,moving renders each job once per picture: noise (what random weights decode, the default), moving
+            (the real decode, each chunk then painted with a moving scene so x264 runs at a footage's rate;
+            scripts/bench_content.py), moving-synced (moving + a device sync per chunk, as the renderer had); with
+            a painted kind each row also has the decode alone (decode_alone_s) and vae_video minus it
   fp8-gemm, fp8-quant, fp8-dit
             issue 18 (scripts/bench_fp8.py): the DiT's block GEMMs bf16 vs FP8, the fused FP8 producers, a DiT
             forward and the 4-forward FastH3 chain bf16 vs FP8 (errors, memory); `--fp8-model tiny --fp8-device cpu
@@ -51,7 +55,8 @@ Stages (`--stages`, comma-separated):
   memplans  issue 27 (scripts/bench_memplans.py): the memory plans (resident / phased text / streamed blocks, bf16 /
             fp8) on one GPU capped by set_per_process_memory_fraction, the allocator's peak, the wall against the
             uncapped resident run of the same call; the text phase of a --memplan-queue-job queue; `--memplan-model
-            tiny --memplan-device cpu --memplan-canvas 128x64x22 --forwards 1` is the CPU smoke run
+            tiny --memplan-device cpu --memplan-canvas 128x64x22 --forwards 1` is the CPU smoke run; each run
+            renders once per --e2e-content kind
   ref2va    a ref2va job at --ref2va-canvas with one image and one --ref2va-video-seconds video+audio reference
             (scripts/bench_ref2va.py): image resize + vision tower, VAE encode of both references, the text
             encoder's presentation, one DiT forward with the extra rows vs t2va (peak memory), complete MP4s
@@ -77,6 +82,8 @@ Usage (device): python scripts/bench.py --stages ceil,attn,kernels,dit,vae,audio
                 python scripts/bench.py --stages batch --batch-canvas 960x544x124 --out batch.json
 Usage (CPU smoke): python scripts/bench.py --stages batch --batch-model tiny --batch-device cpu \
                        --batch-canvas 128x64x22
+                   python scripts/bench.py --stages e2e --e2e-model tiny --e2e-device cpu --e2e-canvases 160x128x22 \
+                       --forwards 1 --e2e-content noise,moving
 """
 
 from __future__ import annotations

@@ -4,7 +4,9 @@
   e2e         complete MP4s of `--e2e-canvases` for each of `--precision`, one engine at a time (a bf16 engine,
               97 GB, and an fp8 one do not fit one H200 together; the first is freed before the second loads):
               `--e2e-attention` (default dense, then VSA with random gates when `--e2e-vsa`), all components
-              resident; run under torchrun for several GPUs.
+              resident; run under torchrun for several GPUs. Each job once per `--e2e-content` kind (noise: the
+              random weights' decode; moving: a moving scene painted over each decoded chunk, scripts/bench_content.py),
+              and, when one paints, the decode alone at the job's canvas (`decode_alone_s`, the floor of vae_video).
 
 Random components (`random_components`): tensors made on the target device (no host copy) with bench.random_'s
 scales, streamed through `checkpoint.load.assemble_components` with `precision=`, which is how `Engine.load` loads a
@@ -24,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from bench_content import content
 from bench_fp8 import (allocated_gb, enable_random_vsa_, free_memory, parse_canvas, peak_gb, reset_peak, sync,
                        tensor_bytes)
 
@@ -40,6 +43,11 @@ def add_arguments(p) -> None:
     p.add_argument("--e2e-attention", default=None,
                    help="e2e: comma-separated dense,vsa (default: dense, then vsa with --e2e-vsa)")
     p.add_argument("--e2e-dir", default="/tmp", help="e2e: where the MP4s (noise: large) and sidecars are written")
+    p.add_argument("--e2e-content", default="noise",
+                   help="e2e / memplans: comma-separated pictures each job is rendered with, in this order: noise "
+                        "(what the random weights decode), moving (the real decode, each chunk then painted with "
+                        "a moving scene: x264 at a footage's rate), moving-synced (moving, with a device sync "
+                        "after each chunk where the renderer read its finite checks before; scripts/bench_content.py)")
 
 
 def _random_tensor(name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, seed: int):
@@ -179,6 +187,7 @@ def stage_e2e(args, bench) -> None:
         raise ValueError(f"--e2e-attention: expected dense and/or vsa, got {args.e2e_attention!r}")
     jobs = [Job(id="bench", prompt=bench.PROMPT, width=w, height=h, frames=f, seed=0, steps=args.forwards + 1,
                 mode="t2va", output="bench") for w, h, f in canvases]
+    contents, scenes = content_scenes(args, device, canvases)
     for precision in _precisions(args):
         engine = _build(args, bench, ctx, precision, "e2e")
         engine.prepare(jobs)
@@ -199,10 +208,12 @@ def stage_e2e(args, bench) -> None:
             else:
                 engine.c.dit.vsa_sparsity = None  # dense (gates, if made earlier, stay unused)
             for job in jobs:
-                for rep in range(args.e2e_reps):
+                floor = decode_alone(engine, job) if scenes is not None else None
+                for kind, rep in [(kind, rep) for kind in contents for rep in range(args.e2e_reps)]:
                     reset_peak(device)
                     t0 = time.perf_counter()
-                    engine.render(job, out, out.with_suffix(".json"))
+                    with content(engine, kind, scenes) as shown:
+                        engine.render(job, out, out.with_suffix(".json"))
                     wall = time.perf_counter() - t0
                     if not ctx.is_main:
                         continue
@@ -211,8 +222,9 @@ def stage_e2e(args, bench) -> None:
                     stages = {k: round(v["seconds"], 3) for k, v in timings["stages"].items()}
                     bench.rec(stage="e2e", what=f"complete MP4 {job.width}x{job.height}x{job.frames}, {args.forwards} "
                                                 f"forwards, {precision}, {attention}, {ctx.world_size} "
-                                                f"{'GPU' if device.type == 'cuda' else 'CPU'}(s), rep {rep}",
+                                                f"{'GPU' if device.type == 'cuda' else 'CPU'}(s), {kind}, rep {rep}",
                               precision=precision, attention=attention, wall_s=round(wall, 2), stages=stages,
+                              **shown, **media_record(side, out, floor),
                               denoise_steps=[round(x, 3) for x in timings["stages"]["denoise"]["steps"]],
                               # the job's peak from its sidecar: the stage timer resets the device's counter at
                               # each stage, so max_memory_allocated() here is the last stage's (vae_video) alone
@@ -222,6 +234,55 @@ def stage_e2e(args, bench) -> None:
                               mp4_bytes=out.stat().st_size)
         del engine
         _teardown(bench, device, "e2e", precision)
+
+
+def content_scenes(args, device: torch.device, canvases) -> tuple[list[str], "MovingScenes | None"]:
+    """`--e2e-content`'s kinds and, when one paints, the moving scene of every canvas, made before any timing."""
+    from bench_content import MovingScenes, parse_contents
+
+    kinds = parse_contents(args.e2e_content)
+    if kinds == ["noise"]:
+        return kinds, None  # today's rows, nothing allocated
+    scenes = MovingScenes(device)
+    for width, height, _ in canvases:
+        scenes.prepare(height, width)
+    sync(device)
+    return kinds, scenes
+
+
+@torch.no_grad()
+def decode_alone(engine, job) -> float:
+    """Seconds to drain the engine's video decode stream at `job`'s canvas with nothing taking the chunks: the floor
+    of the render's `vae_video` (what is above it is the media path's time on the critical path). The latent is
+    random `[24, T, H/16, W/16]`: the decode does the same work for any values."""
+    from h3render.spec import SPATIAL_COMPRESSION, latent_frames
+
+    device, vae = engine.device, engine.c.video_vae
+    latent = torch.randn(vae.config.latent_channels, latent_frames(job.frames), job.height // SPATIAL_COMPRESSION,
+                         job.width // SPATIAL_COMPRESSION, device=device)
+    with engine.vae_on_device():
+        sync(device)
+        t0 = time.perf_counter()
+        for _ in engine.plan.decode_stream(vae, latent, engine.settings.vae_batch):
+            pass
+        sync(device)
+    return time.perf_counter() - t0
+
+
+def media_record(side: dict, out: Path, decode_alone_s: float | None) -> dict:
+    """A render row's media fields from its sidecar: the writer's durations (`extra.writer`: `blocked_s` is the
+    decode loop held by the writer's full queue), the MP4's bit rate, and, given the decode alone, how far
+    `vae_video` sat above it (`media_on_critical_path_s`)."""
+    from h3render.spec import FPS
+
+    stages = side["timings"]["stages"]
+    seconds = side["job"]["frames"] / FPS
+    record = {"writer": {k: round(v, 3) for k, v in side["extra"]["writer"].items()},
+              "mbit_s": round(8 * out.stat().st_size / seconds / 1e6, 1)}
+    if decode_alone_s is not None:
+        record.update(decode_alone_s=round(decode_alone_s, 3),
+                      media_on_critical_path_s=round(stages["vae_video"]["seconds"] - decode_alone_s, 3))
+    return record
 
 
 def _warm_forward(engine, job) -> None:

@@ -10,43 +10,7 @@ from pathlib import Path
 import torch
 
 from bench_common import rec
-
-
-def synthetic_video(first: int, n: int, height: int, width: int, kind: str, device, grain: float = 0.01,
-                    seed: int = 0) -> torch.Tensor:
-    """Frames `first .. first+n-1` of a synthetic clip: float [3, n, H, W] in [0, 1] on `device`.
-
-    kind "moving": a slowly panning colour gradient, a fine drifting texture, six soft-edged discs on smooth
-    paths and fresh Gaussian grain of std `grain` per frame (a stand-in for decoded footage: motion, edges and
-    some noise for x264 to spend bits on). kind "noise": independent uniform noise per pixel (what random
-    weights decode to; x264's worst case).
-    """
-    g = torch.Generator(device=device).manual_seed(seed * 100_003 + first)
-    if kind == "noise":
-        return torch.rand(3, n, height, width, device=device, generator=g)
-    if kind != "moving":
-        raise ValueError(f"synthetic_video: kind must be moving or noise, got {kind!r}")
-    t = ((first + torch.arange(n, device=device, dtype=torch.float32)) / 24).view(n, 1, 1)  # seconds
-    y = torch.linspace(0, 1, height, device=device).view(1, height, 1)
-    x = torch.linspace(0, width / height, width, device=device).view(1, 1, width)
-    two_pi = 2 * torch.pi
-    video = torch.stack([
-        0.45 + 0.25 * torch.sin(two_pi * (0.6 * x + 0.3 * y - 0.05 * t)),
-        0.45 + 0.25 * torch.sin(two_pi * (0.4 * x - 0.5 * y + 0.04 * t) + 1.0),
-        0.45 + 0.25 * torch.cos(two_pi * (0.3 * x + 0.2 * y + 0.03 * t)),
-    ])  # [3, n, H, W]
-    video = video + 0.04 * torch.sin(two_pi * (9 * x + 0.5 * t)) * torch.sin(two_pi * (7 * y - 0.4 * t))
-    aspect = width / height
-    for k in range(6):
-        cx = aspect * (0.5 + 0.4 * torch.sin(0.35 * (k + 1) * t + k))  # [n, 1, 1]
-        cy = 0.5 + 0.35 * torch.cos(0.25 * (k + 2) * t + 2 * k)
-        radius = 0.06 + 0.02 * k
-        inside = torch.sigmoid((radius - torch.sqrt((x - cx) ** 2 + (y - cy) ** 2)) * 300)  # [n, H, W]
-        colour = torch.tensor([(k * 0.37) % 1, (k * 0.61 + 0.2) % 1, (k * 0.13 + 0.5) % 1],
-                              device=device).view(3, 1, 1, 1)
-        video = video * (1 - inside) + colour * inside
-    video = video + grain * torch.randn(3, n, height, width, device=device, generator=g)
-    return video.clamp(0, 1)
+from bench_content import synthetic_video
 
 
 def synthetic_audio(frames: int, device) -> torch.Tensor:

@@ -11,7 +11,9 @@ of the same precision in the same call.
             peaks, the chooser's expected peak of that plan (`memplan.expected_phases`), the wall ratio to the
             uncapped run of its precision (run `resident:<precision>` first), whether the final latents equal the
             uncapped run's, the streamer's copies and the time one forward's block transfers take alone (with the
-            host-to-device GB/s: what the side stream must hide); an OOM is a row saying so. Then
+            host-to-device GB/s: what the side stream must hide); an OOM is a row saying so. Each run renders
+            once per `--e2e-content` kind (scripts/bench_e2e.py), on the same engine, compared with the uncapped
+            run of the same precision and content. Then
             `--memplan-queue` distinct prompts (default 16) through the text phase at each precision: seconds per
             prompt and the host memory the store holds.
 
@@ -31,7 +33,8 @@ from pathlib import Path
 
 import torch
 
-from bench_e2e import random_components
+from bench_content import content
+from bench_e2e import content_scenes, decode_alone, media_record, random_components
 from bench_fp8 import enable_random_vsa_, free_memory, parse_canvas, peak_gb, reset_peak, sync
 
 DEFAULT_RUNS = "resident:bf16,phased:bf16@75,resident:fp8,phased:fp8@44,streamed:fp8@22,streamed:fp8@14"
@@ -135,12 +138,15 @@ def _expected(args, plan: str, precision: str, canvas, vsa: bool) -> dict:
 
 
 @torch.no_grad()
-def _render(args, bench, ctx, plan: str, precision: str, cap: float | None, job, out: Path) -> dict:
-    """One capped run: text phase (phased, streamed), components, VSA, engine, warm-up, the timed render."""
+def _render(args, bench, ctx, plan: str, precision: str, cap: float | None, job, out: Path, contents,
+            scenes) -> list[dict]:
+    """One capped run: text phase (phased, streamed), components, VSA, engine, warm-up, then the timed render once
+    per `--e2e-content` kind in `contents` (painted from `scenes`): a row each (one row saying so on an OOM)."""
     from h3render.engine import Engine
     from h3render.settings import RunSettings
 
     device = ctx.device
+    renders: list[dict] = []
     settings = RunSettings(checkpoint=f"random-{args.memplan_model}", precision=precision, device=device.type,
                            dtype="bf16" if device.type == "cuda" else "fp32", vae_batch=args.vae_batches[-1],
                            attention=args.attention, progress=False, save_latents=True, memory_plan=plan,
@@ -171,16 +177,23 @@ def _render(args, bench, ctx, plan: str, precision: str, cap: float | None, job,
         from bench_e2e import _warm_forward
 
         _warm_forward(engine, job)  # the VSA tile plan and Triton specializations, untimed
-        reset_peak(device)
-        t0 = time.perf_counter()
-        engine.render(job, out, out.with_suffix(".json"))
-        row["wall_s"] = round(time.perf_counter() - t0, 2)
-        side = json.loads(out.with_suffix(".json").read_text())
-        timings = side["timings"]
-        row["stages"] = {k: round(v["seconds"], 3) for k, v in timings["stages"].items()}
-        row["peak_gb"] = bench.gb(timings["peak_memory_bytes"]) if timings.get("peak_memory_bytes") else None
-        row["stage_peak_gb"] = {k: bench.gb(v) for k, v in (timings.get("stage_peak_memory_bytes") or {}).items()}
-        row["memory"] = side["run"]["memory"]
+        floor = decode_alone(engine, job) if scenes is not None else None
+        for kind in contents:
+            reset_peak(device)
+            t0 = time.perf_counter()
+            with content(engine, kind, scenes) as shown:
+                engine.render(job, out, out.with_suffix(".json"))
+            rendered = {**shown, "wall_s": round(time.perf_counter() - t0, 2)}
+            side = json.loads(out.with_suffix(".json").read_text())
+            timings = side["timings"]
+            rendered["stages"] = {k: round(v["seconds"], 3) for k, v in timings["stages"].items()}
+            rendered["peak_gb"] = bench.gb(timings["peak_memory_bytes"]) if timings.get("peak_memory_bytes") else None
+            rendered["stage_peak_gb"] = {k: bench.gb(v) for k, v in
+                                         (timings.get("stage_peak_memory_bytes") or {}).items()}
+            rendered["memory"] = side["run"]["memory"]
+            rendered.update(media_record(side, out, floor))
+            rendered["latents"] = torch.load(out.with_name(out.stem + ".latents.pt"))
+            renders.append(rendered)
         if engine.streamer is not None:
             streamer = engine.streamer
             row["streamer"] = {"copies": streamer.copies, "issue_s": round(streamer.copy_seconds, 3),
@@ -209,7 +222,11 @@ def _render(args, bench, ctx, plan: str, precision: str, cap: float | None, job,
         torch._dynamo.reset()
         _cap(device, None)
         free_memory(device)
-    return row
+    base = {k: v for k, v in row.items() if k not in ("error", "oom_sites")}
+    rows = [{**base, **r} for r in renders]
+    if "error" in row:  # the render that was running when it failed (None: before or after them)
+        rows.append({**row, "content": contents[len(renders)] if len(renders) < len(contents) else None})
+    return rows
 
 
 def stage_memplans(args, bench) -> None:
@@ -224,22 +241,25 @@ def stage_memplans(args, bench) -> None:
               mode="t2va", output="memplan")
     folder = Path(args.memplan_dir)
     folder.mkdir(parents=True, exist_ok=True)
-    uncapped: dict[str, dict] = {}
+    contents, scenes = content_scenes(args, device, [canvas])
+    uncapped: dict[tuple[str, str], dict] = {}  # (precision, content) -> the uncapped resident run's wall, latents
     for plan, precision, cap in parse_runs(args.memplans):
         name = f"{plan}-{precision}" + (f"-{cap:g}GB" if cap else "")
         out = folder / f"{name}.mp4"
-        row = _render(args, bench, ctx, plan, precision, cap, job, out)
-        latents = torch.load(out.with_name(out.stem + ".latents.pt")) if "error" not in row else None
-        if plan == "resident" and cap is None and "wall_s" in row:
-            uncapped[precision] = {"wall_s": row["wall_s"], "latents": latents}
-        base = uncapped.get(precision)
-        if base is not None and "wall_s" in row:
-            row["vs_uncapped"] = round(row["wall_s"] / base["wall_s"], 3)
-            row["latents_equal_uncapped"] = bool(torch.equal(latents["video"], base["latents"]["video"]) and
-                                                 torch.equal(latents["audio"], base["latents"]["audio"]))
-        bench.rec(stage="memplans", what=f"{plan} {precision}, cap {cap or 'none'} GB, {w}x{h}x{f}, "
-                                        f"{args.forwards} forwards, VSA {args.vsa_sparsity}", plan=plan,
-                  precision=precision, cap_gb=cap, expected_gb=_expected(args, plan, precision, canvas, True), **row)
+        for row in _render(args, bench, ctx, plan, precision, cap, job, out, contents, scenes):
+            latents = row.pop("latents", None)
+            key = (precision, row["content"])
+            if plan == "resident" and cap is None and "wall_s" in row:
+                uncapped[key] = {"wall_s": row["wall_s"], "latents": latents}
+            base = uncapped.get(key)
+            if base is not None and "wall_s" in row:
+                row["vs_uncapped"] = round(row["wall_s"] / base["wall_s"], 3)
+                row["latents_equal_uncapped"] = bool(torch.equal(latents["video"], base["latents"]["video"]) and
+                                                     torch.equal(latents["audio"], base["latents"]["audio"]))
+            bench.rec(stage="memplans", what=f"{plan} {precision}, cap {cap or 'none'} GB, {w}x{h}x{f}, "
+                                            f"{args.forwards} forwards, VSA {args.vsa_sparsity}, {row['content']}",
+                      plan=plan, precision=precision, cap_gb=cap,
+                      expected_gb=_expected(args, plan, precision, canvas, True), **row)
     if args.memplan_queue > 0:
         jobs = [Job(id=f"q{i}", prompt=f"{bench.PROMPT} Take {i + 1}.", width=w, height=h, frames=f, seed=i,
                     steps=args.forwards + 1, mode="t2va", output=f"q{i}") for i in range(args.memplan_queue)]

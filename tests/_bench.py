@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import importlib
 import json
 import sys
 from pathlib import Path
@@ -28,3 +30,13 @@ def run_bench(argv: list[str], out: Path) -> list[dict]:
         torch.set_num_threads(threads)
         sys.path.remove(str(SCRIPTS))
     return json.loads(Path(out).read_text())
+
+
+@contextlib.contextmanager
+def script_module(name: str):
+    """scripts/NAME.py imported, with scripts/ on sys.path while the block runs (its own imports are siblings)."""
+    sys.path.insert(0, str(SCRIPTS))
+    try:
+        yield importlib.import_module(name)
+    finally:
+        sys.path.remove(str(SCRIPTS))

@@ -12,10 +12,13 @@ from tests._bench import run_bench
 def test_memplans_stage_runs_on_cpu(tmp_path):
     argv = ["--stages", "memplans", "--memplan-model", "tiny", "--memplan-device", "cpu", "--memplan-canvas",
             "128x64x22", "--forwards", "1", "--memplans", "resident:bf16,streamed:bf16@1", "--memplan-queue", "2",
-            "--vsa-sparsity", "0.5", "--memplan-dir", str(tmp_path)]
+            "--vsa-sparsity", "0.5", "--memplan-dir", str(tmp_path), "--e2e-content", "noise,moving"]
     rows = [r for r in run_bench(argv, tmp_path / "rows.json") if r.get("stage") == "memplans"]
     assert not [r for r in rows if "error" in r], rows
-    resident, streamed, queue = rows[0], rows[1], rows[2]
+    # each run renders once per content on its engine, each against the uncapped run of its content
+    assert [r.get("content") for r in rows[:4]] == ["noise", "moving", "noise", "moving"]
+    assert rows[1]["content_frames"] == rows[3]["content_frames"] == 22 and rows[3]["latents_equal_uncapped"]
+    resident, streamed, queue = rows[0], rows[2], rows[4]
     assert resident["plan"] == "resident" and streamed["plan"] == "streamed" and streamed["cap_gb"] == 1.0
     assert streamed["latents_equal_uncapped"] is True and math.isfinite(streamed["vs_uncapped"])
     assert streamed["streamer"]["copies"] >= 2 and streamed["text_phase"]["prompts"] == 1
