@@ -45,15 +45,11 @@ def _yuv_matrix(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     return matrix, offset
 
 
-def frames_to_uint8(video: torch.Tensor, *, check_finite: bool = True) -> torch.Tensor:
+def frames_to_uint8(video: torch.Tensor) -> torch.Tensor:
     """Quantize decoded video to channel-last 8-bit RGB on the tensor's own device.
 
     Args:
         video: ``[3, F, H, W]`` floating point, nominally in [0, 1]; values outside are clamped.
-        check_finite: refuse NaN/inf here. The check reads a flag back to the host, which waits for the device
-            to finish the video; False leaves the check to the caller, which must make it before the frames can
-            reach a finished file (the renderer checks every chunk on the device and reads the flags back once
-            per window, `render._Sink`). Unchecked, a NaN quantizes to an unspecified byte.
     Returns:
         ``[F, H, W, 3]`` uint8, contiguous, on ``video.device``: ``round(clamp(x, 0, 1) * 255)`` with
         round-half-to-even (what diffusers' ``numpy_to_pil`` does with numpy's ``round``).
@@ -64,22 +60,22 @@ def frames_to_uint8(video: torch.Tensor, *, check_finite: bool = True) -> torch.
         raise MediaError(f"video: expected [3, F, H, W] float RGB, got shape {tuple(video.shape)}")
     if not video.is_floating_point():
         raise MediaError(f"video: expected floating point in [0, 1], got {video.dtype}")
-    if check_finite and not bool(torch.isfinite(video).all()):
+    if not bool(torch.isfinite(video).all()):
         raise MediaError("video: frames contain NaN or inf (the decode diverged); refusing to write them")
     # Quantize while still channel-first, then permute the 1-byte result: the transpose moves 4x less memory.
     q = video.float().clamp(0.0, 1.0).mul(255.0).round().to(torch.uint8)  # [3, F, H, W]
     return q.permute(1, 2, 3, 0).contiguous()  # [F, H, W, 3]
 
 
-def _as_rgb_uint8(video: torch.Tensor, check_finite: bool) -> torch.Tensor:
+def _as_rgb_uint8(video: torch.Tensor) -> torch.Tensor:
     if video.dtype == torch.uint8:
         if video.ndim != 4 or video.shape[-1] != 3:
             raise MediaError(f"rgb: expected uint8 [F, H, W, 3], got shape {tuple(video.shape)}")
         return video
-    return frames_to_uint8(video, check_finite=check_finite)
+    return frames_to_uint8(video)
 
 
-def rgb_to_i420(video: torch.Tensor, *, check_finite: bool = True) -> torch.Tensor:
+def rgb_to_i420(video: torch.Tensor) -> torch.Tensor:
     """RGB -> BT.709 limited-range yuv420p, packed I420, on the tensor's own device.
 
     Matches libswscale's rgb24 -> yuv420p conversion with PyAV's default BILINEAR scaler (what
@@ -91,13 +87,12 @@ def rgb_to_i420(video: torch.Tensor, *, check_finite: bool = True) -> torch.Tens
     Args:
         video: uint8 ``[F, H, W, 3]`` RGB, or float ``[3, F, H, W]`` in [0, 1] (quantized first with
             :func:`frames_to_uint8`, so both inputs give the same planes). H and W must be even.
-        check_finite: as :func:`frames_to_uint8` (float input only).
     Returns:
         uint8 ``[F, H*3//2, W]``: per frame Y ``[H, W]`` then U and V ``[H/2, W/2]`` each, flat.
     Raises:
-        MediaError: bad shape/dtype, odd H or W, non-finite float input (unless `check_finite` is False).
+        MediaError: bad shape/dtype, odd H or W, non-finite float input.
     """
-    rgb = _as_rgb_uint8(video, check_finite)
+    rgb = _as_rgb_uint8(video)
     f, h, w, _ = rgb.shape
     if h % 2 or w % 2:
         raise MediaError(f"rgb: yuv420p needs even height and width, got {h}x{w} (HxW)")

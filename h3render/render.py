@@ -242,7 +242,6 @@ class _Sink:
             if not distributed:
                 raise
             error = exc
-        finite: list[tuple[int, torch.Tensor]] = []  # per chunk written: (its first MP4 frame, 0-dim bool)
         with timer.stage("vae_video"):
             for first, chunk in _timed_decode(frames, timer):  # chunk [3, n, H, W] float in [0, 1]
                 if error is not None:
@@ -251,7 +250,7 @@ class _Sink:
                 try:
                     self.decode.update(chunk.shape[1])
                     chunk = self.splicer.frames(index, first, chunk)  # the seam blended; held or dropped frames out
-                    n = 0 if chunk is None else self._write_chunk(self.written, chunk, finite)
+                    n = 0 if chunk is None else self._write_chunk(self.written, chunk)
                     self.written += n
                     self.encode.update(self.writer.frames_encoded - self.encode.done)
                 except Exception as exc:
@@ -259,28 +258,20 @@ class _Sink:
                         raise
                     error = exc
                 timer.add_interval("to_uint8_d2h", t0, timer.now())
-            # Before this window can end the job: a non-finite chunk fails it, and the abort removes the temp file.
-            error = error or _non_finite_pixels(finite)
         if error is not None:
             raise error
         self.decode.close()
 
-    def _write_chunk(self, first: int, frames: torch.Tensor, finite: list[tuple[int, torch.Tensor]]) -> int:
-        """Convert one decoded chunk `[3, n, H, W]` on its device and hand it to the writer; returns n.
-
-        Its finite check stays on the device, appended to `finite` as `(first, flag)`: reading the flag here would
-        wait for the chunk's decode, and the GPU would idle while the host converts, stages and queues the chunk
-        and launches the next decode (twice a chunk before: here and in `frames_to_uint8`). `write` reads the
-        window's flags back once, after its last chunk.
-        """
-        finite.append((first, torch.isfinite(frames).all()))
+    def _write_chunk(self, first: int, frames: torch.Tensor) -> int:
+        """Convert one decoded chunk `[3, n, H, W]` on its device and hand it to the writer; returns n."""
+        if not torch.isfinite(frames).all():
+            raise RenderError(f"the video VAE produced non-finite pixels at frame {first}")
         if frames.is_cuda:
             # BT.709 yuv420p planes on the GPU: half the bytes of RGB to copy, no swscale pass on the host
             # (libswscale's own conversion within +-1 code value; docs/performance.md).
-            chunk = rgb_to_i420(frames, check_finite=False)  # [n, H*3/2, W] uint8
+            chunk = rgb_to_i420(frames)  # [n, H*3/2, W] uint8
         else:
-            # [n, H, W, 3] uint8; swscale converts on the encoder thread
-            chunk = frames_to_uint8(frames, check_finite=False)
+            chunk = frames_to_uint8(frames)  # [n, H, W, 3] uint8; swscale converts on the encoder thread
         self.writer.write_frames(self.engine.stager.stage(chunk))
         return chunk.shape[0]
 
@@ -408,18 +399,6 @@ def _timed_steps(model_fn, timer: StageTimer):
             return model_fn(*args)
 
     return timed
-
-
-def _non_finite_pixels(finite: list[tuple[int, torch.Tensor]]) -> RenderError | None:
-    """The error naming the first chunk whose pixels hold NaN/Inf, or None; `finite` as `_Sink._write_chunk`
-    collects it. One read back to the host (a device sync) for all the chunks."""
-    if not finite:
-        return None
-    ok = torch.stack([flag for _, flag in finite]).cpu()  # [chunks] bool
-    if bool(ok.all()):
-        return None
-    first = finite[int((~ok).nonzero()[0, 0])][0]
-    return RenderError(f"the video VAE produced non-finite pixels at frame {first}")
 
 
 def _timed_decode(it: Iterator, timer: StageTimer) -> Iterator:

@@ -14,7 +14,7 @@ from typing import Iterator
 
 import torch
 
-CONTENTS = ("noise", "moving", "moving-synced")
+CONTENTS = ("noise", "moving")
 
 
 def synthetic_video(first: int, n: int, height: int, width: int, kind: str, device, grain: float = 0.01,
@@ -113,20 +113,16 @@ class MovingScenes:
 class Painted:
     """A decode stream `(first, frames [3, n, H, W])` with each chunk painted by `MovingScenes.paint_`.
 
-    `synced`: also wait for the device after each chunk, before the renderer sees it: where the renderer read its
-    per-chunk finite checks back to the host before it deferred them (the same call then shows what that cost).
     `frames`, `chunks`: what was painted (a row says "moving" only if every frame was).
     """
 
-    def __init__(self, scenes: MovingScenes, synced: bool = False) -> None:
-        self.scenes, self.synced = scenes, synced
+    def __init__(self, scenes: MovingScenes) -> None:
+        self.scenes = scenes
         self.frames = self.chunks = 0
 
     def __call__(self, stream: Iterator) -> Iterator:
         for first, chunk in stream:
             chunk = self.scenes.paint_(first, chunk)
-            if self.synced and chunk.is_cuda:
-                torch.cuda.current_stream(chunk.device).synchronize()
             self.frames += chunk.shape[1]
             self.chunks += 1
             yield first, chunk
@@ -142,7 +138,7 @@ def content(engine, kind: str, scenes: MovingScenes | None):
     if kind == "noise" or not engine.plan.writes:
         yield record
         return
-    painted = Painted(scenes, synced=kind == "moving-synced")
+    painted = Painted(scenes)
     decode_stream = engine.plan.decode_stream
 
     def painted_stream(vae, latent, batch_size):

@@ -18,6 +18,8 @@ tiny --e2e-device cpu --e2e-canvases 160x128x22`.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import gc
 import json
 import time
@@ -43,11 +45,13 @@ def add_arguments(p) -> None:
     p.add_argument("--e2e-attention", default=None,
                    help="e2e: comma-separated dense,vsa (default: dense, then vsa with --e2e-vsa)")
     p.add_argument("--e2e-dir", default="/tmp", help="e2e: where the MP4s (noise: large) and sidecars are written")
+    p.add_argument("--e2e-vsa-kernels", default="current",
+                   help="e2e: comma-separated VSA kernel variants of the vsa rows: current, session10 (the pointer "
+                        "fine kernel and torch top-k selection, main before issue 26's eleventh-session work)")
     p.add_argument("--e2e-content", default="noise",
                    help="e2e / memplans: comma-separated pictures each job is rendered with, in this order: noise "
                         "(what the random weights decode), moving (the real decode, each chunk then painted with "
-                        "a moving scene: x264 at a footage's rate), moving-synced (moving, with a device sync "
-                        "after each chunk where the renderer read its finite checks before; scripts/bench_content.py)")
+                        "a moving scene: x264 at a footage's rate; scripts/bench_content.py)")
 
 
 def _random_tensor(name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, seed: int):
@@ -200,19 +204,25 @@ def stage_e2e(args, bench) -> None:
         stem = "e2e" if precision == "bf16" else f"e2e-{precision}"
         out = Path(args.e2e_dir) / f"{stem}-w{ctx.world_size}.mp4"
         out.parent.mkdir(parents=True, exist_ok=True)
-        for attention in attentions:
+        floors: dict = {}
+        runs = [(a, kernels) for a in attentions for kernels in (vsa_variants(args) if a == "vsa" else ["current"])]
+        for attention, kernels in runs:
             if attention == "vsa":
                 enable_random_vsa_(engine.c.dit, args.vsa_sparsity, seed=1)
-                for job in jobs:  # the first VSA forward at a shape builds its tile plan (host syncs): untimed
-                    _warm_forward(engine, job)
+                with vsa_kernels(kernels):
+                    for job in jobs:  # the first VSA forward at a shape builds its tile plan (host syncs), and
+                        _warm_forward(engine, job)  # each kernel variant autotunes there: untimed
             else:
                 engine.c.dit.vsa_sparsity = None  # dense (gates, if made earlier, stay unused)
             for job in jobs:
-                floor = decode_alone(engine, job) if scenes is not None else None
+                canvas = (job.width, job.height, job.frames)  # every job's id is "bench"
+                if scenes is not None and canvas not in floors:
+                    floors[canvas] = decode_alone(engine, job)
+                floor = floors.get(canvas)
                 for kind, rep in [(kind, rep) for kind in contents for rep in range(args.e2e_reps)]:
                     reset_peak(device)
                     t0 = time.perf_counter()
-                    with content(engine, kind, scenes) as shown:
+                    with content(engine, kind, scenes) as shown, vsa_kernels(kernels):
                         engine.render(job, out, out.with_suffix(".json"))
                     wall = time.perf_counter() - t0
                     if not ctx.is_main:
@@ -222,8 +232,10 @@ def stage_e2e(args, bench) -> None:
                     stages = {k: round(v["seconds"], 3) for k, v in timings["stages"].items()}
                     bench.rec(stage="e2e", what=f"complete MP4 {job.width}x{job.height}x{job.frames}, {args.forwards} "
                                                 f"forwards, {precision}, {attention}, {ctx.world_size} "
-                                                f"{'GPU' if device.type == 'cuda' else 'CPU'}(s), {kind}, rep {rep}",
-                              precision=precision, attention=attention, wall_s=round(wall, 2), stages=stages,
+                                                f"{'GPU' if device.type == 'cuda' else 'CPU'}(s), {kind}, rep {rep}"
+                                                + ("" if kernels == "current" else f", VSA kernels {kernels}"),
+                              precision=precision, attention=attention, vsa_kernels=kernels, wall_s=round(wall, 2),
+                              stages=stages,
                               **shown, **media_record(side, out, floor),
                               denoise_steps=[round(x, 3) for x in timings["stages"]["denoise"]["steps"]],
                               # the job's peak from its sidecar: the stage timer resets the device's counter at
@@ -234,6 +246,32 @@ def stage_e2e(args, bench) -> None:
                               mp4_bytes=out.stat().st_size)
         del engine
         _teardown(bench, device, "e2e", precision)
+
+
+def vsa_variants(args) -> list[str]:
+    """`--e2e-vsa-kernels`: "current" (the tree's defaults) and/or "session10" (main at the start of the eleventh
+    session: the pointer fine kernel and torch's top-k + sort selection), for a before/after in one call."""
+    variants = [v.strip() for v in args.e2e_vsa_kernels.split(",") if v.strip()]
+    if not variants or set(variants) - {"current", "session10"}:
+        raise ValueError(f"--e2e-vsa-kernels: expected current and/or session10, got {args.e2e_vsa_kernels!r}")
+    return variants
+
+
+@contextlib.contextmanager
+def vsa_kernels(variant: str):
+    """Run the VSA kernels of `variant` inside the block (module defaults patched and restored)."""
+    if variant == "current":
+        yield
+        return
+    import h3render.kernels.vsa as vsa
+    from h3render.kernels.vsa import triton_impl
+
+    select, tma = vsa.select_tiles, triton_impl.TMA_BY_DEFAULT
+    vsa.select_tiles, triton_impl.TMA_BY_DEFAULT = functools.partial(select, use_triton=False), False
+    try:
+        yield
+    finally:
+        vsa.select_tiles, triton_impl.TMA_BY_DEFAULT = select, tma
 
 
 def content_scenes(args, device: torch.device, canvases) -> tuple[list[str], "MovingScenes | None"]:
