@@ -41,6 +41,9 @@ def add_arguments(p) -> None:
     p.add_argument("--tables-k", default="5,50", help="tables stage: comma-separated timestep counts")
     p.add_argument("--tables-dir", default=None,
                    help="tables / prepare stages: where the fresh cache folder is made (default: the temp folder)")
+    p.add_argument("--prepare-cache", default=None,
+                   help="prepare stage: the AdaLN cache's root (per precision below it), kept for a later process; "
+                        "default a fresh folder under --tables-dir")
     p.add_argument("--prepare-steps", type=int, default=None,
                    help="prepare stage: the job's steps (default: the release's schedule, 50 sigma points)")
     p.add_argument("--te-tokens", default="77,256,2000", help="te-fp8 stage: comma-separated prompt lengths")
@@ -110,7 +113,9 @@ def stage_prepare(args, bench) -> None:
     width, height, frames = parse_canvas(args.e2e_canvases.split(",")[0])
     job = Job(id="bench", prompt=bench.PROMPT, width=width, height=height, frames=frames, seed=0,
               steps=args.prepare_steps, mode="t2va", output="bench")
-    root = tempfile.mkdtemp(prefix="h3render-prepare-", dir=args.tables_dir)
+    # --prepare-cache: one folder a later process reuses, so that its first prepare is a new process's second run
+    # (AdaLN tables read from the cache, Inductor and Triton from their own disk caches).
+    root = args.prepare_cache or tempfile.mkdtemp(prefix="h3render-prepare-", dir=args.tables_dir)
     saved = os.environ.get(ENV)
     try:
         for precision in bench_e2e._precisions(args):
