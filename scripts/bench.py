@@ -246,8 +246,11 @@ def main() -> None:
     p.add_argument("--media-x264-params", default="default",
                    help="media stage: ';'-separated x264-params variants to compare ('default' = the writer's)")
     p.add_argument("--media-dir", default="/tmp/h3render-media", help="media stage: where the MP4s are written")
-    p.add_argument("--prof-dit", default="bf16-dense", choices=("bf16-dense", "fp8-vsa"),
-                   help="prof stage: the 8-block DiT's precision and attention (fp8-vsa skips the VAE profile)")
+    p.add_argument("--prof-dit", default="bf16-dense", choices=("bf16-dense", "fp8-vsa", "none"),
+                   help="prof stage: the 8-block DiT's precision and attention (fp8-vsa skips the VAE profile, none "
+                        "the DiT's)")
+    p.add_argument("--prof-vae", default="bf16", choices=("bf16", "fp8"),
+                   help="prof stage: the video VAE decoder's block linears")
     p.add_argument("--vsa-layer-only", action="store_true", help="vsa stage: one layer only, no DiT forward")
     p.add_argument("--vsa-fines", default="triton,flex", help="vsa stage: fine backends of the whole-layer rows")
     p.add_argument("--vsa-sparsity", type=float, default=FASTH3_V1_VSA_SPARSITY,

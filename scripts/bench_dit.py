@@ -292,15 +292,27 @@ def _top_kernels(prof, n: int = 20) -> list[dict]:
 @torch.no_grad()
 def stage_prof(args) -> None:
     """Where device time goes: one 8-block DiT forward at 1344x768x243 (sharded when under torchrun), and on a single
-    GPU one compiled video-VAE decode batch. Prints the top kernels by self device time."""
-    from torch.profiler import ProfilerActivity, profile
-
-    from h3render.models.attention import attention, select_backend
-    from h3render.parallel.dit import sharded_forward
+    GPU one compiled video-VAE decode batch (`--prof-dit`, `--prof-vae` pick them). Prints the top kernels by self
+    device time."""
+    from h3render.models.attention import select_backend
     from h3render.parallel.groups import init_parallel
 
     ctx = init_parallel("cuda")
     select_backend(args.attention)
+    if args.prof_dit != "none":
+        _prof_dit(args, ctx)
+    if ctx.distributed or args.prof_dit not in ("none", "bf16-dense"):
+        return
+    _prof_vae(args)
+
+
+def _prof_dit(args, ctx) -> None:
+    """One 8-block DiT forward under the profiler (`--prof-dit`)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from h3render.models.attention import attention
+    from h3render.parallel.dit import sharded_forward
+
     dit = released_dit(8)
     dit.set_attention(attention, refiner=True)
     what = "DiT 8 blocks"
@@ -320,12 +332,14 @@ def stage_prof(args) -> None:
         torch.cuda.synchronize()
     rec(stage="prof", what=f"{what}, {ctx.world_size} GPU(s), top kernels", seconds=round(t, 4),
         kernels=_top_kernels(prof, 30))
-    if args.prof_dit != "bf16-dense":
-        return
     del dit, inputs
     peak_reset()
-    if ctx.distributed:
-        return
+
+
+def _prof_vae(args) -> None:
+    """One compiled video-VAE decode batch under the profiler (`--prof-vae`: bf16 or FP8 decoder linears)."""
+    from torch.profiler import ProfilerActivity, profile
+
     from h3render.checkpoint.releases import RELEASES
     from h3render.models.video_vae import VideoVAE
 
@@ -333,6 +347,10 @@ def stage_prof(args) -> None:
     vae = build_on_gpu(lambda: VideoVAE(release.video_vae, release.vae_tiling), torch.float32)
     random_(vae, 1).apply_precision_(torch.bfloat16)
     vae.fuse_qkv_()
+    if args.prof_vae == "fp8":  # the decoder block linears as `--precision fp8` runs them
+        from h3render.models.fp8 import quantize_video_decoder_fp8_
+
+        quantize_video_decoder_fp8_(vae)
     vae_attention(vae, args.vae_batches[-1], "prof")
     vae.compile_blocks_(dynamic=False)
     z = torch.randn(24, 72, 48, 84, device="cuda")
@@ -344,5 +362,10 @@ def stage_prof(args) -> None:
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         vae.decode_items(z, items, vb)
         torch.cuda.synchronize()
-    rec(stage="prof", what=f"video VAE compiled, one batch of {vb} items", seconds=round(t, 4),
+    rec(stage="prof", what=f"video VAE {args.prof_vae} compiled, one batch of {vb} items", seconds=round(t, 4),
+        launches=sum(e.count for e in prof.key_averages() if getattr(e, "self_device_time_total", 0) > 0),
         kernels=_top_kernels(prof, 25))
+    # Four batches in a row: the gaps between batches count (against one batch's wall and its kernels' sum).
+    many = vae.plan_decode(*z.shape[1:]).items[:4 * vb]
+    t_many = cuda_time(lambda: vae.decode_items(z, many, vb), reps=3)
+    rec(stage="prof", what=f"video VAE {args.prof_vae} compiled, {len(many)} items", seconds=round(t_many, 4))
