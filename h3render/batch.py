@@ -185,6 +185,7 @@ class _Queue:
         self.render_order: Sequence[int] | None = None
         self.settings: dict[str, Any] | None = None  # this run's checkpoint and encoder (`current`)
         self.elsewhere_wait_s: float | None = None  # `run_batch`'s; None: `elsewhere_wait`'s default
+        self.since_ns = time.time_ns()  # outputs written since: by another queue of this run (render_reason)
 
     def start(self, overwrite: bool, shard, note: str | None) -> None:
         """Decide what to render, sweep what dead queues left beside skipped jobs, write the first report."""
@@ -356,7 +357,7 @@ class _Queue:
                 self.record(i)
                 return True
             # Under the lock: another queue may have finished the job since `start` looked.
-            reason = "overwrite" if self.reasons[i] == "overwrite" else render_reason(job, mp4, sidecar)
+            reason = render_reason(job, mp4, sidecar, overwrite=self.reasons[i] == "overwrite", since_ns=self.since_ns)
             if reason is None:
                 attempt.release()
                 outcome.status = SKIPPED

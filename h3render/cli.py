@@ -213,7 +213,8 @@ def _lora_options(values) -> list[dict]:
 @click.option("--out-dir", default="renders", show_default=True, help="Folder for MP4s, sidecars and the report.")
 @click.option("--shard", default=None, help='This task\'s shard "i/n" (0-based); default from SLURM_ARRAY_TASK_*.')
 @click.option("--skip-existing", is_flag=True, help="Resume: skip finished, current jobs (the default).")
-@click.option("--overwrite", is_flag=True, help="Render every job again, replacing its outputs.")
+@click.option("--overwrite", is_flag=True, help="Render every job again, replacing its outputs (a job another queue "
+                                               "on this out dir finishes while this one runs is not rendered twice).")
 @click.option("--fail-fast", is_flag=True, help="Stop after the first failed job.")
 @click.option("--dry-run", is_flag=True, help="Validate and print the plan; load nothing.")
 @click.option("--quiet", is_flag=True, help="One log line per job; no bars, no stage lines.")

@@ -50,13 +50,25 @@ def lock_path(mp4: Path) -> Path:
     return mp4.with_name(mp4.stem + ".lock")
 
 
-def render_reason(job, mp4: Path, sidecar: Path, *, overwrite: bool = False) -> str | None:
+def render_reason(job, mp4: Path, sidecar: Path, *, overwrite: bool = False, since_ns: int | None = None
+                  ) -> str | None:
     """Why the job must be rendered ("overwrite", "no MP4", "no sidecar", "sidecar unreadable", "parameters
     changed (seed, keyframes)" naming the job fields that differ, "MP4 empty", or an MP4 that is not the one its
     sidecar records: `h3render.sidecar.media_mismatch`), or None when its outputs are complete and were rendered
-    with ``job.params()`` (skip it)."""
+    with ``job.params()`` (skip it).
+
+    With `overwrite` and `since_ns` (when this queue started, `time.time_ns()`): outputs complete and current whose
+    MP4 was put in place since then (its inode change time: the writer renames the MP4 there) count as rendered,
+    by another queue of the same run on this out dir (two `--overwrite` queues rendered every job twice, a trial
+    found). A timestamp that runs ahead of this host's clock (a shared filesystem's server) could make an output
+    renamed just before the queue started count too.
+    """
     if overwrite:
-        return "overwrite"
+        try:
+            fresh = since_ns is not None and mp4.stat().st_ctime_ns >= since_ns
+        except OSError:
+            fresh = False
+        return render_reason(job, mp4, sidecar) and "overwrite" if fresh else "overwrite"
     try:  # is_file() raises for a name the OS refuses (ENAMETOOLONG: out dir + output over PATH_MAX)
         if not mp4.is_file():
             return "no MP4"

@@ -199,3 +199,28 @@ def test_two_identical_queues_both_exit_0_when_each_job_is_rendered_once(tmp_pat
     own = [p for p in out.glob("batch-report.*.json") if p.name.endswith(f"-{b.pid}.json")]
     assert [j["status"] for j in json.loads(own[0].read_text())["jobs"]] == ["skipped", "succeeded"]
     assert "waiting up to" in b_err and "rendered meanwhile by another process" in b_err
+
+
+def test_two_overwrite_queues_render_each_job_once(tmp_path):
+    """A trial: two `--overwrite` queues on one out dir rendered every job twice (each re-rendered what the other
+    had just finished). A job another queue finishes after this one started counts as rendered meanwhile."""
+    out, ctl = tmp_path / "out", tmp_path / "ctl"
+    ctl.mkdir()
+    out.mkdir()
+    for name in ("j0", "j1"):  # an earlier run's outputs: --overwrite must still replace them
+        (out / f"{name}.mp4").write_text("old")
+        (out / f"{name}.json").write_text(json.dumps({"job": {"prompt": f"prompt {name[1]}", "seed": int(name[1])}}))
+    time.sleep(0.05)  # the old files' timestamps come before either queue's start
+    a = start_queue(out, ctl, 2, "--gate", "j0", "--overwrite")
+    wait_for(ctl / "started-j0", a)
+    b = start_queue(out, ctl, 2, "--overwrite")
+    wait_for(ctl / "started-j1", b)  # B renders j1 (A holds j0), then waits for j0's holder
+    time.sleep(0.3)
+    (ctl / "go").touch()
+    _, b_err = b.communicate(timeout=120)
+    _, a_err = a.communicate(timeout=120)
+    assert b.returncode == 0 and a.returncode == 0, (a_err, b_err)
+    assert sorted(renders(ctl), key=lambda r: r[1]) == [(a.pid, "j0"), (b.pid, "j1")]  # each job once, none kept old
+    assert (out / "j0.mp4").read_text().startswith(f"mp4 prompt 0 by {a.pid}")
+    assert (out / "j1.mp4").read_text().startswith(f"mp4 prompt 1 by {b.pid}")
+    assert "rendered meanwhile by another process" in a_err and "rendered meanwhile by another process" in b_err
