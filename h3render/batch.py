@@ -61,7 +61,7 @@ from h3render.report import (ELSEWHERE, FAILED, INTERRUPTED, PENDING, SKIPPED, S
                              QueueLog, _name, claim_report, mark_dead_reports, remove_files)
 from h3render.sidecar import SidecarUnreadable, read_sidecar, rendered_with
 from h3render.signals import InterruptGuard, settle, signal_name, signum_of
-from h3render.outputs import (BatchUsageError, JobPathError, blocker, lock_path, output_paths, prepare_out_dir,
+from h3render.outputs import (BatchUsageError, JobPathError, lock_path, output_paths, path_problem, prepare_out_dir,
                               render_reason, temp_paths)
 
 
@@ -518,24 +518,14 @@ class _Attempt:
             JobPathError, OSError: the folder cannot be made or used (the message names the path).
         """
         folder = self.mp4.parent
-        try:
-            real = folder.resolve()
-        except (OSError, RuntimeError) as exc:  # RuntimeError: a symlink loop, before Python 3.13
-            raise JobPathError(f"{folder}: cannot resolve the job's folder: {exc}") from exc
-        if real != queue.out_real and queue.out_real not in real.parents:
-            raise JobPathError(f"{folder}: the job's folder leads out of the out dir {queue.out_dir} (it resolves "
-                               f"to {real}: a symlinked folder); nothing is written outside the out dir")
-        problem = blocker(folder)
+        problem = path_problem(self.mp4, self.sidecar, queue.out_real)
         if problem is not None:
-            raise JobPathError(f"cannot create the job's folder {folder}: {problem}")
+            raise JobPathError(problem)
         try:
             folder.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             # `from exc`: the report's traceback keeps the system call's own error (errno, path) as its cause
             raise JobPathError(f"cannot create the job's folder {folder}: {exc.strerror or exc}") from exc
-        for final in (self.mp4, self.sidecar):  # found before the render, not by the rename after it
-            if final.is_dir():
-                raise JobPathError(f"{final}: a folder stands at the job's output name; nothing can be written there")
         lock = queue.try_lock(lock_path(self.mp4))
         if lock is None:
             return locks.holder(lock_path(self.mp4))

@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Any
 
 from h3render.jobs import Job
-from h3render.outputs import output_paths, render_reason
+from h3render.outputs import output_paths, path_problem, render_reason
 from h3render.spec import Limits
 
 
@@ -19,7 +19,8 @@ def plan_lines(jobs: list[Job], out_dir: Path | None = None, *, overwrite: bool 
     (`Job.time_note`).
 
     With `out_dir`, each line names the job's MP4 path and whether the run would render it or skip it (its outputs
-    complete and rendered with these parameters: `outputs.render_reason`); a skip with `current` (the run's
+    complete and rendered with these parameters: `outputs.render_reason`), or that it would fail before rendering
+    (its folder outside the out dir or blocked, a folder at an output name: `outputs.path_problem`); a skip with `current` (the run's
     `{"checkpoint", "encoder"}` settings, as the batch takes them) also says what the earlier render ran with where
     that differs (`sidecar.rendered_with`), as the real run's log does. `run` (checkpoint, precision, adapter)
     comes first as one line of `key value` pairs, the ones that are None left out.
@@ -33,12 +34,15 @@ def plan_lines(jobs: list[Job], out_dir: Path | None = None, *, overwrite: bool 
         return "skip: done" if earlier is None else f"skip: done, {earlier}"
 
     lines = [] if run is None else ["run: " + ", ".join(f"{k} {v}" for k, v in run.items() if v is not None)]
+    out_real = None if out_dir is None else Path(out_dir).resolve()
     for number, job in enumerate(jobs, start=1):
         label = job.output if job.id is None or job.id == job.output else f"{job.id} → {job.output}"
         if out_dir is not None:
             mp4, sidecar = output_paths(out_dir, job)
             reason = render_reason(job, mp4, sidecar, overwrite=overwrite)
-            label = f"{label} ({mp4}, {skip_note(sidecar) if reason is None else 'render: ' + reason})"
+            note = skip_note(sidecar) if reason is None else "render: " + reason
+            problem = path_problem(mp4, sidecar, out_real)  # the job would fail before its render, alone
+            label = f"{label} ({mp4}, {note if problem is None else 'will fail: ' + problem})"
         turbo = any(r.turbo and r.strength != 0 for r in job.loras)
         steps = ("turbo LoRA schedule" if turbo else "adapter schedule") if job.steps is None else \
             f"{job.steps} sigma points"

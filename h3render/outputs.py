@@ -129,3 +129,25 @@ def blocker(folder: Path) -> str | None:
                 return f"{p} is {what}"
         return f"{p} is a file, not a folder"
     return None
+
+
+def path_problem(mp4: Path, sidecar: Path, out_real: Path) -> str | None:
+    """Why a job's MP4 and sidecar cannot be written where they go (the message names the path), or None: the
+    folder resolves outside the out dir (`out_real`, resolved; a symlinked folder), something blocks the folder
+    (`blocker`), or a folder stands at an output name. Checked by the queue before each render (`batch._Attempt`)
+    and by `--dry-run` (`dry_run.plan_lines`), so a dry run names the jobs a real run would fail."""
+    folder = mp4.parent
+    try:
+        real = folder.resolve()
+    except (OSError, RuntimeError) as exc:  # RuntimeError: a symlink loop, before Python 3.13
+        return f"{folder}: cannot resolve the job's folder: {exc}"
+    if real != out_real and out_real not in real.parents:
+        return (f"{folder}: the job's folder leads out of the out dir {out_real} (it resolves to {real}: a symlinked "
+                "folder); nothing is written outside the out dir")
+    problem = blocker(folder)
+    if problem is not None:
+        return f"cannot create the job's folder {folder}: {problem}"
+    for final in (mp4, sidecar):  # found before the render, not by the rename after it
+        if final.is_dir():
+            return f"{final}: a folder stands at the job's output name; nothing can be written there"
+    return None

@@ -238,3 +238,22 @@ def test_render_reason_names_the_job_fields_that_changed(tmp_path):
     assert render_reason(job, mp4, side) == "parameters changed (seed, steps)"
     side.write_text(json.dumps({"job": recorded}))  # the same job (and a sidecar with no MP4 record): done
     assert render_reason(job, mp4, side) is None
+
+
+def test_dry_run_names_the_jobs_whose_paths_would_fail(tmp_path):
+    """A trial: `--dry-run` said `render: no MP4` for a job whose folder was blocked by a file and for one whose folder
+    was a symlink leading out of the out dir; the real run then failed both. The dry run now says so."""
+    from h3render.dry_run import plan_lines
+
+    limits = Limits(min_frames=22, max_frames=362, default_canvas=(224, 128), default_frames=39, default_steps=8)
+    out, elsewhere = tmp_path / "out", tmp_path / "elsewhere"
+    out.mkdir(), elsewhere.mkdir()
+    (out / "blocked").write_text("a file where a folder goes")
+    (out / "link").symlink_to(elsewhere)
+    (out / "taken.mp4").mkdir()
+    jobs = [job_from_fields({"prompt": "a", "output": name}, limits) for name in ("blocked/x", "link/y", "taken", "ok")]
+    lines = plan_lines(jobs, out)
+    assert f"will fail: cannot create the job's folder {out / 'blocked'}: {out / 'blocked'} is a file" in lines[0]
+    assert f"will fail: {out / 'link'}: the job's folder leads out of the out dir" in lines[1]
+    assert f"will fail: {out / 'taken.mp4'}: a folder stands at the job's output name" in lines[2]
+    assert "render: no MP4" in lines[3] and "will fail" not in lines[3]
