@@ -6,6 +6,7 @@ value with its own 1-based line), every problem collected with its place (`Error
 
 from __future__ import annotations
 
+import difflib
 import json
 import unicodedata
 from dataclasses import dataclass, field
@@ -199,7 +200,9 @@ def read_yaml(text: str, file: str, errors: Errors) -> tuple[Layer, list[Layer]]
                                                                   "list")
                     return defaults, []
             elif not str(key.value).startswith("x-"):  # x-… keys hold YAML anchors for `<<` merges
-                errors.add(Where(file, _line(key), key.value), "unknown top-level key; expected defaults and jobs")
+                close = difflib.get_close_matches(str(key.value), ("defaults", "jobs"), n=1)
+                hint = f" (did you mean {close[0]}?)" if close else "; expected defaults and jobs"
+                errors.add(Where(file, _line(key), key.value), f"unknown top-level key{hint}")
         if job_nodes is None:
             errors.add(Where(file, _line(root)), "missing the jobs: list")
             return defaults, []

@@ -274,7 +274,9 @@ def test_yaml_syntax_error_and_file_level_errors(tmp_path):
         "unknown manifest type '.txt'; use .jsonl (or .ndjson) or .yaml (or .yml)")
     assert errors_of(tmp_path / "missing.yaml") == [f"{tmp_path / 'missing.yaml'}: manifest not found"]
     wrong_top = write(tmp_path, "top.yaml", "job:\n  - prompt: x\n")
-    assert any("top.yaml:1: job: unknown top-level key" in e for e in errors_of(wrong_top))
+    assert any("top.yaml:1: job: unknown top-level key (did you mean jobs?)" in e for e in errors_of(wrong_top))
+    far_top = write(tmp_path, "far.yaml", "renders:\n  - prompt: x\n")
+    assert any("far.yaml:1: renders: unknown top-level key; expected defaults and jobs" in e for e in errors_of(far_top))
 
 
 def test_yaml_anchors_and_merges(tmp_path):
