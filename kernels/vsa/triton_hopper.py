@@ -47,12 +47,9 @@ def _fine_tma_kernel(
     # stay in L2 (see triton_impl._fine_kernel, whose prologue, softmax step and epilogue this kernel shares).
     qt = tl.program_id(0)
     h = tl.program_id(1)
-    q, q_rows, q_valid = fine_prologue(q_ptr, row_of_slot_ptr, stride_qs, stride_qh, qt, h, TILE_ROWS, HEAD_DIM)
-    m_i = tl.full([TILE_ROWS], -1.0e30, dtype=tl.float32)  # finite start: exp2(m_i - m_new) is 0, never NaN
-    l_i = tl.zeros([TILE_ROWS], dtype=tl.float32)
-    acc = tl.zeros([TILE_ROWS, HEAD_DIM], dtype=tl.float32)
-    count = tl.where(qt < dense_q, num_tiles, num_prefix + topk)
-    sel_row = sel_ptr + (h.to(tl.int64) * num_video + tl.maximum(qt - num_prefix, 0)) * topk
+    q, q_rows, q_valid, m_i, l_i, acc, count, sel_row = fine_prologue(
+        q_ptr, row_of_slot_ptr, sel_ptr, stride_qs, stride_qh, qt, h, num_tiles, num_prefix, num_video, dense_q, topk,
+        TILE_ROWS, HEAD_DIM)
     col = h * HEAD_DIM
     for j in range(0, count):
         kv, size = key_tile(j, qt, sel_row, sizes_ptr, dense_q, num_prefix, topk)

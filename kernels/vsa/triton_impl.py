@@ -59,9 +59,10 @@ def _pool_kernel(
 # key/value tile reaches the program, so the prologue, the online-softmax step and the epilogue live once, below.
 
 @triton.jit
-def fine_prologue(q_ptr, row_of_slot_ptr, stride_qs, stride_qh, qt, h, TILE_ROWS: tl.constexpr,
-                   HEAD_DIM: tl.constexpr):
-    """The query tile `qt` of head `h` from the packed rows: (q [TILE, D], its rows int64 [TILE], valid [TILE])."""
+def fine_prologue(q_ptr, row_of_slot_ptr, sel_ptr, stride_qs, stride_qh, qt, h, num_tiles, num_prefix, num_video,
+                  dense_q, topk, TILE_ROWS: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """The query tile `qt` of head `h` from the packed rows and its loop state: (q [TILE, D], its rows int64 [TILE],
+    valid [TILE], running max m_i, sum l_i, acc [TILE, D] fp32, key tiles to visit, its row of `sel`)."""
     offs_m = tl.arange(0, TILE_ROWS)
     offs_d = tl.arange(0, HEAD_DIM)
     q_rows = tl.load(row_of_slot_ptr + qt * TILE_ROWS + offs_m)
@@ -69,7 +70,12 @@ def fine_prologue(q_ptr, row_of_slot_ptr, stride_qs, stride_qh, qt, h, TILE_ROWS
     q_rows = tl.where(q_valid, q_rows, 0).to(tl.int64)
     q = tl.load(q_ptr + q_rows[:, None] * stride_qs + h * stride_qh + offs_d[None, :], mask=q_valid[:, None],
                 other=0.0)
-    return q, q_rows, q_valid
+    m_i = tl.full([TILE_ROWS], -1.0e30, dtype=tl.float32)  # finite start: exp2(m_i - m_new) is 0, never NaN
+    l_i = tl.zeros([TILE_ROWS], dtype=tl.float32)
+    acc = tl.zeros([TILE_ROWS, HEAD_DIM], dtype=tl.float32)
+    count = tl.where(qt < dense_q, num_tiles, num_prefix + topk)
+    sel_row = sel_ptr + (h.to(tl.int64) * num_video + tl.maximum(qt - num_prefix, 0)) * topk
+    return q, q_rows, q_valid, m_i, l_i, acc, count, sel_row
 
 
 @triton.jit
@@ -146,12 +152,9 @@ def _fine_kernel(
     # every selected key tile came from HBM: 0.086 against 0.062 s per layer on an H200 (2026-12-01).
     qt = tl.program_id(0)
     h = tl.program_id(1)
-    q, q_rows, q_valid = fine_prologue(q_ptr, row_of_slot_ptr, stride_qs, stride_qh, qt, h, TILE_ROWS, HEAD_DIM)
-    m_i = tl.full([TILE_ROWS], -1.0e30, dtype=tl.float32)  # finite start: exp2(m_i - m_new) is 0, never NaN
-    l_i = tl.zeros([TILE_ROWS], dtype=tl.float32)
-    acc = tl.zeros([TILE_ROWS, HEAD_DIM], dtype=tl.float32)
-    count = tl.where(qt < dense_q, num_tiles, num_prefix + topk)
-    sel_row = sel_ptr + (h.to(tl.int64) * num_video + tl.maximum(qt - num_prefix, 0)) * topk
+    q, q_rows, q_valid, m_i, l_i, acc, count, sel_row = fine_prologue(
+        q_ptr, row_of_slot_ptr, sel_ptr, stride_qs, stride_qh, qt, h, num_tiles, num_prefix, num_video, dense_q, topk,
+        TILE_ROWS, HEAD_DIM)
     # A key tile is TILE consecutive slots of the tile-ordered buffers: its address is affine in the tile id.
     # (Two key tiles per iteration, one 64 x 128 score block, measured slower: 0.072 vs 0.062 s per layer.)
     kv_offs = tl.arange(0, TILE_ROWS)[:, None] * stride_ts + h * stride_th + tl.arange(0, HEAD_DIM)[None, :]
