@@ -39,8 +39,8 @@ Stages (`--stages`, comma-separated):
   prepare   Engine.prepare of a first and a second run per --precision (bf16,fp8: one engine at a time) against
             one AdaLN table cache folder, and the load before it (scripts/bench_prepare.py; issue 26); `--e2e-model
             tiny --e2e-device cpu --e2e-canvases 160x128x22 --prepare-steps 3` is the CPU smoke run
-  te-fp8    FP8 text encoder, per-call dequantize vs the Triton weight-only GEMM, and that GEMM's launch settings
-            per linear shape and prompt length (scripts/bench_prepare.py; issue 26)
+  te-fp8    FP8 text encoder, per-call dequantize vs the Triton weight-only GEMM vs w8a8 (mode "rows"), and that
+            GEMM's launch settings per linear shape and prompt length (scripts/bench_prepare.py; issue 26)
   vae-fp8   video VAE decode, bf16 vs FP8 decoder block linears (`--precision fp8`), eager and compiled, at
             --vae-fp8-latents (72x48x84: 243 frames of 1344x768): time, peak memory, PSNR / max abs of the FP8 frames
             vs the bf16 frames in uint8 (scripts/bench_vae_fp8.py; issue 26); `--vae-fp8-model tiny --vae-fp8-device

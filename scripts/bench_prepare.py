@@ -22,10 +22,11 @@ and inputs.
            --prepare-steps 3`.
   te-fp8   the text encoder (50 of 64 Qwen3-VL-32B layers) at `--te-tokens` tokens: bf16, then quantized in place
            to FP8 (`quantize_text_encoder_fp8_`) in each `Fp8WeightLinear.mode`: the old per-call torch dequantize,
-           the Triton weight-only GEMM, the Triton dequantize + cuBLAS, and "auto"; rel. error of the read states
-           against bf16. Then every linear shape of a layer at `--te-gemm-rows` rows: bf16 `F.linear`, torch and
-           Triton dequantize + `F.linear`, and the Triton GEMM at each `CANDIDATES` launch setting (the best per row
-           count is what `CONFIGS` should say).
+           the Triton weight-only GEMM, the Triton dequantize + cuBLAS, "auto", and "rows" (activations quantized
+           per row too, one `_scaled_mm`: w8a8); rel. error of the read states against bf16. Then every linear
+           shape of a layer at `--te-gemm-rows` rows: bf16 `F.linear`, torch and Triton dequantize + `F.linear`, and
+           the Triton GEMM at each `CANDIDATES` launch setting (the best per row count is what `CONFIGS` should
+           say).
 """
 
 from __future__ import annotations
@@ -197,7 +198,7 @@ def stage_te_fp8(args, bench) -> None:
     labels = {"dequant": "torch dequantize per call (before)", "gemm": "Triton weight-only GEMM",
               "dequant-fused": "Triton dequantize + cuBLAS", "auto": f"auto (GEMM up to "
               f"{Fp8WeightLinear.GEMM_MAX_ROWS} rows and K <= {Fp8WeightLinear.GEMM_MAX_K}, else dequantize + cuBLAS: "
-              "after)"}
+              "after)", "rows": "FP8 activations per row x FP8 weight, one _scaled_mm (w8a8)"}
     for mode, label in labels.items():
         Fp8WeightLinear.mode = mode
         for n in tokens:

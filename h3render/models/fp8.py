@@ -8,7 +8,8 @@ encoder's weights.
   `kernels.fp8.quantize_rows` first.
 * `Fp8WeightLinear`: weight-only FP8 for the text encoder (it runs once per job, so accuracy comes first): the e4m3
   weight is dequantized to the activation dtype per call and the GEMM runs there, so the only error is the weight's
-  own rounding (no activation quantization).
+  own rounding (no activation quantization). Its mode "rows" (not the default) runs `Fp8Linear`'s product instead
+  (activations rounded to e4m3 per row too), through the same private function `_rows_scaled_mm`.
 * `quantize_dit_fp8_`, `quantize_text_encoder_fp8_`: in-place replacement of the covered linears, one at a time, so
   the peak grows by one linear's transient, not by a model. `empty_dit_fp8_` (and `quantize_text_encoder_fp8_` on
   an empty encoder) build the empty FP8 modules that `checkpoint.load` streams quantized weights into.
@@ -112,6 +113,40 @@ def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return data, scale.t().contiguous()
 
 
+def _rows_scaled_mm(x: "torch.Tensor | Fp8Rows", weight: torch.Tensor, weight_scale: torch.Tensor,
+                    bias: torch.Tensor | None) -> torch.Tensor:
+    """The one home of the w8a8 product (`Fp8Linear`, `Fp8WeightLinear` mode "rows"): e4m3 rows x e4m3 weight.
+
+    Args:
+        x: `Fp8Rows` (data [S, K] e4m3, scale [S, 1] fp32), or a float tensor [S, K] that is quantized per row here
+            (`kernels.fp8.quantize_rows`).
+        weight: [N, K] float8_e4m3fn; weight_scale: [1, N] float32 (`quantize_weight`); K, N multiples of 16 on
+            CUDA (`torch._scaled_mm`).
+        bias: [N] or None, added to the bf16 product in bf16.
+
+    Returns:
+        [S, N] bf16: on CUDA one `torch._scaled_mm` (both scales in its epilogue; row-wise scaling writes bf16 only);
+        off CUDA the dequantized operands' fp32 product rounded once to bf16 (what cuBLASLt computes, up to the order
+        of accumulation). The caller casts to its output dtype.
+    """
+    if not isinstance(x, Fp8Rows):
+        # Under torch.compile (the video VAE decoder's blocks) the torch reference, which Inductor fuses into the op
+        # that writes x; eager CUDA runs the one-pass Triton kernel. Same math (the kernels' tests).
+        x = quantize_rows(x.contiguous(), use_triton=False if torch.compiler.is_compiling() else None)
+    if x.data.shape[0] == 0:  # a rank's empty shard: cuBLASLt takes no M = 0 problem
+        out = torch.empty(0, weight.shape[0], dtype=torch.bfloat16, device=x.data.device)
+    elif x.data.device.type == "cuda":
+        out = torch._scaled_mm(x.data, weight.t(), scale_a=x.scale, scale_b=weight_scale,
+                               out_dtype=torch.bfloat16)  # [S, N]
+    else:
+        # Off CUDA the same product, dequantized operands in fp32 then one bf16 rounding: CPU `_scaled_mm` takes
+        # per-tensor scales only before torch 2.13 (2.11 fails an INTERNAL ASSERT in mkldnn/Linear.cpp).
+        out = (x.dequantize() @ (weight.float() * weight_scale.t()).t()).to(torch.bfloat16)
+    if bias is not None:
+        out = out + bias.to(out.dtype)
+    return out
+
+
 class _Fp8Weight(nn.Module):
     """Shared storage of both FP8 linears: buffers `weight` [N, K] e4m3, `weight_scale` [1, N] fp32, `bias` [N]."""
 
@@ -195,53 +230,54 @@ class Fp8Linear(_Fp8Weight):
             if x.shape[-1] != self.in_features:
                 raise ValueError(f"Fp8Linear: input has {x.shape[-1]} features, the weight expects {self.in_features}")
             lead = x.shape[:-1]
-            # Under torch.compile (the video VAE decoder's blocks) the torch reference, which Inductor fuses into
-            # the op that writes x; eager CUDA runs the one-pass Triton kernel. Same math (the kernels' tests).
-            x = quantize_rows(x.reshape(-1, self.in_features).contiguous(),
-                              use_triton=False if torch.compiler.is_compiling() else None)
+            x = x.reshape(-1, self.in_features)
         elif x.data.ndim != 2 or x.data.shape[1] != self.in_features:
             raise ValueError(f"Fp8Linear: Fp8Rows data must be [S, {self.in_features}], got {tuple(x.data.shape)}")
-        if x.data.shape[0] == 0:  # a rank's empty shard: cuBLASLt takes no M = 0 problem
-            out = torch.empty(0, self.out_features, dtype=torch.bfloat16, device=x.data.device)
-        elif x.data.device.type == "cuda":
-            out = torch._scaled_mm(x.data, self.weight.t(), scale_a=x.scale, scale_b=self.weight_scale,
-                                   out_dtype=torch.bfloat16)  # [S, N]
-        else:
-            # Off CUDA the same product, dequantized operands in fp32 then one bf16 rounding: CPU `_scaled_mm`
-            # takes per-tensor scales only before torch 2.13 (2.11 fails an INTERNAL ASSERT in mkldnn/Linear.cpp).
-            out = (x.dequantize() @ self.dequantized_weight().t()).to(torch.bfloat16)
-        if self.bias is not None:
-            out = out + self.bias.to(out.dtype)
-        out = out.to(self.out_dtype)
+        out = _rows_scaled_mm(x, self.weight, self.weight_scale, self.bias).to(self.out_dtype)
         return out if lead is None else out.view(*lead, self.out_features)
 
 
 class Fp8WeightLinear(_Fp8Weight):
     """Weight-only FP8: `F.linear(x, dequantize(w), bias)` in x's dtype; same buffers as `Fp8Linear`, any K, N.
 
-    Activations keep their dtype: the error is the weight rounding alone (e4m3, 3 mantissa bits, per-channel
-    scale). Measured on the built-in tiny conditioner (tests/unit/test_fp8_model.py): 0.088 relative error at the
-    read layer, against 0.115 with `Fp8Linear` (activations quantized per row as well); hence weight-only. The
-    dequantized weight [N, K] exists only during the call (released: at most 25600 x 5120, 0.5 GB fp32 + 0.26 GB
-    bf16 transient) on the CPU. On CUDA with bf16 / fp16 activations (`kernels.fp8_weight`, issue 26; neither needs
-    FP8 hardware, so Ampere runs them too): up to `GEMM_MAX_ROWS` rows and `GEMM_MAX_K` input features one Triton
-    GEMM that decodes the e4m3 codes in registers (1 byte read per weight, the scale on the fp32 accumulator: the
-    weight enters the dot exactly), otherwise one Triton pass dequantizes the weight to bf16 bit for bit as on the
-    CPU (3 bytes per weight instead of 11) and cuBLAS multiplies: per GEMM the faster of the two on an H200
-    (docs/performance.md §11). Both cost more than a bf16 GEMM (the weight must reach the tensor cores as bf16):
+    Activations keep their dtype: the error is the weight rounding alone (e4m3, 3 mantissa bits, per-channel scale).
+    Measured on the built-in tiny conditioner (tests/unit/test_fp8_model.py): 0.082 relative error at the read layer,
+    against 0.127 with `Fp8Linear` (activations quantized per row as well; torch 2.13 CPU, first measured as 0.088 vs
+    0.115); hence weight-only. The dequantized weight [N, K] exists only during the call (released: at most 25600 x
+    5120, 0.5 GB fp32 + 0.26 GB bf16 transient) on the CPU. On CUDA with bf16 / fp16 activations (`kernels.fp8_weight`,
+    issue 26; neither needs FP8 hardware, so Ampere runs them too): up to `GEMM_MAX_ROWS` rows and `GEMM_MAX_K` input
+    features one Triton GEMM that decodes the e4m3 codes in registers (1 byte read per weight, the scale on the fp32
+    accumulator: the weight enters the dot exactly), otherwise one Triton pass dequantizes the weight to bf16 bit for
+    bit as on the CPU (3 bytes per weight instead of 11) and cuBLAS multiplies: per GEMM the faster of the two on an
+    H200 (docs/performance.md §11). Both cost more than a bf16 GEMM (the weight must reach the tensor cores as bf16):
     the encoder's GEMMs take 0.03-0.15 s per prompt against bf16's 0.016-0.12 s and the old path's 0.20-0.31 s.
+
+    Mode "rows" (issue 26 item 3; not the default until measured on the GPU) trades that accuracy for FP8 tensor
+    cores: the activations are rounded to e4m3 too, one scale per row (`kernels.fp8.quantize_rows`), and one
+    `torch._scaled_mm` multiplies them with the weight as is, the product `Fp8Linear` computes (`_rows_scaled_mm`;
+    the 0.127 above) with the output in x's dtype. On CUDA it needs compute capability >= `FP8_MIN_CAPABILITY`.
     """
 
-    # "auto" (above), "gemm", "dequant-fused", or "dequant" (the torch expression: the path before issue 26); a class
-    # setting so that the benchmark measures each in one process (scripts/bench_prepare.py `te-fp8`).
+    # "auto" (above), "gemm", "dequant-fused", "dequant" (the torch expression: the path before issue 26) or "rows"
+    # (w8a8, above); a class setting so that the benchmark measures each in one process (scripts/bench_prepare.py
+    # `te-fp8`).
     mode = "auto"
     GEMM_MAX_ROWS = 128  # measured: the GEMM wins at 16 and 77 rows, dequantize + cuBLAS at 256 and 2000
     GEMM_MAX_K = 16384  # the 25600-wide down projection: dequantize + cuBLAS won at every row count measured
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [..., K] float -> [..., N] in x's dtype."""
-        bias = None if self.bias is None else self.bias.to(x.dtype)
         mode = self.mode
+        if mode == "rows":
+            if self.in_features % _SCALED_MM_MULTIPLE or self.out_features % _SCALED_MM_MULTIPLE:
+                # torch._scaled_mm takes no such K or N (the released encoder's 5120 / 1024 / 8192 / 25600 all are
+                # multiples of 16; tiny test shapes may not be): this linear keeps the weight-only "auto" path.
+                mode = "auto"
+            else:
+                lead = x.shape[:-1]
+                out = _rows_scaled_mm(x.reshape(-1, self.in_features), self.weight, self.weight_scale, self.bias)
+                return out.to(x.dtype).view(*lead, self.out_features)
+        bias = None if self.bias is None else self.bias.to(x.dtype)
         if mode != "dequant" and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16):
             rows = x.numel() // max(x.shape[-1], 1)
             small = rows <= self.GEMM_MAX_ROWS and self.in_features <= self.GEMM_MAX_K
@@ -405,7 +441,11 @@ def precision_report(components: Any) -> dict[str, str]:
     if te is not None:
         fp8_linears = [m for m in te.modules() if isinstance(m, Fp8WeightLinear)]
         rest = _dtype_summary(te, skip=(Fp8WeightLinear,))
-        if fp8_linears:
+        if fp8_linears and Fp8WeightLinear.mode == "rows":
+            # The sidecar must not say "dequantized" when the activations are rounded to e4m3 as well.
+            rest = f"fp8_e4m3 weights x row-wise fp8_e4m3 activations (per-channel scales, one scaled GEMM; " \
+                   f"{len(fp8_linears)} linears); other: {rest}"
+        elif fp8_linears:
             to = _DTYPE_NAMES.get(fp8_linears[0].out_dtype, str(fp8_linears[0].out_dtype))
             rest = f"fp8_e4m3 weights (per-channel scales, dequantized to {to}; {len(fp8_linears)} linears); " \
                    f"other: {rest}"

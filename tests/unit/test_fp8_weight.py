@@ -1,4 +1,5 @@
-"""The weight-only FP8 GEMM (`kernels.fp8_weight`, issue 26) against its torch reference.
+"""The weight-only FP8 GEMM (`kernels.fp8_weight`, issue 26) against its torch reference, and `Fp8WeightLinear`'s
+mode "rows" (w8a8: `Fp8Linear`'s product) against `Fp8Linear` and, on CUDA, the dequantized product.
 
 Triton runs under TRITON_INTERPRET=1 on CPU tensors; the outputs are NaN-poisoned first, so an element the kernel
 does not write fails. Bounds: every e4m3 code decodes exactly (bit-exact through an identity product); on odd shapes
@@ -11,9 +12,11 @@ an unseeded draw once gave 4.3e-3 against the former 4e-3 bound.
 
 import pytest
 import torch
+from torch import nn
 
+from h3render.kernels.fp8 import quantize_rows
 from h3render.kernels.fp8_weight import fp8_weight_linear, fp8_weight_linear_naive
-from h3render.models.fp8 import Fp8WeightLinear, quantize_weight
+from h3render.models.fp8 import Fp8Linear, Fp8WeightLinear, quantize_weight
 from tests._markers import compiled_cuda, interpreted
 from tests._numerics import rel_err
 
@@ -23,6 +26,16 @@ TOL = 6e-3
 def _weights(n, k, device="cpu", seed=0):
     g = torch.Generator(device=device).manual_seed(seed)
     return quantize_weight(torch.randn(n, k, device=device, generator=g) * 0.05)
+
+
+def _linear(k, n, device="cpu", seed=0):
+    """A bf16 nn.Linear [k -> n] with bias, seeded weights (nn.Linear's own init draws from the global generator)."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    lin = nn.Linear(k, n, device=device, dtype=torch.bfloat16)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(n, k, device=device, generator=g) * k ** -0.5)
+        lin.bias.copy_(torch.randn(n, device=device, generator=g))
+    return lin
 
 
 def _run(x, w, s, b):
@@ -73,6 +86,45 @@ def test_public_api_dispatch_and_checks(monkeypatch):
         fp8_weight_linear(x, w, s[:, :5])
     with pytest.raises(ValueError, match="float8_e4m3fn"):
         fp8_weight_linear(x, w.float(), s)
+
+
+def test_rows_mode_is_the_fp8_linear_product(monkeypatch):
+    """Mode "rows" runs `Fp8Linear`'s product (one shared function): bit for bit on the same weight and input, and
+    not the weight-only output (the mode switches). monkeypatch puts the class setting back."""
+    lin = _linear(96, 48, seed=1)
+    x = torch.randn(2, 5, 96, generator=torch.Generator().manual_seed(2)).bfloat16()
+    q = Fp8WeightLinear.from_linear(lin)
+    weight_only = q(x)
+    monkeypatch.setattr(Fp8WeightLinear, "mode", "rows")
+    got = q(x)
+    assert got.shape == (2, 5, 48) and got.dtype == x.dtype
+    assert torch.equal(got, Fp8Linear.from_linear(lin)(x))
+    assert not torch.equal(got, weight_only)
+
+
+@pytest.mark.parametrize("k,n", [(40, 32), (48, 24)])
+def test_rows_mode_falls_back_to_auto_off_multiples_of_16(monkeypatch, k, n):
+    # torch._scaled_mm needs K and N multiples of 16: such a linear keeps the weight-only "auto" path.
+    q = Fp8WeightLinear.from_linear(_linear(k, n, seed=k))
+    x = torch.randn(7, k, generator=torch.Generator().manual_seed(n)).bfloat16()
+    auto = q(x)
+    monkeypatch.setattr(Fp8WeightLinear, "mode", "rows")
+    assert torch.equal(q(x), auto)
+
+
+@compiled_cuda
+def test_rows_mode_on_cuda_against_the_dequantized_product(monkeypatch):
+    # cuBLASLt's row-wise _scaled_mm at the released k/v projection's width (5120 -> 1024), below and above
+    # GEMM_MAX_ROWS: only the bf16 output rounding and the accumulation order separate it from the fp32 product of
+    # the dequantized operands (the CPU path: 1.6e-3 for Fp8Linear, tests/unit/test_fp8_model.py).
+    q = Fp8WeightLinear.from_linear(_linear(5120, 1024, "cuda", seed=3))
+    monkeypatch.setattr(Fp8WeightLinear, "mode", "rows")
+    g = torch.Generator("cuda").manual_seed(4)
+    for rows in (5, 300):
+        x = torch.randn(rows, 5120, device="cuda", generator=g).bfloat16()
+        got = q(x)
+        exact = quantize_rows(x).dequantize() @ q.dequantized_weight().t() + q.bias.float()
+        assert got.dtype == torch.bfloat16 and rel_err(got.float(), exact) < 1e-2, rows
 
 
 @compiled_cuda
