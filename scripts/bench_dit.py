@@ -215,11 +215,13 @@ def stage_vsa(args) -> None:
     sub = slice(0, 4)
     ref = vsa_attention_naive(*(x[:, sub].contiguous() for x in (q, k, v, gate)), plan, s)
     for fine in args.vsa_fines.split(","):
-        fn = lambda: vsa_attention(q, k, v, gate, plan, s, fine=fine)  # noqa: E731
-        peak_reset()
-        t = cuda_time(fn, reps=5, warm=2)
-        rec(stage="vsa", what=f"VSA layer coarse+fine+gate ({fine})", ours_s=round(t, 4),
-            tflops=round(flop_dense * density / t / 1e12, 1), rel_err=rel_err(fn()[:, sub], ref), peak_gb=peak_gb())
+        for qk_int8 in (False, True) if fine == "triton" else (False,):
+            fn = lambda: vsa_attention(q, k, v, gate, plan, s, fine=fine, qk_int8=qk_int8)  # noqa: E731
+            peak_reset()
+            t = cuda_time(fn, reps=5, warm=2)
+            rec(stage="vsa", what=f"VSA layer coarse+fine+gate ({fine}{', int8 QK' if qk_int8 else ''})",
+                ours_s=round(t, 4), tflops=round(flop_dense * density / t / 1e12, 1),
+                rel_err=rel_err(fn()[:, sub], ref), peak_gb=peak_gb())
 
     def coarse():
         scores = tile_scores(pool_tiles_triton(q, plan), pool_tiles_triton(k, plan))
@@ -242,15 +244,24 @@ def stage_vsa(args) -> None:
     # kernel (kernels/vsa/triton_hopper.py, the default on sm_90).
     from h3render.kernels.vsa.triton_hopper import TMA_CONFIGS
 
-    for tma, configs in ((False, FINE_CONFIGS), (True, TMA_CONFIGS)):
+    from h3render.kernels.vsa.quant import head_mean_from_pooled, key_tiles_int8
+    from h3render.kernels.vsa.tiles import gather_tiles
+
+    k_mean = head_mean_from_pooled(pool_tiles_triton(k, plan), plan)
+    rec(stage="vsa", what="K into tile order: gather_tiles (bf16) / key_tiles_int8 (smooth + quantize)",
+        gather_s=round(cuda_time(lambda: gather_tiles(k, plan), reps=20), 5),
+        int8_s=round(cuda_time(lambda: key_tiles_int8(k, plan, k_mean), reps=20), 5))
+    for tma, configs, qk_int8 in ((False, FINE_CONFIGS, False), (True, TMA_CONFIGS, False),
+                                  (True, TMA_CONFIGS, True), (False, FINE_CONFIGS, True)):
         for warps, stages in configs + ((None, None),):
             fn = lambda: fine_attention_triton(q, k, v, plan, sel, gate, out_c, num_warps=warps,  # noqa: E731
-                                               num_stages=stages, tma=tma)
+                                               num_stages=stages, tma=tma, qk_int8=qk_int8, k_mean=k_mean)
             t = cuda_time(fn, reps=5, warm=2)
             label = (f"num_warps={warps} num_stages={stages}" if warps
                      else f"autotuned (picked {tuned_fine_config(tma=tma)})")
-            rec(stage="vsa", what=f"VSA fine+gate Triton{' TMA' if tma else ''} {label}", ours_s=round(t, 4),
-                tflops=round(flop_dense * density / t / 1e12, 1), rel_err=rel_err(fn()[:, sub], ref))
+            rec(stage="vsa", what=f"VSA fine+gate Triton{' TMA' if tma else ''}{' int8 QK' if qk_int8 else ''} "
+                f"{label}", ours_s=round(t, 4), tflops=round(flop_dense * density / t / 1e12, 1),
+                rel_err=rel_err(fn()[:, sub], ref))
     del q, k, v, gate, ref, sel, out_c, scores
     torch.cuda.empty_cache()
     if args.vsa_layer_only:

@@ -134,6 +134,7 @@ def stage_prepare(args, bench) -> None:
                 engine._tables.clear()  # a second run starts without the tables in memory, as a new process would
                 engine.warmup.pop("adaln_cache", None)
                 reset_peak(device)
+                torch._dynamo.utils.compilation_time_metrics.clear()  # per run: where a new process's compile goes
                 t0 = time.perf_counter()
                 engine.prepare([job])
                 sync(device)
@@ -142,7 +143,8 @@ def stage_prepare(args, bench) -> None:
                 row = dict(stage="prepare", precision=precision, seconds=round(wall, 2),
                            adaln_tables_s=round(engine.warmup["adaln_tables_s"], 3),
                            cache=[r["cache"] for r in caches], cache_io_s=[r.get("seconds") for r in caches],
-                           peak_gb=peak_gb(bench, device), warmup=dict(engine.warmup))
+                           peak_gb=peak_gb(bench, device), warmup=dict(engine.warmup),
+                           dynamo_compile_times=_compile_times())
                 if run == "first":
                     built = dict(engine._tables)
                 else:
@@ -158,6 +160,13 @@ def stage_prepare(args, bench) -> None:
             os.environ.pop(ENV, None)
         else:
             os.environ[ENV] = saved
+
+
+def _compile_times() -> dict:
+    """torch.compile's own phase totals so far in this process (seconds by phase), then reset."""
+    names, values = torch._dynamo.utils.compile_times(repr="csv", aggregate=True)
+    torch._dynamo.utils.compilation_time_metrics.clear()
+    return {n: round(float(v), 3) for n, v in zip(names, values) if float(v) >= 0.05}
 
 
 def _te_linear_shapes(cfg) -> list[tuple[str, int, int]]:

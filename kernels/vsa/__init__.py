@@ -28,6 +28,7 @@ from h3render.kernels.vsa.naive import (
     topk_budget,
     vsa_attention_naive,
 )
+from h3render.kernels.vsa.quant import fine_attention_int8_naive, head_mean_from_pooled
 from h3render.kernels.vsa.tiles import TILE, TilePlan, tile_plan
 
 __all__ = ["FINE_BACKENDS", "TILE", "TilePlan", "select_tiles", "tile_plan", "topk_budget", "vsa_attention",
@@ -76,6 +77,7 @@ def vsa_attention(
     sparsity: float,
     *,
     fine: str | None = None,
+    qk_int8: bool = False,
 ) -> torch.Tensor:
     """VSA-H3 attention over one packed sequence.
 
@@ -86,6 +88,8 @@ def vsa_attention(
         plan: `tile_plan(...)` of the layout, tensors on q's device.
         sparsity: s in [0, 1): k = max(1, min(ceil((1 - s) V), V)) video key tiles per query tile.
         fine: "triton" | "flex" | "torch"; None = Triton on CUDA tensors, the torch reference elsewhere.
+        qk_int8: the Triton fine stage computes QKᵀ from int8 codes (`quant.py`: smoothed keys, per-row scales);
+            the torch fine stage then runs its reference `fine_attention_int8_naive`; flex refuses it.
     Returns:
         `[S, H, D]` in q's dtype.
     Raises:
@@ -97,21 +101,29 @@ def vsa_attention(
     if gate is not None and gate.shape != q.shape:
         raise ValueError(f"kernels/vsa: gate must be {list(q.shape)}, got {list(gate.shape)}")
     backend = _fine_backend(q, fine)
-    if backend == "torch" and not q.is_cuda:
+    if backend == "torch" and not q.is_cuda and not qk_int8:
         return vsa_attention_naive(q, k, v, gate, plan, sparsity)
 
     if q.is_cuda or backend == "triton":
         from h3render.kernels.vsa.triton_impl import pool_tiles_triton as pool
     else:
         pool = pool_tiles_naive
-    scores = tile_scores(pool(q, plan), pool(k, plan))  # [H, n, n] fp32
+    k_pooled = pool(k, plan)
+    scores = tile_scores(pool(q, plan), k_pooled)  # [H, n, n] fp32
     coarse = None if gate is None else coarse_attention_naive(scores, pool(v, plan))  # [H, n, D] fp32
+    k_mean = head_mean_from_pooled(k_pooled, plan) if qk_int8 else None
 
     if backend == "triton":
         from h3render.kernels.vsa.triton_impl import fine_attention_triton
 
-        return fine_attention_triton(q, k, v, plan, select_tiles(scores, plan, sparsity), gate, coarse)
-    if backend == "flex":
+        return fine_attention_triton(q, k, v, plan, select_tiles(scores, plan, sparsity), gate, coarse,
+                                     qk_int8=qk_int8, k_mean=k_mean)
+    if qk_int8 and backend == "flex":
+        raise ValueError("kernels/vsa: qk_int8 runs on the triton or torch fine stage, not flex")
+    if qk_int8:
+        mask = block_mask(scores, plan.num_prefix, sparsity)
+        out = fine_attention_int8_naive(q, k, v, mask, plan, k_mean)
+    elif backend == "flex":
         from h3render.kernels.vsa.flex import fine_attention_flex
 
         out = fine_attention_flex(q, k, v, plan, select_tiles(scores, plan, sparsity))

@@ -64,7 +64,7 @@ def _select_kernel(
 # cross-warp barrier. The autotuner picks per shape (the first call of each: the FastH3 warm-up forward).
 SELECT_WARPS = (1, 2, 4, 8)
 _select_tuned = triton.autotune(configs=[triton.Config({}, num_warps=w) for w in SELECT_WARPS],
-                                key=["num_video", "k", "BLOCK"])(_select_kernel)
+                                key=["num_video", "k", "BLOCK"], cache_results=True)(_select_kernel)
 
 
 def select_tiles_triton(scores: torch.Tensor, num_prefix: int, k: int, *, num_warps: int | None = None) -> torch.Tensor:

@@ -22,13 +22,14 @@ import triton
 import triton.language as tl
 
 from h3render.kernels.vsa.tiles import TILE, TilePlan
-from h3render.kernels.vsa.triton_impl import fine_epilogue, fine_prologue, key_tile, online_softmax_step
+from h3render.kernels.vsa.triton_impl import fine_epilogue, fine_prologue, key_scales, key_tile, online_softmax_step
 
 
 @triton.jit
 def _fine_tma_kernel(
     q_ptr, o_ptr,  # [S, H, D] packed rows (any row/head strides, unit stride over D)
     desc_k, desc_v,  # TensorDescriptor over [n * TILE, H * D] tile-ordered keys / values, block [TILE, D]
+    ks_ptr,  # [H, n * TILE] fp32 key row scales (QK_INT8 only: desc_k over int8 codes)
     gate_ptr,  # [S, H, D] (GATE only)
     coarse_ptr,  # [H, n, D] fp32 coarse output per tile (GATE only)
     row_of_slot_ptr,  # [n * TILE] int32, -1 on a pad slot
@@ -42,20 +43,23 @@ def _fine_tma_kernel(
     GATE: tl.constexpr,
     IEEE: tl.constexpr,  # fp32 inputs: exact fp32 dots (no TF32)
     UPCAST: tl.constexpr,  # interpreter only: its bf16 dot is wrong, an fp32 dot of the same bf16 values is exact
+    QK_INT8: tl.constexpr,  # int8 QK^T (kernels/vsa/quant.py)
 ):
     # Programs run head by head, query tiles fastest: the programs in flight read one head's keys and values, which
     # stay in L2 (see triton_impl._fine_kernel, whose prologue, softmax step and epilogue this kernel shares).
     qt = tl.program_id(0)
     h = tl.program_id(1)
-    q, q_rows, q_valid, m_i, l_i, acc, count, sel_row = fine_prologue(
+    q, q_scale, q_rows, q_valid, m_i, l_i, acc, count, sel_row = fine_prologue(
         q_ptr, row_of_slot_ptr, sel_ptr, stride_qs, stride_qh, qt, h, num_tiles, num_prefix, num_video, dense_q, topk,
-        TILE_ROWS, HEAD_DIM)
+        scale_log2, TILE_ROWS, HEAD_DIM, QK_INT8)
     col = h * HEAD_DIM
     for j in range(0, count):
         kv, size = key_tile(j, qt, sel_row, sizes_ptr, dense_q, num_prefix, topk)
         k = desc_k.load([kv * TILE_ROWS, col])  # [TILE, D], one bulk tensor copy
         v = desc_v.load([kv * TILE_ROWS, col])
-        m_i, l_i, acc = online_softmax_step(q, k, v, m_i, l_i, acc, size, scale_log2, TILE_ROWS, IEEE, UPCAST)
+        k_scale = key_scales(ks_ptr, kv, h, num_tiles, TILE_ROWS, QK_INT8)
+        m_i, l_i, acc = online_softmax_step(q, k, v, m_i, l_i, acc, size, scale_log2, q_scale, k_scale, TILE_ROWS,
+                                            IEEE, UPCAST, QK_INT8)
     fine_epilogue(acc, l_i, o_ptr, gate_ptr, coarse_ptr, q_rows, q_valid, qt, h, num_tiles, stride_os, stride_oh,
                    stride_gs, stride_gh, HEAD_DIM, GATE)
 
@@ -66,6 +70,7 @@ TMA_CONFIGS = ((4, 2), (4, 3), (4, 4))
 _fine_tma_tuned = triton.autotune(
     configs=[triton.Config({}, num_warps=w, num_stages=st) for w, st in TMA_CONFIGS],
     key=["num_tiles", "num_prefix", "topk", "dense_q"],
+    cache_results=True,  # see triton_impl._fine_tuned
 )(_fine_tma_kernel)
 
 
@@ -74,12 +79,13 @@ def tma_supported(x: torch.Tensor) -> bool:
     return x.is_cuda and torch.cuda.get_device_capability(x.device)[0] >= 9
 
 
-def launch_fine_tma(q, out, kt, vt, g, c, plan: TilePlan, sel, dense_q: int, topk: int, *, gate: bool,
-                    upcast: bool, launch: dict | None) -> None:
+def launch_fine_tma(q, out, kt, vt, ks, g, c, plan: TilePlan, sel, dense_q: int, topk: int, *, gate: bool,
+                    upcast: bool, launch: dict | None, qk_int8: bool = False) -> None:
     """Launch the TMA fine kernel; `fine_attention_triton` checks the arguments and builds kt, vt.
 
     Args:
-        q, out, g: `[S, H, D]`; kt, vt: `[n * 64, H, D]` contiguous tile-ordered keys / values; c: `[H, n, D]` fp32
+        q, out, g: `[S, H, D]`; kt, vt: `[n * 64, H, D]` contiguous tile-ordered keys / values (kt int8 codes with
+            `qk_int8`, ks `[H, n * 64]` fp32 their row scales; else ks unused); c: `[H, n, D]` fp32
             (or any tensor without a gate); sel: `[H, V, topk]` int32 (any int32 tensor when dense_q == n).
         launch: {"num_warps", "num_stages"}, or None: the autotuner's pick among `TMA_CONFIGS` for this shape.
     """
@@ -91,9 +97,10 @@ def launch_fine_tma(q, out, kt, vt, g, c, plan: TilePlan, sel, dense_q: int, top
     desc_v = TensorDescriptor.from_tensor(vt.view(vt.shape[0], heads * d), [TILE, d])
     kernel = _fine_tma_tuned if launch is None else _fine_tma_kernel
     kernel[(plan.num_tiles, heads)](
-        q, out, desc_k, desc_v, g, c, plan.row_of_slot, plan.sizes, sel,
+        q, out, desc_k, desc_v, ks, g, c, plan.row_of_slot, plan.sizes, sel,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), g.stride(0), g.stride(1),
         plan.num_tiles, plan.num_prefix, plan.num_video, dense_q, topk,
         1.4426950408889634 / math.sqrt(d),  # log2(e) / sqrt(D): exp(x) = exp2(x * log2(e))
-        HEAD_DIM=d, TILE_ROWS=TILE, GATE=gate, IEEE=q.dtype == torch.float32, UPCAST=upcast, **(launch or {}),
+        HEAD_DIM=d, TILE_ROWS=TILE, GATE=gate, IEEE=q.dtype == torch.float32, UPCAST=upcast, QK_INT8=qk_int8,
+        **(launch or {}),
     )

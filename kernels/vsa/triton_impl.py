@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 
 from h3render.kernels.utils import interpreting
+from h3render.kernels.vsa.quant import key_tiles_int8, rows_int8
 from h3render.kernels.vsa.tiles import TILE, TilePlan, gather_tiles
 
 LOG2E = 1.4426950408889634  # exp(x) = exp2(x * log2(e))
@@ -60,9 +61,10 @@ def _pool_kernel(
 
 @triton.jit
 def fine_prologue(q_ptr, row_of_slot_ptr, sel_ptr, stride_qs, stride_qh, qt, h, num_tiles, num_prefix, num_video,
-                  dense_q, topk, TILE_ROWS: tl.constexpr, HEAD_DIM: tl.constexpr):
-    """The query tile `qt` of head `h` from the packed rows and its loop state: (q [TILE, D], its rows int64 [TILE],
-    valid [TILE], running max m_i, sum l_i, acc [TILE, D] fp32, key tiles to visit, its row of `sel`)."""
+                  dense_q, topk, scale_log2, TILE_ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, QK_INT8: tl.constexpr):
+    """The query tile `qt` of head `h` from the packed rows and its loop state: (q [TILE, D] (int8 codes with
+    QK_INT8), its score scale [TILE] fp32 (with QK_INT8 the row scales times `scale_log2`, else unused), its rows
+    int64 [TILE], valid [TILE], running max m_i, sum l_i, acc [TILE, D] fp32, key tiles to visit, its row of `sel`)."""
     offs_m = tl.arange(0, TILE_ROWS)
     offs_d = tl.arange(0, HEAD_DIM)
     q_rows = tl.load(row_of_slot_ptr + qt * TILE_ROWS + offs_m)
@@ -70,12 +72,17 @@ def fine_prologue(q_ptr, row_of_slot_ptr, sel_ptr, stride_qs, stride_qh, qt, h, 
     q_rows = tl.where(q_valid, q_rows, 0).to(tl.int64)
     q = tl.load(q_ptr + q_rows[:, None] * stride_qs + h * stride_qh + offs_d[None, :], mask=q_valid[:, None],
                 other=0.0)
+    if QK_INT8:
+        q, q_scale = rows_int8(q.to(tl.float32))  # per-row codes: quantized once here, not per key tile
+        q_scale = q_scale * scale_log2
+    else:
+        q_scale = tl.full([TILE_ROWS], scale_log2, tl.float32)
     m_i = tl.full([TILE_ROWS], -1.0e30, dtype=tl.float32)  # finite start: exp2(m_i - m_new) is 0, never NaN
     l_i = tl.zeros([TILE_ROWS], dtype=tl.float32)
     acc = tl.zeros([TILE_ROWS, HEAD_DIM], dtype=tl.float32)
     count = tl.where(qt < dense_q, num_tiles, num_prefix + topk)
     sel_row = sel_ptr + (h.to(tl.int64) * num_video + tl.maximum(qt - num_prefix, 0)) * topk
-    return q, q_rows, q_valid, m_i, l_i, acc, count, sel_row
+    return q, q_scale, q_rows, q_valid, m_i, l_i, acc, count, sel_row
 
 
 @triton.jit
@@ -90,17 +97,37 @@ def key_tile(j, qt, sel_row, sizes_ptr, dense_q, num_prefix, topk):
 
 
 @triton.jit
-def online_softmax_step(q, k, v, m_i, l_i, acc, size, scale_log2, TILE_ROWS: tl.constexpr, IEEE: tl.constexpr,
-                         UPCAST: tl.constexpr):
-    """One key tile `k, v [TILE, D]` (`size` valid rows) into the running (max m_i, sum l_i, acc) of `q`."""
+def key_scales(ks_ptr, kv, h, num_tiles, TILE_ROWS: tl.constexpr, QK_INT8: tl.constexpr):
+    """The row scales [TILE] fp32 of key tile `kv` of head `h` with QK_INT8 (`[H, n * TILE]`: 256 contiguous
+    bytes), else an unused constant."""
     offs_m = tl.arange(0, TILE_ROWS)
-    if UPCAST:
+    if QK_INT8:
+        return tl.load(ks_ptr + (h.to(tl.int64) * num_tiles + kv) * TILE_ROWS + offs_m)
+    return tl.full([TILE_ROWS], 1.0, tl.float32)
+
+
+@triton.jit
+def online_softmax_step(q, k, v, m_i, l_i, acc, size, scale_log2, q_scale, k_scale, TILE_ROWS: tl.constexpr,
+                        IEEE: tl.constexpr, UPCAST: tl.constexpr, QK_INT8: tl.constexpr):
+    """One key tile `k, v [TILE, D]` (`size` valid rows) into the running (max m_i, sum l_i, acc) of `q`. With
+    QK_INT8, q and k are int8 codes and the scores are their int32 product times `q_scale [TILE]` (row scales times
+    log2(e) / sqrt(D)) and `k_scale [TILE]` (the key rows' scales)."""
+    offs_m = tl.arange(0, TILE_ROWS)
+    if QK_INT8:
+        if UPCAST:  # interpreter: an fp32 dot of the codes is exact (|sum| <= 128 * 127^2 < 2^24)
+            qk = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+        else:
+            qk = tl.dot(q, tl.trans(k), out_dtype=tl.int32).to(tl.float32)
+        qk = qk * q_scale[:, None] * k_scale[None, :]
+    elif UPCAST:
         qk = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
     elif IEEE:
         qk = tl.dot(q, tl.trans(k), input_precision="ieee")
     else:
         qk = tl.dot(q, tl.trans(k))
-    qk = tl.where(offs_m[None, :] < size, qk * scale_log2, float("-inf"))  # pad key slots: p = 0
+    if not QK_INT8:
+        qk = qk * scale_log2
+    qk = tl.where(offs_m[None, :] < size, qk, float("-inf"))  # pad key slots: p = 0
     m_new = tl.maximum(m_i, tl.max(qk, axis=1))  # finite: every tile holds >= 1 row
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(qk - m_new[:, None])
@@ -133,6 +160,7 @@ def fine_epilogue(acc, l_i, o_ptr, gate_ptr, coarse_ptr, q_rows, q_valid, qt, h,
 def _fine_kernel(
     q_ptr, o_ptr,  # [S, H, D] packed rows (any row/head strides, unit stride over D)
     kt_ptr, vt_ptr,  # [n * TILE, H, D] keys / values in tile order (slot = tile * 64 + offset); pad slots finite
+    ks_ptr,  # [H, n * TILE] fp32 key row scales (QK_INT8 only: kt holds int8 codes, `quant.key_tiles_int8`)
     gate_ptr,  # [S, H, D] (GATE only)
     coarse_ptr,  # [H, n, D] fp32 coarse output per tile (GATE only)
     row_of_slot_ptr,  # [n * TILE] int32, -1 on a pad slot
@@ -146,15 +174,16 @@ def _fine_kernel(
     GATE: tl.constexpr,
     IEEE: tl.constexpr,  # fp32 inputs: exact fp32 dots (no TF32)
     UPCAST: tl.constexpr,  # interpreter only: its bf16 dot is wrong, an fp32 dot of the same bf16 values is exact
+    QK_INT8: tl.constexpr,  # int8 QK^T (kernels/vsa/quant.py)
 ):
     # Programs run head by head (query tile fastest): those in flight at once read one head's keys and values (38 MB
     # at 1344x768x243), which stay in the 50 MB L2. Head-fastest order spread them over all 56 heads (2.1 GB), so
     # every selected key tile came from HBM: 0.086 against 0.062 s per layer on an H200 (2026-12-01).
     qt = tl.program_id(0)
     h = tl.program_id(1)
-    q, q_rows, q_valid, m_i, l_i, acc, count, sel_row = fine_prologue(
+    q, q_scale, q_rows, q_valid, m_i, l_i, acc, count, sel_row = fine_prologue(
         q_ptr, row_of_slot_ptr, sel_ptr, stride_qs, stride_qh, qt, h, num_tiles, num_prefix, num_video, dense_q, topk,
-        TILE_ROWS, HEAD_DIM)
+        scale_log2, TILE_ROWS, HEAD_DIM, QK_INT8)
     # A key tile is TILE consecutive slots of the tile-ordered buffers: its address is affine in the tile id.
     # (Two key tiles per iteration, one 64 x 128 score block, measured slower: 0.072 vs 0.062 s per layer.)
     kv_offs = tl.arange(0, TILE_ROWS)[:, None] * stride_ts + h * stride_th + tl.arange(0, HEAD_DIM)[None, :]
@@ -163,7 +192,9 @@ def _fine_kernel(
         base = kv.to(tl.int64) * TILE_ROWS * stride_ts
         k = tl.load(kt_ptr + base + kv_offs)
         v = tl.load(vt_ptr + base + kv_offs)
-        m_i, l_i, acc = online_softmax_step(q, k, v, m_i, l_i, acc, size, scale_log2, TILE_ROWS, IEEE, UPCAST)
+        k_scale = key_scales(ks_ptr, kv, h, num_tiles, TILE_ROWS, QK_INT8)
+        m_i, l_i, acc = online_softmax_step(q, k, v, m_i, l_i, acc, size, scale_log2, q_scale, k_scale, TILE_ROWS,
+                                            IEEE, UPCAST, QK_INT8)
     fine_epilogue(acc, l_i, o_ptr, gate_ptr, coarse_ptr, q_rows, q_valid, qt, h, num_tiles, stride_os, stride_oh,
                    stride_gs, stride_gh, HEAD_DIM, GATE)
 
@@ -177,6 +208,9 @@ FINE_CONFIGS = ((4, 2), (4, 3), (4, 4))
 _fine_tuned = triton.autotune(
     configs=[triton.Config({}, num_warps=w, num_stages=st) for w, st in FINE_CONFIGS],
     key=["num_tiles", "num_prefix", "topk", "dense_q"],
+    # The pick is kept in Triton's cache folder (keyed by the kernel source, the GPU target and the shape key), so a
+    # second process (the next SLURM array task) does not time the configurations again in its warm-up.
+    cache_results=True,
 )(_fine_kernel)
 
 
@@ -228,6 +262,8 @@ def fine_attention_triton(
     num_warps: int | None = None,
     num_stages: int | None = None,
     tma: bool | None = None,
+    qk_int8: bool = False,
+    k_mean: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Block-sparse fine attention (plus the gated coarse add when `gate` is given), packed rows in and out.
 
@@ -244,6 +280,9 @@ def fine_attention_triton(
         tma: read keys / values through tensor descriptors (`triton_hopper`, bulk tensor copies on sm_90; 5 %
             faster on an H200, docs/performance.md §19); None = `TMA_BY_DEFAULT` on CUDA GPUs of compute capability
             >= 9.0, else the pointer kernel here. True runs it in the interpreter too.
+        qk_int8: QK^T from int8 codes (`quant.py`: keys smoothed by `k_mean` and quantized per row in one pass,
+            queries per row in the kernel); P·V stays in v's dtype.
+        k_mean: `[H, D]` fp32 mean key per head for the smoothing (None: no smoothing); qk_int8 only.
     Returns:
         `[S, H, D]` in q's dtype.
     """
@@ -263,7 +302,12 @@ def fine_attention_triton(
     g = gate if gate is not None else q
     c = coarse if coarse is not None else q
     # one row gather each (≈1 GB at 1344x768x243): key/value loads at addresses affine in the tile id
-    kt, vt = gather_tiles(k, plan), gather_tiles(v, plan)
+    if qk_int8:
+        mean = k_mean if k_mean is not None else torch.zeros(heads, d, device=k.device)
+        kt, ks = key_tiles_int8(k, plan, mean)
+    else:
+        kt = ks = gather_tiles(k, plan)  # ks unused
+    vt = gather_tiles(v, plan)
     launch: dict | None = {"num_warps": num_warps, "num_stages": num_stages}
     compiled = q.is_cuda and not interpreting()
     if num_warps is None and num_stages is None:
@@ -274,16 +318,16 @@ def fine_attention_triton(
 
     use_tma = tma if tma is not None else compiled and TMA_BY_DEFAULT and triton_hopper.tma_supported(q)
     if use_tma:
-        triton_hopper.launch_fine_tma(q, out, kt, vt, g, c, plan, sel, dense_q, topk, gate=gate is not None,
-                                      upcast=not q.is_cuda and interpreting(), launch=launch)
+        triton_hopper.launch_fine_tma(q, out, kt, vt, ks, g, c, plan, sel, dense_q, topk, gate=gate is not None,
+                                      upcast=not q.is_cuda and interpreting(), launch=launch, qk_int8=qk_int8)
         return out
     kernel = _fine_tuned if launch is None else _fine_kernel
     kernel[(plan.num_tiles, heads)](
-        q, out, kt, vt, g, c, plan.row_of_slot, plan.sizes, sel,
+        q, out, kt, vt, ks, g, c, plan.row_of_slot, plan.sizes, sel,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), kt.stride(0), kt.stride(1), g.stride(0), g.stride(1),
         plan.num_tiles, plan.num_prefix, plan.num_video, dense_q, topk,
         LOG2E / math.sqrt(d),
         HEAD_DIM=d, TILE_ROWS=TILE, GATE=gate is not None, IEEE=q.dtype == torch.float32,
-        UPCAST=not q.is_cuda and interpreting(), **(launch or {}),
+        UPCAST=not q.is_cuda and interpreting(), QK_INT8=qk_int8, **(launch or {}),
     )
     return out

@@ -1,0 +1,133 @@
+"""INT8 keys for the fine kernels' QKᵀ (`fine_attention_triton(..., qk_int8=True)`), SageAttention's scheme.
+
+Keys are smoothed (the head's mean key subtracted: softmax over keys is unchanged, since q·(k - k̄) differs from q·k
+by q·k̄, the same for every key of a query row) and quantized per row and head to int8 with a symmetric scale
+`amax / 127`; queries are quantized the same way (no smoothing) inside the fine kernel's prologue. The scores are
+then the int32 product of the codes times both scales: Hopper runs an int8 MMA at twice the bf16 rate, and a key
+tile is 8 KB instead of 16 KB. Source of the scheme: SageAttention (Zhang et al., ICLR 2025, arXiv 2410.02367): int8
+Q and K with K smoothing, P and V in 16 bits.
+
+Rounding, here and in the kernels: `code = floor(x * (127 / amax) + 0.5)` with IEEE division (`div_rn`), `scale =
+amax / 127`, amax clamped to >= 1e-20 so an all-zero row gives zero codes (never 0 * inf).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from h3render.kernels.vsa.tiles import TILE, TilePlan
+
+AMAX_FLOOR = 1e-20  # an all-zero row: codes 0, scale 1e-20 / 127 (finite)
+
+
+def rows_int8_naive(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 codes of every row over the last dim. `x [..., D]` -> (codes `[..., D]` int8, scale `[...]`
+    fp32), `x ≈ codes * scale[..., None]`."""
+    x = x.float()
+    amax = x.abs().amax(-1).clamp_min(AMAX_FLOOR)
+    codes = torch.floor(x * (127.0 / amax)[..., None] + 0.5).clamp(-127, 127).to(torch.int8)
+    return codes, amax / 127.0
+
+
+def key_tiles_int8_naive(k: torch.Tensor, plan: TilePlan, mean: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference of `key_tiles_int8`.
+
+    Args:
+        k: `[S, H, D]` packed key rows (post-norm, post-RoPE), any float dtype.
+        mean: `[H, D]` fp32, the head's mean key (subtracted before quantizing).
+    Returns:
+        codes `[n * 64, H, D]` int8 in tile order (pad slots 0) and scales `[H, n * 64]` fp32 (pad slots 0).
+    """
+    codes, scale = rows_int8_naive(k.float() - mean[None].float())  # [S, H, D], [S, H]
+    out = torch.zeros(plan.padded_len, *k.shape[1:], dtype=torch.int8, device=k.device)
+    out[plan.slot] = codes
+    scales = torch.zeros(k.shape[1], plan.padded_len, dtype=torch.float32, device=k.device)
+    scales[:, plan.slot] = scale.t()
+    return out, scales
+
+
+@triton.jit
+def rows_int8(x):
+    """`x [M, D]` fp32 -> (codes [M, D] int8, scale [M] fp32), the rounding of `rows_int8_naive`."""
+    amax = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-20)
+    inv = tl.math.div_rn(tl.full(amax.shape, 127.0, tl.float32), amax)
+    codes = tl.floor(x * inv[:, None] + 0.5)
+    codes = tl.minimum(tl.maximum(codes, -127.0), 127.0).to(tl.int8)
+    return codes, tl.math.div_rn(amax, tl.full(amax.shape, 127.0, tl.float32))
+
+
+@triton.jit
+def _key_tiles_int8_kernel(
+    k_ptr,  # [S, H, D] packed rows
+    mean_ptr,  # [H, D] fp32
+    out_ptr,  # [n * TILE, H, D] int8, contiguous
+    scale_ptr,  # [H, n * TILE] fp32
+    row_of_slot_ptr,  # [n * TILE] int32, -1 on pad slots
+    stride_ks, stride_kh,
+    heads, padded_len,
+    HEAD_DIM: tl.constexpr,
+    TILE_ROWS: tl.constexpr,
+):
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    offs_m = tl.arange(0, TILE_ROWS)
+    offs_d = tl.arange(0, HEAD_DIM)
+    rows = tl.load(row_of_slot_ptr + t * TILE_ROWS + offs_m)
+    valid = rows >= 0
+    rows = tl.where(valid, rows, 0).to(tl.int64)
+    x = tl.load(k_ptr + rows[:, None] * stride_ks + h * stride_kh + offs_d[None, :], mask=valid[:, None], other=0.0)
+    x = x.to(tl.float32) - tl.load(mean_ptr + h * HEAD_DIM + offs_d)[None, :]
+    codes, scale = rows_int8(x)
+    codes = tl.where(valid[:, None], codes, 0)
+    slots = (t * TILE_ROWS + offs_m).to(tl.int64)
+    tl.store(out_ptr + (slots[:, None] * heads + h) * HEAD_DIM + offs_d[None, :], codes)
+    tl.store(scale_ptr + h.to(tl.int64) * padded_len + slots, tl.where(valid, scale, 0.0))
+
+
+def key_tiles_int8(k: torch.Tensor, plan: TilePlan, mean: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Smoothed int8 keys in tile order for the fine kernels, one launch (gather + smooth + quantize).
+
+    Args:
+        k: `[S, H, D]` packed rows, unit stride over D (a Ulysses head slice is fine).
+        mean: `[H, D]` fp32 mean key of each head (`vsa_attention` takes it from the pooled tile means).
+    Returns:
+        codes `[n * 64, H, D]` int8, contiguous (pad slots 0); scales `[H, n * 64]` fp32 (pad slots 0).
+    """
+    s, heads, d = k.shape
+    if s != plan.seq_len or tuple(mean.shape) != (heads, d) or k.stride(-1) != 1:
+        raise ValueError(f"kernels/vsa/quant.py: k {list(k.shape)} (unit stride over D) and mean {list(mean.shape)} "
+                         f"do not fit a plan of {plan.seq_len} rows")
+    out = torch.empty(plan.padded_len, heads, d, dtype=torch.int8, device=k.device)
+    scales = torch.empty(heads, plan.padded_len, dtype=torch.float32, device=k.device)
+    _key_tiles_int8_kernel[(plan.num_tiles, heads)](
+        k, mean.float().contiguous(), out, scales, plan.row_of_slot, k.stride(0), k.stride(1), heads,
+        plan.padded_len, HEAD_DIM=d, TILE_ROWS=TILE, num_warps=4,
+    )
+    return out, scales
+
+
+def head_mean_from_pooled(pooled: torch.Tensor, plan: TilePlan) -> torch.Tensor:
+    """The mean key of each head from the tile means: `[H, n, D]` fp32 -> `[H, D]` fp32 (size-weighted)."""
+    sizes = plan.sizes.to(pooled.dtype)
+    return (pooled * sizes[None, :, None]).sum(1) / sizes.sum()
+
+
+def fine_attention_int8_naive(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, plan: TilePlan,
+                              mean: torch.Tensor | None = None) -> torch.Tensor:
+    """Reference of the fine stage with `qk_int8`: `fine_attention_naive` (fp32 math) on the dequantized codes.
+
+    Args:
+        q, k, v: `[S, H, D]` packed rows; mask: `[H, n, n]` bool kept pairs; mean: `[H, D]` fp32 or None (zeros).
+    Returns:
+        `[S, H, D]` in q's dtype.
+    """
+    from h3render.kernels.vsa.naive import fine_attention_naive
+
+    if mean is None:
+        mean = torch.zeros(q.shape[1], q.shape[2], device=q.device)
+    qc, qs = rows_int8_naive(q)
+    kc, ks = rows_int8_naive(k.float() - mean[None].float())
+    out = fine_attention_naive(qc.float() * qs[..., None], kc.float() * ks[..., None], v.float(), mask, plan)
+    return out.to(q.dtype)
