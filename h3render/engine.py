@@ -62,6 +62,9 @@ class Engine(WarmUp):
                  deferred_fusion=None):
         self.c = components
         self.precision = settings.precision
+        # With FP8 GEMMs the VSA layers' QKᵀ runs on int8 codes too (`kernels.vsa.quant`): 13 % off the fine kernel
+        # at 1344x768x243 for rel. 9.7e-3 against the torch reference (2.8e-3 in bf16; docs/performance.md §22).
+        self.vsa_qk_int8 = self.precision == "fp8"
         self.ctx = ctx
         self.device = ctx.device
         self.settings = settings
@@ -93,6 +96,7 @@ class Engine(WarmUp):
             self.warmup["attention_backend"] = "sdpa (CPU)"
         # One GEMM for the VAE decoder's q/k/v (weights are loaded; the decoder never saves a state dict).
         self.c.video_vae.fuse_qkv_()
+        self.c.dit.vsa_qk_int8 = self.vsa_qk_int8
         if self.precision == "fp8":
             # FP8 decoder block GEMMs (`models.fp8.quantize_video_decoder_fp8_`; DESIGN.md: VAE precision), after the
             # fusion so that q/k/v are one FP8 GEMM; the sidecar's precision_components says so.
@@ -468,6 +472,7 @@ class Engine(WarmUp):
         if self.device.type == "cuda":
             dit.set_attention(fast_attention, refiner=True)
             dit.offload_adaln_("cpu")
+        dit.vsa_qk_int8 = self.vsa_qk_int8
         self.dits[partition], self._forwards[partition] = dit, self.plan.dit_forward(dit)
         self.warmup["dit_partitions"][partition] = "resident"
         if not resident and partition != self._active:

@@ -19,7 +19,6 @@ tiny --e2e-device cpu --e2e-canvases 160x128x22`.
 from __future__ import annotations
 
 import contextlib
-import functools
 import gc
 import json
 import time
@@ -46,8 +45,8 @@ def add_arguments(p) -> None:
                    help="e2e: comma-separated dense,vsa (default: dense, then vsa with --e2e-vsa)")
     p.add_argument("--e2e-dir", default="/tmp", help="e2e: where the MP4s (noise: large) and sidecars are written")
     p.add_argument("--e2e-vsa-kernels", default="current",
-                   help="e2e: comma-separated VSA kernel variants of the vsa rows: current, session10 (the pointer "
-                        "fine kernel and torch top-k selection, main before issue 26's eleventh-session work)")
+                   help="e2e: comma-separated VSA kernel variants of the vsa rows: current, bf16-qk (this tree with "
+                        "the fine stage's QK^T in bf16: main before issue 26's twelfth-session work)")
     p.add_argument("--e2e-content", default="noise",
                    help="e2e / memplans: comma-separated pictures each job is rendered with, in this order: noise "
                         "(what the random weights decode), moving (the real decode, each chunk then painted with "
@@ -209,7 +208,7 @@ def stage_e2e(args, bench) -> None:
         for attention, kernels in runs:
             if attention == "vsa":
                 enable_random_vsa_(engine.c.dit, args.vsa_sparsity, seed=1)
-                with vsa_kernels(kernels):
+                with vsa_kernels(kernels, engine):
                     for job in jobs:  # the first VSA forward at a shape builds its tile plan (host syncs), and
                         _warm_forward(engine, job)  # each kernel variant autotunes there: untimed
             else:
@@ -222,7 +221,7 @@ def stage_e2e(args, bench) -> None:
                 for kind, rep in [(kind, rep) for kind in contents for rep in range(args.e2e_reps)]:
                     reset_peak(device)
                     t0 = time.perf_counter()
-                    with content(engine, kind, scenes) as shown, vsa_kernels(kernels):
+                    with content(engine, kind, scenes) as shown, vsa_kernels(kernels, engine):
                         engine.render(job, out, out.with_suffix(".json"))
                     wall = time.perf_counter() - t0
                     if not ctx.is_main:
@@ -249,29 +248,23 @@ def stage_e2e(args, bench) -> None:
 
 
 def vsa_variants(args) -> list[str]:
-    """`--e2e-vsa-kernels`: "current" (the tree's defaults) and/or "session10" (main at the start of the eleventh
-    session: the pointer fine kernel and torch's top-k + sort selection), for a before/after in one call."""
+    """`--e2e-vsa-kernels`: "current" (the tree's defaults) and/or "bf16-qk" (the same with the fine stage's QK^T in
+    bf16, as main before the twelfth session's int8 QK^T), for a before/after in one call."""
     variants = [v.strip() for v in args.e2e_vsa_kernels.split(",") if v.strip()]
-    if not variants or set(variants) - {"current", "session10"}:
-        raise ValueError(f"--e2e-vsa-kernels: expected current and/or session10, got {args.e2e_vsa_kernels!r}")
+    if not variants or set(variants) - {"current", "bf16-qk"}:
+        raise ValueError(f"--e2e-vsa-kernels: expected current and/or bf16-qk, got {args.e2e_vsa_kernels!r}")
     return variants
 
 
 @contextlib.contextmanager
-def vsa_kernels(variant: str):
-    """Run the VSA kernels of `variant` inside the block (module defaults patched and restored)."""
-    if variant == "current":
-        yield
-        return
-    import h3render.kernels.vsa as vsa
-    from h3render.kernels.vsa import triton_impl
-
-    select, tma = vsa.select_tiles, triton_impl.TMA_BY_DEFAULT
-    vsa.select_tiles, triton_impl.TMA_BY_DEFAULT = functools.partial(select, use_triton=False), False
+def vsa_kernels(variant: str, engine):
+    """Run the VSA kernels of `variant` inside the block (the engine's DiT setting patched and restored)."""
+    saved = engine.c.dit.vsa_qk_int8
+    engine.c.dit.vsa_qk_int8 = saved and variant != "bf16-qk"
     try:
         yield
     finally:
-        vsa.select_tiles, triton_impl.TMA_BY_DEFAULT = select, tma
+        engine.c.dit.vsa_qk_int8 = saved
 
 
 def content_scenes(args, device: torch.device, canvases) -> tuple[list[str], "MovingScenes | None"]:

@@ -47,6 +47,8 @@ def add_arguments(p) -> None:
                         "default a fresh folder under --tables-dir")
     p.add_argument("--prepare-steps", type=int, default=None,
                    help="prepare stage: the job's steps (default: the release's schedule, 50 sigma points)")
+    p.add_argument("--prepare-profile", action="store_true",
+                   help="prepare stage: the first run's host time under cProfile (top functions by cumulative time)")
     p.add_argument("--te-tokens", default="77,256,2000", help="te-fp8 stage: comma-separated prompt lengths")
     p.add_argument("--te-gemm-rows", default="16,77,256,2000", help="te-fp8 stage: row counts of the GEMM sweep")
 
@@ -135,16 +137,18 @@ def stage_prepare(args, bench) -> None:
                 engine.warmup.pop("adaln_cache", None)
                 reset_peak(device)
                 torch._dynamo.utils.compilation_time_metrics.clear()  # per run: where a new process's compile goes
+                profiler = _host_profile(args.prepare_profile and run == "first")
                 t0 = time.perf_counter()
-                engine.prepare([job])
-                sync(device)
+                with profiler:
+                    engine.prepare([job])
+                    sync(device)
                 wall = time.perf_counter() - t0
                 caches = engine.warmup.get("adaln_cache", [])
                 row = dict(stage="prepare", precision=precision, seconds=round(wall, 2),
                            adaln_tables_s=round(engine.warmup["adaln_tables_s"], 3),
                            cache=[r["cache"] for r in caches], cache_io_s=[r.get("seconds") for r in caches],
                            peak_gb=peak_gb(bench, device), warmup=dict(engine.warmup),
-                           dynamo_compile_times=_compile_times())
+                           dynamo_compile_times=_compile_times(), **profiler.record())
                 if run == "first":
                     built = dict(engine._tables)
                 else:
@@ -160,6 +164,35 @@ def stage_prepare(args, bench) -> None:
             os.environ.pop(ENV, None)
         else:
             os.environ[ENV] = saved
+
+
+class _host_profile:
+    """cProfile around a block when `on` (else a no-op): where a new process's warm-up spends host time."""
+
+    def __init__(self, on: bool):
+        import cProfile
+
+        self.profile = cProfile.Profile() if on else None
+
+    def __enter__(self):
+        if self.profile is not None:
+            self.profile.enable()
+
+    def __exit__(self, *exc):
+        if self.profile is not None:
+            self.profile.disable()
+
+    def record(self, n: int = 40) -> dict:
+        if self.profile is None:
+            return {}
+        import pstats
+
+        stats = pstats.Stats(self.profile).stats  # {(file, line, name): (cc, nc, tottime, cumtime, callers)}
+        top = sorted(stats.items(), key=lambda kv: kv[1][3], reverse=True)[:n]
+        by_self = sorted(stats.items(), key=lambda kv: kv[1][2], reverse=True)[:n]
+        name = lambda key: f"{key[0].rsplit('site-packages/', 1)[-1]}:{key[1]} {key[2]}"  # noqa: E731
+        return {"host_profile_cumulative": [[name(k), round(v[3], 3), v[1]] for k, v in top],
+                "host_profile_self": [[name(k), round(v[2], 3), v[1]] for k, v in by_self]}
 
 
 def _compile_times() -> dict:
@@ -182,7 +215,7 @@ def stage_te_fp8(args, bench) -> None:
     from h3render.checkpoint.releases import QWEN3VL_RELEASED
     from h3render.kernels.fp8_weight import fp8_weight_linear_naive
     from h3render.kernels.fp8_weight.triton_impl import CANDIDATES, fp8_weight_linear_triton, pick_config
-    from h3render.models.fp8 import Fp8WeightLinear, quantize_text_encoder_fp8_, quantize_weight
+    from h3render.models.fp8 import Fp8WeightLinear, _rows_scaled_mm, quantize_text_encoder_fp8_, quantize_weight
     from h3render.models.text_encoder import TextEncoder
 
     rec = bench.rec
@@ -236,6 +269,8 @@ def stage_te_fp8(args, bench) -> None:
             t_bf16 = bench_ms(lambda: F.linear(x, w16)) / 1e3
             t_old = bench_ms(lambda: F.linear(x, (w8.float() * s.t()).to(torch.bfloat16))) / 1e3
             t_fused = bench_ms(lambda: F.linear(x, fp8_dequantize(w8, s))) / 1e3
+            # mode "rows" (w8a8): the per-row quantization of x and one _scaled_mm, device time
+            t_rows = bench_ms(lambda: _rows_scaled_mm(x, w8, s.reshape(1, -1), None)) / 1e3
             timings = {}
             for config in CANDIDATES:
                 try:
@@ -247,6 +282,8 @@ def stage_te_fp8(args, bench) -> None:
             err = bench.rel_err(fp8_weight_linear_triton(x, w8, s, config=picked), ref)
             rec(stage="te-fp8", what=f"GEMM {name} {k}->{n_out}, {m} rows", bf16_ms=round(t_bf16 * 1e3, 4),
                 dequant_ms=round(t_old * 1e3, 4), dequant_fused_ms=round(t_fused * 1e3, 4),
+                rows_w8a8_ms=round(t_rows * 1e3, 4),
+                rows_rel_err_vs_fp32=bench.rel_err(_rows_scaled_mm(x, w8, s.reshape(1, -1), None), ref),
                 dequant_bit_exact=exact, picked=list(picked),
                 picked_ms=round(timings.get(picked, float("nan")) * 1e3, 4), best=list(best),
                 best_ms=round(timings[best] * 1e3, 4), best_tflops=round(flop / timings[best] / 1e12, 1),

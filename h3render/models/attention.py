@@ -345,14 +345,17 @@ class SparseAttention:
         plan: the layout's tile plan (prefix segments text, audio; the patched video grid).
         sparsity: fraction of video key tiles dropped per query tile.
         fine: fine-stage backend for `kernels.vsa.vsa_attention` (None: Triton on CUDA, torch elsewhere).
+        qk_int8: the fine stage's QKᵀ from int8 codes (`kernels.vsa.quant`).
     """
 
     plan: TilePlan
     sparsity: float
     fine: str | None = None
+    qk_int8: bool = False
 
     @classmethod
-    def for_layout(cls, layout, sparsity: float, device: torch.device | str, fine: str | None = None):
+    def for_layout(cls, layout, sparsity: float, device: torch.device | str, fine: str | None = None,
+                   qk_int8: bool = False):
         """From a `h3render.packing.PackedLayout` (rows `[text | audio | video]`, no pad rows). The plan is cached
         by shape (`kernels.vsa.tile_plan`), so building this every forward costs nothing after the first.
 
@@ -365,7 +368,7 @@ class SparseAttention:
         if sum(prefix) + math.prod(grid) != layout.seq_len or layout.num_video_rows != math.prod(grid):
             raise ValueError(f"h3render/models/attention.py: VSA needs a [text | audio | video] layout; got "
                              f"{layout.seq_len} rows for prefix {prefix} and video grid {grid}")
-        return cls(tile_plan(prefix, grid, str(torch.device(device))), float(sparsity), fine)
+        return cls(tile_plan(prefix, grid, str(torch.device(device))), float(sparsity), fine, qk_int8)
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
-        return vsa_attention(q, k, v, gate, self.plan, self.sparsity, fine=self.fine)
+        return vsa_attention(q, k, v, gate, self.plan, self.sparsity, fine=self.fine, qk_int8=self.qk_int8)

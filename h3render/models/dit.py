@@ -340,6 +340,8 @@ class DiT(nn.Module):
         # FastH3 Trim: the time embedding's shared rank-r basis every AdaLN projection reads (no bias).
         self.adaln_basis = nn.Linear(cfg.time_embed_dim, cfg.adaln_rank, bias=False) if cfg.adaln_rank else None
         self.vsa_sparsity: float | None = None  # set by enable_vsa
+        # VSA's QKᵀ from int8 codes (`kernels.vsa.quant`); the Engine sets it with `--precision fp8`
+        self.vsa_qk_int8 = False
 
     # -- setup ------------------------------------------------------------------------------------------------------
 
@@ -519,7 +521,8 @@ class DiT(nn.Module):
         t_index = _window_rows(timestep_index, start, end)  # [n]
         rows = t_index * NUM_MODALITIES + _window_rows(layout.token_tags, start, end)  # [n] into the block tables
         rope = (_window_rows(rope[0], start, end), _window_rows(rope[1], start, end))
-        sparse = None if self.vsa_sparsity is None else SparseAttention.for_layout(layout, self.vsa_sparsity, x.device)
+        sparse = None if self.vsa_sparsity is None else SparseAttention.for_layout(
+            layout, self.vsa_sparsity, x.device, qk_int8=self.vsa_qk_int8)
         for block, table in zip(self.blocks, tables.blocks):
             x = block(x, table, rows, rope, sparse)
 

@@ -435,6 +435,8 @@ def precision_report(components: Any) -> dict[str, str]:
         n = sum(isinstance(m, Fp8Linear) for m in dit.blocks.modules())
         report["dit_blocks"] = (f"fp8_e4m3 (row-wise activations, per-channel weights; {n} linears)" if n
                                 else _dtype_summary(dit.blocks))
+        if getattr(dit, "vsa_sparsity", None) is not None and getattr(dit, "vsa_qk_int8", False):
+            report["dit_blocks"] += "; VSA QK^T int8 (smoothed keys, per-row scales)"
         other = nn.ModuleList(m for name, m in dit.named_children() if name != "blocks")
         report["dit_other"] = _dtype_summary(other)
     te = getattr(components, "text_encoder", None)

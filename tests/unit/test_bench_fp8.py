@@ -45,7 +45,7 @@ def rows(bench_fp8, tmp_path_factory):
             "--fp8-device", "cpu", "--fp8-canvas", CANVAS, "--fp8-text", "6", "--fp8-gemm-reps", "1",
             "--fp8-reps", "1", "--vsa-sparsity", "0.75", "--precision", "bf16,fp8", "--e2e-model", "tiny",
             "--e2e-device", "cpu", "--e2e-canvases", CANVAS, "--e2e-vsa", "--forwards", "1", "--e2e-dir", str(out),
-            "--e2e-vsa-kernels", "current,session10", "--out", str(out / "rows.json")]
+            "--e2e-vsa-kernels", "current,bf16-qk", "--out", str(out / "rows.json")]
     saved_argv, threads = sys.argv, torch.get_num_threads()
     sys.argv = argv
     torch.set_num_threads(1)  # the 2 shared cores: tiny ops spin-wait for each other's threads with more
@@ -135,7 +135,7 @@ def test_fp8_memory_and_e2e_rows(rows):
         assert "fp8_e4m3" in loaded["fp8"]["report"]["dit_blocks"]
     renders = [r for r in _stage(rows, "e2e") if r["what"].startswith("complete MP4")]
     assert {(r["precision"], r["attention"], r["vsa_kernels"]) for r in renders} == {
-        (p, a, v) for p in ("bf16", "fp8") for a, v in (("dense", "current"), ("vsa", "current"), ("vsa", "session10"))}
+        (p, a, v) for p in ("bf16", "fp8") for a, v in (("dense", "current"), ("vsa", "current"), ("vsa", "bf16-qk"))}
     assert all(_finite_time(r["wall_s"]) and r["mp4_bytes"] > 0 and len(r["denoise_steps"]) == 1 for r in renders)
 
 
@@ -155,20 +155,17 @@ def test_random_gates_on_an_fp8_dit_match_the_bf16_ones(bench_fp8):
         assert rel_err(b.attn.gate_proj.dequantized_weight(), ref) <= 0.04  # e4m3 rounding, measured ~0.02
 
 
-def test_the_session10_vsa_kernels_are_patched_in_and_restored(bench_fp8):
-    """`--e2e-vsa-kernels session10` runs the pointer fine kernel and torch's top-k selection inside the block only."""
+def test_the_bf16_qk_variant_is_patched_in_and_restored(bench_fp8):
+    """`--e2e-vsa-kernels bf16-qk` turns the fp8 engine's int8 QK^T off inside the block only."""
     import bench_e2e
 
-    import h3render.kernels.vsa as vsa
-    from h3render.kernels.vsa import tile_plan, triton_impl
-
-    select, tma = vsa.select_tiles, triton_impl.TMA_BY_DEFAULT
-    plan = tile_plan((3,), (4, 4, 8))
-    scores = torch.randn(1, plan.num_tiles, plan.num_tiles)
-    with bench_e2e.vsa_kernels("session10"):
-        assert triton_impl.TMA_BY_DEFAULT is False and vsa.select_tiles is not select
-        assert vsa.select_tiles.keywords == {"use_triton": False}
-        assert torch.equal(vsa.select_tiles(scores, plan, 0.5), select(scores, plan, 0.5, use_triton=False))
-    assert vsa.select_tiles is select and triton_impl.TMA_BY_DEFAULT is tma
-    with pytest.raises(ValueError, match="current and/or session10"):
-        bench_e2e.vsa_variants(type("A", (), {"e2e_vsa_kernels": "old"})())
+    dit = random_dit(DIT_TINY, seed=1)
+    engine = type("E", (), {"c": type("C", (), {"dit": dit})()})()
+    dit.vsa_qk_int8 = True
+    with bench_e2e.vsa_kernels("bf16-qk", engine):
+        assert dit.vsa_qk_int8 is False
+    assert dit.vsa_qk_int8 is True
+    with bench_e2e.vsa_kernels("current", engine):
+        assert dit.vsa_qk_int8 is True
+    with pytest.raises(ValueError, match="current and/or bf16-qk"):
+        bench_e2e.vsa_variants(type("A", (), {"e2e_vsa_kernels": "session10"})())

@@ -208,6 +208,17 @@ def test_load_components_fp8_builtin_tiny():
         load_components("tiny", precision="int8")
 
 
+def test_precision_report_names_int8_qk_only_on_a_vsa_dit():
+    dit = random_dit(DIT_TINY, seed=1)
+    c = type("C", (), {"dit": dit})()
+    dit.vsa_qk_int8 = True
+    assert "int8" not in precision_report(c)["dit_blocks"]  # dense: no VSA layer to run it
+    dit.enable_vsa(0.5)
+    assert precision_report(c)["dit_blocks"].endswith("; VSA QK^T int8 (smoothed keys, per-row scales)")
+    dit.vsa_qk_int8 = False
+    assert "int8" not in precision_report(c)["dit_blocks"]
+
+
 def test_fp8_load_quantizes_the_fasth3_fused_weights(tmp_path):
     from h3render.checkpoint.adapter import TINY_BASE_MODEL, AdapterFusion, read_adapter
     from h3render.make_checkpoint.synthetic_adapter import write_synthetic_adapter

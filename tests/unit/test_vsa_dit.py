@@ -90,6 +90,16 @@ def test_sparse_and_gated_outputs_differ_from_dense():
     assert rel_err(gated_v, sparse_v) > 1e-3  # the coarse branch is added
 
 
+def test_int8_qk_runs_in_every_vsa_block_close_to_bf16():
+    """`DiT.vsa_qk_int8` (the Engine sets it with --precision fp8) reaches each block's VSA call: the output moves
+    by the int8 rounding of q and k, and no further."""
+    plain_v, _ = _forward(_vsa_dit(0.75, gate_seed=2))
+    dit = _vsa_dit(0.75, gate_seed=2)
+    dit.vsa_qk_int8 = True
+    int8_v, _ = _forward(dit)
+    assert 1e-5 < rel_err(int8_v, plain_v) < 2e-2
+
+
 def test_gate_reads_the_modulated_attention_input():
     dit = _vsa_dit(0.75, gate_seed=2)
     seen = {}
