@@ -153,6 +153,10 @@ class Engine(WarmUp):
             raise ValueError(problem)
         checkpoint, adapter, transformer_file = run.checkpoint, run.adapter, run.transformer
         precision, dtype = run.precision, run.torch_dtype
+        if ctx.device.type == "cuda" and run.compile_vae:
+            from h3render import compile_prefetch
+
+            compile_prefetch.start()  # beside the load; `Engine.prepare` compiles the VAE blocks
         from h3render.checkpoint import students
         from h3render.checkpoint.info import read_checkpoint_info
         from h3render.checkpoint.load import PARTS, load_components

@@ -100,6 +100,11 @@ class WarmUp:
             self.warmup["vae_attention_probe_s"] = probe
         t0 = time.perf_counter()
         if self.settings.compile_vae and not getattr(vae, "pad_batches", False):
+            from h3render import compile_prefetch
+
+            t_wait = time.perf_counter()
+            compile_prefetch.wait()  # the compile stack's import, begun beside the load
+            self.warmup["compile_import_wait_s"] = time.perf_counter() - t_wait
             vae.compile_blocks_(dynamic=False)
         for width, height in sorted({(j.width, j.height) for j in jobs}):
             # one decoder batch of one window of the canvas: every item of a plan shares one tile shape

@@ -139,6 +139,10 @@ def _build(args, bench, ctx, precision: str, stage: str):
     if args.e2e_checkpoint:
         engine = Engine.load(settings, ctx)
     else:
+        if device.type == "cuda" and not getattr(args, "no_compile_prefetch", False):  # as Engine.load does
+            from h3render import compile_prefetch
+
+            compile_prefetch.start()
         components = random_components(args.e2e_model, device, settings.torch_dtype, precision)
         sync(device)
         engine = Engine(components, ctx, settings, load_seconds=time.perf_counter() - t0)

@@ -47,6 +47,9 @@ def add_arguments(p) -> None:
                         "default a fresh folder under --tables-dir")
     p.add_argument("--prepare-steps", type=int, default=None,
                    help="prepare stage: the job's steps (default: the release's schedule, 50 sigma points)")
+    p.add_argument("--no-compile-prefetch", action="store_true",
+                   help="prepare / e2e: do not import the compile stack beside the load (h3render.compile_prefetch): "
+                        "the before row of a new process's prepare")
     p.add_argument("--prepare-profile", action="store_true",
                    help="prepare stage: the first run's host time under cProfile (top functions by cumulative time)")
     p.add_argument("--te-tokens", default="77,256,2000", help="te-fp8 stage: comma-separated prompt lengths")
@@ -145,6 +148,7 @@ def stage_prepare(args, bench) -> None:
                 wall = time.perf_counter() - t0
                 caches = engine.warmup.get("adaln_cache", [])
                 row = dict(stage="prepare", precision=precision, seconds=round(wall, 2),
+                           compile_prefetch=not args.no_compile_prefetch,
                            adaln_tables_s=round(engine.warmup["adaln_tables_s"], 3),
                            cache=[r["cache"] for r in caches], cache_io_s=[r.get("seconds") for r in caches],
                            peak_gb=peak_gb(bench, device), warmup=dict(engine.warmup),

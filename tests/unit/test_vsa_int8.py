@@ -46,13 +46,15 @@ def test_key_tiles_int8_matches_reference():
     mean = head_mean_from_pooled(pool_tiles_naive(k, plan), plan)
     mean[1] = 0
     codes, scales = key_tiles_int8(k[:, 1:], plan, mean[1:])  # a head slice: strided rows, as under Ulysses
+    # The reference on the CPU: CUDA torch divides by a scalar as a multiply by its reciprocal, not IEEE division.
+    codes, scales, k, mean, plan = codes.cpu(), scales.cpu(), k.cpu(), mean.cpu(), tile_plan((70, 5), (1, 9, 9))
     ref_codes, ref_scales = key_tiles_int8_naive(k[:, 1:], plan, mean[1:])
     assert torch.equal(scales, ref_scales)
     x = (k[:, 1:].double() - mean[1:].double())  # [S, H, D]: where a code may sit on a tie
-    ratio = (x * 127 / x.abs().amax(-1, keepdim=True).clamp_min(1e-20)).cpu()
+    ratio = x * 127 / x.abs().amax(-1, keepdim=True).clamp_min(1e-20)
     tie = torch.zeros(codes.shape, dtype=torch.bool)
-    tie[plan.slot.cpu()] = ((ratio - ratio.floor()) - 0.5).abs() < 1e-4  # the product's rounding: ~1.5e-5
-    diff = (codes.int() - ref_codes.int()).abs().cpu()
+    tie[plan.slot] = ((ratio - ratio.floor()) - 0.5).abs() < 1e-4  # the product's rounding: ~1.5e-5
+    diff = (codes.int() - ref_codes.int()).abs()
     assert int(diff.max()) <= 1 and not diff[~tie].any()
     pad = plan.row_of_slot < 0
     assert int(pad.sum()) > 0 and not codes[pad].any() and not scales[:, pad].any()
