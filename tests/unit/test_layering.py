@@ -61,7 +61,7 @@ LAYERS: dict[int, tuple[str, ...]] = {
         "h3render.staging", "h3render.colour",
         "h3render.graphs", "h3render.timing", "h3render.outputs", "h3render.progress", "h3render.parallel",
         "h3render.parallel.*", "h3render.memplan", "h3render.text_phase", "h3render.block_stream", "h3render.seams",
-        "h3render.dit_swap", "h3render.pinned"),
+        "h3render.dit_swap", "h3render.pinned", "h3render.compile_prefetch"),
     5: ("h3render.make_checkpoint", "h3render.make_checkpoint.*"),
     4: ("h3render.checkpoint", "h3render.checkpoint.*"),
     3: ("h3render.sampling",),
