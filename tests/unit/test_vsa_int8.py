@@ -19,8 +19,9 @@ from tests._numerics import rel_err
 
 FAST_DEVICE = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") == "0" else "cpu"
 
-# Odd prefix tile count (3), odd video tile count (9), odd k (3), partial prefix and video tiles.
-ODD = ((70, 5), (1, 9, 9), 3, 32, 0.7)
+# Odd prefix tile count (3), odd video tile count (9), odd k (3), partial prefix and video tiles; 2 heads (the
+# interpreter's time is per program, and the CI's is short).
+ODD = ((70, 5), (1, 9, 9), 2, 32, 0.7)
 
 
 def _qkvg(plan, heads, dim, seed, dtype, bias=0.0):
@@ -84,7 +85,8 @@ def test_fine_int8_matches_dequantized_reference(tma, dtype, with_gate):
     fine_attention_triton(q, k, v, plan, select_tiles(scores, plan, sparsity), gate, coarse, out=out, tma=tma,
                           qk_int8=True, k_mean=mean)
     # fp32: the same codes and scales, an exact int dot, fp32 operation order; except one code apart on a rounding
-    # tie (this case has one, in a query row: 1.6e-4); a wrong score or scale is off by far more
+    # tie (one in a query row gave 1.6e-4 in a three-head version of this case); a wrong score or scale is off by
+    # far more
     assert rel_err(out, ref) < (1e-3 if dtype == torch.float32 else 1e-2)
     true = fine_attention_naive(q, k, v, mask, plan)  # unquantized: int8 costs something, but not much
     if with_gate:
