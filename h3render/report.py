@@ -449,8 +449,9 @@ class QueueLog:
                 self.line(f"job {index + 1}/{n_jobs} {_name(outcome)} failed: {outcome.error}")
         else:
             tail = f": {outcome.error}" if outcome.status == FAILED else ""
+            why = "ran because" if outcome.status == FAILED else "rendered because"  # a failed job rendered nothing
             self.line(f"job {index + 1}/{n_jobs} {_name(outcome)} {outcome.status} in {outcome.seconds:.1f} s "
-                      f"(rendered because: {reason}){tail}; left {self.total - self.done - self.failed}")
+                      f"({why}: {reason}){tail}; left {self.total - self.done - self.failed}")
 
     def skipped_late(self, index: int, n_jobs: int, outcome: JobOutcome) -> None:
         self._count(SKIPPED)

@@ -328,6 +328,7 @@ def test_quiet_logs_one_line_per_job(tmp_path, capsys):
     assert len(lines) == 3
     assert "j0 (sub/j0.mp4) succeeded" in lines[0] and "(rendered because: no MP4)" in lines[0]
     assert "j2 (sub/j2.mp4) failed" in lines[2] and "ValueError: non-finite" in lines[2]
+    assert "(ran because: no MP4)" in lines[2] and "rendered because" not in lines[2]  # it rendered nothing
 
 
 def test_progress_bar_counts(tmp_path, capsys):
