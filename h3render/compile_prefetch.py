@@ -3,8 +3,10 @@
 The first `torch.compile` of a process (the video VAE decoder's blocks, in `Engine.prepare`) imports Dynamo's and
 Inductor's modules and registers Inductor's ops before it traces anything: most of the 4.2 s the VAE compile took in
 a new process on the H200 host with every on-disk cache warm (cProfile of that prepare: `torch.library` definitions
-and `inductor_prims`, docs/performance.md §22). A SLURM array task pays it on every start. The load that comes first
-spends its time in file reads and device copies, so the import runs beside it; the warm-up waits for it.
+and `inductor_prims`, docs/performance.md §22). A SLURM array task pays it on every start. `Engine.load` starts the
+import once its own imports are done (they share many modules with this one, and two threads importing the same
+modules only take turns), just before the weights stream, which is file reads and device copies; the warm-up waits
+for it and records what went wrong, if anything.
 """
 
 from __future__ import annotations
@@ -12,28 +14,42 @@ from __future__ import annotations
 import sys
 import threading
 
+import torch
+
 _thread: threading.Thread | None = None
+_error: BaseException | None = None
 MODULE = "torch._inductor.compile_fx"  # pulls in Dynamo, AOTAutograd, Inductor's lowerings and its prims
+WAIT_S = 300.0  # an import that long is stuck: the compile then imports on the main thread, where it raises
 
 
-def _import() -> None:
+def _import(device: torch.device | None) -> None:
+    global _error
     try:
+        if device is not None and device.type == "cuda":
+            torch.cuda.set_device(device)  # whatever the import touches, on this rank's GPU, not on GPU 0
         __import__(MODULE)
-    except Exception:  # noqa: BLE001  the compile in prepare then imports it again on its own thread, and raises there
-        pass
+    except BaseException as exc:  # noqa: BLE001  kept for `wait`, which reports it; the compile imports again
+        _error = exc
 
 
-def start() -> bool:
+def start(device: torch.device | None = None) -> bool:
     """Begin the import on a daemon thread, once per process; False when it ran or is loaded already."""
     global _thread
     if _thread is not None or MODULE in sys.modules:
         return False
-    _thread = threading.Thread(target=_import, name="h3render-compile-import", daemon=True)
+    _thread = threading.Thread(target=_import, args=(device,), name="h3render-compile-import", daemon=True)
     _thread.start()
     return True
 
 
-def wait() -> None:
-    """Block until a started import is done (a no-op when none was started)."""
-    if _thread is not None:
-        _thread.join()
+def wait(timeout: float = WAIT_S) -> str | None:
+    """Block until a started import is done (at most `timeout` seconds); None when it succeeded or none was started,
+    else what went wrong, one line (the caller records it and compiles anyway)."""
+    if _thread is None:
+        return None
+    _thread.join(timeout)
+    if _thread.is_alive():
+        return f"the compile stack's background import was still running after {timeout:.0f} s"
+    if _error is not None:
+        return f"the compile stack's background import failed: {type(_error).__name__}: {_error}"[:300]
+    return None

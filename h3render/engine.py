@@ -44,6 +44,16 @@ from h3render.warmup import WarmUp, heads_first
 SWAP_HEADROOM = 24 * 2**30
 
 
+def vsa_qk_int8_pays(precision: str, device: torch.device) -> bool:
+    """Whether an engine of `precision` on `device` runs VSA's QKᵀ on int8 codes: fp8 on a CUDA GPU of compute
+    capability >= 9.0 (the TMA fine kernel, the one that gains: docs/performance.md §22.1)."""
+    if precision != "fp8" or device.type != "cuda":
+        return False
+    from h3render.kernels.vsa.triton_hopper import tma_supported
+
+    return tma_supported(torch.empty(0, device=device))
+
+
 class Engine(WarmUp):
     """Holds the loaded model on this rank's device and what jobs share; `render` runs one job.
 
@@ -62,9 +72,11 @@ class Engine(WarmUp):
                  deferred_fusion=None):
         self.c = components
         self.precision = settings.precision
-        # With FP8 GEMMs the VSA layers' QKᵀ runs on int8 codes too (`kernels.vsa.quant`): 13 % off the fine kernel
-        # at 1344x768x243 for rel. 9.7e-3 against the torch reference (2.8e-3 in bf16; docs/performance.md §22).
-        self.vsa_qk_int8 = self.precision == "fp8"
+        # With FP8 GEMMs on a GPU that runs the TMA fine kernel (sm_90+), the VSA layers' QKᵀ runs on int8 codes too
+        # (`kernels.vsa.quant`): 13 % off that kernel at 1344x768x243 for rel. 9.7e-3 against the torch reference on
+        # random inputs (2.8e-3 in bf16); the pointer kernel (sm_89, and the CPU's reference) gained nothing from it
+        # on an H200, so there it stays bf16 (docs/performance.md §22.1).
+        self.vsa_qk_int8 = vsa_qk_int8_pays(self.precision, ctx.device)
         self.ctx = ctx
         self.device = ctx.device
         self.settings = settings
@@ -153,10 +165,6 @@ class Engine(WarmUp):
             raise ValueError(problem)
         checkpoint, adapter, transformer_file = run.checkpoint, run.adapter, run.transformer
         precision, dtype = run.precision, run.torch_dtype
-        if ctx.device.type == "cuda" and run.compile_vae:
-            from h3render import compile_prefetch
-
-            compile_prefetch.start()  # beside the load; `Engine.prepare` compiles the VAE blocks
         from h3render.checkpoint import students
         from h3render.checkpoint.info import read_checkpoint_info
         from h3render.checkpoint.load import PARTS, load_components
@@ -185,6 +193,10 @@ class Engine(WarmUp):
             # `fuse_student` adds the adapter to the blocks' parameters in place; streamed ones are host copies.
             raise ValueError("the streamed memory plan cannot render a mixed queue (t2va jobs beside a FastH3 "
                              "adapter): render the t2va and the fasth3 jobs in two runs")
+        if ctx.device.type == "cuda" and run.compile_vae:
+            from h3render import compile_prefetch
+
+            compile_prefetch.start(ctx.device)  # beside the weights' load; `Engine.prepare` compiles the VAE blocks
         if precision == "fp8" and deferred is not None:
             # `fuse_student` adds the adapter to nn.Parameters in place, which FP8 buffers are not: the DiT loads in
             # bf16 (the other parts in fp8) and is quantized right after the fusion.

@@ -6,6 +6,7 @@ first-call cost (Triton compilation, communicator set-up, tokenizer load, kernel
 
 from __future__ import annotations
 
+import sys
 import time
 from dataclasses import replace
 from typing import Any
@@ -103,8 +104,12 @@ class WarmUp:
             from h3render import compile_prefetch
 
             t_wait = time.perf_counter()
-            compile_prefetch.wait()  # the compile stack's import, begun beside the load
+            problem = compile_prefetch.wait()  # the compile stack's import, begun beside the load
             self.warmup["compile_import_wait_s"] = time.perf_counter() - t_wait
+            if problem is not None:
+                self.warmup["compile_import_problem"] = problem
+                if self.ctx.is_main:
+                    print(f"h3render: warning: {problem}; compiling the VAE imports it again", file=sys.stderr)
             vae.compile_blocks_(dynamic=False)
         for width, height in sorted({(j.width, j.height) for j in jobs}):
             # one decoder batch of one window of the canvas: every item of a plan shares one tile shape

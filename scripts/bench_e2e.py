@@ -66,9 +66,11 @@ def _random_tensor(name: str, shape: tuple[int, ...], dtype: torch.dtype, device
 
 
 def random_components(name: str, device: torch.device, dtype: torch.dtype, precision: str, seed: int = 0,
-                      parts: tuple[str, ...] = ("dit", "video_vae", "audio_vae", "text_encoder"), adaln_device=None):
+                      parts: tuple[str, ...] = ("dit", "video_vae", "audio_vae", "text_encoder"), adaln_device=None,
+                      prefetch: bool = False):
     """The `parts` (default all four components) of release `name` with random weights made on `device`, loaded by
-    `checkpoint.load.assemble_components` (the function `Engine.load` reaches) with `precision`."""
+    `checkpoint.load.assemble_components` (the function `Engine.load` reaches) with `precision`; with `prefetch` the
+    compile stack's import starts once the imports below are done (`h3render.compile_prefetch`, as in Engine.load)."""
     from h3render.checkpoint.builtin import STORAGE_DTYPES
     from h3render.checkpoint.builtin import tiny_vl_tokenizer
     from h3render.checkpoint.info import CheckpointInfo
@@ -80,6 +82,10 @@ def random_components(name: str, device: torch.device, dtype: torch.dtype, preci
     from h3render.models.text_encoder import TextEncoder
     from h3render.models.video_vae import VideoVAE
 
+    if prefetch:
+        from h3render import compile_prefetch
+
+        compile_prefetch.start(device)
     release = RELEASES[name]
     makers = {"dit": lambda: DiT(release.dit), "video_vae": lambda: VideoVAE(release.video_vae),
               "audio_vae": lambda: AudioVAE(release.audio_vae),
@@ -139,11 +145,9 @@ def _build(args, bench, ctx, precision: str, stage: str):
     if args.e2e_checkpoint:
         engine = Engine.load(settings, ctx)
     else:
-        if device.type == "cuda" and not getattr(args, "no_compile_prefetch", False):  # as Engine.load does
-            from h3render import compile_prefetch
-
-            compile_prefetch.start()
-        components = random_components(args.e2e_model, device, settings.torch_dtype, precision)
+        # as Engine.load does, after the loader's imports (`random_components`), beside the weights' making
+        prefetch = device.type == "cuda" and not getattr(args, "no_compile_prefetch", False)
+        components = random_components(args.e2e_model, device, settings.torch_dtype, precision, prefetch=prefetch)
         sync(device)
         engine = Engine(components, ctx, settings, load_seconds=time.perf_counter() - t0)
     from h3render.models.fp8 import precision_report

@@ -245,13 +245,15 @@ def stage_te_fp8(args, bench) -> None:
               "dequant-fused": "Triton dequantize + cuBLAS", "auto": f"auto (GEMM up to "
               f"{Fp8WeightLinear.GEMM_MAX_ROWS} rows and K <= {Fp8WeightLinear.GEMM_MAX_K}, else dequantize + cuBLAS: "
               "after)", "rows": "FP8 activations per row x FP8 weight, one _scaled_mm (w8a8)"}
-    for mode, label in labels.items():
-        Fp8WeightLinear.mode = mode
-        for n in tokens:
-            t = bench.cuda_time(lambda: encode(n), reps=5)
-            rec(stage="te-fp8", what=f"text encoder {n} tokens, fp8, {label}", seconds=round(t, 4),
-                rel_err_vs_bf16=bench.rel_err(encode(n), ref[n]))
-    Fp8WeightLinear.mode = "auto"
+    try:
+        for mode, label in labels.items():
+            Fp8WeightLinear.mode = mode
+            for n in tokens:
+                t = bench.cuda_time(lambda: encode(n), reps=5)
+                rec(stage="te-fp8", what=f"text encoder {n} tokens, fp8, {label}", seconds=round(t, 4),
+                    rel_err_vs_bf16=bench.rel_err(encode(n), ref[n]))
+    finally:
+        Fp8WeightLinear.mode = "auto"  # a class setting: a mode that raised must not leak into later stages
     del te, ref
     bench.peak_reset()
 

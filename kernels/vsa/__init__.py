@@ -101,6 +101,8 @@ def vsa_attention(
     if gate is not None and gate.shape != q.shape:
         raise ValueError(f"kernels/vsa: gate must be {list(q.shape)}, got {list(gate.shape)}")
     backend = _fine_backend(q, fine)
+    if qk_int8 and backend == "flex":
+        raise ValueError("kernels/vsa: qk_int8 runs on the triton or torch fine stage, not flex")
     if backend == "torch" and not q.is_cuda and not qk_int8:
         return vsa_attention_naive(q, k, v, gate, plan, sparsity)
 
@@ -118,8 +120,6 @@ def vsa_attention(
 
         return fine_attention_triton(q, k, v, plan, select_tiles(scores, plan, sparsity), gate, coarse,
                                      qk_int8=qk_int8, k_mean=k_mean)
-    if qk_int8 and backend == "flex":
-        raise ValueError("kernels/vsa: qk_int8 runs on the triton or torch fine stage, not flex")
     if qk_int8:
         mask = block_mask(scores, plan.num_prefix, sparsity)
         out = fine_attention_int8_naive(q, k, v, mask, plan, k_mean)

@@ -27,8 +27,10 @@ def rows_int8_naive(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     fp32), `x ≈ codes * scale[..., None]`."""
     x = x.float()
     amax = x.abs().amax(-1).clamp_min(AMAX_FLOOR)
-    codes = torch.floor(x * (127.0 / amax)[..., None] + 0.5).clamp(-127, 127).to(torch.int8)
-    return codes, amax / 127.0
+    q127 = torch.full_like(amax, 127.0)  # tensor / tensor: IEEE division (`127.0 / t` is `t.reciprocal() * 127`,
+    # and CUDA divides a tensor by a Python scalar as a multiply by its reciprocal)
+    codes = torch.floor(x * (q127 / amax)[..., None] + 0.5).clamp(-127, 127).to(torch.int8)
+    return codes, amax / q127
 
 
 def key_tiles_int8_naive(k: torch.Tensor, plan: TilePlan, mean: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

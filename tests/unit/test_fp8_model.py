@@ -219,6 +219,18 @@ def test_precision_report_names_int8_qk_only_on_a_vsa_dit():
     assert "int8" not in precision_report(c)["dit_blocks"]
 
 
+def test_int8_qk_only_for_fp8_on_a_gpu_with_the_tma_kernel(monkeypatch):
+    from h3render.engine import vsa_qk_int8_pays
+    from h3render.kernels.vsa import triton_hopper
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert not vsa_qk_int8_pays("fp8", cpu) and not vsa_qk_int8_pays("bf16", cuda)
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: "probe")  # no CUDA here: the capability comes from the stub
+    for capability_9, want in ((True, True), (False, False)):
+        monkeypatch.setattr(triton_hopper, "tma_supported", lambda x, ok=capability_9: x == "probe" and ok)
+        assert vsa_qk_int8_pays("fp8", cuda) is want  # sm_90+ runs the TMA kernel; sm_89 the pointer one
+
+
 def test_fp8_load_quantizes_the_fasth3_fused_weights(tmp_path):
     from h3render.checkpoint.adapter import TINY_BASE_MODEL, AdapterFusion, read_adapter
     from h3render.make_checkpoint.synthetic_adapter import write_synthetic_adapter
