@@ -17,8 +17,8 @@ tables' dtype and the device kind (the tables are built on the device; another G
 
 Written atomically (a unique temp name in the same folder, then `os.replace`), so concurrent ranks or array tasks
 never see half a file; verified on read: the key is stored in the file's metadata and compared, and a sha256 over
-every tensor's bytes (over the tensors' own sha256s) is stored and recomputed. A file that fails either check (or cannot be parsed) is reported on
-stderr and recomputed, never trusted. Nothing is ever evicted: delete the folder to reclaim the space.
+every tensor's bytes (over the tensors' own sha256s) is stored and recomputed. A file that fails either check (or
+cannot be parsed) is reported on stderr and recomputed, never trusted. Nothing is ever evicted: delete the folder to reclaim the space.
 """
 
 from __future__ import annotations

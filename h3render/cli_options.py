@@ -50,9 +50,9 @@ def engine_options(f):
         click.option("--dtype", type=click.Choice(DTYPES), default=None,
                      help="Default: bf16 on CUDA, fp32 on CPU (bf16 with --precision fp8)."),
         click.option("--precision", type=click.Choice(PRECISIONS), default=None,
-                     help="fp8: FP8 GEMMs in the DiT blocks and the VAE decoder, FP8 text-encoder weights, int8 QK^T in "
-                          "VSA, bf16 activations (needs CUDA compute capability >= 8.9, or the CPU); default bf16, "
-                          "or the manifest's defaults."),
+                     help="fp8: FP8 GEMMs in the DiT blocks and the VAE decoder, FP8 text-encoder weights, int8 "
+                          "QK^T in VSA on compute capability >= 9.0, bf16 activations (needs CUDA compute capability "
+                          ">= 8.9, or the CPU); default bf16, or the manifest's defaults."),
         click.option("--gpus", type=int, default=None, help="GPUs to use (default: every visible GPU; with --device cpu: CPU processes, for testing)."),
         click.option("--crf", type=int, default=RunSettings.crf, show_default=True, callback=_check_crf,
                      help="x264 CRF, 1..51 (0, lossless, is beyond the MP4s' High profile)."),

@@ -20,8 +20,8 @@ def plan_lines(jobs: list[Job], out_dir: Path | None = None, *, overwrite: bool 
 
     With `out_dir`, each line names the job's MP4 path and whether the run would render it or skip it (its outputs
     complete and rendered with these parameters: `outputs.render_reason`), or that it would fail before rendering
-    (its folder outside the out dir or blocked, a folder at an output name: `outputs.path_problem`); a skip with `current` (the run's
-    `{"checkpoint", "encoder"}` settings, as the batch takes them) also says what the earlier render ran with where
+    (its folder outside the out dir or blocked, a folder at an output name: `outputs.path_problem`); a skip with
+    `current` (the run's `{"checkpoint", "encoder"}` settings, as the batch takes them) also says what the earlier render ran with where
     that differs (`sidecar.rendered_with`), as the real run's log does. `run` (checkpoint, precision, adapter)
     comes first as one line of `key value` pairs, the ones that are None left out.
     """

@@ -28,7 +28,7 @@ from h3render.dit_swap import exchange, move_dit
 from h3render.errors import RenderError
 from h3render.graphs import ShapeGraphs
 from h3render.models.attention import attention as fast_attention
-from h3render.models.attention import select_backend
+from h3render.models.attention import select_backend, vsa_qk_int8_pays
 from h3render.models.fp8 import fp8_problem, quantize_video_decoder_fp8_
 from h3render.parallel.groups import ParallelContext
 from h3render.parallel.plan import ParallelPlan
@@ -42,16 +42,6 @@ from h3render.warmup import WarmUp, heads_first
 # Device bytes a partition swap leaves free beyond the incoming DiT's parameters: the activations of one forward at
 # the released shape (1344 x 768 x 243, ~75k rows) with room to spare; measured by scripts/bench_ref2va.py.
 SWAP_HEADROOM = 24 * 2**30
-
-
-def vsa_qk_int8_pays(precision: str, device: torch.device) -> bool:
-    """Whether an engine of `precision` on `device` runs VSA's QKᵀ on int8 codes: fp8 on a CUDA GPU of compute
-    capability >= 9.0 (the TMA fine kernel, the one that gains: docs/performance.md §22.1)."""
-    if precision != "fp8" or device.type != "cuda":
-        return False
-    from h3render.kernels.vsa.triton_hopper import tma_supported
-
-    return tma_supported(torch.empty(0, device=device))
 
 
 class Engine(WarmUp):

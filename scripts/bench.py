@@ -29,7 +29,8 @@ Stages (`--stages`, comma-separated):
             to pick dense / vsa; scripts/bench_e2e.py; run under torchrun for several GPUs. --e2e-content
             noise,moving renders each job once per picture: noise (what random weights decode, the default), moving
             (the real decode, each chunk then painted with a moving scene so x264 runs at a footage's rate;
-            scripts/bench_content.py); with a painted kind each row also has the decode alone (decode_alone_s) and vae_video minus it
+            scripts/bench_content.py); with a painted kind each row also has the decode alone (decode_alone_s) and
+            vae_video minus it
   fp8-gemm, fp8-quant, fp8-dit
             issue 18 (scripts/bench_fp8.py): the DiT's block GEMMs bf16 vs FP8, the fused FP8 producers, a DiT
             forward and the 4-forward FastH3 chain bf16 vs FP8 (errors, memory); `--fp8-model tiny --fp8-device cpu

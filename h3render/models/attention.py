@@ -337,6 +337,16 @@ def gate_projection(like: torch.Tensor, width: int) -> nn.Linear:
     return proj
 
 
+def vsa_qk_int8_pays(precision: str, device: torch.device) -> bool:
+    """Whether an engine of `precision` on `device` runs VSA's QKᵀ on int8 codes (`SparseAttention.qk_int8`): fp8 on
+    a CUDA GPU of compute capability >= 9.0 (the TMA fine kernel, the one that gains: docs/performance.md §22.1)."""
+    if precision != "fp8" or device.type != "cuda":
+        return False
+    from h3render.kernels.vsa.triton_hopper import tma_supported
+
+    return tma_supported(torch.empty(0, device=device))
+
+
 @dataclass(frozen=True, eq=False)
 class SparseAttention:
     """VSA-H3 attention of one packed layout: `(q, k, v, gate) -> out`, each `[S, h, D]` (any head subset).

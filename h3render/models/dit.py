@@ -340,7 +340,7 @@ class DiT(nn.Module):
         # FastH3 Trim: the time embedding's shared rank-r basis every AdaLN projection reads (no bias).
         self.adaln_basis = nn.Linear(cfg.time_embed_dim, cfg.adaln_rank, bias=False) if cfg.adaln_rank else None
         self.vsa_sparsity: float | None = None  # set by enable_vsa
-        # VSA's QKᵀ from int8 codes (`kernels.vsa.quant`); the Engine sets it with `--precision fp8`
+        # VSA's QKᵀ from int8 codes (`kernels.vsa.quant`); the Engine sets it: fp8 on sm_90+ (`vsa_qk_int8_pays`)
         self.vsa_qk_int8 = False
 
     # -- setup ------------------------------------------------------------------------------------------------------

@@ -254,8 +254,8 @@ class Fp8WeightLinear(_Fp8Weight):
 
     Mode "rows" (issue 26 item 3; measured on an H200, docs/performance.md §22.4: GEMM device time no more than
     bf16's, but two launches a linear leave a short prompt's launch-bound encode 16-23 % slower than bf16 and the
-    error 0.12 against 0.104; not the default) trades that accuracy for FP8 tensor cores: the activations are rounded to e4m3 too, one scale per row (`kernels.fp8.quantize_rows`), and one
-    `torch._scaled_mm` multiplies them with the weight as is, the product `Fp8Linear` computes (`_rows_scaled_mm`;
+    error 0.12 against 0.104; not the default) trades that accuracy for FP8 tensor cores: the activations are
+    rounded to e4m3 too, one scale per row (`kernels.fp8.quantize_rows`), and one `torch._scaled_mm` multiplies them with the weight as is, the product `Fp8Linear` computes (`_rows_scaled_mm`;
     the 0.127 above) with the output in x's dtype. On CUDA it needs compute capability >= `FP8_MIN_CAPABILITY`.
     """
 

@@ -53,7 +53,7 @@ def key_tiles_int8_naive(k: torch.Tensor, plan: TilePlan, mean: torch.Tensor) ->
 @triton.jit
 def rows_int8(x):
     """`x [M, D]` fp32 -> (codes [M, D] int8, scale [M] fp32), the rounding of `rows_int8_naive`."""
-    amax = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-20)
+    amax = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-20)  # AMAX_FLOOR
     inv = tl.math.div_rn(tl.full(amax.shape, 127.0, tl.float32), amax)
     codes = tl.floor(x * inv[:, None] + 0.5)
     codes = tl.minimum(tl.maximum(codes, -127.0), 127.0).to(tl.int8)

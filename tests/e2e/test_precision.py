@@ -260,7 +260,7 @@ def test_mixed_queue_runs_base_jobs_bf16_then_the_fused_student_fp8(tmp_path, ca
     assert base_side["run"]["precision_components"]["dit_blocks"] == "bf16"
     assert base_side["run"]["precision_components"]["text_encoder"].startswith(FP8_PREFIX)
     assert fast_side["run"]["precision_components"]["dit_blocks"].startswith(FP8_PREFIX)
-    # int8 QK^T in VSA only where it pays (fp8 on sm_90+: `engine.vsa_qk_int8_pays`); not on the CPU
+    # int8 QK^T in VSA only where it pays (fp8 on sm_90+: `models.attention.vsa_qk_int8_pays`); not on the CPU
     assert mixed.c.dit.vsa_qk_int8 is False
     assert "int8" not in fast_side["run"]["precision_components"]["dit_blocks"]
     assert json.loads((tmp_path / "a.json").read_text())["run"] == base_side["run"]  # as written on the writer thread

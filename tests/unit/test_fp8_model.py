@@ -220,7 +220,7 @@ def test_precision_report_names_int8_qk_only_on_a_vsa_dit():
 
 
 def test_int8_qk_only_for_fp8_on_a_gpu_with_the_tma_kernel(monkeypatch):
-    from h3render.engine import vsa_qk_int8_pays
+    from h3render.models.attention import vsa_qk_int8_pays
     from h3render.kernels.vsa import triton_hopper
 
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
