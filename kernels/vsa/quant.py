@@ -17,6 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
+from h3render.kernels.vsa.tile_rows import load_tile_rows
 from h3render.kernels.vsa.tiles import TILE, TilePlan
 
 AMAX_FLOOR = 1e-20  # an all-zero row: codes 0, scale 1e-20 / 127 (finite)
@@ -76,10 +77,7 @@ def _key_tiles_int8_kernel(
     h = tl.program_id(1)
     offs_m = tl.arange(0, TILE_ROWS)
     offs_d = tl.arange(0, HEAD_DIM)
-    rows = tl.load(row_of_slot_ptr + t * TILE_ROWS + offs_m)
-    valid = rows >= 0
-    rows = tl.where(valid, rows, 0).to(tl.int64)
-    x = tl.load(k_ptr + rows[:, None] * stride_ks + h * stride_kh + offs_d[None, :], mask=valid[:, None], other=0.0)
+    x, _, valid = load_tile_rows(k_ptr, row_of_slot_ptr, t, h, stride_ks, stride_kh, TILE_ROWS, HEAD_DIM)
     x = x.to(tl.float32) - tl.load(mean_ptr + h * HEAD_DIM + offs_d)[None, :]
     codes, scale = rows_int8(x)
     codes = tl.where(valid[:, None], codes, 0)

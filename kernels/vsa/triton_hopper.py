@@ -69,8 +69,8 @@ def _fine_tma_kernel(
 TMA_CONFIGS = ((4, 2), (4, 3), (4, 4))
 _fine_tma_tuned = triton.autotune(
     configs=[triton.Config({}, num_warps=w, num_stages=st) for w, st in TMA_CONFIGS],
-    key=["num_tiles", "num_prefix", "topk", "dense_q"],
-    cache_results=True,  # see triton_impl._fine_tuned
+    key=["num_tiles", "num_prefix", "topk", "dense_q", "QK_INT8", "GATE"],  # see triton_impl._fine_tuned
+    cache_results=True,
 )(_fine_tma_kernel)
 
 

@@ -27,6 +27,7 @@ import triton.language as tl
 
 from h3render.kernels.utils import interpreting
 from h3render.kernels.vsa.quant import key_tiles_int8, rows_int8
+from h3render.kernels.vsa.tile_rows import load_tile_rows
 from h3render.kernels.vsa.tiles import TILE, TilePlan, gather_tiles
 
 LOG2E = 1.4426950408889634  # exp(x) = exp2(x * log2(e))
@@ -45,12 +46,8 @@ def _pool_kernel(
 ):
     h = tl.program_id(0)
     t = tl.program_id(1)
-    offs_m = tl.arange(0, TILE_ROWS)
     offs_d = tl.arange(0, HEAD_DIM)
-    rows = tl.load(row_of_slot_ptr + t * TILE_ROWS + offs_m)
-    valid = rows >= 0
-    rows = tl.where(valid, rows, 0).to(tl.int64)
-    x = tl.load(x_ptr + rows[:, None] * stride_xs + h * stride_xh + offs_d[None, :], mask=valid[:, None], other=0.0)
+    x, _, _ = load_tile_rows(x_ptr, row_of_slot_ptr, t, h, stride_xs, stride_xh, TILE_ROWS, HEAD_DIM)
     total = tl.sum(x.to(tl.float32), axis=0)  # [D]
     size = tl.load(sizes_ptr + t).to(tl.float32)
     tl.store(out_ptr + (h * num_tiles + t) * HEAD_DIM + offs_d, total / size)
@@ -65,13 +62,7 @@ def fine_prologue(q_ptr, row_of_slot_ptr, sel_ptr, stride_qs, stride_qh, qt, h, 
     """The query tile `qt` of head `h` from the packed rows and its loop state: (q [TILE, D] (int8 codes with
     QK_INT8), its score scale [TILE] fp32 (with QK_INT8 the row scales times `scale_log2`, else unused), its rows
     int64 [TILE], valid [TILE], running max m_i, sum l_i, acc [TILE, D] fp32, key tiles to visit, its row of `sel`)."""
-    offs_m = tl.arange(0, TILE_ROWS)
-    offs_d = tl.arange(0, HEAD_DIM)
-    q_rows = tl.load(row_of_slot_ptr + qt * TILE_ROWS + offs_m)
-    q_valid = q_rows >= 0
-    q_rows = tl.where(q_valid, q_rows, 0).to(tl.int64)
-    q = tl.load(q_ptr + q_rows[:, None] * stride_qs + h * stride_qh + offs_d[None, :], mask=q_valid[:, None],
-                other=0.0)
+    q, q_rows, q_valid = load_tile_rows(q_ptr, row_of_slot_ptr, qt, h, stride_qs, stride_qh, TILE_ROWS, HEAD_DIM)
     if QK_INT8:
         q, q_scale = rows_int8(q.to(tl.float32))  # per-row codes: quantized once here, not per key tile
         q_scale = q_scale * scale_log2
@@ -207,7 +198,8 @@ def _fine_kernel(
 FINE_CONFIGS = ((4, 2), (4, 3), (4, 4))
 _fine_tuned = triton.autotune(
     configs=[triton.Config({}, num_warps=w, num_stages=st) for w, st in FINE_CONFIGS],
-    key=["num_tiles", "num_prefix", "topk", "dense_q"],
+    # QK_INT8 and GATE are in the key: with fp32 inputs (the tests) nothing else tells those variants apart.
+    key=["num_tiles", "num_prefix", "topk", "dense_q", "QK_INT8", "GATE"],
     # The pick is kept in Triton's cache folder (keyed by the kernel source, the GPU target and the shape key), so a
     # second process (the next SLURM array task) does not time the configurations again in its warm-up.
     cache_results=True,
