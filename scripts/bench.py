@@ -71,6 +71,9 @@ Stages (`--stages`, comma-separated):
   lora      issue 25 (scripts/bench_lora.py): per-forward overhead of 1/2/4 un-fused LoRAs of rank 32/128 at
             --lora-canvas in bf16 and fp8, fuse/unfuse time, a 4-job queue alternating LoRA sets vs no LoRAs;
             `--lora-model tiny --lora-device cpu --lora-canvas 160x128x22 --lora-text 6` is the CPU smoke run
+  peers     issue 26 (scripts/bench_peers.py): FastVideo-kernel 0.3.5's VSA fine kernels (Triton; ThunderKittens when its
+            sm_90 extension loads) against ours on the same kept sets at 1344x768x243, and FlashAttention-3 bf16 / FP8
+            at the video VAE decoder's attention shape, each with its error; a peer that does not load gets a row
   batch     queue throughput on 1 GPU: --batch-jobs jobs of --forwards DiT forwards at --batch-canvas through
             `run_batch` with one resident Engine (each job's MP4 tail beside the next job's start). Warm-up
             (prepare, and one untimed job of the queue's shape for Triton JIT / first-call costs) is outside the
@@ -197,6 +200,13 @@ def stage_te_fp8(args) -> None:
     import bench_prepare
 
     bench_prepare.stage_te_fp8(args, bench_common)
+def stage_peers(args) -> None:
+    """Peers' VSA and attention kernels beside ours (scripts/bench_peers.py)."""
+    import bench_peers
+
+    bench_peers.run(args, bench_common)
+
+
 def stage_ref2va(args) -> None:
     """A ref2va job with an image and a video+audio reference (scripts/bench_ref2va.py)."""
     import bench_ref2va
@@ -209,7 +219,7 @@ STAGES = {f.__name__: f for f in (
     stage_ceil, stage_attn, stage_kernels, stage_dit, stage_vae, stage_audio, stage_te, stage_ulysses, stage_vsa,
     stage_prof, stage_compare, stage_e2e, stage_fp8_gemm, stage_fp8_quant, stage_fp8_dit, stage_fp8_memory,
     stage_fl2va, stage_ref2va, stage_batch, stage_media, stage_tables, stage_prepare, stage_te_fp8, stage_vae_fp8,
-    stage_memplans, stage_longclip, stage_lora)}
+    stage_memplans, stage_longclip, stage_lora, stage_peers)}
 
 
 def main() -> None:
