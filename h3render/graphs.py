@@ -161,6 +161,8 @@ class ShapeGraphs:
         key = self._key(x)
         if key not in self._graphs:
             self.capture(x)
+            if key not in self._graphs:  # the capture failed (warned, `failure` says why): this call runs eagerly too
+                return self.fn(x)
         entry = self._graphs[key]
         entry.static_in.copy_(x)
         entry.replay()

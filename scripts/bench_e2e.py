@@ -45,8 +45,10 @@ def add_arguments(p) -> None:
                    help="e2e: comma-separated dense,vsa (default: dense, then vsa with --e2e-vsa)")
     p.add_argument("--e2e-dir", default="/tmp", help="e2e: where the MP4s (noise: large) and sidecars are written")
     p.add_argument("--e2e-vsa-kernels", default="current",
-                   help="e2e: comma-separated VSA kernel variants of the vsa rows: current, bf16-qk (this tree with "
-                        "the fine stage's QK^T in bf16: main before issue 26's twelfth-session work)")
+                   help="e2e: comma-separated variants of the vsa rows, for a before/after in one engine: current, "
+                        "bf16-qk (this tree with the fine stage's QK^T in bf16: main before issue 26's twelfth-"
+                        "session work), session12 (this tree with the video VAE decoder as at the thirteenth "
+                        "session's start: no CUDA graphs, Inductor's own SwiGLU quantization)")
     p.add_argument("--e2e-content", default="noise",
                    help="e2e / memplans: comma-separated pictures each job is rendered with, in this order: noise "
                         "(what the random weights decode), moving (the real decode, each chunk then painted with "
@@ -223,9 +225,10 @@ def stage_e2e(args, bench) -> None:
                 engine.c.dit.vsa_sparsity = None  # dense (gates, if made earlier, stay unused)
             for job in jobs:
                 canvas = (job.width, job.height, job.frames)  # every job's id is "bench"
-                if scenes is not None and canvas not in floors:
-                    floors[canvas] = decode_alone(engine, job)
-                floor = floors.get(canvas)
+                if scenes is not None and (canvas, kernels) not in floors:
+                    with vsa_kernels(kernels, engine):
+                        floors[canvas, kernels] = decode_alone(engine, job)
+                floor = floors.get((canvas, kernels))
                 for kind, rep in [(kind, rep) for kind in contents for rep in range(args.e2e_reps)]:
                     reset_peak(device)
                     t0 = time.perf_counter()
@@ -259,20 +262,26 @@ def vsa_variants(args) -> list[str]:
     """`--e2e-vsa-kernels`: "current" (the tree's defaults) and/or "bf16-qk" (the same with the fine stage's QK^T in
     bf16, as main before the twelfth session's int8 QK^T), for a before/after in one call."""
     variants = [v.strip() for v in args.e2e_vsa_kernels.split(",") if v.strip()]
-    if not variants or set(variants) - {"current", "bf16-qk"}:
-        raise ValueError(f"--e2e-vsa-kernels: expected current and/or bf16-qk, got {args.e2e_vsa_kernels!r}")
+    if not variants or set(variants) - set(VARIANTS):
+        raise ValueError(f"--e2e-vsa-kernels: expected some of {', '.join(VARIANTS)}, got {args.e2e_vsa_kernels!r}")
     return variants
+
+
+VARIANTS = ("current", "bf16-qk", "session12")
 
 
 @contextlib.contextmanager
 def vsa_kernels(variant: str, engine):
-    """Run the VSA kernels of `variant` inside the block (the engine's DiT setting patched and restored)."""
-    saved = engine.c.dit.vsa_qk_int8
-    engine.c.dit.vsa_qk_int8 = saved and variant != "bf16-qk"
+    """Run the kernels of `variant` inside the block (the engine's settings patched and restored)."""
+    dit, vae = engine.c.dit, engine.c.video_vae
+    saved = dit.vsa_qk_int8, vae.decoder_graphs
+    dit.vsa_qk_int8 = saved[0] and variant != "bf16-qk"
+    if variant == "session12":
+        vae.decoder_graphs = None
     try:
         yield
     finally:
-        engine.c.dit.vsa_qk_int8 = saved
+        dit.vsa_qk_int8, vae.decoder_graphs = saved
 
 
 def content_scenes(args, device: torch.device, canvases) -> tuple[list[str], "MovingScenes | None"]:

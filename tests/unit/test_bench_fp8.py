@@ -12,6 +12,7 @@ import json
 import math
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -160,12 +161,17 @@ def test_the_bf16_qk_variant_is_patched_in_and_restored(bench_fp8):
     import bench_e2e
 
     dit = random_dit(DIT_TINY, seed=1)
-    engine = type("E", (), {"c": type("C", (), {"dit": dit})()})()
+    graphs = object()  # stands in for the VAE decoder's ShapeGraphs
+    vae = SimpleNamespace(decoder_graphs=graphs)
+    engine = SimpleNamespace(c=SimpleNamespace(dit=dit, video_vae=vae))
     dit.vsa_qk_int8 = True
     with bench_e2e.vsa_kernels("bf16-qk", engine):
-        assert dit.vsa_qk_int8 is False
+        assert dit.vsa_qk_int8 is False and vae.decoder_graphs is graphs
     assert dit.vsa_qk_int8 is True
+    with bench_e2e.vsa_kernels("session12", engine):  # the VAE decoder without its graphs, int8 QK^T kept
+        assert dit.vsa_qk_int8 is True and vae.decoder_graphs is None
+    assert vae.decoder_graphs is graphs
     with bench_e2e.vsa_kernels("current", engine):
-        assert dit.vsa_qk_int8 is True
-    with pytest.raises(ValueError, match="current and/or bf16-qk"):
+        assert dit.vsa_qk_int8 is True and vae.decoder_graphs is graphs
+    with pytest.raises(ValueError, match="expected some of current, bf16-qk, session12"):
         bench_e2e.vsa_variants(type("A", (), {"e2e_vsa_kernels": "session10"})())
