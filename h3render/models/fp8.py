@@ -15,7 +15,8 @@ encoder's weights.
   an empty encoder) build the empty FP8 modules that `checkpoint.load` streams quantized weights into.
 * `quantize_video_decoder_fp8_`: the video VAE decoder's block linears as `Fp8Linear` (fed by `quantize_rows`;
   under `torch.compile`, which the Engine applies to those blocks on CUDA, by the torch reference, which Inductor
-  fuses into the norm / SwiGLU product that writes the input).
+  fuses into the norm that writes the input), except the FFN's fc2, which reads `Fp8Rows` from the fused SwiGLU
+  kernel (`models.video_vae.FeedForward`: fc1 bias + value * silu(gate) + row scale + e4m3 in one pass).
 * `precision_report`: what precision each loaded component runs in, for the sidecar.
 
 Weight scales are per output channel, `amax(|w[n, :]|) / 448` (448 = largest finite e4m3, `kernels.fp8.E4M3_MAX`),
@@ -214,11 +215,13 @@ class Fp8Linear(_Fp8Weight):
                                  f"torch._scaled_mm requires; keep this linear in bf16")
         super().__init__(in_features, out_features, bias, out_dtype, device)
 
-    def forward(self, x: "torch.Tensor | Fp8Rows") -> torch.Tensor:
+    def forward(self, x: "torch.Tensor | Fp8Rows", *, with_bias: bool = True) -> torch.Tensor:
         """
         Args:
             x: `Fp8Rows` (data [S, K] e4m3, scale [S, 1] fp32) from a fused producer, or a float tensor [..., K]
                 (quantized per row here with `kernels.fp8.quantize_rows`).
+            with_bias: False leaves `bias` out, for a consumer that adds it in fp32 itself (the video VAE decoder's
+                fc1, whose bias the fused SwiGLU kernel adds: `models.video_vae.FeedForward`).
 
         Returns:
             [S, N] (or [..., N]) in `out_dtype`; the GEMM writes bf16 (row-wise scaled_mm on CUDA writes bf16 only)
@@ -233,7 +236,8 @@ class Fp8Linear(_Fp8Weight):
             x = x.reshape(-1, self.in_features)
         elif x.data.ndim != 2 or x.data.shape[1] != self.in_features:
             raise ValueError(f"Fp8Linear: Fp8Rows data must be [S, {self.in_features}], got {tuple(x.data.shape)}")
-        out = _rows_scaled_mm(x, self.weight, self.weight_scale, self.bias).to(self.out_dtype)
+        bias = self.bias if with_bias else None
+        out = _rows_scaled_mm(x, self.weight, self.weight_scale, bias).to(self.out_dtype)
         return out if lead is None else out.view(*lead, self.out_features)
 
 

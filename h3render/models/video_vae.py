@@ -22,6 +22,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from h3render.kernels.swiglu import swiglu
+from h3render.models.fp8 import Fp8Linear
 from h3render.models.vae_blend import assemble_frames, stitch_tiles, stitch_window
 from h3render.models.vae_tiling import RELEASED_TILING, DecodeItem, DecodePlan, TilingConfig, plan_decode, split_axis
 from h3render.models.video_vae_config import VideoVAEConfig
@@ -134,18 +136,31 @@ class SwiGLUIn(nn.Module):
         self.proj = nn.Linear(dim, 2 * inner)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [B, S, dim] -> value * silu(gate): [B, S, inner], in the projection's dtype."""
         value, gate = self.proj(x).chunk(2, dim=-1)
         return value * F.silu(gate)
 
 
 class FeedForward(nn.Module):
+    """SwiGLU FFN: fc1 `net[0].proj` [2 * inner, dim] (value rows, then gate rows), fc2 `net[2]` [dim, inner]."""
+
     def __init__(self, dim: int, mult: int) -> None:
         super().__init__()
         # Indices 0 and 2 keep the checkpoint names `ff.net.0.proj.*` / `ff.net.2.*` (index 1 was a dropout).
         self.net = nn.ModuleList([SwiGLUIn(dim, dim * mult), nn.Identity(), nn.Linear(dim * mult, dim)])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.net[2](self.net[0](x))
+        """x: [B, S, dim] in the linears' dtype -> [B, S, dim] in fc2's output dtype."""
+        fc1, fc2 = self.net[0].proj, self.net[2]
+        if not (isinstance(fc1, Fp8Linear) and isinstance(fc2, Fp8Linear)):
+            return fc2(self.net[0](x))
+        # FP8 (`models.fp8.quantize_video_decoder_fp8_`): fc1's GEMM without its bias, then one kernel adds the bias
+        # in fp32, takes value * silu(gate) and writes fc2's e4m3 rows and scales (a Triton op Inductor keeps whole
+        # under the Engine's torch.compile: docs/performance.md §21.7).
+        b, s, _ = x.shape
+        h = fc1(x.reshape(b * s, -1), with_bias=False)  # [B*S, 2 * inner] bf16
+        rows = swiglu(h, fp8=True, value_first=True, bias=fc1.bias)  # Fp8Rows: [B*S, inner] e4m3, [B*S, 1] fp32
+        return fc2(rows).view(b, s, -1)  # [B*S, dim] -> [B, S, dim]
 
 
 class ViTBlock(nn.Module):

@@ -238,15 +238,117 @@ def test_swiglu_fp8_non_finite_propagates():
 @interpreted
 def test_swiglu_fp8_public_api(monkeypatch):
     h = torch.randn(7, 90)
-    ref = swiglu_naive(h, fp8=True)
+    ref, ref_naive = swiglu_naive(h, fp8=True), swiglu_naive
     mod = importlib.import_module("h3render.kernels.swiglu")
     monkeypatch.setattr(mod, "swiglu_naive", lambda *a, **k: pytest.fail("naive path taken"))
     got = swiglu(h, fp8=True, use_triton=True)
     assert isinstance(got, Fp8Rows) and got.data.shape == (7, 45) and got.scale.shape == (7, 1)
     assert got.data.dtype == torch.float8_e4m3fn and got.scale.dtype == torch.float32
     assert_fp8_close(got, ref)
+    bias = torch.randn(90)
+    assert_fp8_close(swiglu(h, fp8=True, value_first=True, bias=bias, use_triton=True),
+                     ref_naive(h, fp8=True, value_first=True, bias=bias))
     with pytest.raises(ValueError, match="out="):
         swiglu(h, fp8=True, out=torch.empty(7, 45), use_triton=True)
+    with pytest.raises(ValueError, match="bias"):
+        swiglu(h, fp8=True, bias=torch.randn(45), use_triton=True)
+
+
+def _layout_inputs(S, F, dtype, with_bias, seed):
+    """h [S, 2F] (row stride 2F + 6) with one huge value, its last row cancelled to zero by the bias (or zero),
+    and bias [2F] or None."""
+    g = torch.Generator().manual_seed(seed)
+    h = 2 * torch.randn(S, 2 * F + 6, generator=g)
+    bias = (torch.randn(2 * F, generator=g)).to(dtype) if with_bias else None
+    h[0, F + F // 2] = 1e4  # one huge value, in the second half
+    h = h.to(dtype)[:, : 2 * F]
+    h[-1] = 0.0 if bias is None else -bias  # h + bias = 0 exactly: the zero row
+    return h, bias
+
+
+@interpreted
+@pytest.mark.parametrize("value_first,with_bias", [(False, True), (True, False), (True, True)])
+@pytest.mark.parametrize("S,F,dtype", [(37, 40, torch.bfloat16), (37, 96, torch.float32)])
+def test_swiglu_fp8_layouts_triton_match_naive(S, F, dtype, value_first, with_bias):
+    """The video VAE's variants (value half first, fc1 bias added here) of the fused kernel: the fused bound."""
+    h, bias = _layout_inputs(S, F, dtype, with_bias, seed=S + F)
+    got = swiglu_fp8_triton(h, out=poisoned(S, F), value_first=value_first, bias=bias)
+    assert_fp8_close(got, swiglu_naive(h, fp8=True, value_first=value_first, bias=bias))
+    assert got[1][-1].item() == MIN_SCALE and (got[0][-1].float() == 0).all()
+
+
+@pytest.mark.parametrize("value_first,with_bias", [(False, False), (False, True), (True, False), (True, True)])
+def test_swiglu_reference_layouts_against_float64(value_first, with_bias):
+    """`swiglu_naive(fp8=True)` against value * silu(gate) (+ bias) and the e4m3 row quantization, in float64 from
+    the definitions: a swapped half or a lost bias moves values by O(1), far past these bounds."""
+    S, F = 37, 40
+    h, bias = _layout_inputs(S, F, torch.bfloat16, with_bias, seed=5)
+    data, scale = swiglu_naive(h, fp8=True, value_first=value_first, bias=bias)
+    x = h.double() + (0 if bias is None else bias.double())
+    value, gate = (x[:, :F], x[:, F:]) if value_first else (x[:, F:], x[:, :F])
+    y = value * gate / (1 + torch.exp(-gate))  # [S, F] float64
+    want_scale = (y.abs().amax(dim=1, keepdim=True) / 448).clamp_min(MIN_SCALE)
+    torch.testing.assert_close(scale.double(), want_scale, rtol=1e-6, atol=0)
+    v = y / want_scale  # in [-448, 448]
+    # e4m3 grid step at |v|: 2**(exponent - 3), 2**-9 below the smallest normal 2**-6; a code is the nearest grid
+    # value, so within half a step (+ the fp32 reference's own ~1e-6 relative error on y and on the scale).
+    step = torch.exp2(torch.floor(torch.log2(v.abs().clamp_min(2.0**-6))) - 3)
+    err = (data.double() - v).abs()
+    assert (err <= step / 2 + 4e-6 * v.abs()).all(), float((err / step).max())
+    assert (data[-1].float() == 0).all() and scale[-1].item() == MIN_SCALE
+
+
+@interpreted
+def test_swiglu_fp8_op_traces_to_one_triton_kernel(monkeypatch):
+    """Under torch.compile(fullgraph=True) the FP8 front becomes the `h3render::swiglu_fp8` op, whose AOT graph
+    (what Inductor lowers) is one user-defined Triton kernel launch, not the reference's reduction and casts.
+
+    Traced on the CPU: the op runs its fake implementation, the AOT compiler only records the graph, nothing is
+    launched. `wrap_triton` passes interpreted kernels through untraced, so the kernel and the @triton.jit helpers
+    it calls are swapped for compiled-mode JITFunctions of the same code for the trace."""
+    import triton
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
+    from triton.runtime.interpreter import InterpretedFunction
+
+    from h3render.kernels.fp8 import triton_impl as fp8_impl
+    from h3render.kernels.swiglu import triton_impl
+
+    twins = {}
+    for module in (fp8_impl, triton_impl):
+        for name, fn in list(vars(module).items()):
+            if isinstance(fn, InterpretedFunction):
+                monkeypatch.setattr(module, name, twins.setdefault(id(fn), triton.JITFunction(fn.fn)))
+    kernel = triton_impl._swiglu_fp8_kernel
+    graphs = []
+
+    def record(gm, example_inputs):
+        launched = [kernel_side_table.get_kernel(n.kwargs["kernel_idx"]) for n in gm.graph.nodes
+                    if n.target is torch.ops.higher_order.triton_kernel_wrapper_functional]
+        graphs.append((gm, launched))  # the side table empties with the dynamo reset below
+        raise RuntimeError("traced")  # the CPU cannot launch the kernel: stop at the graph
+
+    def front(h, bias):
+        rows = swiglu(h, fp8=True, value_first=True, bias=bias, use_triton=True)
+        return rows.data, rows.scale
+
+    h, bias = torch.randn(37, 80).bfloat16(), torch.randn(80).bfloat16()
+    torch._dynamo.reset()
+    try:
+        with pytest.raises(torch._dynamo.exc.BackendCompilerFailed, match="traced"), torch.no_grad():
+            torch.compile(front, backend=aot_autograd(fw_compiler=record), fullgraph=True)(h, bias)
+    finally:
+        torch._dynamo.reset()
+    (gm, launched), = graphs
+    calls = [n for n in gm.graph.nodes if n.op == "call_function"]
+    launches = [n for n in calls if n.target is torch.ops.higher_order.triton_kernel_wrapper_functional]
+    # (torch wraps a kernel launched with num_warps in a one-config Autotuner: `.fn` is the kernel)
+    assert len(launches) == 1 and [getattr(k, "fn", k) for k in launched] == [kernel]
+    args = launches[0].kwargs["kwargs"]
+    assert args["VALUE_FIRST"] is True and args["HAS_BIAS"] is True and args["F"] == 40
+    # The rest only allocates the outputs and views the e4m3 bytes: no arithmetic left for Inductor to fuse.
+    others = {str(n.target) for n in calls} - {str(launches[0].target)}
+    assert others <= {"aten.empty.memory_format", "aten.view.dtype", "<built-in function getitem>"}, others
 
 
 # ---------------------------------------------------------------- CUDA (compiled kernels, a medium shape)
@@ -272,4 +374,9 @@ def test_fp8_kernels_on_cuda_match_naive():
                      (got_s, swiglu_naive(h, fp8=True))):
         assert_fp8_close(tuple(t.cpu() for t in got), tuple(t.cpu() for t in ref))
     assert_fp8_equal(tuple(t.cpu() for t in got_q), tuple(t.cpu() for t in quantize_rows_naive(x)))
+    # The video VAE decoder's FFN (value half first, fc1 bias in the kernel) at one released batch's width.
+    h_vae, bias = h[:, : 2 * 8192], (0.5 * torch.randn(2 * 8192, device="cuda", generator=g)).bfloat16()
+    got_v = swiglu(h_vae, fp8=True, value_first=True, bias=bias)
+    assert_fp8_close(tuple(t.cpu() for t in got_v),
+                     tuple(t.cpu() for t in swiglu_naive(h_vae, fp8=True, value_first=True, bias=bias)))
     assert (got_q.dequantize() - x.float()).abs().max().item() <= E4M3_MAX * got_q.scale.max().item() * 2**-4

@@ -233,6 +233,16 @@ def test_swiglu_triton_matches_naive(S, F, dtype):
 
 
 @interpreted
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_swiglu_value_first_with_bias_triton_matches_naive(dtype):
+    """The video VAE's layout ([value | gate]) with fc1's bias added in fp32, through the bf16-output kernel."""
+    g = torch.Generator().manual_seed(11)
+    h, bias = (2 * torch.randn(37, 90, generator=g)).to(dtype), torch.randn(90, generator=g).to(dtype)
+    got = swiglu_triton(h, out=poisoned((37, 45), dtype), value_first=True, bias=bias)
+    torch.testing.assert_close(got, swiglu_naive(h, value_first=True, bias=bias), **TOL[dtype])
+
+
+@interpreted
 def test_swiglu_strided_rows_and_errors(monkeypatch):
     h = torch.randn(37, 100)[:, :90]  # row stride 100, unit column stride
     mod = importlib.import_module("kernels.swiglu")  # the package re-exports a function of the same name
@@ -277,6 +287,9 @@ def test_kernels_on_cuda_match_naive(dtype):
     for S, F in ((1, 1), (37, 45), (129, 2500)):
         h = (2 * torch.randn(S, 2 * F, device="cuda")).to(dtype)
         torch.testing.assert_close(swiglu_triton(h, out=nan((S, F))), swiglu_naive(h), **TOL[dtype])
+        bias = torch.randn(2 * F, device="cuda").to(dtype)
+        torch.testing.assert_close(swiglu_triton(h, out=nan((S, F)), value_first=True, bias=bias),
+                                   swiglu_naive(h, value_first=True, bias=bias), **TOL[dtype])
 
 
 # ---------------------------------------------------------------- parity with diffusers (fp32)

@@ -16,8 +16,9 @@ import pytest
 import torch
 from torch import nn
 
+from h3render.kernels.fp8 import quantize_rows_naive
 from h3render.models.fp8 import FP8, Fp8Linear, precision_report, quantize_video_decoder_fp8_
-from h3render.models.video_vae import VideoVAE
+from h3render.models.video_vae import SwiGLUIn, VideoVAE, ViTBlock
 from h3render.models.video_vae_config import VIDEO_VAE_TINY
 from tests._markers import compiled_cuda
 
@@ -97,12 +98,57 @@ def test_fp8_decode_stays_close_to_bf16_decode(vaes):
     assert psnr >= 44.0 and 0 < worst <= 16, (psnr, worst)  # measured 47.1 dB, 8
 
 
+def test_fp8_feed_forward_runs_the_fused_swiglu(vaes, monkeypatch):
+    """An FP8 FFN computes fc1's product without its bias, then bias (fp32) + value * silu(gate) + row e4m3 in one
+    step (`kernels.swiglu`, value half first), then fc2 on those rows: equal, bit for bit on the CPU, to that
+    composition written out, and no longer through `SwiGLUIn` (whose bf16 bias add and product would differ)."""
+    ff = vaes[1].decoder.transformer_blocks[0].ff
+    fc1, fc2 = ff.net[0].proj, ff.net[2]
+    x = torch.randn(2, 37, fc1.in_features, generator=torch.Generator().manual_seed(3)).bfloat16()
+
+    def product(rows, lin):  # what `Fp8Linear` computes off CUDA: the dequantized operands' fp32 product -> bf16
+        data, scale = rows
+        return ((data.float() * scale) @ lin.dequantized_weight().t()).bfloat16()
+
+    h = product(quantize_rows_naive(x.reshape(74, -1)), fc1).float() + fc1.bias.float()  # [74, 2F]: [value | gate]
+    value, gate = h.chunk(2, dim=-1)
+    want = (product(quantize_rows_naive(value * torch.nn.functional.silu(gate)), fc2) + fc2.bias).view(2, 37, -1)
+    monkeypatch.setattr(SwiGLUIn, "forward", lambda *a: pytest.fail("the unfused SwiGLU ran"))
+    got = ff(x)
+    assert got.dtype == torch.bfloat16 and torch.equal(got, want)
+
+
+@compiled_cuda
+@pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability() < (8, 9),
+                    reason="torch._scaled_mm e4m3 needs CUDA compute capability >= 8.9")
+def test_fp8_block_compiled_fullgraph_runs_the_swiglu_kernel_on_cuda(vaes):
+    """A compiled FP8 decoder block (fullgraph, as the Engine compiles them) launches the fused SwiGLU Triton kernel
+    itself (Inductor keeps the `h3render::swiglu_fp8` op whole) and matches the eager block, which launches the
+    same kernel directly, up to the rounding order of the rest of the block."""
+    from torch._inductor.utils import run_and_get_code
+
+    block = copy.deepcopy(vaes[1].decoder.transformer_blocks[0]).cuda()
+    assert isinstance(block, ViTBlock) and isinstance(block.ff.net[2], Fp8Linear)
+    g = torch.Generator(device="cuda").manual_seed(4)
+    x = torch.randn(2, 37, block.norm1.weight.shape[0], device="cuda", generator=g)
+    angles = torch.randn(37, 6, device="cuda", generator=g)
+    torch._dynamo.reset()
+    with torch.no_grad():  # as the Engine decodes (the op has no autograd formula)
+        eager = block(x, angles.cos(), angles.sin())
+        compiled, code = run_and_get_code(torch.compile(block, dynamic=False, fullgraph=True), x, angles.cos(),
+                                          angles.sin())
+    assert "_swiglu_fp8_kernel" in "\n".join(code)
+    # A few e4m3 codes may move one step where the fp32 rounding order differs; a wrong half or bias is O(1).
+    assert (compiled - eager).norm() <= 3e-2 * (eager - x).norm()
+
+
 @compiled_cuda
 @pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability() < (8, 9),
                     reason="torch._scaled_mm e4m3 needs CUDA compute capability >= 8.9")
 def test_fp8_decoder_compiled_matches_eager_on_cuda():
     """On the GPU the Engine compiles the decoder blocks; there `Fp8Linear` quantizes with the torch reference
-    (fused by Inductor) instead of the Triton kernel, traced whole (fullgraph: no break around the quantization):
+    (fused by Inductor) instead of the Triton kernel, and the FFN's SwiGLU runs as the `h3render::swiglu_fp8` op,
+    traced whole (fullgraph: no break around the quantization):
     the compiled FP8 decode must equal the eager one up to rounding order (and both stay close to bf16). (Dynamo
     alone, backend "eager" with fullgraph, traces an FP8 block on the CPU too: checked once, 23 s, too slow for CI.)"""
     bf16 = random_vae().cuda().apply_precision_(torch.bfloat16).fuse_qkv_()
