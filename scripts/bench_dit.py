@@ -393,6 +393,16 @@ def _prof_vae(args) -> None:
         seconds=round(t_graph, 4), ref_s=round(t_many, 4), speedup=round(t_many / t_graph, 3),
         pool_gb=round(pool_gb, 2), equal_to_compiled=same, failure=vae.decoder_graphs.failure)
     vae.decoder_graphs = None
+    if args.prof_vae == "fp8":  # the FP8 FFN with Inductor's own SwiGLU quantization, as at session 13's start
+        from h3render.models.video_vae import FeedForward
+
+        FeedForward.fused_fp8 = False
+        try:
+            t_unfused = cuda_time(lambda: vae.decode_items(z, many, vb), reps=3, warm=2)  # warm: recompiles
+        finally:
+            FeedForward.fused_fp8 = True
+        rec(stage="prof", what=f"video VAE fp8 compiled, {len(many)} items, Inductor's SwiGLU quantization "
+            "(no fused kernel)", seconds=round(t_unfused, 4), fused_s=round(t_many, 4))
 
 
 def _eager(vae, z, items, vb):

@@ -273,15 +273,17 @@ VARIANTS = ("current", "bf16-qk", "session12")
 @contextlib.contextmanager
 def vsa_kernels(variant: str, engine):
     """Run the kernels of `variant` inside the block (the engine's settings patched and restored)."""
+    from h3render.models.video_vae import FeedForward
+
     dit, vae = engine.c.dit, engine.c.video_vae
-    saved = dit.vsa_qk_int8, vae.decoder_graphs
+    saved = dit.vsa_qk_int8, vae.decoder_graphs, FeedForward.fused_fp8
     dit.vsa_qk_int8 = saved[0] and variant != "bf16-qk"
-    if variant == "session12":
-        vae.decoder_graphs = None
+    if variant == "session12":  # (the compiled blocks recompile on the first decode: `decode_alone` takes it)
+        vae.decoder_graphs, FeedForward.fused_fp8 = None, False
     try:
         yield
     finally:
-        dit.vsa_qk_int8, vae.decoder_graphs = saved
+        dit.vsa_qk_int8, vae.decoder_graphs, FeedForward.fused_fp8 = saved
 
 
 def content_scenes(args, device: torch.device, canvases) -> tuple[list[str], "MovingScenes | None"]:

@@ -168,9 +168,11 @@ def test_the_bf16_qk_variant_is_patched_in_and_restored(bench_fp8):
     with bench_e2e.vsa_kernels("bf16-qk", engine):
         assert dit.vsa_qk_int8 is False and vae.decoder_graphs is graphs
     assert dit.vsa_qk_int8 is True
-    with bench_e2e.vsa_kernels("session12", engine):  # the VAE decoder without its graphs, int8 QK^T kept
-        assert dit.vsa_qk_int8 is True and vae.decoder_graphs is None
-    assert vae.decoder_graphs is graphs
+    from h3render.models.video_vae import FeedForward
+
+    with bench_e2e.vsa_kernels("session12", engine):  # the VAE decoder without graphs or fused SwiGLU; int8 QK^T
+        assert dit.vsa_qk_int8 is True and vae.decoder_graphs is None and FeedForward.fused_fp8 is False
+    assert vae.decoder_graphs is graphs and FeedForward.fused_fp8 is True
     with bench_e2e.vsa_kernels("current", engine):
         assert dit.vsa_qk_int8 is True and vae.decoder_graphs is graphs
     with pytest.raises(ValueError, match="expected some of current, bf16-qk, session12"):
