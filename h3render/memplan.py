@@ -145,16 +145,13 @@ def largest_canvas(jobs: Sequence) -> Canvas:
 
 
 def expected_phases(sizes: dict, name: str, canvas: Canvas, hidden: int, *, text_hidden: int,
-                    text_intermediate: int, vae_batch: int = 8, ranks: int = 1, vision: int = 0,
-                    vae_graph: bool = False) -> dict[str, int]:
+                    text_intermediate: int, vae_batch: int = 8, ranks: int = 1, vision: int = 0) -> dict[str, int]:
     """Expected device peak (bytes) of each phase of plan `name` for `sizes` (`checkpoint.sizes.part_sizes`).
 
     Args:
         hidden: the DiT's hidden width; text_hidden / text_intermediate: the text encoder's.
         ranks: Ulysses ranks (each holds every weight and 1/ranks of the rows).
         vision: bytes of the fl2va vision tower when a job has keyframes (text phase only), else 0.
-        vae_graph: the resident plan replays the VAE decoder from CUDA graphs (`RunSettings.graph_vae`), whose
-            memory pool (one decoder batch's activations) stays reserved through the text and denoise phases too.
     """
     dit, te, vv, av = sizes["dit"], sizes["text_encoder"], sizes["video_vae"], sizes["audio_vae"]
     dit_act = int(DIT_ACT_FIXED + canvas.rows * DIT_ACT_WIDTHS * hidden * 2 / ranks)
@@ -163,9 +160,7 @@ def expected_phases(sizes: dict, name: str, canvas: Canvas, hidden: int, *, text
     vaes = vv.resident + av.resident
     if name == "resident":
         everything = dit.resident + te.resident + vaes + vision
-        pool = vae_act if vae_graph else 0
-        return {"text": everything + te_act + pool, "denoise": everything + dit_act + pool,
-                "decode": everything + vae_act}
+        return {"text": everything + te_act, "denoise": everything + dit_act, "decode": everything + vae_act}
     if name == "phased":
         return {"text": te.resident + vision + te_act, "denoise": dit.resident + vaes + dit_act,
                 "decode": dit.resident + vaes + vae_act}
@@ -218,7 +213,7 @@ def ladder(asked: str, precision: str, *, precision_given: bool, fp8_problem: st
 
 def choose(release, jobs: Sequence, *, asked: str = "auto", precision: str = "bf16", precision_given: bool = False,
            limit: int | None = None, limit_source: str = "none", fp8_problem: str | None = None, vae_batch: int = 8,
-           ranks: int = 1, vsa: bool = False, dtype=None, vae_graph: bool = False) -> MemoryPlan:
+           ranks: int = 1, vsa: bool = False, dtype=None) -> MemoryPlan:
     """The first rung of `ladder` whose expected peak fits `limit` (bytes; None: no limit, the first rung).
 
     Args:
@@ -229,7 +224,6 @@ def choose(release, jobs: Sequence, *, asked: str = "auto", precision: str = "bf
         fp8_problem: why FP8 cannot run on these devices (`models.fp8.fp8_problem`), or None.
         vsa: the DiT carries a FastH3 VSA student's gates.
         dtype: the activations' torch dtype (default bf16; fp8 plans always bf16).
-        vae_graph: the VAE decoder's CUDA graphs are on (`expected_phases`; the resident plan only).
     Raises:
         PlanError: no rung fits; the message names the smallest plan and its expected peak.
     """
@@ -250,7 +244,7 @@ def choose(release, jobs: Sequence, *, asked: str = "auto", precision: str = "bf
         sizes = sizes_at[prec]
         phases = expected_phases(sizes, name, canvas, release.dit.hidden_size, text_hidden=text.hidden_size,
                                  text_intermediate=text.intermediate_size, vae_batch=vae_batch, ranks=ranks,
-                                 vision=vision, vae_graph=vae_graph and name == "resident")
+                                 vision=vision)
         plan = MemoryPlan(name, prec, phases, host_bytes(sizes, name), limit, limit_source, canvas=canvas)
         if plan.fits():
             why = [f"{p.label} needs {p.peak / GB:.1f} GB" for p in tried] + steps.skipped
@@ -311,8 +305,7 @@ def plan_run(run, info, jobs: Sequence, world: int = 1):
     student = run.adapter is not None or info.layout != "builtin" and _has_contract(run.checkpoint)
     plan = choose(info.release, jobs, asked=run.memory_plan, precision=run.precision,
                   precision_given=run.precision_given, limit=limit, limit_source=source, fp8_problem=problem,
-                  vae_batch=run.vae_batch, ranks=world, vsa=student, dtype=run.torch_dtype,
-                  vae_graph=run.device == "cuda" and run.compile_vae and run.graph_vae)
+                  vae_batch=run.vae_batch, ranks=world, vsa=student, dtype=run.torch_dtype)
     if plan.name == "streamed" and run.adapter is not None and any(j.mode != "fasth3" for j in jobs):
         raise PlanError(f"the streamed memory plan ({plan.reason}) cannot render a mixed queue (t2va jobs beside a "
                         "FastH3 adapter: the student is fused into resident weights); render them in two runs")

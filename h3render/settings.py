@@ -63,10 +63,6 @@ class RunSettings:
             `Engine.prepare` for the jobs' lengths; a new length is captured by the first job that has it, which
             records it in the sidecar's `extra.job_warmup`). Same output bit for bit as the eager decode
             (h3render/graphs.py).
-        graph_vae: on CUDA with `compile_vae` and the resident memory plan, replay each video VAE decoder batch
-            from a CUDA graph captured in `Engine.prepare` per tile shape (the launch gaps between the compiled
-            blocks' kernels go; its memory pool, about one batch's activations, stays reserved: `memplan`). Same
-            kernels as the compiled decode.
         save_latents: also write the final latents (`<name>.latents.pt`: video `[24, T, h, w]`, audio
             `[2, 32, Ta]`, float32) beside the MP4, for comparing runs (e.g. 1 vs N GPUs).
         memory_plan: "auto" (chosen from the GPU's memory, `h3render.memplan`), "resident", "phased" or
@@ -99,7 +95,6 @@ class RunSettings:
     vae_batch: int = 8
     compile_vae: bool = True
     graph_audio: bool = True
-    graph_vae: bool = True
     save_latents: bool = False
     memory_plan: str = "auto"
     max_gpu_memory: float | None = None
@@ -139,8 +134,8 @@ class RunSettings:
         if cli.get("precision") is None and m is not None and precision != cls.precision:
             precision_from = str(m.path)  # only the defaults can set another precision than the default
         given = {name: cli[name] for name in ("gpus", "attention", "crf", "x264_preset", "vae_batch", "compile_vae",
-                                              "graph_audio", "graph_vae", "save_latents", "memory_plan",
-                                              "max_gpu_memory", "lora_mode", "vsa_sparsity")
+                                              "graph_audio", "save_latents", "memory_plan", "max_gpu_memory",
+                                              "lora_mode", "vsa_sparsity")
                  if cli.get(name) is not None}
         adapter = pick("adapter", m and m.adapter)
         return cls(checkpoint=checkpoint,

@@ -111,8 +111,6 @@ class WarmUp:
                 if self.ctx.is_main:
                     print(f"h3render: warning: {problem}; compiling the VAE imports it again", file=sys.stderr)
             vae.compile_blocks_(dynamic=False)
-        graphs = self._vae_graphs()
-        reserved = torch.cuda.memory_reserved(self.device)
         for width, height in sorted({(j.width, j.height) for j in jobs}):
             # one decoder batch of one window of the canvas: every item of a plan shares one tile shape
             ratio = vae.config.spatial_ratio  # pixels per latent (16 at release)
@@ -122,23 +120,6 @@ class WarmUp:
             vae.decode_items(z, plan.items[: self.settings.vae_batch], self.settings.vae_batch)
         torch.cuda.synchronize(self.device)
         self.warmup["vae_compile_s" if self.settings.compile_vae else "vae_warmup_s"] = time.perf_counter() - t0
-        if graphs is not None:  # the first decode of each tile shape above captured its graph (seconds included)
-            self.warmup["vae_graphs"] = graphs.captures
-            self.warmup["vae_graph_pool_gb"] = round((torch.cuda.memory_reserved(self.device) - reserved) / 1e9, 2)
-            if graphs.failure is not None:
-                self.warmup["vae_graph_failure"] = graphs.failure  # decoding without graphs instead
-
-    def _vae_graphs(self):
-        """The video VAE decoder's CUDA graphs (`graph_vae`), set up once: only with compiled blocks, whose batches
-        are padded to one shape per tile, and the resident memory plan, which budgets the graphs' memory pool
-        (`memplan.expected_phases`); the other plans move the VAE or need that memory for the DiT."""
-        vae = self.c.video_vae
-        if vae.decoder_graphs is None and self.settings.graph_vae and getattr(vae, "pad_batches", False) and (
-                self.warmup.get("memory_plan") == "resident"):
-            from h3render.graphs import ShapeGraphs
-
-            vae.decoder_graphs = ShapeGraphs(vae.decoder, name="video VAE decoder")
-        return vae.decoder_graphs
 
     @torch.no_grad()
     def _choose_audio_activations(self, probe_latents: int = spec.AUDIO_LATENTS_PER_SECOND) -> None:

@@ -380,19 +380,6 @@ def _prof_vae(args) -> None:
     many = vae.plan_decode(*z.shape[1:]).items[:4 * vb]
     t_many = cuda_time(lambda: vae.decode_items(z, many, vb), reps=3)
     rec(stage="prof", what=f"video VAE {args.prof_vae} compiled, {len(many)} items", seconds=round(t_many, 4))
-    # The same batches replayed from the decoder's CUDA graph (`graph_vae`, as the Engine's resident plan runs them).
-    from h3render.graphs import ShapeGraphs
-
-    reserved = torch.cuda.memory_reserved()
-    vae.decoder_graphs = ShapeGraphs(vae.decoder, name="video VAE decoder")
-    vae.decode_items(z, items, vb)  # captures
-    pool_gb = (torch.cuda.memory_reserved() - reserved) / 1e9
-    t_graph = cuda_time(lambda: vae.decode_items(z, many, vb), reps=3)
-    same = all(torch.equal(a, b) for a, b in zip(vae.decode_items(z, items, vb), _eager(vae, z, items, vb)))
-    rec(stage="prof", what=f"video VAE {args.prof_vae} compiled + CUDA graph, {len(many)} items",
-        seconds=round(t_graph, 4), ref_s=round(t_many, 4), speedup=round(t_many / t_graph, 3),
-        pool_gb=round(pool_gb, 2), equal_to_compiled=same, failure=vae.decoder_graphs.failure)
-    vae.decoder_graphs = None
     if args.prof_vae == "fp8":  # the FP8 FFN with Inductor's own SwiGLU quantization, as at session 13's start
         from h3render.models.video_vae import FeedForward
 
@@ -404,11 +391,3 @@ def _prof_vae(args) -> None:
         rec(stage="prof", what=f"video VAE fp8 compiled, {len(many)} items, Inductor's SwiGLU quantization "
             "(no fused kernel)", seconds=round(t_unfused, 4), fused_s=round(t_many, 4))
 
-
-def _eager(vae, z, items, vb):
-    """The compiled decode without the graph (to compare the replay against)."""
-    graphs, vae.decoder_graphs = vae.decoder_graphs, None
-    try:
-        return vae.decode_items(z, items, vb)
-    finally:
-        vae.decoder_graphs = graphs

@@ -47,8 +47,8 @@ def add_arguments(p) -> None:
     p.add_argument("--e2e-vsa-kernels", default="current",
                    help="e2e: comma-separated variants of the vsa rows, for a before/after in one engine: current, "
                         "bf16-qk (this tree with the fine stage's QK^T in bf16: main before issue 26's twelfth-"
-                        "session work), session12 (this tree with the video VAE decoder as at the thirteenth "
-                        "session's start: no CUDA graphs, Inductor's own SwiGLU quantization)")
+                        "session work), session12 (this tree with the video VAE decoder's FP8 FFN as at the "
+                        "thirteenth session's start: Inductor's own SwiGLU quantization, no fused kernel)")
     p.add_argument("--e2e-content", default="noise",
                    help="e2e / memplans: comma-separated pictures each job is rendered with, in this order: noise "
                         "(what the random weights decode), moving (the real decode, each chunk then painted with "
@@ -275,15 +275,15 @@ def vsa_kernels(variant: str, engine):
     """Run the kernels of `variant` inside the block (the engine's settings patched and restored)."""
     from h3render.models.video_vae import FeedForward
 
-    dit, vae = engine.c.dit, engine.c.video_vae
-    saved = dit.vsa_qk_int8, vae.decoder_graphs, FeedForward.fused_fp8
+    dit = engine.c.dit
+    saved = dit.vsa_qk_int8, FeedForward.fused_fp8
     dit.vsa_qk_int8 = saved[0] and variant != "bf16-qk"
     if variant == "session12":  # (the compiled blocks recompile on the first decode: `decode_alone` takes it)
-        vae.decoder_graphs, FeedForward.fused_fp8 = None, False
+        FeedForward.fused_fp8 = False
     try:
         yield
     finally:
-        dit.vsa_qk_int8, vae.decoder_graphs, FeedForward.fused_fp8 = saved
+        dit.vsa_qk_int8, FeedForward.fused_fp8 = saved
 
 
 def content_scenes(args, device: torch.device, canvases) -> tuple[list[str], "MovingScenes | None"]:

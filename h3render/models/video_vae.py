@@ -258,9 +258,6 @@ class VideoVAE(nn.Module):
         self.register_buffer("latents_std", torch.tensor(config.latents_std).view(c, 1, 1, 1), persistent=False)
         self.register_buffer("pixel_mean", torch.tensor(PIXEL_MEAN).view(3, 1, 1, 1), persistent=False)
         self.register_buffer("pixel_std", torch.tensor(PIXEL_STD).view(3, 1, 1, 1), persistent=False)
-        # What runs one decoder batch in `decode_items`: None = `self.decoder`; the Engine may set a
-        # `h3render.graphs.ShapeGraphs` of it (CUDA graph replay per batch shape; not a Module, so no state-dict keys).
-        self.decoder_graphs: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     # -- precision, kernels -------------------------------------------------------------------------------------
 
@@ -361,8 +358,7 @@ class VideoVAE(nn.Module):
             if getattr(self, "pad_batches", False):
                 clips += clips[-1:] * (batch_size - real)
             z = self.post_quant_conv(torch.stack(clips))  # [B, 24, window_latents, th, tw]
-            run = self.decoder if self.decoder_graphs is None else self.decoder_graphs
-            pixels = run(z)  # [B, 3, window_latents * 4, th*16, tw*16]
+            pixels = self.decoder(z)  # [B, 3, window_latents * 4, th*16, tw*16]
             outputs.extend(torch.cat([pixels[:real, :, head], pixels[:real, :, tail]], dim=2).unbind(0))
         return outputs
 

@@ -160,20 +160,18 @@ def test_the_bf16_qk_variant_is_patched_in_and_restored(bench_fp8):
     """`--e2e-vsa-kernels bf16-qk` turns the fp8 engine's int8 QK^T off inside the block only."""
     import bench_e2e
 
-    dit = random_dit(DIT_TINY, seed=1)
-    graphs = object()  # stands in for the VAE decoder's ShapeGraphs
-    vae = SimpleNamespace(decoder_graphs=graphs)
-    engine = SimpleNamespace(c=SimpleNamespace(dit=dit, video_vae=vae))
-    dit.vsa_qk_int8 = True
-    with bench_e2e.vsa_kernels("bf16-qk", engine):
-        assert dit.vsa_qk_int8 is False and vae.decoder_graphs is graphs
-    assert dit.vsa_qk_int8 is True
     from h3render.models.video_vae import FeedForward
 
-    with bench_e2e.vsa_kernels("session12", engine):  # the VAE decoder without graphs or fused SwiGLU; int8 QK^T
-        assert dit.vsa_qk_int8 is True and vae.decoder_graphs is None and FeedForward.fused_fp8 is False
-    assert vae.decoder_graphs is graphs and FeedForward.fused_fp8 is True
+    dit = random_dit(DIT_TINY, seed=1)
+    engine = SimpleNamespace(c=SimpleNamespace(dit=dit))
+    dit.vsa_qk_int8 = True
+    with bench_e2e.vsa_kernels("bf16-qk", engine):
+        assert dit.vsa_qk_int8 is False and FeedForward.fused_fp8 is True
+    assert dit.vsa_qk_int8 is True
+    with bench_e2e.vsa_kernels("session12", engine):  # the VAE's FP8 FFN without the fused SwiGLU; int8 QK^T kept
+        assert dit.vsa_qk_int8 is True and FeedForward.fused_fp8 is False
+    assert FeedForward.fused_fp8 is True
     with bench_e2e.vsa_kernels("current", engine):
-        assert dit.vsa_qk_int8 is True and vae.decoder_graphs is graphs
+        assert dit.vsa_qk_int8 is True and FeedForward.fused_fp8 is True
     with pytest.raises(ValueError, match="expected some of current, bf16-qk, session12"):
         bench_e2e.vsa_variants(type("A", (), {"e2e_vsa_kernels": "session10"})())

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -17,8 +16,6 @@ import torch
 from h3render.graphs import ShapeGraphs
 from h3render.models.audio_vae import AudioVAE
 from h3render.models.audio_vae_config import AUDIO_VAE_TINY
-from h3render.models.video_vae import VideoVAE
-from h3render.models.video_vae_config import VIDEO_VAE_TINY
 
 
 class ReplayInPlace:
@@ -245,47 +242,3 @@ def test_a_capture_that_fails_inside_a_call_still_returns_the_eager_result():
         out = graphs(z)
     assert torch.equal(out, vae.decode(z)) and graphs.failure is not None and not graphs.graphs_on("cpu")
 
-
-def tiny_video_vae() -> VideoVAE:
-    """The tiny video VAE with O(1) random weights and non-zero residual gains (every block reaches the pixels)."""
-    torch.manual_seed(0)
-    vae = VideoVAE(VIDEO_VAE_TINY).eval()
-    with torch.no_grad():
-        for p in vae.parameters():
-            p.copy_(torch.randn_like(p) / p[0].numel() ** 0.5 if p.ndim > 1 else 0.3 * torch.randn_like(p))
-    return vae
-
-
-@pytest.mark.parametrize("device, backend", BACKENDS)
-def test_the_video_vae_decodes_through_its_decoder_graphs_bit_for_bit(device, backend):
-    """`VideoVAE.decoder_graphs` runs every decoder batch: one capture for the padded batch shape, one replay per
-    batch, and frames equal to the plain decode's."""
-    vae = tiny_video_vae().to(device)
-    z = torch.randn(VIDEO_VAE_TINY.latent_channels, 17, 4, 4, generator=torch.Generator().manual_seed(1))  # 3 items
-    z = z.to(device)
-    vae.pad_batches = True  # as `compile_blocks_` sets it: every batch one shape
-    want = vae.decode(z, batch_size=2)
-    standin = backend()
-    vae.decoder_graphs = ShapeGraphs(vae.decoder, name="video VAE decoder", backend=standin)
-    got = vae.decode(z, batch_size=2)
-    batches = -(-len(vae.plan_decode(*z.shape[1:]).items) // 2)
-    assert len(vae.decoder_graphs.captures) == 1 and vae.decoder_graphs.failure is None
-    if standin is not None:
-        assert batches >= 2 and standin.captures == 1 and standin.replays == batches
-    assert torch.equal(got, want)
-    assert "decoder_graphs" not in "".join(vae.state_dict())  # a plain attribute, not a submodule
-
-
-@pytest.mark.parametrize("graph_vae, padded, plan, on", [
-    (True, True, "resident", True), (False, True, "resident", False), (True, False, "resident", False),
-    (True, True, "phased", False), (True, True, "streamed", False)])
-def test_the_warm_up_sets_up_vae_graphs_only_for_padded_compiled_batches_in_the_resident_plan(graph_vae, padded,
-                                                                                            plan, on):
-    from h3render.warmup import WarmUp
-
-    vae = tiny_video_vae()
-    vae.pad_batches = padded
-    engine = SimpleNamespace(c=SimpleNamespace(video_vae=vae), settings=SimpleNamespace(graph_vae=graph_vae),
-                             warmup={"memory_plan": plan})
-    graphs = WarmUp._vae_graphs(engine)
-    assert (graphs is not None) == on and vae.decoder_graphs is graphs

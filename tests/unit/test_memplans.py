@@ -289,16 +289,3 @@ def test_capped_and_phased_plans_ask_for_expandable_segments(monkeypatch):
     assert fit_allocator(torch.device("cpu"), "streamed", True) is None
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:512")
     assert fit_allocator(cuda, "streamed", True) is None and len(asked) == 3
-
-
-def test_vae_graphs_keep_one_decode_batch_reserved_through_the_resident_plan_only(sizes):
-    """With the VAE decoder's CUDA graphs (`graph_vae`), their pool (one decoder batch's activations) is held in the
-    text and denoise phases of the resident plan; its decode peak, and every other plan, are unchanged."""
-    canvas = memplan.Canvas(1344, 768, 243, 256)
-    pool = int(memplan.VAE_ACT_BYTES)  # 8 items per batch at 1344x768
-    for plan in memplan.PLANS:
-        kwargs = dict(text_hidden=5120, text_intermediate=25600)
-        off = memplan.expected_phases(sizes["fp8"], plan, canvas, 5376, **kwargs)
-        on = memplan.expected_phases(sizes["fp8"], plan, canvas, 5376, vae_graph=True, **kwargs)
-        extra = pool if plan == "resident" else 0
-        assert on == {"text": off["text"] + extra, "denoise": off["denoise"] + extra, "decode": off["decode"]}, plan
