@@ -45,10 +45,17 @@ class Layer:
     line: int
     fields: dict[str, Value] = field(default_factory=dict)
 
-    def where(self, name: str | None = None) -> Where:
-        """The place to blame: the field's own line when it has one, else the job's."""
+    def where(self, name: str | None = None, at: str = "") -> Where:
+        """The place to blame: the field's own line when it has one, else the job's. `at`, a place inside the
+        field's value (`"[1].strength"`), is added to the field's name (`loras[1].strength`)."""
         line = self.fields[name].line if name in self.fields and self.fields[name].line else self.line
-        return Where(self.file, line, name)
+        return Where(self.file, line, f"{name}{at}" if name else None)
+
+    def blame(self, name: str, problem: str | tuple[str, str]) -> tuple[Where, str]:
+        """`Errors.add`'s arguments for a problem of field `name`: a message, or `(at, message)` for a place inside
+        its value (`manifest_fields.field_problem`)."""
+        at, message = problem if isinstance(problem, tuple) else ("", problem)
+        return self.where(name, at), message
 
     def get(self, name: str) -> Any:
         return self.fields[name].value if name in self.fields else None

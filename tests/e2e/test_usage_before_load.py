@@ -279,7 +279,7 @@ def test_a_lora_strength_that_is_no_number_says_so(tmp_path, monkeypatch):
     _no_load(monkeypatch)
     lora = write_synthetic_lora(tmp_path / "f.safetensors", RELEASES["tiny"].dit, "peft", seed=0)
     line = one_error_line(invoke("prompt", "x", "-o", str(tmp_path / "a.mp4"), "--lora", f"{lora}:abc"))
-    assert line.endswith(f"loras: [0] {lora}:abc: the strength after ':' ('abc') is not a number ({lora} is the "
+    assert line.endswith(f"loras[0].path: {lora}:abc: the strength after ':' ('abc') is not a number ({lora} is the "
                          f"file)"), line
     # on `batch` the command line's LoRA reaches every job: its problem is one line, not one per job (a trial)
     manifest = tmp_path / "three.jsonl"
