@@ -1,9 +1,9 @@
 """Manifests: the field layers of a JSONL or YAML file resolved into `Job`s, every problem reported at once.
 
 Schema and error forms: docs/manifest.md. Each problem is one line `file:line: field: problem` (in YAML the field's
-own line); the whole file is checked against the checkpoint's `Limits` before anything loads. Reading the two file
-formats into layers is `h3render.manifest_formats` (with `ManifestError`); `Job` and output names are in
-`h3render.jobs`, the canvas and time rules in `h3render.spec`.
+own line; a list entry's named `loras[1].strength`, on the entry's own line); the whole file is checked against the
+checkpoint's `Limits` before anything loads. Reading the two file formats into layers is `h3render.manifest_formats`
+(with `ManifestError`); `Job` and output names are in `h3render.jobs`, the canvas and time rules in `h3render.spec`.
 """
 
 from __future__ import annotations
