@@ -22,7 +22,7 @@ from h3render.dry_run import plan_lines
 from h3render.exits import EXIT_OK, EXIT_USAGE, UsageError, error_exit_code
 from h3render.job_loras import parse_lora_option
 from h3render.manifest import job_from_fields, read_manifest
-from h3render.outputs import blocker, prepare_out_dir
+from h3render.outputs import blocker, existing_outputs_problem, prepare_out_dir
 from h3render.runner import Queue, plan_ranks, ran_distributed, run_jobs, to_render
 from h3render.settings import (RunSettings, SettingsError, checkpoint_info, has_v2_contract, prompt_mode,
                                resolve_checkpoint, usage)
@@ -133,7 +133,10 @@ def cli(ctx: click.Context) -> None:
 
 @cli.command("prompt", short_help="Render one prompt to an MP4 and its JSON sidecar.")
 @click.argument("text")
-@click.option("-o", "--output", required=True, help="Output .mp4 path (sidecar: same name, .json).")
+@click.option("-o", "--output", required=True,
+              help="Output .mp4 path (sidecar: same name, .json); one that exists is refused unless --overwrite.")
+@click.option("--overwrite", is_flag=True,
+              help="Replace an existing -o MP4 and its sidecar; they are kept until the new render is complete.")
 @click.option("--quiet", is_flag=True, help="Print only warnings and errors: no notices, plan line, progress or "
                                             "final line.")
 @click.option("--first-frame", default=None, help="fl2va: image (PNG/JPEG/WebP) the video starts from.")
@@ -147,24 +150,28 @@ def cli(ctx: click.Context) -> None:
                    "240:b.png.")
 @canvas_time_options
 @engine_options
-def prompt_command(text, output, quiet, **opts) -> None:
-    """Render one prompt to the -o MP4 and its JSON sidecar beside it (fields: docs/sidecar.md).
+def prompt_command(text, output, overwrite, quiet, **opts) -> None:
+    """Render one prompt to the -o MP4 and its JSON sidecar beside it (fields: docs/sidecar.md). An -o MP4 or
+    sidecar that exists is refused before anything loads (exit 2); --overwrite replaces them.
 
     Docs, JSON schemas and the SLURM script are installed with h3render: `python -m h3render.docs` lists them.
 
     Progress goes to stderr: a bar per stage (text encode, denoise, decode, encode) on a terminal; otherwise a
     line when each stage ends and, while one runs, a line every 10 s.
     """
-    _exit(_main_guard(_prompt, text, output, quiet, opts))
+    _exit(_main_guard(_prompt, text, output, overwrite, quiet, opts))
 
 
-def _prompt(text: str, output: str, quiet: bool, opts: dict) -> int:
+def _prompt(text: str, output: str, overwrite: bool, quiet: bool, opts: dict) -> int:
     out = Path(output)
     if out.suffix.lower() != ".mp4":
         raise SettingsError(f"output {output} must end in .mp4")
-    for final in (out, out.with_suffix(".json")):  # found now, not by the rename after the whole render
+    sidecar = out.with_suffix(".json")
+    for final in (out, sidecar):  # found now, not by the rename after the whole render
         if final.is_dir():
             raise SettingsError(f"output {final} is a folder; nothing can be written there")
+    if not overwrite and (problem := existing_outputs_problem(out, sidecar)):
+        raise SettingsError(problem)  # an earlier render was replaced without a word (a trial)
     _check_writable(out.parent if str(out.parent) else Path("."))
     if not quiet:
         status("h3render: checking the job and the checkpoint ...")
@@ -194,7 +201,7 @@ def _prompt(text: str, output: str, quiet: bool, opts: dict) -> int:
             say(f"h3render: {job.conditions_note()}")
     end_status()
     return run_jobs(run, [job], world, info.release.dit.num_attention_heads, quiet=quiet,
-                    single=(out, out.with_suffix(".json")))
+                    single=(out, sidecar))
 
 
 def _lora_options(values) -> list[dict]:

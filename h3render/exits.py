@@ -11,7 +11,8 @@ code  name                when
                           ``elsewhere`` (still held by another live queue after the end-of-queue wait), or the
                           final batch report could not be written; the other jobs still ran
 2     `EXIT_USAGE`        bad input found before anything renders, one line each: a `UsageError`, that is
-                          `settings.SettingsError` (options, checkpoint, adapter, precision, attention, --gpus),
+                          `settings.SettingsError` (options, checkpoint, adapter, precision, attention, --gpus,
+                          a `prompt -o` that exists without --overwrite),
                           `manifest.ManifestError` (one line per problem), `outputs.BatchUsageError` (two jobs
                           sharing an output, a bad --out-dir); and click's own bad option values
 75    `EXIT_REQUEUE`      stopped by SIGUSR1/SIGUSR2 (SLURM's warning before the time limit): requeue and resume;

@@ -62,27 +62,29 @@ def parse_lora_option(text: str) -> dict[str, Any]:
     return {"path": path, "strength": strength}
 
 
-def loras_field_problem(value: Any) -> str | None:
-    """Why a `loras` value is malformed on its own (types, keys, finite strengths), or None."""
+def loras_field_problem(value: Any) -> tuple[str, str] | None:
+    """Why a `loras` value is malformed on its own (types, keys, finite strengths), or None; a problem is
+    ``(at, message)``, `at` its place under the field: ``""`` the value, ``"[1]"`` entry 1, ``"[1].strength"`` its
+    key (the manifest reader prints ``loras[1].strength: ...`` on that line)."""
     if not isinstance(value, list):
-        return f"must be a list of {{path, strength}} mappings, got {type(value).__name__}"
+        return "", f"must be a list of {{path, strength}} mappings, got {type(value).__name__}"
     for i, item in enumerate(value):
         if isinstance(item, str):
             if not item.strip():
-                return f"[{i}]: path must not be empty"
+                return f"[{i}]", "path must not be empty"
             continue
         if not isinstance(item, dict):
-            return f"[{i}] must be a mapping {{path, strength}} or a path string, got {type(item).__name__}"
-        unknown = sorted(set(item) - set(LORA_KEYS))
+            return f"[{i}]", f"must be a mapping {{path, strength}} or a path string, got {type(item).__name__}"
+        unknown = sorted(map(str, set(item) - set(LORA_KEYS)))
         if unknown:
-            return f"[{i}]: unknown key {unknown[0]!r}; allowed: {', '.join(LORA_KEYS)}"
+            return f"[{i}].{unknown[0]}", f"unknown key; allowed: {', '.join(LORA_KEYS)}"
         if not isinstance(item.get("path"), str) or not item["path"].strip():
-            return f"[{i}]: path must be a non-empty string"
+            return f"[{i}].path", "must be a non-empty string"
         strength = item.get("strength", 1.0)
         if isinstance(strength, bool) or not isinstance(strength, (int, float)) or not math.isfinite(strength):
-            return f"[{i}]: strength must be a finite number, got {strength!r}"
+            return f"[{i}].strength", f"must be a finite number, got {strength!r}"
         if "schedule" in item and not isinstance(item["schedule"], str):
-            return f"[{i}]: schedule must be a preset name (string)"
+            return f"[{i}].schedule", "must be a preset name (string)"
     return None
 
 
@@ -99,15 +101,18 @@ def read_header(path: Path):
     return _READ[key]
 
 
-def resolve_loras(value: list, base_dir: str | Path) -> tuple[tuple[LoraRef, ...], str | None]:
+def resolve_loras(value: list, base_dir: str | Path) -> tuple[tuple[LoraRef, ...], tuple[str, str] | None]:
     """Read each LoRA of a checked `loras` value (`loras_field_problem` is None): file present, header readable,
     every key placed (`checkpoint.lora.read_lora`), schedule preset known.
 
     Returns:
-        (the refs, None) or ((), the first problem: ``[i] path: message``).
+        (the refs, None) or ((), the first problem as ``(at, message)``, as `loras_field_problem`'s: a file's
+        problem at the entry's path (``"[i].path"``, or ``"[i]"`` for a plain path string), its message
+        ``"<path as given>: ..."``).
     """
     refs = []
     for i, item in enumerate(value):
+        at = f"[{i}]" if isinstance(item, str) else f"[{i}].path"
         item = {"path": item} if isinstance(item, str) else item
         given = item["path"]
         path = Path(base_dir) / os.path.expanduser(given)
@@ -118,19 +123,20 @@ def resolve_loras(value: list, base_dir: str | Path) -> tuple[tuple[LoraRef, ...
                     float(tail)
                     hint = f"give its strength as {{path: {head}, strength: {tail}}} (FILE:STRENGTH is --lora's)"
                 except ValueError:
-                    return (), f"[{i}] {given}: the strength after ':' ({tail!r}) is not a number ({head} is the file)"
-                return (), f"[{i}] {given}: no such LoRA file; {head} is one, {hint}"
-            return (), f"[{i}] {given}: no such LoRA file ({path})"
+                    return (), (at, f"{given}: the strength after ':' ({tail!r}) is not a number ({head} is the "
+                                    f"file)")
+                return (), (at, f"{given}: no such LoRA file; {head} is one, {hint}")
+            return (), (at, f"{given}: no such LoRA file ({path})")
         schedule = item.get("schedule")
         if schedule is not None:
             from h3render.checkpoint.lora_schedule import PRESETS
 
             if schedule not in PRESETS:
-                return (), f"[{i}] schedule {schedule!r} is not a turbo preset; one of {', '.join(PRESETS)}"
+                return (), (f"[{i}].schedule", f"{schedule!r} is not a turbo preset; one of {', '.join(PRESETS)}")
         try:
             lora = read_header(path.resolve())
         except ValueError as exc:  # LoraError: names the file and key
-            return (), f"[{i}] {exc}"
+            return (), (at, str(exc))
         from h3render.checkpoint.lora_schedule import METADATA_KEY
 
         refs.append(LoraRef(given, str(path.resolve()), float(item.get("strength", 1.0)), lora.sha256, lora.format,

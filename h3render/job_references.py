@@ -11,7 +11,7 @@ The request rules are diffusers 0.42.1's `MiniMaxH3Ref2VASetupStep` (research/co
 images, 3 videos, 3 audio clips, 12 in all; audio references alone are refused. The decode and its checks are
 `h3render.references.probe_reference` (Pillow / PyAV), imported lazily so that reading a t2va manifest never
 imports torch, Pillow or PyAV. Errors are `ValueError("<path>: <problem>")`; the manifest reader adds
-`file:line: field:`.
+`file:line: references[i]:`.
 """
 
 from __future__ import annotations
@@ -79,21 +79,22 @@ def resolve_reference_path(value: str, base_dir: str | Path) -> Path:
     return path if path.is_absolute() else Path(base_dir) / path
 
 
-def entry_problem(entry: Any) -> str | None:
-    """Why one `references` entry is malformed on its own (before any file is read), or None."""
+def entry_problem(entry: Any) -> tuple[str, str] | None:
+    """Why one `references` entry is malformed on its own (before any file is read), or None; a problem is
+    ``(at, message)``, `at` its place in the entry: ``""`` the entry, ``".type"`` one of its keys."""
     if isinstance(entry, str):
-        return None if entry.strip() else "a reference path must not be empty"
+        return None if entry.strip() else ("", "a reference path must not be empty")
     if not isinstance(entry, Mapping):
-        return f"a reference is a path or a mapping {{path, type, audio}}, got {type(entry).__name__}"
-    unknown = sorted(set(entry) - set(ENTRY_KEYS))
+        return "", f"a reference is a path or a mapping {{path, type, audio}}, got {type(entry).__name__}"
+    unknown = sorted(map(str, set(entry) - set(ENTRY_KEYS)))
     if unknown:
-        return f"unknown reference key {unknown[0]!r} (known: {', '.join(ENTRY_KEYS)})"
+        return f".{unknown[0]}", f"unknown key; allowed: {', '.join(ENTRY_KEYS)}"
     if not isinstance(entry.get("path"), str) or not entry["path"].strip():
-        return "a reference mapping needs a non-empty path"
+        return ".path", "a reference mapping needs a non-empty path"
     if "type" in entry and entry["type"] not in REFERENCE_TYPES:
-        return f"reference type {entry['type']!r} is not one of {', '.join(REFERENCE_TYPES)}"
+        return ".type", f"{entry['type']!r} is not one of {', '.join(REFERENCE_TYPES)}"
     if "audio" in entry and not isinstance(entry["audio"], bool):
-        return f"reference audio must be true or false, got {entry['audio']!r}"
+        return ".audio", f"must be true or false, got {entry['audio']!r}"
     return None
 
 
@@ -146,13 +147,15 @@ def references_problem(refs: list[ReferenceRef]) -> str | None:
     return None
 
 
-def unsupported_problem(refs: list[ReferenceRef]) -> str | None:
-    """What h3render cannot render yet among valid references (`RENDERABLE_TYPES`), or None."""
-    for ref in refs:
+def unsupported_problem(refs: list[ReferenceRef]) -> tuple[str, str] | None:
+    """What h3render cannot render yet among valid references (`RENDERABLE_TYPES`), or None; a problem is
+    ``("[i]", message)``, the first such reference's place in the list."""
+    for i, ref in enumerate(refs):
         if ref.type not in RENDERABLE_TYPES:
-            return (f"{ref.given}: video references (the conditioner's video presentation) are not in h3render "
-                    f"yet; ref2va renders image references and 32 kHz audio clips today")
+            return f"[{i}]", (f"{ref.given}: video references (the conditioner's video presentation) are not in "
+                              f"h3render yet; ref2va renders image references and 32 kHz audio clips today")
         if ref.type == "audio" and ref.info.get("sample_rate") != AUDIO_RATE:
-            return (f"{ref.given}: audio at {ref.info.get('sample_rate')} Hz needs resampling to {AUDIO_RATE} Hz, "
-                    f"which h3render does not do yet (e.g. ffmpeg -i IN -ar {AUDIO_RATE} OUT.wav)")
+            return f"[{i}]", (f"{ref.given}: audio at {ref.info.get('sample_rate')} Hz needs resampling to "
+                              f"{AUDIO_RATE} Hz, which h3render does not do yet (e.g. ffmpeg -i IN -ar {AUDIO_RATE} "
+                              f"OUT.wav)")
     return None

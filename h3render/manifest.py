@@ -1,9 +1,9 @@
 """Manifests: the field layers of a JSONL or YAML file resolved into `Job`s, every problem reported at once.
 
 Schema and error forms: docs/manifest.md. Each problem is one line `file:line: field: problem` (in YAML the field's
-own line); the whole file is checked against the checkpoint's `Limits` before anything loads. Reading the two file
-formats into layers is `h3render.manifest_formats` (with `ManifestError`); `Job` and output names are in
-`h3render.jobs`, the canvas and time rules in `h3render.spec`.
+own line; a list entry's named `loras[1].strength`, on the entry's own line); the whole file is checked against the
+checkpoint's `Limits` before anything loads. Reading the two file formats into layers is `h3render.manifest_formats`
+(with `ManifestError`); `Job` and output names are in `h3render.jobs`, the canvas and time rules in `h3render.spec`.
 """
 
 from __future__ import annotations
@@ -189,7 +189,7 @@ def _check_layer(layer: Layer, presets: Mapping[str, Preset], limits: Limits, er
             continue
         problem = field_problem(name, value, presets, limits)
         if problem:
-            errors.add(where, problem)
+            errors.add(*layer.blame(name, problem))
     if "preset" in layer.fields and any(f in layer.fields for f in ("aspect", "width", "height")):
         errors.add(layer.where("preset"), "conflicts with aspect/width/height on the same level (a preset sets the "
                                           "canvas)")
@@ -245,7 +245,7 @@ def _resolve_job(job: Layer, layers: list[Layer], limits: Limits, presets: Mappi
     keyframes, problems = resolve_keyframes({f: job.get(f) for f in (*KEYFRAME_FIELDS, "keyframes")
                                              if f in job.fields}, base_dir)
     for name, problem in problems:
-        errors.add(job.where(name), problem)
+        errors.add(*job.blame(name, problem))
     if problems:
         return None
     references: tuple = ()
@@ -258,7 +258,7 @@ def _resolve_job(job: Layer, layers: list[Layer], limits: Limits, presets: Mappi
         references, problem = resolve_references(job.get("references"), base_dir,
                                                  audio_layer.get("reference_audio") if audio_layer else True)
         if problem:
-            errors.add(job.where("references"), problem)
+            errors.add(*job.blame("references", problem))
             return None
     canvas_layer = _first(layers, _CANVAS_FIELDS)
     preset = None
@@ -366,7 +366,7 @@ def _resolve_job(job: Layer, layers: list[Layer], limits: Limits, presets: Mappi
         lora_dir = "." if where.file == _COMMAND_LINE else os.path.dirname(where.file) or "."
         loras, problem = resolve_loras(loras_layer.get("loras"), lora_dir)
         if problem:
-            errors.add(where, problem)
+            errors.add(*loras_layer.blame("loras", problem))
             return None
         if references and any(ref.strength != 0 for ref in loras):  # it rendered without them, silently (a trial)
             fix = ("drop --lora" if where.file == _COMMAND_LINE else "remove its loras" if loras_layer is job else

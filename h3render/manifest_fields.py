@@ -32,9 +32,11 @@ class TooLong(NamedTuple):
 
 
 
-def field_problem(name: str, value: Any, presets: Mapping[str, Preset], limits: Limits) -> str | None:
-    """Why one field's value is wrong on its own (type, range, known name), or None. Keyframe files are read later,
-    by `resolve_keyframes`, once the value is known to be a non-empty string."""
+def field_problem(name: str, value: Any, presets: Mapping[str, Preset], limits: Limits) -> str | tuple[str, str] | None:
+    """Why one field's value is wrong on its own (type, range, known name), or None. A problem in one entry of a
+    list field (`loras`, `references`, `keyframes`) is ``(at, message)``, `at` its place under the field (``"[1]"``,
+    ``"[1].strength"``), which `manifest_formats.Layer.blame` prints as ``loras[1].strength`` on its own line.
+    Keyframe files are read later, by `resolve_keyframes`, once the value is known to be a non-empty string."""
     if isinstance(value, TooLong):
         return f"an integer of {value.digits:,} digits is out of range"
     if name == "loras":
@@ -86,10 +88,10 @@ def field_problem(name: str, value: Any, presets: Mapping[str, Preset], limits: 
     if name == "references":
         if not isinstance(value, list) or not value:
             return f"must be a non-empty list of reference files, got {type_name(value)}"
-        for index, entry in enumerate(value, start=1):
+        for index, entry in enumerate(value):
             problem = entry_problem(entry)
             if problem:
-                return f"entry {index}: {problem}"
+                return f"[{index}]{problem[0]}", problem[1]
     if name == "reference_audio" and not isinstance(value, bool):
         return f"must be true or false, got {type_name(value)}"
     if name == "mode" and value not in MODES:
@@ -97,11 +99,11 @@ def field_problem(name: str, value: Any, presets: Mapping[str, Preset], limits: 
     if name == "keyframes":
         if not isinstance(value, list) or not value:
             return 'must be a non-empty list of "FRAME:IMAGE" strings (e.g. ["0:first.png", "240:mid.png"])'
-        for item in value:
+        for index, item in enumerate(value):
             try:
                 parse_keyframe_spec(item)
             except ValueError as exc:
-                return str(exc)
+                return f"[{index}]", str(exc)
     if name == "output":
         problem = output_path_problem(strip_mp4(value))
         if problem:
@@ -124,11 +126,12 @@ def strip_mp4(output: str) -> str:
     return output[:-4] if output.lower().endswith(".mp4") else output
 
 
-def resolve_keyframes(values: Mapping[str, str], base_dir: str | Path) -> tuple[dict[str, KeyframeRef], list[tuple[str, str]]]:
+def resolve_keyframes(values: Mapping[str, str], base_dir: str | Path) -> tuple[dict[str, KeyframeRef], list[tuple]]:
     """Read the keyframe fields a job sets (`{"first_frame": "a.png", ...}`, paths relative to `base_dir`).
 
     Returns:
-        `({field: KeyframeRef}, [(field, problem), ...])`: every file is read, so one pass reports all problems.
+        `({field: KeyframeRef}, [(field, problem), ...])`: every file is read, so one pass reports all problems; a
+        `keyframes` entry's problem is ``("[i]", message)``, as `field_problem`'s.
     """
     refs, problems = {}, []
     for name in KEYFRAME_FIELDS:
@@ -139,31 +142,31 @@ def resolve_keyframes(values: Mapping[str, str], base_dir: str | Path) -> tuple[
                 problems.append((name, str(exc)))
     if "keyframes" in values:  # ["240:mid.png", ...]: Job.frame_keyframes, ascending
         at = []
-        for index, path in sorted(parse_keyframe_spec(v) for v in values["keyframes"]):
+        for (index, path), given in sorted((parse_keyframe_spec(v), i) for i, v in enumerate(values["keyframes"])):
             try:
                 at.append(read_keyframe_ref(path, index, base_dir))
             except ValueError as exc:
-                problems.append(("keyframes", str(exc)))
+                problems.append(("keyframes", (f"[{given}]", str(exc))))
         refs["frame_keyframes"] = tuple(at)
     return refs, problems
 
 
 def resolve_references(entries: list, base_dir: str | Path, use_audio: bool = True) -> tuple[
-        tuple[ReferenceRef, ...], str | None]:
+        tuple[ReferenceRef, ...], str | tuple[str, str] | None]:
     """Read a job's `references` list (entries already passed `field_problem`), in order, paths relative to
     `base_dir`; `use_audio` False (`reference_audio: false`, `--reference-no-audio`) drops the videos' soundtracks
     unless an entry says `audio: true`.
 
     Returns:
-        `(refs, problem)`: the first problem (`"entry i: <path>: ..."`, the counts, audio alone, a type h3render
-        cannot render yet) or None.
+        `(refs, problem)`: the first problem or None: an entry's (`("[i]", "<path>: ...")`, as `field_problem`'s,
+        also for a type h3render cannot render yet), or the list's (the counts, audio alone).
     """
     refs = []
-    for index, entry in enumerate(entries, start=1):
+    for index, entry in enumerate(entries):
         try:
             refs.append(read_reference(entry, base_dir, no_audio=not use_audio))
         except ValueError as exc:
-            return (), f"entry {index}: {exc}"
+            return (), (f"[{index}]", str(exc))
     problem = references_problem(refs) or unsupported_problem(refs)
     return tuple(refs), problem
 def leading_keyframe(refs: Mapping[str, Any]) -> KeyframeRef:

@@ -10,7 +10,7 @@ import difflib
 import json
 import unicodedata
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any, Mapping, NamedTuple
 
 import yaml
 
@@ -35,6 +35,8 @@ class Value(NamedTuple):
 
     value: Any
     line: int  # 1-based line of the field; 0 when not from a file
+    # a list value's places and their lines, where the file gives them (YAML): {"[1]": 7, "[1].strength": 8}
+    lines: Mapping[str, int] | None = None
 
 
 @dataclass
@@ -45,10 +47,23 @@ class Layer:
     line: int
     fields: dict[str, Value] = field(default_factory=dict)
 
-    def where(self, name: str | None = None) -> Where:
-        """The place to blame: the field's own line when it has one, else the job's."""
-        line = self.fields[name].line if name in self.fields and self.fields[name].line else self.line
-        return Where(self.file, line, name)
+    def where(self, name: str | None = None, at: str = "") -> Where:
+        """The place to blame: the field's own line when it has one, else the job's. `at`, a place inside the
+        field's value (`"[1].strength"`), is added to the field's name (`loras[1].strength`) and blamed on its own
+        line, else its entry's (`"[1]"`), when the file gives them."""
+        value = self.fields.get(name) if name else None
+        line = value.line if value is not None and value.line else self.line
+        lines = (value.lines or {}) if value is not None else {}
+        place = at
+        while place and place not in lines:  # "[1].strength" -> "[1]" -> ""
+            place = place[:max(place.rfind("."), place.rfind("["))]
+        return Where(self.file, lines.get(place, line), f"{name}{at}" if name else None)
+
+    def blame(self, name: str, problem: str | tuple[str, str]) -> tuple[Where, str]:
+        """`Errors.add`'s arguments for a problem of field `name`: a message, or `(at, message)` for a place inside
+        its value (`manifest_fields.field_problem`)."""
+        at, message = problem if isinstance(problem, tuple) else ("", problem)
+        return self.where(name, at), message
 
     def get(self, name: str) -> Any:
         return self.fields[name].value if name in self.fields else None
@@ -241,8 +256,24 @@ def _yaml_pairs(node: yaml.MappingNode, loader: yaml.SafeLoader, file: str, erro
 def _yaml_layer(node: yaml.MappingNode, loader: yaml.SafeLoader, file: str, errors: Errors) -> Layer:
     layer = Layer(file, _line(node))
     for key, value in _yaml_pairs(node, loader, file, errors):
-        layer.fields[key.value] = Value(_yaml_value(key.value, value, loader, file, errors), _line(key))
+        layer.fields[key.value] = Value(_yaml_value(key.value, value, loader, file, errors), _line(key),
+                                        _entry_lines(value))
     return layer
+
+
+def _entry_lines(node: yaml.Node) -> dict[str, int] | None:
+    """The line of each entry of a list value, and of each key of an entry that is a mapping, by its place under
+    the field (`"[1]"`, `"[1].strength"`), for `Layer.where`: an entry's problem is blamed on the entry, not on
+    the line of the list's key. Two levels only (a manifest's lists hold paths or flat mappings), so an alias
+    that nests a list in itself is not followed."""
+    if not isinstance(node, yaml.SequenceNode):
+        return None
+    lines = {}
+    for i, item in enumerate(node.value):
+        lines[f"[{i}]"] = _line(item)
+        if isinstance(item, yaml.MappingNode):  # merged in by construction: `<<` keys gone, own keys last (they win)
+            lines.update((f"[{i}].{k.value}", _line(k)) for k, _ in item.value if isinstance(k, yaml.ScalarNode))
+    return lines
 
 
 def _yaml_value(name: str, node: yaml.Node, loader: yaml.SafeLoader, file: str, errors: Errors) -> Any:

@@ -38,7 +38,7 @@ Torch is imported by `part_sizes` (meta tensors only); this module's top level i
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Sequence
 
 from h3render import spec
@@ -85,7 +85,8 @@ class MemoryPlan:
     """A plan at a precision with its expected peaks (bytes) per phase and why it was chosen.
 
     Attributes:
-        name: one of `PLANS`; precision: "bf16" or "fp8".
+        name: one of `PLANS`; precision: "bf16" or "fp8" (`--precision`: "bf16" means no FP8).
+        dtype: the activations' dtype, "bf16" or "fp32" (`--dtype`; fp8 plans run bf16).
         phases: expected device peak of the "text", "denoise" and "decode" phases, bytes.
         host_bytes: host memory the plan holds beyond the resident parts' own (pinned streamed layers, AdaLN).
         limit: the device memory budget in bytes (None: unknown, the CPU); limit_source: where it came from.
@@ -101,6 +102,7 @@ class MemoryPlan:
     limit_source: str = "none"
     reason: str = ""
     canvas: Canvas | None = None
+    dtype: str = "bf16"
 
     @property
     def peak(self) -> int:
@@ -108,7 +110,9 @@ class MemoryPlan:
 
     @property
     def label(self) -> str:
-        return f"{self.name} {self.precision}"
+        """`resident fp32`, `phased bf16`, `streamed fp8`: the plan and what its weights compute in (a CPU run's
+        fp32 read "resident bf16": `--precision bf16` only means no FP8)."""
+        return f"{self.name} {'fp8' if self.precision == 'fp8' else self.dtype}"
 
     def fits(self) -> bool:
         return self.limit is None or self.peak <= self.limit
@@ -213,7 +217,7 @@ def ladder(asked: str, precision: str, *, precision_given: bool, fp8_problem: st
 
 def choose(release, jobs: Sequence, *, asked: str = "auto", precision: str = "bf16", precision_given: bool = False,
            limit: int | None = None, limit_source: str = "none", fp8_problem: str | None = None, vae_batch: int = 8,
-           ranks: int = 1, vsa: bool = False, dtype=None) -> MemoryPlan:
+           ranks: int = 1, vsa: bool = False, dtype: str = "bf16") -> MemoryPlan:
     """The first rung of `ladder` whose expected peak fits `limit` (bytes; None: no limit, the first rung).
 
     Args:
@@ -223,7 +227,7 @@ def choose(release, jobs: Sequence, *, asked: str = "auto", precision: str = "bf
         precision_given: --precision (or a manifest's) was given: the chooser keeps it.
         fp8_problem: why FP8 cannot run on these devices (`models.fp8.fp8_problem`), or None.
         vsa: the DiT carries a FastH3 VSA student's gates.
-        dtype: the activations' torch dtype (default bf16; fp8 plans always bf16).
+        dtype: the activations' dtype, "bf16" or "fp32" (`--dtype`; fp8 plans always bf16).
     Raises:
         PlanError: no rung fits; the message names the smallest plan and its expected peak.
     """
@@ -239,13 +243,14 @@ def choose(release, jobs: Sequence, *, asked: str = "auto", precision: str = "bf
         if prec not in sizes_at:
             import torch
 
-            loaded = torch.bfloat16 if dtype is None or prec == "fp8" else dtype
+            loaded = torch.float32 if dtype == "fp32" and prec != "fp8" else torch.bfloat16
             sizes_at[prec] = part_sizes(release, prec, loaded, vsa=vsa)
         sizes = sizes_at[prec]
         phases = expected_phases(sizes, name, canvas, release.dit.hidden_size, text_hidden=text.hidden_size,
                                  text_intermediate=text.intermediate_size, vae_batch=vae_batch, ranks=ranks,
                                  vision=vision)
-        plan = MemoryPlan(name, prec, phases, host_bytes(sizes, name), limit, limit_source, canvas=canvas)
+        plan = MemoryPlan(name, prec, phases, host_bytes(sizes, name), limit, limit_source, canvas=canvas,
+                          dtype=dtype)
         if plan.fits():
             why = [f"{p.label} needs {p.peak / GB:.1f} GB" for p in tried] + steps.skipped
             if asked != "auto":
@@ -254,7 +259,7 @@ def choose(release, jobs: Sequence, *, asked: str = "auto", precision: str = "bf
                 reason = "no device memory limit known: the fastest plan"
             else:
                 reason = "the fastest plan that fits" + (f" ({'; '.join(why)})" if why else "")
-            return MemoryPlan(name, prec, phases, plan.host_bytes, limit, limit_source, reason, canvas)
+            return replace(plan, reason=reason)
         tried.append(plan)
     smallest = min(tried, key=lambda p: p.peak)
     extra = f"; {'; '.join(steps.skipped)}" if steps.skipped else ""
@@ -295,8 +300,6 @@ def plan_run(run, info, jobs: Sequence, world: int = 1):
         PlanError: no plan fits (one line, the smallest plan and its expected peak), or the streamed plan with a
             mixed queue (t2va jobs beside a FastH3 adapter: the student is fused into resident weights).
     """
-    from dataclasses import replace
-
     if not jobs:  # an empty shard: nothing loads
         return run, None
 
@@ -305,7 +308,7 @@ def plan_run(run, info, jobs: Sequence, world: int = 1):
     student = run.adapter is not None or info.layout != "builtin" and _has_contract(run.checkpoint)
     plan = choose(info.release, jobs, asked=run.memory_plan, precision=run.precision,
                   precision_given=run.precision_given, limit=limit, limit_source=source, fp8_problem=problem,
-                  vae_batch=run.vae_batch, ranks=world, vsa=student, dtype=run.torch_dtype)
+                  vae_batch=run.vae_batch, ranks=world, vsa=student, dtype=run.dtype)
     if plan.name == "streamed" and run.adapter is not None and any(j.mode != "fasth3" for j in jobs):
         raise PlanError(f"the streamed memory plan ({plan.reason}) cannot render a mixed queue (t2va jobs beside a "
                         "FastH3 adapter: the student is fused into resident weights); render them in two runs")

@@ -96,6 +96,17 @@ def render_reason(job, mp4: Path, sidecar: Path, *, overwrite: bool = False, sin
     return media_mismatch(mp4, record)
 
 
+def existing_outputs_problem(mp4: Path, sidecar: Path) -> str | None:
+    """Why `h3render prompt -o` may not write `mp4` and its `sidecar` without --overwrite: something stands at
+    either name (an earlier render, a symlink, dangling or not), which the final rename would replace; or None."""
+    taken = [str(p) for p in (mp4, sidecar) if os.path.lexists(p)]
+    if not taken:
+        return None
+    them = "it" if len(taken) == 1 else "them"
+    return (f"{' and '.join(taken)} already exist{'s' * (len(taken) == 1)}; pass --overwrite to replace {them} "
+            f"(once the new render is complete), or choose another -o")
+
+
 def prepare_out_dir(out_dir: str | os.PathLike) -> Path:
     """Create the out dir (and its parents).
 

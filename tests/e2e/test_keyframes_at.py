@@ -96,7 +96,7 @@ def test_keyframe_mistakes_are_field_errors(pictures):
         with pytest.raises(ManifestError) as info:
             _job(pictures, **fields)
         assert len(info.value.errors) == 1 and text in info.value.errors[0], (fields, info.value.errors)
-        assert info.value.errors[0].split(": ")[1] in ("keyframes", "first_frame"), info.value.errors
+        assert info.value.errors[0].split(": ")[1] in ("keyframes", "keyframes[0]", "first_frame"), info.value.errors
 
 
 def test_prompt_keyframe_option_reaches_the_job(pictures):

@@ -190,6 +190,33 @@ def test_an_output_name_taken_by_a_folder_is_refused_before_the_render(tmp_path,
     assert not (tmp_path / "out" / "d.mp4").exists()
 
 
+def test_prompt_refuses_an_existing_output_unless_overwrite(tmp_path, monkeypatch):
+    """A fresh user's trial: `prompt -o out.mp4` replaced an earlier out.mp4 and out.json without a word. Either file
+    there is now a one-line exit 2 naming it, before any weights load; `--overwrite` (batch's flag) replaces both."""
+    out, sidecar = tmp_path / "out.mp4", tmp_path / "out.json"
+    out.write_bytes(b"an earlier render")
+    sidecar.write_text("{}")
+    _no_load(monkeypatch)
+    line = one_error_line(invoke("prompt", "x", "-o", str(out)))
+    assert line == (f"h3render: error: {out} and {sidecar} already exist; pass --overwrite to replace them (once the "
+                    f"new render is complete), or choose another -o"), line
+    out.unlink()  # the sidecar alone is somebody's file too; so is a dangling symlink at the MP4's name
+    assert one_error_line(invoke("prompt", "x", "-o", str(out))).endswith(
+        f"{sidecar} already exists; pass --overwrite to replace it (once the new render is complete), or choose "
+        f"another -o")
+    sidecar.unlink()
+    out.symlink_to(tmp_path / "gone.mp4")
+    assert f"{out} already exists" in one_error_line(invoke("prompt", "x", "-o", str(out)))
+    assert sidecar.exists() is False and out.is_symlink()  # nothing written, nothing removed
+    monkeypatch.undo()
+    out.unlink()
+    out.write_bytes(b"an earlier render")
+    r = run_here("prompt", "x", "-o", str(out), "--overwrite", "--device", "cpu", "--frames", "22", "--steps", "2",
+                 "--width", "128", "--height", "64", "--quiet")
+    assert r.returncode == 0, r.stderr
+    assert out.read_bytes()[4:8] == b"ftyp" and json.loads(sidecar.read_text())["job"]["prompt"] == "x"
+
+
 def test_a_missing_checkpoint_from_the_environment_says_where_it_came_from(tmp_path):
     """A fresh user's trial: `H3RENDER_CHECKPOINT=/nope h3render presets` said only 'checkpoint /nope does not
     exist', not where the path came from."""
@@ -252,7 +279,7 @@ def test_a_lora_strength_that_is_no_number_says_so(tmp_path, monkeypatch):
     _no_load(monkeypatch)
     lora = write_synthetic_lora(tmp_path / "f.safetensors", RELEASES["tiny"].dit, "peft", seed=0)
     line = one_error_line(invoke("prompt", "x", "-o", str(tmp_path / "a.mp4"), "--lora", f"{lora}:abc"))
-    assert line.endswith(f"loras: [0] {lora}:abc: the strength after ':' ('abc') is not a number ({lora} is the "
+    assert line.endswith(f"loras[0].path: {lora}:abc: the strength after ':' ('abc') is not a number ({lora} is the "
                          f"file)"), line
     # on `batch` the command line's LoRA reaches every job: its problem is one line, not one per job (a trial)
     manifest = tmp_path / "three.jsonl"

@@ -145,7 +145,7 @@ def test_the_sidecar_records_the_plan(renders):
     jsonschema = pytest.importorskip("jsonschema")
     out, _ = renders
     schema = json.loads((REPO / "docs/schema/sidecar.schema.json").read_text())
-    assert "h3render: memory plan streamed bf16: " in out["streamed_cli"].stderr  # the log line of the CLI run
+    assert "h3render: memory plan streamed fp32: " in out["streamed_cli"].stderr  # the log line of the CLI run
     for plan in ("phased", "streamed"):
         side = json.loads((out[plan] / "a.json").read_text())
         jsonschema.validate(side, schema)
@@ -239,10 +239,30 @@ def test_the_cli_refuses_before_loading(tmp_path):
     line = one_error_line(invoke("prompt", "a cat", "-o", str(tmp_path / "a.mp4"), "--device", "cpu",
                                  "--max-gpu-memory", "0.0001", "--frames", "22"))
     assert line.startswith("h3render: error: no memory plan fits 0.0001 GB (--max-gpu-memory) for the ") and \
-        "the smallest, streamed bf16, needs" in line  # fp32 activations on CPU: no fp8 rung
+        "the smallest, streamed fp32, needs" in line  # fp32 activations on CPU: no fp8 rung
     assert list(tmp_path.iterdir()) == []
     line = one_error_line(invoke("prompt", "a cat", "-o", str(tmp_path / "b.mp4"), "--max-gpu-memory", "0"))
     assert line == "h3render: error: --max-gpu-memory 0.0: GB of device memory, must be > 0"
+
+
+def test_the_plan_line_names_the_dtype_the_run_computes_in(tmp_path):
+    """A fresh-user trial: a CPU run (fp32) logged "memory plan resident bf16", `--precision bf16`'s "no FP8" read
+    as the weights' dtype. The label is the dtype, or fp8; the sidecar's `run.memory.precision` stays the setting."""
+    jobs = [SimpleNamespace(width=224, height=128, frames=39, pass_frames=39, task="t2va")]
+    tiny = RELEASES["tiny"]
+    for dtype, precision, label in (("fp32", "bf16", "resident fp32"), ("bf16", "bf16", "resident bf16"),
+                                    ("bf16", "fp8", "resident fp8")):
+        plan = memplan.choose(tiny, jobs, precision=precision, precision_given=True, limit=int(10e9),
+                              limit_source="--max-gpu-memory", dtype=dtype)
+        assert plan.label == label and plan.log_line().startswith(f"h3render: memory plan {label}: "), plan.log_line()
+        assert plan.record()["precision"] == precision
+    fp32 = memplan.choose(tiny, jobs, dtype="fp32").phases["denoise"]  # and the peaks were fp32's all along
+    assert fp32 > memplan.choose(tiny, jobs, dtype="bf16").phases["denoise"]
+    r = invoke("prompt", "a cat", "-o", str(tmp_path / "a.mp4"), "--device", "cpu", "--max-gpu-memory", "10",
+               "--frames", "22", "--width", "128", "--height", "64", "--steps", "2")
+    assert r.exit_code == 0, r.output
+    plan_line = next(line for line in r.stderr.splitlines() if line.startswith("h3render: memory plan "))
+    assert plan_line.startswith("h3render: memory plan resident fp32: "), plan_line
 
 
 def test_fl2va_presentations_encode_in_a_streamed_text_phase(tmp_path):

@@ -99,12 +99,17 @@ def test_manifest_references_relative_to_the_manifest(media, tmp_path):
 @pytest.mark.parametrize("fields,message", [
     ({"references": ["wide.png"] * 10}, "10 image references; MiniMax-H3 takes at most 9"),
     ({"references": ["mono44k.wav"]}, "audio references alone are not supported"),
-    ({"references": ["clip24.mp4"]}, "video references (the conditioner's video presentation)"),
-    ({"references": ["wide.png", "mono44k.wav"]}, "audio at 44100 Hz needs resampling to 32000 Hz"),
+    ({"references": ["clip24.mp4"]}, "references[0]: clip24.mp4: video references (the conditioner's video "
+                                     "presentation)"),
+    ({"references": ["wide.png", "mono44k.wav"]}, "references[1]: mono44k.wav: audio at 44100 Hz needs resampling to "
+                                                  "32000 Hz"),
     ({"references": ["wide.png"], "mode": "fasth3"}, "FastH3 students are t2va-only"),
     ({"references": ["wide.png"], "first_frame": "wide.png"}, "cannot be combined"),
     ({"references": []}, "must be a non-empty list"),
-    ({"references": [{"file": "wide.png"}]}, "unknown reference key 'file'"),
+    ({"references": [{"file": "wide.png"}]}, "references[0].file: unknown key; allowed: path, type, audio"),
+    ({"references": ["wide.png", {"path": "wide.png", "type": "picture"}]},
+     "references[1].type: 'picture' is not one of image, video, audio"),
+    ({"references": ["wide.png", "missing.png"]}, "references[1]: "),
     ({"references": ["wide.png"], "reference_audio": "no"}, "must be true or false"),
 ])
 def test_job_refusals(media, monkeypatch, fields, message):

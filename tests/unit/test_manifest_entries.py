@@ -1,0 +1,120 @@
+"""A problem in one entry of a manifest list (`loras`, `references`, `keyframes`) is named one way, as a field path
+with a 0-based index (`loras[1].strength`, `references[0]`), and in YAML blamed on the entry's own line (the key's,
+when it is one key's value), not on the line of the list's key. Two fresh-user trials: `references` said "entry 1"
+where `loras` said "[0]", and both pointed at the `loras:` / `references:` line."""
+
+from __future__ import annotations
+
+import json
+import textwrap
+
+import pytest
+from PIL import Image
+
+from h3render.manifest import read_manifest
+from h3render.manifest_formats import Layer, ManifestError, Value
+from h3render.spec import Limits
+
+LIMITS = Limits(min_frames=22, max_frames=362, default_canvas=(224, 128), default_frames=39, default_steps=7)
+
+# (job fields, the problem's field path, its message's start); every job has one problem, in a list entry.
+JOBS = [
+    ({"loras": [{"path": "x.safetensors", "strength": 0.5}, {"path": "y.safetensors", "strength": "strong"}]},
+     "loras[1].strength", "must be a finite number, got 'strong'"),
+    ({"loras": [{"strength": 0.5, "path": "missing.safetensors"}]},
+     "loras[0].path", "missing.safetensors: no such LoRA file"),
+    ({"loras": ["still.png", ""]}, "loras[1]", "path must not be empty"),
+    ({"loras": [{"path": "x.safetensors", "strenght": 1}]},
+     "loras[0].strenght", "unknown key; allowed: path, strength, schedule"),
+    ({"references": ["still.png", {"path": "still.png", "type": "picture"}]},
+     "references[1].type", "'picture' is not one of image, video, audio"),
+    ({"references": ["still.png", "gone.png"]}, "references[1]", "{dir}/gone.png: reference file not found"),
+    ({"keyframes": ["0:still.png", "zz"]}, "keyframes[1]", "'zz' must be \"FRAME:IMAGE\""),
+    ({"keyframes": ["20:gone.png", "0:still.png"]}, "keyframes[0]", "{dir}/gone.png: keyframe image not found"),
+]
+
+
+@pytest.fixture
+def folder(tmp_path):
+    Image.new("RGB", (128, 64), (200, 40, 40)).save(tmp_path / "still.png")
+    return tmp_path
+
+
+def _errors(path) -> list[str]:
+    with pytest.raises(ManifestError) as info:
+        read_manifest(path, LIMITS)
+    return info.value.errors
+
+
+def _yaml_job(fields: dict) -> list[str]:
+    """One job in block style, every list entry and key on a line of its own (an entry mapping starts on the line
+    after its dash)."""
+    lines = ["  - prompt: p"]
+    for name, entries in fields.items():
+        lines.append(f"    {name}:")
+        for entry in entries:
+            if isinstance(entry, dict):
+                lines.append("      -")
+                lines += [f"        {key}: {json.dumps(value)}" for key, value in entry.items()]
+            else:
+                lines.append(f"      - {json.dumps(entry)}")
+    return lines
+
+
+def test_yaml_entry_problems_name_the_entry_on_its_own_line(folder):
+    text = ["jobs:"] + [line for fields, _, _ in JOBS for line in _yaml_job(fields)]
+    manifest = folder / "m.yaml"
+    manifest.write_text("\n".join(text) + "\n")
+    # the key's line ("strength:", "path:", "type:"), else the entry's (a path string's; its first key's after a
+    # lone dash): lines 9, 14, ... of the text above, not those of `loras:` (3, 11, ...)
+    lines = [9, 14, 18, 23, 29, 33, 37, 40]
+    assert [text[n - 1].strip().split(":")[0] for n in lines] == [
+        "strength", "path", '- ""', "strenght", "type", '- "gone.png"', '- "zz"', '- "20']
+    errors = _errors(manifest)
+    assert len(errors) == len(JOBS), errors
+    for error, line, (_, field, message) in zip(errors, lines, JOBS):
+        assert error.startswith(f"{manifest}:{line}: {field}: {message.format(dir=folder)}"), (error, line)
+
+
+def test_jsonl_entry_problems_use_the_same_field_paths(folder):
+    manifest = folder / "m.jsonl"
+    manifest.write_text("".join(json.dumps({"prompt": "p", **fields}) + "\n" for fields, _, _ in JOBS))
+    errors = _errors(manifest)
+    assert [e.split(": ", 2)[:2] for e in errors] == [[f"{manifest}:{n}", field]
+                                                       for n, (_, field, _) in enumerate(JOBS, start=1)], errors
+    assert not any("entry " in e or ": [" in e for e in errors), errors  # one style: no "entry 1", no "loras: [0]"
+
+
+def test_defaults_flow_lists_and_merges(folder):
+    manifest = folder / "m.yaml"
+    manifest.write_text(textwrap.dedent("""\
+        x-lora: &lora {path: x.safetensors, strength: 2}
+        defaults:
+          loras:
+            - path: a.safetensors
+            - {path: b.safetensors,
+               strength: .nan}
+        jobs:
+          - prompt: a
+            loras:
+              - <<: *lora
+                strenght: 1
+          - prompt: b
+            references: [still.png,
+                         {path: still.png, audio: "no"}]
+          - 7
+        """))
+    assert _errors(manifest) == [
+        f"{manifest}:6: loras[1].strength: must be a finite number, got nan",  # the key's line in a flow mapping
+        f"{manifest}:11: loras[0].strenght: unknown key; allowed: path, strength, schedule",  # beside a merge
+        f"{manifest}:14: references[1].audio: must be true or false, got 'no'",
+        f"{manifest}:15: each job must be a mapping of fields",  # a jobs: item: its own line, as before
+    ]
+
+
+def test_a_place_without_a_line_falls_back_to_its_entry_then_the_field():
+    layer = Layer("m.yaml", 3, {"loras": Value([{}], 4, {"[0]": 5, "[0].path": 6}), "seed": Value(1, 0)})
+    assert str(layer.where("loras", "[0].path")) == "m.yaml:6: loras[0].path"
+    assert str(layer.where("loras", "[0].strength")) == "m.yaml:5: loras[0].strength"  # merged in: the entry's
+    assert str(layer.where("loras", "[1]")) == "m.yaml:4: loras[1]"
+    assert str(layer.where("seed")) == "m.yaml:3: seed" and str(layer.where("mode", "[0]")) == "m.yaml:3: mode[0]"
