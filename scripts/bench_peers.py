@@ -17,74 +17,11 @@ import math
 
 import torch
 import torch.nn.functional as F
-import triton
-import triton.language as tl
-
-from h3render.kernels.vsa.triton_impl import fine_epilogue, fine_prologue, key_scales, key_tile, online_softmax_step
 
 
 def run(args, bench) -> None:
     _vsa(args, bench)
     _vae_attention(bench)
-
-
-@triton.jit
-def _fine_ws_kernel(q_ptr, o_ptr, kt_ptr, vt_ptr, ks_ptr, row_of_slot_ptr, sizes_ptr, sel_ptr, stride_qs, stride_qh,
-                    stride_os, stride_oh, num_tiles, num_prefix, num_video, dense_q, topk, scale_log2, heads,
-                    HEAD_DIM: tl.constexpr, TILE_ROWS: tl.constexpr, QK_INT8: tl.constexpr, WS: tl.constexpr):
-    """An experiment beside `kernels/vsa/triton_hopper._fine_tma_kernel` (same shared steps, no gate): key/value
-    descriptors built on the device, which Triton's Hopper warp specialization needs (triton-lang/triton #7658; the
-    host descriptors of the shipped kernel fail its pass, §19), and the key loop warp-specialized when WS."""
-    qt = tl.program_id(0)
-    h = tl.program_id(1)
-    q, q_scale, q_rows, q_valid, m_i, l_i, acc, count, sel_row = fine_prologue(
-        q_ptr, row_of_slot_ptr, sel_ptr, stride_qs, stride_qh, qt, h, num_tiles, num_prefix, num_video, dense_q, topk,
-        scale_log2, TILE_ROWS, HEAD_DIM, QK_INT8)
-    desc_k = tl.make_tensor_descriptor(kt_ptr, shape=[num_tiles * TILE_ROWS, heads * HEAD_DIM],
-                                       strides=[heads * HEAD_DIM, 1], block_shape=[TILE_ROWS, HEAD_DIM])
-    desc_v = tl.make_tensor_descriptor(vt_ptr, shape=[num_tiles * TILE_ROWS, heads * HEAD_DIM],
-                                       strides=[heads * HEAD_DIM, 1], block_shape=[TILE_ROWS, HEAD_DIM])
-    col = h * HEAD_DIM
-    for j in tl.range(0, count, warp_specialize=WS):
-        kv, size = key_tile(j, qt, sel_row, sizes_ptr, dense_q, num_prefix, topk)
-        k = desc_k.load([kv * TILE_ROWS, col])
-        v = desc_v.load([kv * TILE_ROWS, col])
-        k_scale = key_scales(ks_ptr, kv, h, num_tiles, TILE_ROWS, QK_INT8)
-        m_i, l_i, acc = online_softmax_step(q, k, v, m_i, l_i, acc, size, scale_log2, q_scale, k_scale, TILE_ROWS,
-                                            False, False, QK_INT8)
-    fine_epilogue(acc, l_i, o_ptr, o_ptr, o_ptr, q_rows, q_valid, qt, h, num_tiles, stride_os, stride_oh, 0, 0,
-                  HEAD_DIM, False)
-
-
-def _ws_rows(bench, q, k, v, plan, sel, k_mean, flop, ours) -> None:
-    """The warp-specialization experiment's rows (`_fine_ws_kernel`), per QK^T kind and launch setting."""
-    from h3render.kernels.vsa.quant import key_tiles_int8
-    from h3render.kernels.vsa.tiles import gather_tiles
-
-    triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
-    heads, d = q.shape[1], q.shape[2]
-    vt = gather_tiles(v, plan)
-    for int8 in (False, True):
-        kt, ks = key_tiles_int8(k, plan, k_mean) if int8 else (gather_tiles(k, plan), q)
-        for ws, warps, stages in ((False, 4, 3), (True, 4, 2), (True, 4, 3), (True, 8, 2)):
-            out = torch.empty_like(q)
-
-            def fn():
-                _fine_ws_kernel[(plan.num_tiles, heads)](  # noqa: B023
-                    q, out, kt, vt, ks, plan.row_of_slot, plan.sizes, sel, q.stride(0), q.stride(1), out.stride(0),  # noqa: B023
-                    out.stride(1), plan.num_tiles, plan.num_prefix, plan.num_video, plan.num_prefix, sel.shape[-1],
-                    1.4426950408889634 / math.sqrt(d), heads, HEAD_DIM=d, TILE_ROWS=64, QK_INT8=int8, WS=ws,  # noqa: B023
-                    num_warps=warps, num_stages=stages)  # noqa: B023
-                return out  # noqa: B023
-
-            what = (f"VSA fine, experiment: device descriptors{', warp-specialized' if ws else ''}, "
-                    f"{'int8' if int8 else 'bf16'} QK^T, {warps} warps / {stages} stages (K/V already tiled)")
-            try:
-                t = bench.cuda_time(fn, reps=5, warm=2)
-                bench.rec(stage="peers", what=what, seconds=round(t, 4), tflops=round(flop / t / 1e12, 1),
-                          rel_diff_vs_ours_bf16=bench.rel_err(fn(), ours))
-            except Exception as exc:  # noqa: BLE001  a row says why it did not compile or run
-                bench.rec(stage="peers", what=what, failed=f"{type(exc).__name__}: {exc}"[:400])
 
 
 def _fk_inputs(plan, sel, heads):
@@ -128,7 +65,6 @@ def _vsa(args, bench) -> None:
                   seconds=round(t, 4), tflops=round(flop / t / 1e12, 1), rel_diff_vs_ours_bf16=bench.rel_err(fn(), ours))
     bench.rec(stage="peers", what="VSA K + V gather into tile order (inside ours above)",
               seconds=round(2 * bench.cuda_time(lambda: gather_tiles(k, plan), reps=10), 5))
-    _ws_rows(bench, q, k, v, plan, sel, k_mean, flop, ours)
 
     tiled = [gather_tiles(x, plan).permute(1, 0, 2)[None].contiguous() for x in (q, k, v)]  # [1, H, n * 64, D]
     idx, num, sizes = _fk_inputs(plan, sel, heads)
