@@ -244,7 +244,8 @@ def stage_vsa(args) -> None:
     # kernel (kernels/vsa/triton_hopper.py, the default on sm_90).
     from h3render.kernels.vsa.triton_hopper import TMA_CONFIGS
 
-    from h3render.kernels.vsa.quant import head_mean_from_pooled, key_tiles_int8
+    from h3render.kernels.vsa.quant import head_mean_from_pooled
+    from h3render.kernels.vsa.quant_triton import key_tiles_int8
     from h3render.kernels.vsa.tiles import gather_tiles
 
     k_mean = head_mean_from_pooled(pool_tiles_triton(k, plan), plan)

@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from h3render.kernels.utils import interpreting
-from h3render.kernels.vsa.quant import key_tiles_int8, rows_int8
+from h3render.kernels.vsa.quant_triton import key_tiles_int8, rows_int8
 from h3render.kernels.vsa.tile_rows import load_tile_rows
 from h3render.kernels.vsa.tiles import TILE, TilePlan, gather_tiles
 

@@ -416,3 +416,34 @@ def test_sidecar_records_the_checkpoint_absolute_and_resume_from_another_folder_
                  f"{here.name}/{official_ckpt.name}", cwd=here.parent)
     assert r.returncode == 0, r.stderr
     assert r.stdout.splitlines()[1].startswith(f"[1/1] a ({out / 'a.mp4'}, skip: done): "), r.stdout
+
+
+# Hides triton from a fresh interpreter, as on a CPU-only install (torch's CPU build does not bring it; it is one of
+# the test extras only), then runs `h3render ARGS`.
+_WITHOUT_TRITON = """
+import importlib.abc, sys
+class _NoTriton(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name == "triton" or name.startswith("triton."):
+            raise ModuleNotFoundError(f"No module named {name!r}")
+sys.meta_path.insert(0, _NoTriton())
+from h3render.cli import main
+sys.argv = ["h3render", *sys.argv[1:]]
+main()
+"""
+
+
+def test_a_cpu_install_without_triton_renders_the_readme_clip(tmp_path):
+    """The README's first command on a CPU-only install: a top-level `import triton` in a module the DiT imports
+    (kernels/vsa/quant.py, session 12) made every command but `presets` a traceback there (a fresh-user trial)."""
+    import subprocess
+    import sys
+
+    from tests._cli import _child_env
+
+    out = tmp_path / "lighthouse.mp4"
+    r = subprocess.run([sys.executable, "-c", _WITHOUT_TRITON, "prompt", "A lighthouse at dusk", "-o", str(out),
+                        "--frames", "22", "--steps", "2"], capture_output=True, text=True, env=_child_env(None),
+                       timeout=600)
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
+    check_mp4(out, frames=22, width=224, height=128)

@@ -13,8 +13,9 @@ import torch
 from h3render.kernels.vsa import select_tiles, tile_plan, vsa_attention
 from h3render.kernels.vsa.naive import block_mask, coarse_attention_naive, fine_attention_naive, pool_tiles_naive
 from h3render.kernels.vsa.naive import add_gated_coarse, tile_scores
-from h3render.kernels.vsa.quant import (fine_attention_int8_naive, head_mean_from_pooled, key_tiles_int8,
-                                        key_tiles_int8_naive, rows_int8_naive)
+from h3render.kernels.vsa.quant import (fine_attention_int8_naive, head_mean_from_pooled, key_tiles_int8_naive,
+                                        rows_int8_naive)
+from h3render.kernels.vsa.quant_triton import key_tiles_int8
 from tests._numerics import rel_err
 
 FAST_DEVICE = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") == "0" else "cpu"
