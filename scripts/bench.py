@@ -74,6 +74,8 @@ Stages (`--stages`, comma-separated):
   peers     issue 26 (scripts/bench_peers.py): FastVideo-kernel 0.3.5's VSA fine kernels (Triton; ThunderKittens when its
             sm_90 extension loads) against ours on the same kept sets at 1344x768x243, and FlashAttention-3 bf16 / FP8
             at the video VAE decoder's attention shape, each with its error; a peer that does not load gets a row
+  vsa-tune  issue 26 (scripts/bench_vsa_tune.py): the TMA fine kernel at 1344x768x243 over stages x register caps
+            (--vsa-tune-maxnreg), int8 and bf16 QK^T, each with its error, registers, spills and shared memory
   batch     queue throughput on 1 GPU: --batch-jobs jobs of --forwards DiT forwards at --batch-canvas through
             `run_batch` with one resident Engine (each job's MP4 tail beside the next job's start). Warm-up
             (prepare, and one untimed job of the queue's shape for Triton JIT / first-call costs) is outside the
@@ -207,6 +209,13 @@ def stage_peers(args) -> None:
     bench_peers.run(args, bench_common)
 
 
+def stage_vsa_tune(args) -> None:
+    """The VSA TMA fine kernel's launch settings and register caps (scripts/bench_vsa_tune.py)."""
+    import bench_vsa_tune
+
+    bench_vsa_tune.run(args, bench_common)
+
+
 def stage_ref2va(args) -> None:
     """A ref2va job with an image and a video+audio reference (scripts/bench_ref2va.py)."""
     import bench_ref2va
@@ -219,7 +228,7 @@ STAGES = {f.__name__: f for f in (
     stage_ceil, stage_attn, stage_kernels, stage_dit, stage_vae, stage_audio, stage_te, stage_ulysses, stage_vsa,
     stage_prof, stage_compare, stage_e2e, stage_fp8_gemm, stage_fp8_quant, stage_fp8_dit, stage_fp8_memory,
     stage_fl2va, stage_ref2va, stage_batch, stage_media, stage_tables, stage_prepare, stage_te_fp8, stage_vae_fp8,
-    stage_memplans, stage_longclip, stage_lora, stage_peers)}
+    stage_memplans, stage_longclip, stage_lora, stage_peers, stage_vsa_tune)}
 
 
 def main() -> None:
@@ -266,6 +275,7 @@ def main() -> None:
     p.add_argument("--vsa-fines", default="triton,flex", help="vsa stage: fine backends of the whole-layer rows")
     p.add_argument("--vsa-sparsity", type=float, default=FASTH3_V1_VSA_SPARSITY,
                    help="vsa stage: sparsity (default FastH3 v1's; h3render.spec FASTH3_V*_VSA_SPARSITY)")
+    p.add_argument("--vsa-tune-maxnreg", default="168", help="vsa-tune stage: register caps besides none")
     p.add_argument("--fl2va-canvas", default="1344x768x243", help="fl2va stage: WxHxFRAMES")
     p.add_argument("--fl2va-model", default="released", choices=["released", "tiny", "small"])
     p.add_argument("--fl2va-device", default=None, choices=["cuda", "cpu"], help="default: cuda when available")

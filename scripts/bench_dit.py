@@ -254,11 +254,12 @@ def stage_vsa(args) -> None:
         int8_s=round(cuda_time(lambda: key_tiles_int8(k, plan, k_mean), reps=20), 5))
     for tma, configs, qk_int8 in ((False, FINE_CONFIGS, False), (True, TMA_CONFIGS, False),
                                   (True, TMA_CONFIGS, True), (False, FINE_CONFIGS, True)):
-        for warps, stages in configs + ((None, None),):
+        for warps, stages, *cap in tuple(configs) + ((None, None),):
+            cap = cap[0] if cap else None
             fn = lambda: fine_attention_triton(q, k, v, plan, sel, gate, out_c, num_warps=warps,  # noqa: E731
-                                               num_stages=stages, tma=tma, qk_int8=qk_int8, k_mean=k_mean)
+                                               num_stages=stages, maxnreg=cap, tma=tma, qk_int8=qk_int8, k_mean=k_mean)
             t = cuda_time(fn, reps=5, warm=2)
-            label = (f"num_warps={warps} num_stages={stages}" if warps
+            label = (f"num_warps={warps} num_stages={stages}{f' maxnreg={cap}' if cap else ''}" if warps
                      else f"autotuned (picked {tuned_fine_config(tma=tma)})")
             rec(stage="vsa", what=f"VSA fine+gate Triton{' TMA' if tma else ''}{' int8 QK' if qk_int8 else ''} "
                 f"{label}", ours_s=round(t, 4), tflops=round(flop_dense * density / t / 1e12, 1),

@@ -48,7 +48,9 @@ def add_arguments(p) -> None:
                    help="e2e: comma-separated variants of the vsa rows, for a before/after in one engine: current, "
                         "bf16-qk (this tree with the fine stage's QK^T in bf16: main before issue 26's twelfth-"
                         "session work), session12 (this tree with the video VAE decoder's FP8 FFN as at the "
-                        "thirteenth session's start: Inductor's own SwiGLU quantization, no fused kernel)")
+                        "thirteenth session's start: Inductor's own SwiGLU quantization, no fused kernel), uncapped "
+                        "(this tree with the VSA TMA kernel's autotuner over the thirteenth session's uncapped "
+                        "settings: 4 warps x 2, 3, 4 stages)")
     p.add_argument("--e2e-content", default="noise",
                    help="e2e / memplans: comma-separated pictures each job is rendered with, in this order: noise "
                         "(what the random weights decode), moving (the real decode, each chunk then painted with "
@@ -267,7 +269,8 @@ def vsa_variants(args) -> list[str]:
     return variants
 
 
-VARIANTS = ("current", "bf16-qk", "session12")
+VARIANTS = ("current", "bf16-qk", "session12", "uncapped")
+_UNCAPPED_PICKS: dict = {}  # the "uncapped" variant's autotuner picks, apart from the tree's own
 
 
 @contextlib.contextmanager
@@ -280,10 +283,21 @@ def vsa_kernels(variant: str, engine):
     dit.vsa_qk_int8 = saved[0] and variant != "bf16-qk"
     if variant == "session12":  # (the compiled blocks recompile on the first decode: `decode_alone` takes it)
         FeedForward.fused_fp8 = False
+    tuner = tuned = None
+    if variant == "uncapped":  # timed on the variant's first call (the untimed warm-up forward), then kept apart
+        import triton
+
+        from h3render.kernels.vsa.triton_hopper import _fine_tma_tuned as tuner
+
+        tuned = tuner.configs, tuner.cache
+        tuner.configs = [triton.Config({}, num_warps=4, num_stages=st) for st in (2, 3, 4)]
+        tuner.cache = _UNCAPPED_PICKS
     try:
         yield
     finally:
         dit.vsa_qk_int8, FeedForward.fused_fp8 = saved
+        if tuner is not None:
+            tuner.configs, tuner.cache = tuned
 
 
 def content_scenes(args, device: torch.device, canvases) -> tuple[list[str], "MovingScenes | None"]:

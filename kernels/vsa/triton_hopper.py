@@ -58,17 +58,21 @@ def _fine_tma_kernel(
         k = desc_k.load([kv * TILE_ROWS, col])  # [TILE, D], one bulk tensor copy
         v = desc_v.load([kv * TILE_ROWS, col])
         k_scale = key_scales(ks_ptr, kv, h, num_tiles, TILE_ROWS, QK_INT8)
-        m_i, l_i, acc = online_softmax_step(q, k, v, m_i, l_i, acc, size, scale_log2, q_scale, k_scale, TILE_ROWS,
-                                            IEEE, UPCAST, QK_INT8)
+        m_i, l_i, acc = online_softmax_step(q, k, v, m_i, l_i, acc, size, q_scale, k_scale, TILE_ROWS, IEEE, UPCAST,
+                                            QK_INT8)
     fine_epilogue(acc, l_i, o_ptr, gate_ptr, coarse_ptr, q_rows, q_valid, qt, h, num_tiles, stride_os, stride_oh,
                    stride_gs, stride_gh, HEAD_DIM, GATE)
 
 
-# 4 warps (one warpgroup per 64-row tile) x 2, 3, 4 stages: 0.0562, 0.0570, 0.0567 s at 1344x768x243, s = 0.9 on an
-# H200 (2026-12-02), within 1.5 % of each other, so the autotuner picks per shape, as for the pointer kernel.
-TMA_CONFIGS = ((4, 2), (4, 3), (4, 4))
+# (warps, stages, register cap). At 1344x768x243, s = 0.9 on an H200 (2026-12-03, docs/performance.md §24.1) the int8
+# kernel takes 188 registers a thread uncapped (2 programs of 128 threads per multiprocessor: 0.0483-0.0508 s); capped
+# at 168 three fit, with 2 spilled registers: 0.0443-0.0452 s. A cap of 128 (four programs) spills 12: 0.050 s. The
+# bf16 kernel holds 82 KB of shared memory, so two programs a multiprocessor whatever its registers, and the cap
+# changes nothing there (0.0554-0.0558 s). Stages: 2 and 3 within 1 %; 1 stage 0.072 s (int8). The autotuner picks
+# per shape; the uncapped setting stays for shapes where the cap would spill more.
+TMA_CONFIGS = ((4, 2, 168), (4, 3, 168), (4, 3, None))
 _fine_tma_tuned = triton.autotune(
-    configs=[triton.Config({}, num_warps=w, num_stages=st) for w, st in TMA_CONFIGS],
+    configs=[triton.Config({}, num_warps=w, num_stages=st, maxnreg=r) for w, st, r in TMA_CONFIGS],
     key=["num_tiles", "num_prefix", "topk", "dense_q", "QK_INT8", "GATE"],  # see triton_impl._fine_tuned
     cache_results=True,
 )(_fine_tma_kernel)
@@ -80,14 +84,17 @@ def tma_supported(x: torch.Tensor) -> bool:
 
 
 def launch_fine_tma(q, out, kt, vt, ks, g, c, plan: TilePlan, sel, dense_q: int, topk: int, *, gate: bool,
-                    upcast: bool, launch: dict | None, qk_int8: bool = False) -> None:
+                    upcast: bool, launch: dict | None, qk_int8: bool = False):
     """Launch the TMA fine kernel; `fine_attention_triton` checks the arguments and builds kt, vt.
 
     Args:
         q, out, g: `[S, H, D]`; kt, vt: `[n * 64, H, D]` contiguous tile-ordered keys / values (kt int8 codes with
             `qk_int8`, ks `[H, n * 64]` fp32 their row scales; else ks unused); c: `[H, n, D]` fp32
             (or any tensor without a gate); sel: `[H, V, topk]` int32 (any int32 tensor when dense_q == n).
-        launch: {"num_warps", "num_stages"}, or None: the autotuner's pick among `TMA_CONFIGS` for this shape.
+        launch: {"num_warps", "num_stages"} (optionally "maxnreg"), or None: the autotuner's pick among
+            `TMA_CONFIGS` for this shape.
+    Returns:
+        Triton's launched kernel handle (its `n_regs`, `n_spills`, `metadata.shared`); None when autotuned.
     """
     from triton.tools.tensor_descriptor import TensorDescriptor
 
@@ -96,7 +103,7 @@ def launch_fine_tma(q, out, kt, vt, ks, g, c, plan: TilePlan, sel, dense_q: int,
     desc_k = TensorDescriptor.from_tensor(kt.view(kt.shape[0], heads * d), [TILE, d])
     desc_v = TensorDescriptor.from_tensor(vt.view(vt.shape[0], heads * d), [TILE, d])
     kernel = _fine_tma_tuned if launch is None else _fine_tma_kernel
-    kernel[(plan.num_tiles, heads)](
+    handle = kernel[(plan.num_tiles, heads)](
         q, out, desc_k, desc_v, ks, g, c, plan.row_of_slot, plan.sizes, sel,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), g.stride(0), g.stride(1),
         plan.num_tiles, plan.num_prefix, plan.num_video, dense_q, topk,
@@ -104,3 +111,4 @@ def launch_fine_tma(q, out, kt, vt, ks, g, c, plan: TilePlan, sel, dense_q: int,
         HEAD_DIM=d, TILE_ROWS=TILE, GATE=gate, IEEE=q.dtype == torch.float32, UPCAST=upcast, QK_INT8=qk_int8,
         **(launch or {}),
     )
+    return None if launch is None else handle

@@ -60,7 +60,8 @@ def _pool_kernel(
 def fine_prologue(q_ptr, row_of_slot_ptr, sel_ptr, stride_qs, stride_qh, qt, h, num_tiles, num_prefix, num_video,
                   dense_q, topk, scale_log2, TILE_ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, QK_INT8: tl.constexpr):
     """The query tile `qt` of head `h` from the packed rows and its loop state: (q [TILE, D] (int8 codes with
-    QK_INT8), its score scale [TILE] fp32 (with QK_INT8 the row scales times `scale_log2`, else unused), its rows
+    QK_INT8), its rows' factor from raw dot to log2 units [TILE] fp32 (`scale_log2`, times the row scales with
+    QK_INT8), its rows
     int64 [TILE], valid [TILE], running max m_i, sum l_i, acc [TILE, D] fp32, key tiles to visit, its row of `sel`)."""
     q, q_rows, q_valid = load_tile_rows(q_ptr, row_of_slot_ptr, qt, h, stride_qs, stride_qh, TILE_ROWS, HEAD_DIM)
     if QK_INT8:
@@ -98,37 +99,41 @@ def key_scales(ks_ptr, kv, h, num_tiles, TILE_ROWS: tl.constexpr, QK_INT8: tl.co
 
 
 @triton.jit
-def online_softmax_step(q, k, v, m_i, l_i, acc, size, scale_log2, q_scale, k_scale, TILE_ROWS: tl.constexpr,
+def online_softmax_step(q, k, v, m_i, l_i, acc, size, q_scale, k_scale, TILE_ROWS: tl.constexpr,
                         IEEE: tl.constexpr, UPCAST: tl.constexpr, QK_INT8: tl.constexpr):
-    """One key tile `k, v [TILE, D]` (`size` valid rows) into the running (max m_i, sum l_i, acc) of `q`. With
-    QK_INT8, q and k are int8 codes and the scores are their int32 product times `q_scale [TILE]` (row scales times
-    log2(e) / sqrt(D)) and `k_scale [TILE]` (the key rows' scales)."""
+    """One key tile `k, v [TILE, D]` (`size` valid rows) into the running (max m_i, sum l_i, acc) of `q`.
+
+    The scores stay in raw dot units (the bf16 / fp32 dot, or with QK_INT8 the int32 dot of the codes times the key
+    rows' scales `k_scale [TILE]`), and so does m_i; `q_scale [TILE]` is each query row's factor to log2 units
+    (log2(e) / sqrt(D), times the row's int8 scale with QK_INT8), positive, so the max is the same row's max. It
+    enters once, in the FMA before exp2 (as FlashAttention does): one multiply per score fewer than scaling the
+    scores first, which with the register cap of TMA_CONFIGS made the int8 kernel 9 % faster at the released shape
+    (docs/performance.md §24.1)."""
     offs_m = tl.arange(0, TILE_ROWS)
     if QK_INT8:
         if UPCAST:  # interpreter: an fp32 dot of the codes is exact (|sum| <= 128 * 127^2 < 2^24)
             qk = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
         else:
             qk = tl.dot(q, tl.trans(k), out_dtype=tl.int32).to(tl.float32)
-        qk = qk * q_scale[:, None] * k_scale[None, :]
+        qk = qk * k_scale[None, :]
     elif UPCAST:
         qk = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
     elif IEEE:
         qk = tl.dot(q, tl.trans(k), input_precision="ieee")
     else:
         qk = tl.dot(q, tl.trans(k))
-    if not QK_INT8:
-        qk = qk * scale_log2
     qk = tl.where(offs_m[None, :] < size, qk, float("-inf"))  # pad key slots: p = 0
     m_new = tl.maximum(m_i, tl.max(qk, axis=1))  # finite: every tile holds >= 1 row
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(qk - m_new[:, None])
+    alpha = tl.exp2((m_i - m_new) * q_scale)
+    p = tl.exp2(qk * q_scale[:, None] - (m_new * q_scale)[:, None])  # one FMA, then exp2
     l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None]  # the rescale rides in the MMA's accumulator operand
     if UPCAST:
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32), input_precision="ieee")
+        acc = acc + tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32), input_precision="ieee")
     elif IEEE:
-        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision="ieee")
+        acc = tl.dot(p.to(v.dtype), v, acc, input_precision="ieee")
     else:
-        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])  # the rescale rides in the MMA's accumulator
+        acc = tl.dot(p.to(v.dtype), v, acc)
     return m_new, l_i, acc
 
 
@@ -184,8 +189,8 @@ def _fine_kernel(
         k = tl.load(kt_ptr + base + kv_offs)
         v = tl.load(vt_ptr + base + kv_offs)
         k_scale = key_scales(ks_ptr, kv, h, num_tiles, TILE_ROWS, QK_INT8)
-        m_i, l_i, acc = online_softmax_step(q, k, v, m_i, l_i, acc, size, scale_log2, q_scale, k_scale, TILE_ROWS,
-                                            IEEE, UPCAST, QK_INT8)
+        m_i, l_i, acc = online_softmax_step(q, k, v, m_i, l_i, acc, size, q_scale, k_scale, TILE_ROWS, IEEE, UPCAST,
+                                            QK_INT8)
     fine_epilogue(acc, l_i, o_ptr, gate_ptr, coarse_ptr, q_rows, q_valid, qt, h, num_tiles, stride_os, stride_oh,
                    stride_gs, stride_gh, HEAD_DIM, GATE)
 
@@ -212,16 +217,16 @@ _fine_tuned = triton.autotune(
 TMA_BY_DEFAULT = True
 
 
-def tuned_fine_config(shape_key: tuple | None = None, tma: bool = False) -> tuple[int, int] | None:
-    """(num_warps, num_stages) the autotuner (of the TMA kernel with `tma`) picked for the last tuned shape (or
-    `shape_key`), None before."""
+def tuned_fine_config(shape_key: tuple | None = None, tma: bool = False) -> tuple[int, int, int | None] | None:
+    """(num_warps, num_stages, register cap or None) the autotuner (of the TMA kernel with `tma`) picked for the last
+    tuned shape (or `shape_key`), None before."""
     from h3render.kernels.vsa.triton_hopper import _fine_tma_tuned
 
     cache = getattr(_fine_tma_tuned if tma else _fine_tuned, "cache", {})
     if not cache:
         return None
     config = cache[shape_key] if shape_key is not None else list(cache.values())[-1]
-    return config.num_warps, config.num_stages
+    return config.num_warps, config.num_stages, config.maxnreg
 
 
 def _check_head_dim(d: int) -> None:
@@ -253,6 +258,7 @@ def fine_attention_triton(
     out: torch.Tensor | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    maxnreg: int | None = None,
     tma: bool | None = None,
     qk_int8: bool = False,
     k_mean: torch.Tensor | None = None,
@@ -269,6 +275,7 @@ def fine_attention_triton(
         num_warps, num_stages: launch settings (4 warps = one Hopper warpgroup per 64-row tile); None (both) = on
             CUDA the autotuner's pick among `FINE_CONFIGS` (`triton_hopper.TMA_CONFIGS` with TMA) for this shape
             (timed once, on the shape's first call), in the interpreter 4 and 1.
+        maxnreg: a register cap per thread with explicit launch settings (None: Triton's choice).
         tma: read keys / values through tensor descriptors (`triton_hopper`, bulk tensor copies on sm_90; 5 %
             faster on an H200, docs/performance.md §19); None = `TMA_BY_DEFAULT` on CUDA GPUs of compute capability
             >= 9.0, else the pointer kernel here. True runs it in the interpreter too.
@@ -301,6 +308,8 @@ def fine_attention_triton(
         kt = ks = gather_tiles(k, plan)  # ks unused
     vt = gather_tiles(v, plan)
     launch: dict | None = {"num_warps": num_warps, "num_stages": num_stages}
+    if maxnreg:
+        launch["maxnreg"] = maxnreg
     compiled = q.is_cuda and not interpreting()
     if num_warps is None and num_stages is None:
         launch = None if compiled else {"num_warps": 4, "num_stages": 1}  # None: autotune

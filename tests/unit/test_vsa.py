@@ -185,6 +185,33 @@ def test_tma_fine_matches_reference(prefix, grid, heads, dim, sparsity, dtype, w
     assert rel_err(out, ref) < (1e-6 if dtype == torch.float32 else 1e-2)
 
 
+# Scores spanning more than fp32's exponent range within a row: q is scaled up so that past the first key tile some
+# rows' max grows by more than 2**128 (a missed or wrong rescale of the running max overflows p to inf) while others'
+# barely grows; with raw-unit scores and the log2 factor in the exp2's FMA (`online_softmax_step`) both kernels still
+# match the reference. ODD's partial tiles exercise the pad-slot mask.
+@pytest.mark.parametrize("tma, dtype", [(True, F32), (False, F32), (True, BF16)])
+def test_fine_kernels_keep_scores_past_the_exponent_range(tma, dtype):
+    from h3render.kernels.vsa.naive import coarse_attention_naive
+    from h3render.kernels.vsa.triton_impl import fine_attention_triton
+
+    prefix, grid, heads, dim, sparsity = ODD
+    plan = tile_plan(prefix, grid, FAST_DEVICE)
+    q, k, v, g = _rand(plan, heads, dim, seed=11, dtype=torch.float32)
+    q, k, v, g = (x.to(dtype) for x in (q * 120.0, k, v, g))
+    # The premise, on head 0.
+    s = (q[:, 0].float() @ k[:, 0].float().T) * (math.log2(math.e) / math.sqrt(dim))  # [S, S] log2 units
+    first = plan.row_of_slot[:TILE]
+    grow = s.amax(1) - s[:, first[first >= 0].long()].amax(1)
+    assert bool((grow > 128).any()) and bool((grow < 8).any())
+    ref = vsa_attention_naive(q, k, v, g, plan, sparsity)
+    sc = tile_scores(pool_tiles_naive(q, plan), pool_tiles_naive(k, plan))
+    coarse = coarse_attention_naive(sc, pool_tiles_naive(v, plan))
+    out = torch.full_like(q, float("nan"))
+    fine_attention_triton(q, k, v, plan, select_tiles(sc, plan, sparsity), g, coarse, out=out, tma=tma)
+    # fp32: scores of |s| ~ 300 carry ~300 ulp in exp (1.2e-6 measured); a missed rescale gives inf / NaN.
+    assert rel_err(out, ref) < (1e-5 if dtype == torch.float32 else 1e-2)
+
+
 def test_gather_tiles_matches_to_tiles_on_valid_slots():
     from h3render.kernels.vsa.tiles import gather_tiles
 

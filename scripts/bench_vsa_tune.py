@@ -1,0 +1,67 @@
+"""The VSA TMA fine kernel's launch settings with their register budgets at the released geometry (issue 26,
+`--stages vsa-tune`).
+
+1344x768x243 (S = 73,686, 56 heads x 128, 1,206 tiles), s = --vsa-sparsity, random bf16 q/k/v/gate (seed 0), kept
+sets from their tile scores; the TMA kernel (`triton_hopper`) with the gate, int8 and bf16 QK^T. One row per launch
+setting (4 warps x 1, 2, 3 stages x no cap and each of --vsa-tune-maxnreg): seconds (median of 5), effective TFLOP/s,
+rel. error of the whole layer on 4 heads against the torch reference, and the compiled kernel's registers, spilled
+registers and shared memory, which decide how many programs share a multiprocessor (65,536 registers, 228 KB).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+@torch.no_grad()
+def run(args, bench) -> None:
+    from h3render.kernels.vsa import select_tiles, topk_budget, vsa_attention_naive
+    from h3render.kernels.vsa.naive import coarse_attention_naive, tile_scores
+    from h3render.kernels.vsa.quant import head_mean_from_pooled
+    from h3render.kernels.vsa.quant_triton import key_tiles_int8
+    from h3render.kernels.vsa.tiles import gather_tiles
+    from h3render.kernels.vsa.triton_hopper import launch_fine_tma
+    from h3render.kernels.vsa.triton_impl import pool_tiles_triton
+    from h3render.models.attention import SparseAttention
+    from h3render.packing import t2va_layout
+
+    s = args.vsa_sparsity
+    plan = SparseAttention.for_layout(t2va_layout(300, 768, 1344, 243), s, "cuda").plan
+    heads, dim, n = 56, 128, plan.num_tiles
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v, gate = (torch.randn(plan.seq_len, heads, dim, device="cuda", generator=g).bfloat16() for _ in range(4))
+    pooled_k = pool_tiles_triton(k, plan)
+    scores = tile_scores(pool_tiles_triton(q, plan), pooled_k)
+    sel = select_tiles(scores, plan, s)
+    coarse = coarse_attention_naive(scores, pool_tiles_triton(v, plan)).contiguous()  # [H, n, D] fp32
+    k_kept = topk_budget(s, plan.num_video)
+    density = (plan.num_prefix * n + plan.num_video * (plan.num_prefix + k_kept)) / n ** 2
+    flop = 4 * plan.seq_len ** 2 * heads * dim * density
+    sub = slice(0, 4)
+    ref = vsa_attention_naive(*(x[:, sub].contiguous() for x in (q, k, v, gate)), plan, s)
+    k_mean = head_mean_from_pooled(pooled_k, plan)
+    vt = gather_tiles(v, plan)
+    keys = {True: key_tiles_int8(k, plan, k_mean), False: (gather_tiles(k, plan),) * 2}
+    out = torch.empty_like(q)
+    for int8 in (True, False):
+        kt, ks = keys[int8]
+        for stages in (1, 2, 3):
+            for cap in [None] + [int(x) for x in args.vsa_tune_maxnreg.split(",") if x]:
+                launch = {"num_warps": 4, "num_stages": stages, **({"maxnreg": cap} if cap else {})}
+
+                def fn():
+                    return launch_fine_tma(q, out, kt, vt, ks, gate, coarse, plan, sel, plan.num_prefix, k_kept,
+                                           gate=True, upcast=False, launch=launch, qk_int8=int8)  # noqa: B023
+
+                label = f"VSA fine+gate TMA {'int8' if int8 else 'bf16'} QK 4w/{stages}st{f' maxnreg={cap}' if cap else ''}"
+                try:
+                    handle = fn()
+                    t = bench.cuda_time(fn, reps=5, warm=2)
+                except Exception as exc:  # noqa: BLE001  a row says why
+                    bench.rec(stage="vsa-tune", what=label, failed=f"{type(exc).__name__}: {exc}"[:300])
+                    continue
+                fn()
+                bench.rec(stage="vsa-tune", what=label, ours_s=round(t, 4), tflops=round(flop / t / 1e12, 1),
+                          rel_err=bench.rel_err(out[:, sub], ref), n_regs=getattr(handle, "n_regs", None),
+                          n_spills=getattr(handle, "n_spills", None),
+                          shared=getattr(getattr(handle, "metadata", None), "shared", None))
