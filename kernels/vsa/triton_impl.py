@@ -61,8 +61,8 @@ def fine_prologue(q_ptr, row_of_slot_ptr, sel_ptr, stride_qs, stride_qh, qt, h, 
                   dense_q, topk, scale_log2, TILE_ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, QK_INT8: tl.constexpr):
     """The query tile `qt` of head `h` from the packed rows and its loop state: (q [TILE, D] (int8 codes with
     QK_INT8), its rows' factor from raw dot to log2 units [TILE] fp32 (`scale_log2`, times the row scales with
-    QK_INT8), its rows
-    int64 [TILE], valid [TILE], running max m_i, sum l_i, acc [TILE, D] fp32, key tiles to visit, its row of `sel`)."""
+    QK_INT8), its rows int64 [TILE], valid [TILE], running max m_i (raw dot units), sum l_i, acc [TILE, D] fp32, key
+    tiles to visit, its row of `sel`)."""
     q, q_rows, q_valid = load_tile_rows(q_ptr, row_of_slot_ptr, qt, h, stride_qs, stride_qh, TILE_ROWS, HEAD_DIM)
     if QK_INT8:
         q, q_scale = rows_int8(q.to(tl.float32))  # per-row codes: quantized once here, not per key tile
