@@ -60,8 +60,9 @@ def engine_options(f):
                      default=RunSettings.x264_preset, show_default=True,
                      help="x264 speed preset (faster presets: bigger files at the same CRF)."),
         click.option("--attention", type=click.Choice(ATTENTION_BACKENDS), default=None,
-                     help="Attention backend on CUDA (default: fastest available, by measurement); on CPU "
-                          "torch SDPA always runs. The sidecar's run.attention says what ran."),
+                     help="Attention backend on CUDA (default: the first of fa3, cudnn, sdpa that is installed "
+                          "and agrees with sdpa on a probe); on CPU torch SDPA always runs. The sidecar's "
+                          "run.attention says what ran."),
         click.option("--save-latents", is_flag=True, hidden=True,
                      help="Also write <name>.latents.pt (final latents) beside each MP4, for comparing runs."),
         click.option("--max-gpu-memory", type=float, default=None, metavar="GB",

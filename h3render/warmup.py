@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from h3render import spec
-from h3render.models.attention import fastest_for
+from h3render.models.attention import preferred_for
 from h3render.models.attention import runner as attention_runner
 from h3render.packing import t2va_layout
 from h3render.tasks import task_of, windows_of
@@ -91,14 +91,14 @@ class WarmUp:
     def _warm_vae(self, jobs: list) -> None:
         vae = self.c.video_vae
         if self.settings.attention in (None, "auto"):
-            # The decoder's attention (short sequences, head dim 64) gets its own measured backend.
+            # The decoder's attention (short sequences, head dim 64) gets its own check of the preferred backend.
             job = jobs[0]
             plan = vae.plan_decode(vae.config.geometry.window_latents, job.height // vae.config.spatial_ratio,
                                    job.width // vae.config.spatial_ratio)
-            name, probe = fastest_for(vae.attention_shape(plan, self.settings.vae_batch))
+            name, probe = preferred_for(vae.attention_shape(plan, self.settings.vae_batch))
             vae.set_attention(heads_first(attention_runner(name)))
             self.warmup["vae_attention_backend"] = name
-            self.warmup["vae_attention_probe_s"] = probe
+            self.warmup["vae_attention_probe_rel_err"] = probe
         t0 = time.perf_counter()
         if self.settings.compile_vae and not getattr(vae, "pad_batches", False):
             from h3render import compile_prefetch

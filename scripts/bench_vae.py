@@ -75,15 +75,14 @@ def stage_vae(args) -> None:
 
 
 def vae_attention(vae, batch: int, stage: str) -> None:
-    """The decoder's attention backend, measured at its own shape (as `Engine.prepare` does)."""
-    from h3render.models.attention import fastest_for, runner
+    """The decoder's attention backend, checked at its own shape (as `Engine.prepare` does)."""
+    from h3render.models.attention import preferred_for, runner
     from h3render.warmup import heads_first
 
     shape = vae.attention_shape(vae.plan_decode(vae.config.geometry.window_latents, 48, 84), batch)
-    name, probe = fastest_for(shape)
+    name, probe = preferred_for(shape)
     vae.set_attention(heads_first(runner(name)))
-    rec(stage=stage, what=f"VAE attention backend at {list(shape)}", backend=name,
-        probe_ms={k: round(v * 1e3, 3) for k, v in probe.items()})
+    rec(stage=stage, what=f"VAE attention backend at {list(shape)}", backend=name, probe_rel_err=probe)
 
 
 def ref_vae_decode(ref, cfg, z):

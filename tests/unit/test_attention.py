@@ -2,6 +2,7 @@
 the FlashAttention-3 path hands [B, S, H, D] through unchanged (checked with a stand-in FA3 function)."""
 
 import dataclasses
+import math
 
 import pytest
 import torch
@@ -211,3 +212,38 @@ def test_the_qkv_projection_output_is_freed_before_attending(sparse):
     with torch.no_grad():
         out = module(torch.randn(50, 64), None, attend if sparse else None)
     assert out.shape == (50, 64) and alive == [False]
+
+
+def test_auto_choice_is_the_first_agreeing_backend_whatever_the_timing(monkeypatch):
+    """Two processes on one GPU timed FA3 and cuDNN differently under load and rendered one seed to different bits
+    (GPU suite, 2026-12-03): the automatic choice is the registry's order, checked for agreement, never timed."""
+    import time
+
+    calls = []
+
+    def slow_but_right(q, k, v):
+        calls.append("fa3")
+        time.sleep(0.05)
+        return attn_mod.sdpa_attention(q, k, v)
+
+    def fast_but_wrong(q, k, v):
+        calls.append("cudnn")
+        return attn_mod.sdpa_attention(q, k, v) * 1.5
+
+    backends = {"fa3": slow_but_right, "cudnn": fast_but_wrong}
+    monkeypatch.setattr(attn_mod, "available_backends", lambda: ["fa3", "cudnn", "sdpa"])
+    for name, fn in backends.items():
+        monkeypatch.setitem(attn_mod.REGISTRY, name, attn_mod.AttentionBackend(name, lambda: True, fn))
+    name, errors = attn_mod.preferred_for((1, 64, 2, 16), device="cpu")
+    assert name == "fa3" and calls == ["fa3"] and errors["fa3"] < 1e-2  # cuDNN never ran: fa3 agreed first
+    # fa3 disagreeing (or failing) passes the choice down the order; cudnn's 50 % error skips it as well.
+    monkeypatch.setitem(attn_mod.REGISTRY, "fa3", attn_mod.AttentionBackend("fa3", lambda: True, fast_but_wrong))
+    name, errors = attn_mod.preferred_for((1, 64, 2, 16), device="cpu")
+    assert name == "sdpa" and errors["fa3"] == pytest.approx(0.5, rel=1e-2) and errors["cudnn"] > 0.4
+
+    def fails(q, k, v):
+        raise RuntimeError("no kernel for this shape")
+
+    monkeypatch.setitem(attn_mod.REGISTRY, "fa3", attn_mod.AttentionBackend("fa3", lambda: True, fails))
+    monkeypatch.setitem(attn_mod.REGISTRY, "cudnn", attn_mod.AttentionBackend("cudnn", lambda: True, slow_but_right))
+    assert attn_mod.preferred_for((1, 64, 2, 16), device="cpu") == ("cudnn", {"fa3": math.inf, "cudnn": 0.0})

@@ -118,8 +118,8 @@ def test_a_mixed_queue_that_swaps_renders_what_a_resident_engine_renders(tmp_pat
     ref = Job(id="b", prompt="A red fox", width=128, height=64, frames=22, seed=5, steps=2, mode="t2va", output="b",
               references=(read_reference("r.png", tmp_path),))
     ctx = ParallelContext(0, 1, 0, torch.device("cuda"))
-    # One attention backend for both engines: each engine's measured choice (FA3 / cuDNN / SDPA, `select_backend`)
-    # can differ under a loaded GPU (it did once in the GPU suite, with fa3-fwd installed), and so would the latents.
+    # One attention backend for both engines, named: the latents are compared bit for bit, and until 2026-12-03 the
+    # automatic choice was timed and once differed between the two under a loaded GPU (with fa3-fwd installed).
     settings = RunSettings(progress=False, save_latents=True, device="cuda", dtype="bf16", compile_vae=False,
                            graph_audio=False, attention="sdpa")
 
