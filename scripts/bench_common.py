@@ -131,3 +131,34 @@ def dit_flops(seq: int, cfg, layers: int) -> tuple[float, float]:
 
 PROMPT = ("A lighthouse keeper climbs the spiral stairs at dusk, camera tracking upward; wind, waves, the creak of "
           "iron steps. [Speaker 1]: \"Storm's coming.\"")
+
+
+@torch.no_grad()
+def released_vsa_case(sparsity: float):
+    """One VSA layer at the released geometry (1344x768x243 with 300 text rows: S = 73,686, 56 heads x 128, 1,206
+    tiles) on CUDA: random bf16 q, k, v, gate (seed 0, drawn in that order) and the kept sets from their tile scores.
+
+    Returns a namespace: plan, q, k, v, gate `[S, H, D]`, pooled_k `[H, n, D]` fp32, scores `[H, n, n]`, sel
+    `[H, V, K]` int32, k_kept, k_mean `[H, D]` (the int8 smoothing), flop (effective: 4 S^2 H D x block density).
+    """
+    from types import SimpleNamespace
+
+    from h3render.kernels.vsa import select_tiles
+    from h3render.kernels.vsa.naive import tile_scores
+    from h3render.kernels.vsa.quant import head_mean_from_pooled
+    from h3render.kernels.vsa.triton_impl import pool_tiles_triton
+    from h3render.models.attention import SparseAttention
+    from h3render.packing import t2va_layout
+
+    plan = SparseAttention.for_layout(t2va_layout(300, 768, 1344, 243), sparsity, "cuda").plan
+    heads, dim, n = 56, 128, plan.num_tiles
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v, gate = (torch.randn(plan.seq_len, heads, dim, device="cuda", generator=g).bfloat16() for _ in range(4))
+    pooled_k = pool_tiles_triton(k, plan)
+    scores = tile_scores(pool_tiles_triton(q, plan), pooled_k)
+    sel = select_tiles(scores, plan, sparsity)
+    k_kept = sel.shape[-1]
+    density = (plan.num_prefix * n + plan.num_video * (plan.num_prefix + k_kept)) / n ** 2
+    return SimpleNamespace(plan=plan, q=q, k=k, v=v, gate=gate, pooled_k=pooled_k, scores=scores, sel=sel,
+                           k_kept=k_kept, k_mean=head_mean_from_pooled(pooled_k, plan),
+                           flop=4 * plan.seq_len ** 2 * heads * dim * density)

@@ -38,25 +38,12 @@ def _fk_inputs(plan, sel, heads):
 
 @torch.no_grad()
 def _vsa(args, bench) -> None:
-    from h3render.kernels.vsa import select_tiles
-    from h3render.kernels.vsa.naive import tile_scores
-    from h3render.kernels.vsa.quant import head_mean_from_pooled
     from h3render.kernels.vsa.tiles import gather_tiles
-    from h3render.kernels.vsa.triton_impl import fine_attention_triton, pool_tiles_triton
-    from h3render.models.attention import SparseAttention
-    from h3render.packing import t2va_layout
+    from h3render.kernels.vsa.triton_impl import fine_attention_triton
 
-    s = args.vsa_sparsity
-    plan = SparseAttention.for_layout(t2va_layout(300, 768, 1344, 243), s, "cuda").plan
-    heads, dim, n = 56, 128, plan.num_tiles
-    g = torch.Generator(device="cuda").manual_seed(0)
-    q, k, v = (torch.randn(plan.seq_len, heads, dim, device="cuda", generator=g).bfloat16() for _ in range(3))
-    pooled_k = pool_tiles_triton(k, plan)
-    sel = select_tiles(tile_scores(pool_tiles_triton(q, plan), pooled_k), plan, s)  # [H, V, K] int32
-    k_kept = sel.shape[-1]
-    density = (plan.num_prefix * n + plan.num_video * (plan.num_prefix + k_kept)) / n ** 2
-    flop = 4 * plan.seq_len ** 2 * heads * dim * density
-    k_mean = head_mean_from_pooled(pooled_k, plan)
+    case = bench.released_vsa_case(args.vsa_sparsity)
+    plan, q, k, v, sel, k_mean, flop = case.plan, case.q, case.k, case.v, case.sel, case.k_mean, case.flop
+    heads = q.shape[1]
     ours = fine_attention_triton(q, k, v, plan, sel)
     for int8 in (False, True):
         fn = lambda: fine_attention_triton(q, k, v, plan, sel, qk_int8=int8, k_mean=k_mean)  # noqa: B023, E731

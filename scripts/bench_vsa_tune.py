@@ -15,31 +15,19 @@ import torch
 
 @torch.no_grad()
 def run(args, bench) -> None:
-    from h3render.kernels.vsa import select_tiles, topk_budget, vsa_attention_naive
-    from h3render.kernels.vsa.naive import coarse_attention_naive, tile_scores
-    from h3render.kernels.vsa.quant import head_mean_from_pooled
+    from h3render.kernels.vsa import vsa_attention_naive
+    from h3render.kernels.vsa.naive import coarse_attention_naive
     from h3render.kernels.vsa.quant_triton import key_tiles_int8
     from h3render.kernels.vsa.tiles import gather_tiles
     from h3render.kernels.vsa.triton_hopper import launch_fine_tma
     from h3render.kernels.vsa.triton_impl import pool_tiles_triton
-    from h3render.models.attention import SparseAttention
-    from h3render.packing import t2va_layout
 
-    s = args.vsa_sparsity
-    plan = SparseAttention.for_layout(t2va_layout(300, 768, 1344, 243), s, "cuda").plan
-    heads, dim, n = 56, 128, plan.num_tiles
-    g = torch.Generator(device="cuda").manual_seed(0)
-    q, k, v, gate = (torch.randn(plan.seq_len, heads, dim, device="cuda", generator=g).bfloat16() for _ in range(4))
-    pooled_k = pool_tiles_triton(k, plan)
-    scores = tile_scores(pool_tiles_triton(q, plan), pooled_k)
-    sel = select_tiles(scores, plan, s)
-    coarse = coarse_attention_naive(scores, pool_tiles_triton(v, plan)).contiguous()  # [H, n, D] fp32
-    k_kept = topk_budget(s, plan.num_video)
-    density = (plan.num_prefix * n + plan.num_video * (plan.num_prefix + k_kept)) / n ** 2
-    flop = 4 * plan.seq_len ** 2 * heads * dim * density
+    case = bench.released_vsa_case(args.vsa_sparsity)
+    plan, q, k, v, gate, sel, k_mean, flop = (case.plan, case.q, case.k, case.v, case.gate, case.sel, case.k_mean,
+                                              case.flop)
+    coarse = coarse_attention_naive(case.scores, pool_tiles_triton(v, plan)).contiguous()  # [H, n, D] fp32
     sub = slice(0, 4)
-    ref = vsa_attention_naive(*(x[:, sub].contiguous() for x in (q, k, v, gate)), plan, s)
-    k_mean = head_mean_from_pooled(pooled_k, plan)
+    ref = vsa_attention_naive(*(x[:, sub].contiguous() for x in (q, k, v, gate)), plan, args.vsa_sparsity)
     vt = gather_tiles(v, plan)
     keys = {True: key_tiles_int8(k, plan, k_mean), False: (gather_tiles(k, plan),) * 2}
     out = torch.empty_like(q)
@@ -50,7 +38,7 @@ def run(args, bench) -> None:
                 launch = {"num_warps": 4, "num_stages": stages, **({"maxnreg": cap} if cap else {})}
 
                 def fn():
-                    return launch_fine_tma(q, out, kt, vt, ks, gate, coarse, plan, sel, plan.num_prefix, k_kept,
+                    return launch_fine_tma(q, out, kt, vt, ks, gate, coarse, plan, sel, plan.num_prefix, case.k_kept,
                                            gate=True, upcast=False, launch=launch, qk_int8=int8)  # noqa: B023
 
                 label = f"VSA fine+gate TMA {'int8' if int8 else 'bf16'} QK 4w/{stages}st{f' maxnreg={cap}' if cap else ''}"
