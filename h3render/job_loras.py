@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from h3render.suggest import unknown_field
+
 LORA_KEYS = ("path", "strength", "schedule")
 
 
@@ -77,7 +79,7 @@ def loras_field_problem(value: Any) -> tuple[str, str] | None:
             return f"[{i}]", f"must be a mapping {{path, strength}} or a path string, got {type(item).__name__}"
         unknown = sorted(map(str, set(item) - set(LORA_KEYS)))
         if unknown:
-            return f"[{i}].{unknown[0]}", f"unknown key; allowed: {', '.join(LORA_KEYS)}"
+            return f"[{i}].{unknown[0]}", unknown_field(unknown[0], LORA_KEYS)
         if not isinstance(item.get("path"), str) or not item["path"].strip():
             return f"[{i}].path", "must be a non-empty string"
         strength = item.get("strength", 1.0)

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
+from h3render.suggest import unknown_field
+
 REFERENCE_TYPES = ("image", "video", "audio")
 MAX_PER_TYPE = {"image": 9, "video": 3, "audio": 3}  # diffusers `MiniMaxH3Ref2VASetupStep` defaults
 MAX_REFERENCES = 12
@@ -88,7 +90,7 @@ def entry_problem(entry: Any) -> tuple[str, str] | None:
         return "", f"a reference is a path or a mapping {{path, type, audio}}, got {type(entry).__name__}"
     unknown = sorted(map(str, set(entry) - set(ENTRY_KEYS)))
     if unknown:
-        return f".{unknown[0]}", f"unknown key; allowed: {', '.join(ENTRY_KEYS)}"
+        return f".{unknown[0]}", unknown_field(unknown[0], ENTRY_KEYS)
     if not isinstance(entry.get("path"), str) or not entry["path"].strip():
         return ".path", "a reference mapping needs a non-empty path"
     if "type" in entry and entry["type"] not in REFERENCE_TYPES:

@@ -8,7 +8,6 @@ checkpoint's `Limits` before anything loads. Reading the two file formats into l
 
 from __future__ import annotations
 
-import difflib
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +22,7 @@ from h3render.manifest_fields import (engine_choices, field_problem, keyframe_ca
 from h3render.manifest_formats import Errors, Layer, ManifestError, Value, Where, read_jsonl, read_yaml
 from h3render.outputs import lock_path, temp_paths
 from h3render.spec import PRECISIONS, Limits, canvas_for_aspect, check_canvas, parse_aspect, snap_frames, video_rows
+from h3render.suggest import unknown_field
 from h3render.windows import DEFAULT_OVERLAP, check_window, plan_windows, resolve_frames
 
 JOB_FIELDS = ("id", "prompt", "preset", "aspect", "width", "height", "duration", "frames", "seed", "steps", "mode",
@@ -174,10 +174,7 @@ def _check_layer(layer: Layer, presets: Mapping[str, Preset], limits: Limits, er
         value = layer.get(name)
         where = layer.where(name)
         if name not in _KNOWN_FIELDS:
-            allowed = JOB_FIELDS + ENGINE_FIELDS if is_job else DEFAULT_FIELDS
-            close = difflib.get_close_matches(name, allowed, n=1)
-            hint = f" (did you mean {close[0]}?)" if close else f"; allowed: {', '.join(allowed)}"
-            errors.add(where, f"unknown field{hint}")
+            errors.add(where, unknown_field(name, JOB_FIELDS + ENGINE_FIELDS if is_job else DEFAULT_FIELDS))
             continue
         if not is_job and name in JOB_ONLY_FIELDS:
             errors.add(where, "may only be set on a job, not in defaults")

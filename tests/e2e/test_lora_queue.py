@@ -109,7 +109,7 @@ def test_cli_lora_problems_exit_2_before_load(loras, tmp_path):
     assert r.exit_code == 2, r.stderr
     assert f"{manifest}:2: loras[0].path: missing.safetensors: no such LoRA file" in r.stderr
     assert f"{manifest}:3: loras[0].path: {bad}: not a readable safetensors file" in r.stderr
-    assert f"{manifest}:4: loras[0].file: unknown key; allowed: path, strength, schedule" in r.stderr
+    assert f"{manifest}:4: loras[0].file: unknown field; allowed: path, strength, schedule" in r.stderr
     assert ":1:" not in r.stderr
     manifest.write_text(json.dumps(lines[0]) + "\n")  # the good line alone: the plan names its LoRA
     r = invoke("batch", str(manifest), "--out-dir", str(tmp_path / "out"), "--dry-run")

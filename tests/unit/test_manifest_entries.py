@@ -25,7 +25,7 @@ JOBS = [
      "loras[0].path", "missing.safetensors: no such LoRA file"),
     ({"loras": ["still.png", ""]}, "loras[1]", "path must not be empty"),
     ({"loras": [{"path": "x.safetensors", "strenght": 1}]},
-     "loras[0].strenght", "unknown key; allowed: path, strength, schedule"),
+     "loras[0].strenght", "unknown field (did you mean strength?)"),
     ({"references": ["still.png", {"path": "still.png", "type": "picture"}]},
      "references[1].type", "'picture' is not one of image, video, audio"),
     ({"references": ["still.png", "gone.png"]}, "references[1]", "{dir}/gone.png: reference file not found"),
@@ -106,7 +106,7 @@ def test_defaults_flow_lists_and_merges(folder):
         """))
     assert _errors(manifest) == [
         f"{manifest}:6: loras[1].strength: must be a finite number, got nan",  # the key's line in a flow mapping
-        f"{manifest}:11: loras[0].strenght: unknown key; allowed: path, strength, schedule",  # beside a merge
+        f"{manifest}:11: loras[0].strenght: unknown field (did you mean strength?)",  # beside a merge
         f"{manifest}:14: references[1].audio: must be true or false, got 'no'",
         f"{manifest}:15: each job must be a mapping of fields",  # a jobs: item: its own line, as before
     ]
@@ -118,3 +118,14 @@ def test_a_place_without_a_line_falls_back_to_its_entry_then_the_field():
     assert str(layer.where("loras", "[0].strength")) == "m.yaml:5: loras[0].strength"  # merged in: the entry's
     assert str(layer.where("loras", "[1]")) == "m.yaml:4: loras[1]"
     assert str(layer.where("seed")) == "m.yaml:3: seed" and str(layer.where("mode", "[0]")) == "m.yaml:3: mode[0]"
+
+
+def test_a_typo_in_an_entry_key_gets_the_same_hint_as_a_job_field(folder):
+    """A trial: `strenght` in a LoRA entry said "unknown key; allowed: ..." where `sed` on a job said "unknown field
+    (did you mean seed?)": one wording, with difflib's suggestion, for both."""
+    manifest = folder / "m.jsonl"
+    manifest.write_text(json.dumps({"prompt": "p", "sed": 1, "loras": [{"path": "x.safetensors", "strenght": 1}],
+                                    "references": [{"path": "still.png", "typ": "image"}]}) + "\n")
+    assert _errors(manifest) == [f"{manifest}:1: sed: unknown field (did you mean seed?)",
+                                 f"{manifest}:1: loras[0].strenght: unknown field (did you mean strength?)",
+                                 f"{manifest}:1: references[0].typ: unknown field (did you mean type?)"]

@@ -106,7 +106,7 @@ def test_manifest_references_relative_to_the_manifest(media, tmp_path):
     ({"references": ["wide.png"], "mode": "fasth3"}, "FastH3 students are t2va-only"),
     ({"references": ["wide.png"], "first_frame": "wide.png"}, "cannot be combined"),
     ({"references": []}, "must be a non-empty list"),
-    ({"references": [{"file": "wide.png"}]}, "references[0].file: unknown key; allowed: path, type, audio"),
+    ({"references": [{"file": "wide.png"}]}, "references[0].file: unknown field; allowed: path, type, audio"),
     ({"references": ["wide.png", {"path": "wide.png", "type": "picture"}]},
      "references[1].type: 'picture' is not one of image, video, audio"),
     ({"references": ["wide.png", "missing.png"]}, "references[1]: "),
