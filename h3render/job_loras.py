@@ -110,25 +110,28 @@ def resolve_loras(value: list, base_dir: str | Path) -> tuple[tuple[LoraRef, ...
     Returns:
         (the refs, None) or ((), the first problem as ``(at, message)``, as `loras_field_problem`'s: a file's
         problem at the entry's path (``"[i].path"``, or ``"[i]"`` for a plain path string), its message
-        ``"<path as given>: ..."``).
+        ``"<absolute path>: ..."``, as a reference's or a keyframe's).
     """
     refs = []
     for i, item in enumerate(value):
         at = f"[{i}]" if isinstance(item, str) else f"[{i}].path"
         item = {"path": item} if isinstance(item, str) else item
         given = item["path"]
-        path = Path(base_dir) / os.path.expanduser(given)
+        # Absolute in messages, as a reference's or a keyframe's: for `batch sub/m.yaml` a LoRA printed
+        # `sub/x.safetensors` (relative to the working folder) beside references printed `/abs/sub/...` (a trial).
+        path = (Path(base_dir) / os.path.expanduser(given)).absolute()
         if not path.is_file():
             head, colon, tail = str(given).rpartition(":")
-            if colon and (Path(base_dir) / os.path.expanduser(head)).is_file():  # FILE:STRENGTH, mistyped
+            head_path = (Path(base_dir) / os.path.expanduser(head)).absolute()
+            if colon and head_path.is_file():  # FILE:STRENGTH, mistyped
                 try:
                     float(tail)
                     hint = f"give its strength as {{path: {head}, strength: {tail}}} (FILE:STRENGTH is --lora's)"
                 except ValueError:
-                    return (), (at, f"{given}: the strength after ':' ({tail!r}) is not a number ({head} is the "
+                    return (), (at, f"{path}: the strength after ':' ({tail!r}) is not a number ({head_path} is the "
                                     f"file)")
-                return (), (at, f"{given}: no such LoRA file; {head} is one, {hint}")
-            return (), (at, f"{given}: no such LoRA file ({path})")
+                return (), (at, f"{path}: LoRA file not found; {head_path} is one, {hint}")
+            return (), (at, f"{path}: LoRA file not found")
         schedule = item.get("schedule")
         if schedule is not None:
             from h3render.checkpoint.lora_schedule import PRESETS

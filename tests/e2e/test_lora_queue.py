@@ -107,7 +107,7 @@ def test_cli_lora_problems_exit_2_before_load(loras, tmp_path):
     manifest.write_text("".join(json.dumps(line) + "\n" for line in lines))
     r = invoke("batch", str(manifest), "--out-dir", str(tmp_path / "out"), "--dry-run")
     assert r.exit_code == 2, r.stderr
-    assert f"{manifest}:2: loras[0].path: missing.safetensors: no such LoRA file" in r.stderr
+    assert f"{manifest}:2: loras[0].path: {tmp_path}/missing.safetensors: LoRA file not found" in r.stderr
     assert f"{manifest}:3: loras[0].path: {bad}: not a readable safetensors file" in r.stderr
     assert f"{manifest}:4: loras[0].file: unknown field; allowed: path, strength, schedule" in r.stderr
     assert ":1:" not in r.stderr

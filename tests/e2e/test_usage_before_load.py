@@ -288,7 +288,7 @@ def test_a_lora_strength_that_is_no_number_says_so(tmp_path, monkeypatch):
     assert line.endswith("is not a number " f"({lora} is the file)"), line
     missing = tmp_path / "g.safetensors"
     line = one_error_line(invoke("prompt", "x", "-o", str(tmp_path / "a.mp4"), "--lora", f"{missing}:abc"))
-    assert line.endswith(f"no such LoRA file ({missing}:abc)"), line  # no file before the ':' either
+    assert line.endswith(f"{missing}:abc: LoRA file not found"), line  # no file before the ':' either
     # and a LoRA that is used is said on stderr, not only in the sidecar (a trial)
     from h3render.checkpoint.info import read_checkpoint_info
     from h3render.manifest import job_from_fields

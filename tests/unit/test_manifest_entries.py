@@ -22,7 +22,7 @@ JOBS = [
     ({"loras": [{"path": "x.safetensors", "strength": 0.5}, {"path": "y.safetensors", "strength": "strong"}]},
      "loras[1].strength", "must be a finite number, got 'strong'"),
     ({"loras": [{"strength": 0.5, "path": "missing.safetensors"}]},
-     "loras[0].path", "missing.safetensors: no such LoRA file"),
+     "loras[0].path", "{dir}/missing.safetensors: LoRA file not found"),
     ({"loras": ["still.png", ""]}, "loras[1]", "path must not be empty"),
     ({"loras": [{"path": "x.safetensors", "strenght": 1}]},
      "loras[0].strenght", "unknown field (did you mean strength?)"),
@@ -129,3 +129,18 @@ def test_a_typo_in_an_entry_key_gets_the_same_hint_as_a_job_field(folder):
     assert _errors(manifest) == [f"{manifest}:1: sed: unknown field (did you mean seed?)",
                                  f"{manifest}:1: loras[0].strenght: unknown field (did you mean strength?)",
                                  f"{manifest}:1: references[0].typ: unknown field (did you mean type?)"]
+
+
+def test_missing_files_print_one_absolute_path_for_loras_references_and_keyframes(folder, monkeypatch):
+    """A trial: for `batch sub/m.jsonl` a missing LoRA printed `sub/gone.safetensors` (relative to the working
+    folder) where a missing reference or keyframe printed its absolute path. All three resolve against the
+    manifest's folder and print it absolute."""
+    sub = folder / "sub"
+    sub.mkdir()
+    (sub / "m.jsonl").write_text(json.dumps({"prompt": "p", "loras": ["gone.safetensors"]}) + "\n" +
+                                 json.dumps({"prompt": "q", "references": ["gone.png"]}) + "\n" +
+                                 json.dumps({"prompt": "r", "first_frame": "gone.jpg"}) + "\n")
+    monkeypatch.chdir(folder)
+    assert _errors("sub/m.jsonl") == [f"sub/m.jsonl:1: loras[0]: {sub}/gone.safetensors: LoRA file not found",
+                                      f"sub/m.jsonl:2: references[0]: {sub}/gone.png: reference file not found",
+                                      f"sub/m.jsonl:3: first_frame: {sub}/gone.jpg: keyframe image not found"]
