@@ -37,8 +37,8 @@ def loras(tmp_path_factory):
 
 
 def refs(*items):
-    found, problem = resolve_loras([{"path": str(p), "strength": s} for p, s in items], ".")
-    assert problem is None, problem
+    found, problems = resolve_loras([{"path": str(p), "strength": s} for p, s in items], ".")
+    assert not problems, problems
     return found
 
 
@@ -84,8 +84,8 @@ def test_alternating_sets_equal_single_set_engines_with_one_load(loras, tmp_path
     for part in ("video", "audio"):
         err = float((latents[part] - got["x1"][0][part]).norm() / got["x1"][0][part].norm())
         assert err < 1e-4, (part, err)
-    found, problem = resolve_loras([{"path": str(x), "schedule": "lightx2v-fl2va-4step-v0.1"}], ".")
-    assert problem is None and found[0].turbo
+    found, problems = resolve_loras([{"path": str(x), "schedule": "lightx2v-fl2va-4step-v0.1"}], ".")
+    assert not problems and found[0].turbo
     _, data = render(side, replace(JOB, output="turbo", loras=found), tmp_path / "side")
     sigmas = data["sigmas"]
     assert sigmas["forwards"] == 4 and sigmas["source"] == "turbo LoRA lightx2v-fl2va-4step-v0.1"

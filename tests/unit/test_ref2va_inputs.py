@@ -125,7 +125,7 @@ def test_job_refusals(media, monkeypatch, fields, message):
     (("--reference", "notes.mp4"), "not a decodable image, video or audio file"),
     (("--reference", "too_wide.png"), "4.1:1) is outside"),
     (("--reference", "short.mp4"), "needs at least 13 frames"),
-    (("--reference", "mono44k.wav", "--reference-no-audio"), "audio references alone"),
+    (("--reference", "stereo32k.wav", "--reference-no-audio"), "audio references alone"),
 ])
 def test_cli_refusals_are_one_line_before_load(media, monkeypatch, args, message):
     monkeypatch.chdir(media)
