@@ -188,7 +188,9 @@ def _prompt(text: str, output: str, overwrite: bool, quiet: bool, opts: dict) ->
                   keyframes=list(opts["keyframes"]) or None)
     if opts.get("lora"):
         fields["loras"] = _lora_options(opts["lora"])
-    job = job_from_fields(fields, info.limits())
+    # each list option's values as typed: a problem names `--lora #2 (b.safetensors:0.5)`, not `loras[1].path`
+    typed = {"loras": opts.get("lora"), "references": opts["references"], "keyframes": opts["keyframes"]}
+    job = job_from_fields(fields, info.limits(), option_values={k: list(v) for k, v in typed.items() if v})
     _check_partitions(info, [job])
     run = RunSettings.resolve(opts, checkpoint=checkpoint, info=info)
     world = _check(run, info, mode=mode)
@@ -267,7 +269,8 @@ def _batch(manifest, out_dir, shard, skip_existing, fail_fast, dry_run, quiet, o
     if opts.get("lora"):
         overrides["loras"] = _lora_options(opts["lora"])
     student = opts["adapter"] is not None or has_v2_contract(checkpoint)  # else fasth3 jobs are manifest errors
-    m = read_manifest(manifest, info.limits(), overrides, adapter_available=student, precision=opts["precision"])
+    m = read_manifest(manifest, info.limits(), overrides, adapter_available=student, precision=opts["precision"],
+                      option_values={"loras": list(opts["lora"])} if opts.get("lora") else None)
     try:
         shard_spec = parse_shard(shard) if shard else shard_from_slurm(os.environ)
     except ValueError as exc:

@@ -39,6 +39,9 @@ DEFAULT_PRECISION = PRECISIONS[0]
 _CANVAS_FIELDS = ("preset", "aspect", "width", "height")
 _TIME_FIELDS = ("duration", "frames")
 _COMMAND_LINE = "<command line>"
+# The option each list field comes from on the command line: a problem in one of its values names the option as
+# typed (`--lora #1 (x.safetensors:0.8)`), not the manifest's `loras[0].path`, which a `prompt` user never wrote.
+LIST_OPTIONS = {"loras": "--lora", "references": "--reference", "keyframes": "--keyframe"}
 
 
 @dataclass(frozen=True)
@@ -58,7 +61,7 @@ class Manifest:
 
 def read_manifest(path: str | Path, limits: Limits, defaults_overrides: Mapping[str, Any] | None = None, *,
                   presets_dir: str | Path | None = None, adapter_available: bool | None = None,
-                  precision: str | None = None) -> Manifest:
+                  precision: str | None = None, option_values: Mapping[str, list[str]] | None = None) -> Manifest:
     """Read a JSONL (`.jsonl`, `.ndjson`) or YAML (`.yaml`, `.yml`) manifest into resolved jobs, in file order.
 
     Precedence for each field: the job's own value, then `defaults_overrides` (command-line defaults; None values
@@ -71,6 +74,8 @@ def read_manifest(path: str | Path, limits: Limits, defaults_overrides: Mapping[
             `adapter`; True: t2va and fasth3 jobs may mix. None (default): not checked here.
         precision: the command line's `--precision` (None: the defaults' `precision`, else "bf16"); a job whose
             own `precision` differs from the run's is an error.
+        option_values: the command-line values of a list field in `defaults_overrides`, as typed
+            (`{"loras": ["x.safetensors:0.8"]}`), so that their problems name the option (`LIST_OPTIONS`).
 
     Raises:
         ManifestError: every problem found, one line each, naming file, line and field.
@@ -90,8 +95,7 @@ def read_manifest(path: str | Path, limits: Limits, defaults_overrides: Mapping[
         raise ManifestError([f"{path}: cannot read manifest: {one_line(exc)}"]) from None
     reader = read_jsonl if suffix in (".jsonl", ".ndjson") else read_yaml
     defaults, job_layers = reader(text, str(path), errors)
-    overrides = Layer(_COMMAND_LINE, 0, {k: Value(v, 0) for k, v in (defaults_overrides or {}).items()
-                                          if v is not None})
+    overrides = _command_line_layer(_COMMAND_LINE, defaults_overrides or {}, option_values or {})
     adapter = _manifest_adapter(defaults, path, errors)
     if adapter_available is not None:
         adapter_available = adapter_available or adapter is not None
@@ -112,19 +116,35 @@ def load_manifest(path: str | Path, limits: Limits, defaults_overrides: Mapping[
 
 
 def job_from_fields(fields: Mapping[str, Any], limits: Limits, *, source: str = _COMMAND_LINE,
-                    presets_dir: str | Path | None = None, adapter_available: bool | None = None) -> Job:
+                    presets_dir: str | Path | None = None, adapter_available: bool | None = None,
+                    option_values: Mapping[str, list[str]] | None = None) -> Job:
     """One job from a mapping of manifest fields (e.g. `h3render prompt "text" --aspect 16:9`), by the same
-    rules as a manifest line. None values are ignored; `adapter_available` as for `read_manifest`.
+    rules as a manifest line. None values are ignored; `adapter_available` and `option_values` as for
+    `read_manifest`.
 
     Raises:
         ManifestError: as `read_manifest`, with `source` in place of the file name.
     """
     errors = Errors()
     presets = _load_presets_for(errors, source, presets_dir)
-    layer = Layer(source, 0, {k: Value(v, 0) for k, v in fields.items() if v is not None})
+    layer = _command_line_layer(source, fields, option_values or {})
     jobs = _resolve_all([layer], [], limits, presets, errors, adapter_available)
     errors.raise_if_any()
     return jobs[0]
+
+
+def _command_line_layer(source: str, fields: Mapping[str, Any], option_values: Mapping[str, list[str]]) -> Layer:
+    """`fields` (None values left out) as one layer; each list field in `option_values` labelled by its option:
+    the field as `--lora`, its entry i as `--lora #i+1 (<value as typed>)` (`Layer.where`)."""
+    layer = Layer(source, 0)
+    for name, value in fields.items():
+        if value is None:
+            continue
+        option, typed = LIST_OPTIONS.get(name), option_values.get(name)
+        labels = None if option is None or typed is None else {
+            "": option, **{f"[{i}]": f"{option} #{i + 1} ({text})" for i, text in enumerate(typed)}}
+        layer.fields[name] = Value(value, 0, None, labels)
+    return layer
 
 
 def _run_precision(cli: str | None, defaults: Layer, job_layers: list[Layer], errors: Errors) -> str:
@@ -266,9 +286,9 @@ def _read_files(job: Layer, layers: list[Layer], errors: Errors) -> _Files | Non
     loras: tuple = ()
     loras_layer = _first(layers, ["loras"])  # a job's own list replaces the defaults' (`[]`: none)
     if loras_layer is not None:
-        where = loras_layer.where("loras")
+        file = loras_layer.file
         loras, problems = resolve_loras(loras_layer.get("loras"),
-                                        "." if where.file == _COMMAND_LINE else os.path.dirname(where.file) or ".")
+                                        "." if file == _COMMAND_LINE else os.path.dirname(file) or ".")
         for problem in problems:  # the defaults' are one line each, not one per job (`Errors.add`)
             errors.add(*loras_layer.blame("loras", problem))
         failed = failed or bool(problems)
@@ -386,14 +406,12 @@ def _resolve_job(job: Layer, layers: list[Layer], limits: Limits, presets: Mappi
         return None
     steps = None if mode == "fasth3" else steps_layer.get("steps") if steps_layer else limits.default_steps
     loras, loras_layer = files.loras, files.loras_layer
-    if loras_layer is not None:
-        where = loras_layer.where("loras")
-        if references and any(ref.strength != 0 for ref in loras):  # it rendered without them, silently (a trial)
-            fix = ("drop --lora" if where.file == _COMMAND_LINE else "remove its loras" if loras_layer is job else
-                   f"give it loras: [] over the defaults' ({where})")
-            errors.add(job.where("references"), f"LoRAs apply to t2va and fl2va jobs; this ref2va job runs the Ref2VA "
-                                                f"DiT, which takes none yet ({fix})")
-            return None
+    if references and any(ref.strength != 0 for ref in loras):  # it rendered without them, silently (a trial)
+        fix = ("drop --lora" if loras_layer.file == _COMMAND_LINE else "remove its loras" if loras_layer is job else
+               f"give it loras: [] over the defaults' ({loras_layer.where('loras')})")
+        errors.add(job.where("references"), f"LoRAs apply to t2va and fl2va jobs; this ref2va job runs the Ref2VA "
+                                            f"DiT, which takes none yet ({fix})")
+        return None
     if any(ref.turbo and ref.strength != 0 for ref in loras):  # it runs its LoRA's own schedule (docs/lora.md)
         if "steps" in job.fields:
             errors.add(job.where("steps"), "a turbo LoRA of this job brings its own schedule; remove steps")

@@ -37,6 +37,8 @@ class Value(NamedTuple):
     line: int  # 1-based line of the field; 0 when not from a file
     # a list value's places and their lines, where the file gives them (YAML): {"[1]": 7, "[1].strength": 8}
     lines: Mapping[str, int] | None = None
+    # a command-line list's names for the field and its entries, as typed: {"": "--lora", "[0]": "--lora #1 (x:0.8)"}
+    labels: Mapping[str, str] | None = None
 
 
 @dataclass
@@ -50,8 +52,14 @@ class Layer:
     def where(self, name: str | None = None, at: str = "") -> Where:
         """The place to blame: the field's own line when it has one, else the job's. `at`, a place inside the
         field's value (`"[1].strength"`), is added to the field's name (`loras[1].strength`) and blamed on its own
-        line, else its entry's (`"[1]"`), when the file gives them."""
+        line, else its entry's (`"[1]"`), when the file gives them. A command-line value with `labels` names the
+        option instead: `--lora #2 (b.safetensors:0.5)`, `--lora #2 (b.safetensors:nan): strength`."""
         value = self.fields.get(name) if name else None
+        if value is not None and value.labels:  # an option's value: named as typed, not `loras[0].path` (a trial)
+            entry = at[:at.find("]") + 1]  # "[1].strength" -> "[1]"; "" -> ""
+            if entry in value.labels:
+                key = at[len(entry):].removeprefix(".")
+                return Where(value.labels[entry], 0, key if key not in ("", "path") else None)
         line = value.line if value is not None and value.line else self.line
         lines = (value.lines or {}) if value is not None else {}
         place = at
@@ -61,7 +69,7 @@ class Layer:
 
     def blame(self, name: str, problem: str | tuple[str, str]) -> tuple[Where, str]:
         """`Errors.add`'s arguments for a problem of field `name`: a message, or `(at, message)` for a place inside
-        its value (`manifest_fields.field_problem`)."""
+        its value (`manifest_fields.field_problems`)."""
         at, message = problem if isinstance(problem, tuple) else ("", problem)
         return self.where(name, at), message
 
