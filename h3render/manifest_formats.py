@@ -190,8 +190,7 @@ def read_yaml(text: str, file: str, errors: Errors) -> tuple[Layer, list[Layer]]
             return defaults, []
         root = yaml.compose(text, Loader=yaml.SafeLoader)
     except yaml.MarkedYAMLError as exc:
-        line = exc.problem_mark.line + 1 if exc.problem_mark else 0
-        errors.add(Where(file, line), f"not valid YAML: {exc.problem or exc.context}")
+        errors.add(*_syntax_error(file, text, exc))
         return defaults, []
     except yaml.YAMLError as exc:
         errors.add(Where(file), f"not valid YAML: {one_line(exc)}")
@@ -244,6 +243,25 @@ def read_yaml(text: str, file: str, errors: Errors) -> tuple[Layer, list[Layer]]
         else:
             errors.add(Where(file, _line(node)), "each job must be a mapping of fields")
     return defaults, jobs
+
+
+def _syntax_error(file: str, text: str, exc: yaml.MarkedYAMLError) -> tuple[Where, str]:
+    """Where PyYAML's syntax error is and what it says, with the place the unfinished construct opened (its
+    `context_mark`) when that is another line. Found at the end of the file, the error is blamed on that opening
+    line, since the end is never the mistake: a trial's `prompt: "hello` (a quote never closed) was blamed on the
+    file's last line, with nothing naming the line the quote opened on."""
+    problem, context = exc.problem_mark, exc.context_mark
+    line = problem.line + 1 if problem else 0
+    if context is None or not exc.context or (problem is not None and context.line == problem.line):
+        return Where(file, line), f"not valid YAML: {exc.problem or exc.context}"
+    column = context.column + 1
+    if problem is not None and problem.index >= len(text):
+        what = exc.context.removeprefix("while scanning ").removeprefix("while parsing ")
+        what = "the quote" if what == "a quoted scalar" else what  # PyYAML's name for a quoted string
+        return Where(file, context.line + 1), (f"not valid YAML: {what} opened here (column {column}) is never "
+                                               f"closed: {exc.problem} at line {line}")
+    return Where(file, line), (f"not valid YAML: {exc.problem} ({exc.context} at line {context.line + 1}, column "
+                               f"{column})")
 
 
 def _yaml_pairs(node: yaml.MappingNode, loader: yaml.SafeLoader, file: str, errors: Errors):
