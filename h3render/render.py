@@ -109,8 +109,10 @@ def render_windows(engine, job, windows: Sequence, mp4_path: Path, sidecar_path:
             # What each component computes in, read now: the sidecar is written on the writer's thread, by when the
             # next job may have fused and quantized the DiT.
             precision = precision or _precision_report(engine)
-            with progress.stage(label, task_of(window).ENCODE_STAGE):
+            # One prompt (with its keyframes or references) a window: a total, so the bar reads 1/1, not a bare count
+            with progress.stage(label, task_of(window).ENCODE_STAGE, 1, "prompt") as shown:
                 prepared = task_of(window).prepare(engine, window, timer)
+                shown.update()
             latents = generate(engine, window, prepared, schedule, timer, progress, label)
             del prepared
             if settings.save_latents and engine.plan.writes:

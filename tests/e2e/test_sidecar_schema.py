@@ -124,7 +124,7 @@ def test_writer_stats_are_durations_on_the_jobs_scale(t2va):
 
 def test_non_tty_prompt_prints_a_line_per_stage(t2va):
     stderr = t2va[1]
-    for stage, count in (("text encode", ""), ("denoise", "(2/2 steps)"), ("decode", "(22/22 frames)"),
+    for stage, count in (("text encode", "(1/1 prompt)"), ("denoise", "(2/2 steps)"), ("decode", "(22/22 frames)"),
                          ("encode", "(22/22 frames)")):
         lines = [line for line in stderr.splitlines() if line.startswith(f"h3render: clip: {stage} done in ")]
         assert len(lines) == 1 and lines[0].endswith(count), (stage, stderr)
