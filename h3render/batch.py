@@ -56,13 +56,12 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from h3render import locks
-from h3render.exits import REQUEUE_SIGNALS
 from h3render.report import (ELSEWHERE, FAILED, INTERRUPTED, PENDING, SKIPPED, SUCCEEDED, BatchReport, JobOutcome,
-                             QueueLog, _name, claim_report, mark_dead_reports, remove_files)
+                             QueueLog, _name, claim_report, mark_dead_reports, remove_files, stop_lines)
 from h3render.sidecar import SidecarUnreadable, read_sidecar, rendered_with
-from h3render.signals import InterruptGuard, settle, signal_name, signum_of
-from h3render.outputs import (BatchUsageError, JobPathError, lock_path, output_paths, path_problem, prepare_out_dir,
-                              render_reason, temp_paths)
+from h3render.signals import InterruptGuard, settle, signum_of
+from h3render.outputs import (BatchUsageError, JobPathError, lock_path, make_folders, output_paths, path_problem,
+                              prepare_out_dir, remove_empty_folders, render_reason, temp_paths)
 
 
 ELSEWHERE_WAIT_MIN_S = 60.0  # the least the end of the queue waits for a job held by another live process
@@ -82,6 +81,7 @@ def run_batch(
     render_order: Sequence[int] | None = None,
     current: dict[str, Any] | None = None,
     elsewhere_wait_s: float | None = None,
+    resume: str | None = None,
 ) -> BatchReport:
     """Render ``jobs`` in order into ``out_dir`` and return the report (its ``exit_code`` is the process's).
 
@@ -104,6 +104,7 @@ def run_batch(
             rendered with another checkpoint or encoder setting says so in its log line.
         elsewhere_wait_s: how long the end of the queue waits for another live process to release the jobs it
             holds (default: `_Queue.elsewhere_wait`). A job it finished meanwhile is ``skipped``: success here too.
+        resume: the command that resumes this queue, for the last lines after a signal (None: "the same command").
     Returns:
         The final ``BatchReport``; ``report.path`` holds the same.
 
@@ -134,7 +135,7 @@ def run_batch(
     queue = _Queue(jobs, targets, report, renderer_factory, out_dir, QueueLog(bar=progress and not quiet),
                    fail_fast=fail_fast)
     queue.locking, queue.render_order, queue.settings = locking, render_order, current
-    queue.elsewhere_wait_s = elsewhere_wait_s
+    queue.elsewhere_wait_s, queue.resume = elsewhere_wait_s, resume
     crash: BaseException | None = None
     try:
         with InterruptGuard() as guard:
@@ -186,9 +187,11 @@ class _Queue:
         self.settings: dict[str, Any] | None = None  # this run's checkpoint and encoder (`current`)
         self.elsewhere_wait_s: float | None = None  # `run_batch`'s; None: `elsewhere_wait`'s default
         self.since_ns = time.time_ns()  # outputs written since: by another queue of this run (render_reason)
+        self.overwrite, self.resume = False, None  # `start`'s, `run_batch`'s (the command that resumes it)
 
     def start(self, overwrite: bool, shard, note: str | None) -> None:
         """Decide what to render, sweep what dead queues left beside skipped jobs, write the first report."""
+        self.overwrite = overwrite
         self.reasons = [render_reason(job, mp4, side, overwrite=overwrite)
                         for job, (mp4, side) in zip(self.jobs, self.targets)]
         for outcome, reason in zip(self.report.jobs, self.reasons):
@@ -443,6 +446,7 @@ class _Queue:
         if self.attempt is not None:
             self.attempt.cleanup()
             self.attempt.release()
+            remove_empty_folders(self.attempt.made)  # after the release: its lock file was in there
 
     def close(self) -> None:
         """The final report and the last log lines (after the bars are gone, so none is redrawn below them)."""
@@ -462,8 +466,8 @@ class _Queue:
         if report.crashed:
             self.log.line(f"internal error: {report.crashed}; " + ("report written" if written else "no report"))
         elif report.interrupted:
-            how = "stopped for a requeue" if report.signum in REQUEUE_SIGNALS else "interrupted"
-            self.log.line(f"{how} ({signal_name(report.signum)}); exit {report.exit_code}; {where}")
+            for line in stop_lines(report, where, self.resume, overwrite=self.overwrite):
+                self.log.line(line)
         else:
             c = report.counts
             self.log.line(f"done: {c[SUCCEEDED]} succeeded, {c[FAILED]} failed, {c[SKIPPED]} skipped, "
@@ -508,6 +512,7 @@ class _Attempt:
         self.job, self.mp4, self.sidecar, self.outcome = job, mp4, sidecar, outcome
         self.temps = temp_paths(mp4, sidecar)
         self.lock = None
+        self.made: list[Path] = []  # the folders `claim` made (`outputs.make_folders`)
         self.before: dict[Path, Any] = {}
 
     def claim(self, queue: _Queue) -> str | None:
@@ -522,11 +527,15 @@ class _Attempt:
         if problem is not None:
             raise JobPathError(problem)
         try:
-            folder.mkdir(parents=True, exist_ok=True)
+            self.made = make_folders(folder)
         except OSError as exc:
             # `from exc`: the report's traceback keeps the system call's own error (errno, path) as its cause
             raise JobPathError(f"cannot create the job's folder {folder}: {exc.strerror or exc}") from exc
-        lock = queue.try_lock(lock_path(self.mp4))
+        try:
+            lock = queue.try_lock(lock_path(self.mp4))
+        except FileNotFoundError:  # an interrupted queue removed the folder, empty, after our mkdir: once more
+            self.made = make_folders(folder)
+            lock = queue.try_lock(lock_path(self.mp4))
         if lock is None:
             return locks.holder(lock_path(self.mp4))
         self.lock = lock

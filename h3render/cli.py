@@ -8,12 +8,14 @@ Exit codes (`h3render.exits`): 0 success (every job succeeded or was already don
 from __future__ import annotations
 
 import os
+import shlex
 import sys
 import tempfile
 from pathlib import Path
 from typing import NoReturn
 
 import click
+from click.core import ParameterSource
 
 from h3render import jobs as jobs_mod
 from h3render.cli_options import canvas_time_options, engine_options
@@ -188,7 +190,9 @@ def _prompt(text: str, output: str, overwrite: bool, quiet: bool, opts: dict) ->
                   keyframes=list(opts["keyframes"]) or None)
     if opts.get("lora"):
         fields["loras"] = _lora_options(opts["lora"])
-    job = job_from_fields(fields, info.limits())
+    # each list option's values as typed: a problem names `--lora #2 (b.safetensors:0.5)`, not `loras[1].path`
+    typed = {"loras": opts.get("lora"), "references": opts["references"], "keyframes": opts["keyframes"]}
+    job = job_from_fields(fields, info.limits(), option_values={k: list(v) for k, v in typed.items() if v})
     _check_partitions(info, [job])
     run = RunSettings.resolve(opts, checkpoint=checkpoint, info=info)
     world = _check(run, info, mode=mode)
@@ -248,14 +252,35 @@ def batch_command(manifest, out_dir, shard, skip_existing, overwrite, fail_fast,
     """
     if skip_existing and overwrite:  # a flag pair let the last one win: skipping asked for, outputs replaced
         _exit(_main_guard(_refuse, "--skip-existing and --overwrite ask for opposite things; give one"))
-    _exit(_main_guard(_batch, manifest, out_dir, shard, not overwrite, fail_fast, dry_run, quiet, opts))
+    resume = _resume_command(click.get_current_context())
+    _exit(_main_guard(_batch, manifest, out_dir, shard, not overwrite, fail_fast, dry_run, quiet, opts, resume))
+
+
+def _resume_command(ctx: click.Context) -> str:
+    """This `h3render batch` command as the shell would take it again, for the last lines after a signal: the
+    arguments and options the command line gave, rebuilt from click's parameters (an in-process call has no
+    argv of its own), without --overwrite, which would render the finished jobs again."""
+    words = ["h3render", ctx.info_name]
+    for param in ctx.command.params:
+        value = ctx.params.get(param.name)
+        if ctx.get_parameter_source(param.name) is not ParameterSource.COMMANDLINE or param.name == "overwrite":
+            continue
+        if isinstance(param, click.Argument):
+            words.append(str(value))
+            continue
+        flag = max(param.opts, key=len)
+        if getattr(param, "is_flag", False):
+            words += [flag] if value else [max(param.secondary_opts, key=len)] if param.secondary_opts else []
+        else:
+            words += [word for item in (value if param.multiple else (value,)) for word in (flag, str(item))]
+    return shlex.join(words)
 
 
 def _refuse(message: str) -> int:
     raise SettingsError(message)
 
 
-def _batch(manifest, out_dir, shard, skip_existing, fail_fast, dry_run, quiet, opts) -> int:
+def _batch(manifest, out_dir, shard, skip_existing, fail_fast, dry_run, quiet, opts, resume) -> int:
     # As `_prompt`: the torch-free checks (options, files, the checkpoint's configs, the manifest) first.
     if not quiet:
         status("h3render: checking the manifest and the checkpoint ...")
@@ -267,7 +292,8 @@ def _batch(manifest, out_dir, shard, skip_existing, fail_fast, dry_run, quiet, o
     if opts.get("lora"):
         overrides["loras"] = _lora_options(opts["lora"])
     student = opts["adapter"] is not None or has_v2_contract(checkpoint)  # else fasth3 jobs are manifest errors
-    m = read_manifest(manifest, info.limits(), overrides, adapter_available=student, precision=opts["precision"])
+    m = read_manifest(manifest, info.limits(), overrides, adapter_available=student, precision=opts["precision"],
+                      option_values={"loras": list(opts["lora"])} if opts.get("lora") else None)
     try:
         shard_spec = parse_shard(shard) if shard else shard_from_slurm(os.environ)
     except ValueError as exc:
@@ -289,7 +315,7 @@ def _batch(manifest, out_dir, shard, skip_existing, fail_fast, dry_run, quiet, o
                                             current=run.record(), run=run.summary(), limits=info.limits())))
         return EXIT_OK
     world = _check(run, info, jobs=jobs)
-    queue = Queue(out_dir, shard=shard_spec, overwrite=not skip_existing, fail_fast=fail_fast)
+    queue = Queue(out_dir, shard=shard_spec, overwrite=not skip_existing, fail_fast=fail_fast, resume=resume)
     rendering = bool(to_render(jobs, queue))  # resumed with every job rendered: no memory plan, nothing loads
     if rendering:
         run = _plan_memory(run, info, jobs, world, quiet)

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from h3render.suggest import unknown_field
+
 LORA_KEYS = ("path", "strength", "schedule")
 
 
@@ -62,30 +64,31 @@ def parse_lora_option(text: str) -> dict[str, Any]:
     return {"path": path, "strength": strength}
 
 
-def loras_field_problem(value: Any) -> tuple[str, str] | None:
-    """Why a `loras` value is malformed on its own (types, keys, finite strengths), or None; a problem is
-    ``(at, message)``, `at` its place under the field: ``""`` the value, ``"[1]"`` entry 1, ``"[1].strength"`` its
-    key (the manifest reader prints ``loras[1].strength: ...`` on that line)."""
+def loras_field_problems(value: Any) -> list[tuple[str, str]]:
+    """Why a `loras` value is malformed on its own (types, keys, finite strengths): every problem of every entry,
+    each ``(at, message)``, `at` its place under the field: ``""`` the value, ``"[1]"`` entry 1, ``"[1].strength"``
+    its key (the manifest reader prints ``loras[1].strength: ...`` on that line). [] when it is well-formed."""
     if not isinstance(value, list):
-        return "", f"must be a list of {{path, strength}} mappings, got {type(value).__name__}"
-    for i, item in enumerate(value):
-        if isinstance(item, str):
-            if not item.strip():
-                return f"[{i}]", "path must not be empty"
-            continue
-        if not isinstance(item, dict):
-            return f"[{i}]", f"must be a mapping {{path, strength}} or a path string, got {type(item).__name__}"
-        unknown = sorted(map(str, set(item) - set(LORA_KEYS)))
-        if unknown:
-            return f"[{i}].{unknown[0]}", f"unknown key; allowed: {', '.join(LORA_KEYS)}"
-        if not isinstance(item.get("path"), str) or not item["path"].strip():
-            return f"[{i}].path", "must be a non-empty string"
-        strength = item.get("strength", 1.0)
-        if isinstance(strength, bool) or not isinstance(strength, (int, float)) or not math.isfinite(strength):
-            return f"[{i}].strength", f"must be a finite number, got {strength!r}"
-        if "schedule" in item and not isinstance(item["schedule"], str):
-            return f"[{i}].schedule", "must be a preset name (string)"
-    return None
+        return [("", f"must be a list of {{path, strength}} mappings, got {type(value).__name__}")]
+    return [problem for i, item in enumerate(value) for problem in _entry_problems(i, item)]
+
+
+def _entry_problems(i: int, item: Any) -> list[tuple[str, str]]:
+    """Every problem of entry `i` on its own (not its file): a 500-job manifest's user wants them all at once."""
+    if isinstance(item, str):
+        return [] if item.strip() else [(f"[{i}]", "path must not be empty")]
+    if not isinstance(item, dict):
+        return [(f"[{i}]", f"must be a mapping {{path, strength}} or a path string, got {type(item).__name__}")]
+    unknown = sorted(map(str, set(item) - set(LORA_KEYS)))
+    problems = [(f"[{i}].{key}", unknown_field(key, LORA_KEYS)) for key in unknown]
+    if not isinstance(item.get("path"), str) or not item["path"].strip():
+        problems.append((f"[{i}].path", "must be a non-empty string"))
+    strength = item.get("strength", 1.0)
+    if isinstance(strength, bool) or not isinstance(strength, (int, float)) or not math.isfinite(strength):
+        problems.append((f"[{i}].strength", f"must be a finite number, got {strength!r}"))
+    if "schedule" in item and not isinstance(item["schedule"], str):
+        problems.append((f"[{i}].schedule", "must be a preset name (string)"))
+    return problems
 
 
 _READ: dict[tuple[str, float], Any] = {}
@@ -101,44 +104,61 @@ def read_header(path: Path):
     return _READ[key]
 
 
-def resolve_loras(value: list, base_dir: str | Path) -> tuple[tuple[LoraRef, ...], tuple[str, str] | None]:
-    """Read each LoRA of a checked `loras` value (`loras_field_problem` is None): file present, header readable,
-    every key placed (`checkpoint.lora.read_lora`), schedule preset known.
+def resolve_loras(value: Any, base_dir: str | Path) -> tuple[tuple[LoraRef, ...], list[tuple[str, str]]]:
+    """Read each well-formed entry of a `loras` value (one `loras_field_problems` finds nothing wrong with; the
+    others are its to report): file present, header readable, every key placed (`checkpoint.lora.read_lora`),
+    schedule preset known. Every entry is read, so one run names every missing file.
 
     Returns:
-        (the refs, None) or ((), the first problem as ``(at, message)``, as `loras_field_problem`'s: a file's
-        problem at the entry's path (``"[i].path"``, or ``"[i]"`` for a plain path string), its message
-        ``"<path as given>: ..."``).
+        (the refs, []) or ((), every problem as ``(at, message)``, as `loras_field_problems`'s: a file's problem at
+        the entry's path (``"[i].path"``, or ``"[i]"`` for a plain path string), its message
+        ``"<absolute path>: ..."``, as a reference's or a keyframe's).
     """
-    refs = []
+    if not isinstance(value, list):
+        return (), []
+    refs, problems = [], []
     for i, item in enumerate(value):
-        at = f"[{i}]" if isinstance(item, str) else f"[{i}].path"
-        item = {"path": item} if isinstance(item, str) else item
-        given = item["path"]
-        path = Path(base_dir) / os.path.expanduser(given)
-        if not path.is_file():
-            head, colon, tail = str(given).rpartition(":")
-            if colon and (Path(base_dir) / os.path.expanduser(head)).is_file():  # FILE:STRENGTH, mistyped
-                try:
-                    float(tail)
-                    hint = f"give its strength as {{path: {head}, strength: {tail}}} (FILE:STRENGTH is --lora's)"
-                except ValueError:
-                    return (), (at, f"{given}: the strength after ':' ({tail!r}) is not a number ({head} is the "
-                                    f"file)")
-                return (), (at, f"{given}: no such LoRA file; {head} is one, {hint}")
-            return (), (at, f"{given}: no such LoRA file ({path})")
-        schedule = item.get("schedule")
-        if schedule is not None:
-            from h3render.checkpoint.lora_schedule import PRESETS
+        if _entry_problems(i, item):
+            continue
+        ref, problem = _read_entry(i, item, base_dir)
+        if problem is not None:
+            problems.append(problem)
+        else:
+            refs.append(ref)
+    return (() if problems else tuple(refs)), problems
 
-            if schedule not in PRESETS:
-                return (), (f"[{i}].schedule", f"{schedule!r} is not a turbo preset; one of {', '.join(PRESETS)}")
-        try:
-            lora = read_header(path.resolve())
-        except ValueError as exc:  # LoraError: names the file and key
-            return (), (at, str(exc))
-        from h3render.checkpoint.lora_schedule import METADATA_KEY
 
-        refs.append(LoraRef(given, str(path.resolve()), float(item.get("strength", 1.0)), lora.sha256, lora.format,
-                            len(lora.modules), schedule, schedule is not None or METADATA_KEY in lora.metadata))
-    return tuple(refs), None
+def _read_entry(i: int, item: str | dict, base_dir: str | Path) -> tuple[LoraRef | None, tuple[str, str] | None]:
+    """One well-formed entry's LoRA, or its problem ``(at, message)``."""
+    at = f"[{i}]" if isinstance(item, str) else f"[{i}].path"
+    item = {"path": item} if isinstance(item, str) else item
+    given = item["path"]
+    # Absolute in messages, as a reference's or a keyframe's: for `batch sub/m.yaml` a LoRA printed
+    # `sub/x.safetensors` (relative to the working folder) beside references printed `/abs/sub/...` (a trial).
+    path = (Path(base_dir) / os.path.expanduser(given)).absolute()
+    if not path.is_file():
+        head, colon, tail = str(given).rpartition(":")
+        head_path = (Path(base_dir) / os.path.expanduser(head)).absolute()
+        if colon and head_path.is_file():  # FILE:STRENGTH, mistyped
+            try:
+                float(tail)
+                hint = f"give its strength as {{path: {head}, strength: {tail}}} (FILE:STRENGTH is --lora's)"
+            except ValueError:
+                return None, (at, f"{path}: the strength after ':' ({tail!r}) is not a number ({head_path} is the "
+                                  f"file)")
+            return None, (at, f"{path}: LoRA file not found; {head_path} is one, {hint}")
+        return None, (at, f"{path}: LoRA file not found")
+    schedule = item.get("schedule")
+    if schedule is not None:
+        from h3render.checkpoint.lora_schedule import PRESETS
+
+        if schedule not in PRESETS:
+            return None, (f"[{i}].schedule", f"{schedule!r} is not a turbo preset; one of {', '.join(PRESETS)}")
+    try:
+        lora = read_header(path.resolve())
+    except ValueError as exc:  # LoraError: names the file and key
+        return None, (at, str(exc))
+    from h3render.checkpoint.lora_schedule import METADATA_KEY
+
+    return LoraRef(given, str(path.resolve()), float(item.get("strength", 1.0)), lora.sha256, lora.format,
+                   len(lora.modules), schedule, schedule is not None or METADATA_KEY in lora.metadata), None

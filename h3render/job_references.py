@@ -21,6 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
+from h3render.suggest import unknown_field
+
 REFERENCE_TYPES = ("image", "video", "audio")
 MAX_PER_TYPE = {"image": 9, "video": 3, "audio": 3}  # diffusers `MiniMaxH3Ref2VASetupStep` defaults
 MAX_REFERENCES = 12
@@ -79,30 +81,28 @@ def resolve_reference_path(value: str, base_dir: str | Path) -> Path:
     return path if path.is_absolute() else Path(base_dir) / path
 
 
-def entry_problem(entry: Any) -> tuple[str, str] | None:
-    """Why one `references` entry is malformed on its own (before any file is read), or None; a problem is
-    ``(at, message)``, `at` its place in the entry: ``""`` the entry, ``".type"`` one of its keys."""
+def entry_problems(entry: Any) -> list[tuple[str, str]]:
+    """Every way one `references` entry is malformed on its own (before any file is read); [] when it is not. A
+    problem is ``(at, message)``, `at` its place in the entry: ``""`` the entry, ``".type"`` one of its keys."""
     if isinstance(entry, str):
-        return None if entry.strip() else ("", "a reference path must not be empty")
+        return [] if entry.strip() else [("", "a reference path must not be empty")]
     if not isinstance(entry, Mapping):
-        return "", f"a reference is a path or a mapping {{path, type, audio}}, got {type(entry).__name__}"
-    unknown = sorted(map(str, set(entry) - set(ENTRY_KEYS)))
-    if unknown:
-        return f".{unknown[0]}", f"unknown key; allowed: {', '.join(ENTRY_KEYS)}"
+        return [("", f"a reference is a path or a mapping {{path, type, audio}}, got {type(entry).__name__}")]
+    problems = [(f".{key}", unknown_field(key, ENTRY_KEYS)) for key in sorted(map(str, set(entry) - set(ENTRY_KEYS)))]
     if not isinstance(entry.get("path"), str) or not entry["path"].strip():
-        return ".path", "a reference mapping needs a non-empty path"
+        problems.append((".path", "a reference mapping needs a non-empty path"))
     if "type" in entry and entry["type"] not in REFERENCE_TYPES:
-        return ".type", f"{entry['type']!r} is not one of {', '.join(REFERENCE_TYPES)}"
+        problems.append((".type", f"{entry['type']!r} is not one of {', '.join(REFERENCE_TYPES)}"))
     if "audio" in entry and not isinstance(entry["audio"], bool):
-        return ".audio", f"must be true or false, got {entry['audio']!r}"
-    return None
+        problems.append((".audio", f"must be true or false, got {entry['audio']!r}"))
+    return problems
 
 
 def read_reference(entry: str | Mapping[str, Any], base_dir: str | Path, no_audio: bool = False) -> ReferenceRef:
     """Probe one reference (`h3render.references.probe_reference`) into a `ReferenceRef`.
 
     Args:
-        entry: a path, or a mapping `{path, type, audio}` (`entry_problem` passed).
+        entry: a path, or a mapping `{path, type, audio}` (`entry_problems` found nothing).
         base_dir: what a relative path is relative to.
         no_audio: drop a video's soundtrack (`--reference-no-audio`) unless the entry says `audio: true`.
 
@@ -147,15 +147,17 @@ def references_problem(refs: list[ReferenceRef]) -> str | None:
     return None
 
 
-def unsupported_problem(refs: list[ReferenceRef]) -> tuple[str, str] | None:
-    """What h3render cannot render yet among valid references (`RENDERABLE_TYPES`), or None; a problem is
-    ``("[i]", message)``, the first such reference's place in the list."""
+def unsupported_problems(refs: list[ReferenceRef]) -> list[tuple[str, str]]:
+    """What h3render cannot render yet among valid references (`RENDERABLE_TYPES`): ``("[i]", message)`` for each
+    such reference, `i` its place in the list; [] when it renders them all."""
+    problems = []
     for i, ref in enumerate(refs):
         if ref.type not in RENDERABLE_TYPES:
-            return f"[{i}]", (f"{ref.given}: video references (the conditioner's video presentation) are not in "
-                              f"h3render yet; ref2va renders image references and 32 kHz audio clips today")
-        if ref.type == "audio" and ref.info.get("sample_rate") != AUDIO_RATE:
-            return f"[{i}]", (f"{ref.given}: audio at {ref.info.get('sample_rate')} Hz needs resampling to "
-                              f"{AUDIO_RATE} Hz, which h3render does not do yet (e.g. ffmpeg -i IN -ar {AUDIO_RATE} "
-                              f"OUT.wav)")
-    return None
+            problems.append((f"[{i}]", f"{ref.given}: video references (the conditioner's video presentation) are "
+                                       f"not in h3render yet; ref2va renders image references and 32 kHz audio clips "
+                                       f"today"))
+        elif ref.type == "audio" and ref.info.get("sample_rate") != AUDIO_RATE:
+            problems.append((f"[{i}]", f"{ref.given}: audio at {ref.info.get('sample_rate')} Hz needs resampling to "
+                                       f"{AUDIO_RATE} Hz, which h3render does not do yet (e.g. ffmpeg -i IN -ar "
+                                       f"{AUDIO_RATE} OUT.wav)"))
+    return problems

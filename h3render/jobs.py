@@ -159,9 +159,9 @@ class Job:
         problem = output_path_problem(self.output)
         if problem:
             raise ValueError(f"Job output {self.output!r}: {problem}")
-        problem = keyframe_problem(self.keyframes, self.frames)
-        if problem:
-            raise ValueError(f"Job {self.output!r}: {problem}")
+        problems = keyframe_problems(self.keyframes, self.frames)
+        if problems:
+            raise ValueError(f"Job {self.output!r}: {problems[0][1]}")
         if self.references and self.window is not None:
             raise ValueError(f"Job {self.output!r}: ref2va renders one pass (at most {self.window} frames here); "
                              f"references with a longer clip are not supported")
@@ -296,21 +296,24 @@ def _given(ref: KeyframeRef) -> str:
     return f"keyframe {ref.anchor}:{ref.given}" if isinstance(ref.anchor, int) else f"{ref.anchor}_frame {ref.given}"
 
 
-def keyframe_problem(keyframes: tuple[KeyframeRef, ...], frames: int) -> str | None:
-    """Why a job's keyframes cannot be anchored in a `frames`-frame clip, or None: an index past the last frame, or
-    two keyframes on one frame (a first_frame and `keyframes: ["0:..."]` are both frame 0)."""
+def keyframe_problems(keyframes: tuple[KeyframeRef, ...], frames: int) -> list[tuple[int, str]]:
+    """Why a job's keyframes cannot be anchored in a `frames`-frame clip: ``(position in keyframes, problem)`` for
+    each keyframe past the last frame, or on a frame an earlier one anchors (a first_frame and `keyframes: ["0:..."]`
+    are both frame 0); [] when they fit. The position lets the manifest name the entry (`keyframes[2]`)."""
     seen: dict[int, KeyframeRef] = {}
-    for ref in keyframes:
+    problems = []
+    for position, ref in enumerate(keyframes):
         index = ref.frame(frames)
         if not 0 <= index < frames:
-            return f"{ref.label} is past the clip's last frame {frames - 1} ({frames} frames)"
-        if index in seen:
+            problems.append((position, f"{ref.label} is past the clip's last frame {frames - 1} ({frames} frames)"))
+        elif index in seen:
             # named by what was given ("keyframe 0:b.png and first_frame b.png"), not "frame 0 and first frame are
             # both frame 0" (a trial)
-            return (f"{_given(ref)} and {_given(seen[index])} both anchor frame {index}; give one picture per "
-                    f"frame")
-        seen[index] = ref
-    return None
+            problems.append((position, f"{_given(ref)} and {_given(seen[index])} both anchor frame {index}; give one "
+                                       f"picture per frame"))
+        else:
+            seen[index] = ref
+    return problems
 
 
 # --- Presets ---------------------------------------------------------------------------------------------------------

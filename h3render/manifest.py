@@ -8,21 +8,21 @@ checkpoint's `Limits` before anything loads. Reading the two file formats into l
 
 from __future__ import annotations
 
-import difflib
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable, Mapping, NamedTuple
 
 from h3render.job_keyframes import KEYFRAME_FIELDS
 from h3render.job_loras import resolve_loras
-from h3render.jobs import (DEFAULT_MODE, DEFAULT_SEED, Job, Preset, Requested, Source, keyframe_problem, load_presets,
-                           one_line, output_key, output_name, output_path_problem, prompt_slug)
-from h3render.manifest_fields import (engine_choices, field_problem, keyframe_canvas, leading_keyframe,
+from h3render.jobs import (DEFAULT_MODE, DEFAULT_SEED, Job, Preset, Requested, Source, keyframe_problems,
+                           load_presets, one_line, output_key, output_name, output_path_problem, prompt_slug)
+from h3render.manifest_fields import (engine_choices, field_problems, keyframe_canvas, leading_keyframe,
                                       resolve_keyframes, resolve_references, strip_mp4)
 from h3render.manifest_formats import Errors, Layer, ManifestError, Value, Where, read_jsonl, read_yaml
 from h3render.outputs import lock_path, temp_paths
 from h3render.spec import PRECISIONS, Limits, canvas_for_aspect, check_canvas, parse_aspect, snap_frames, video_rows
+from h3render.suggest import unknown_field
 from h3render.windows import DEFAULT_OVERLAP, check_window, plan_windows, resolve_frames
 
 JOB_FIELDS = ("id", "prompt", "preset", "aspect", "width", "height", "duration", "frames", "seed", "steps", "mode",
@@ -39,6 +39,9 @@ DEFAULT_PRECISION = PRECISIONS[0]
 _CANVAS_FIELDS = ("preset", "aspect", "width", "height")
 _TIME_FIELDS = ("duration", "frames")
 _COMMAND_LINE = "<command line>"
+# The option each list field comes from on the command line: a problem in one of its values names the option as
+# typed (`--lora #1 (x.safetensors:0.8)`), not the manifest's `loras[0].path`, which a `prompt` user never wrote.
+LIST_OPTIONS = {"loras": "--lora", "references": "--reference", "keyframes": "--keyframe"}
 
 
 @dataclass(frozen=True)
@@ -58,7 +61,7 @@ class Manifest:
 
 def read_manifest(path: str | Path, limits: Limits, defaults_overrides: Mapping[str, Any] | None = None, *,
                   presets_dir: str | Path | None = None, adapter_available: bool | None = None,
-                  precision: str | None = None) -> Manifest:
+                  precision: str | None = None, option_values: Mapping[str, list[str]] | None = None) -> Manifest:
     """Read a JSONL (`.jsonl`, `.ndjson`) or YAML (`.yaml`, `.yml`) manifest into resolved jobs, in file order.
 
     Precedence for each field: the job's own value, then `defaults_overrides` (command-line defaults; None values
@@ -71,6 +74,8 @@ def read_manifest(path: str | Path, limits: Limits, defaults_overrides: Mapping[
             `adapter`; True: t2va and fasth3 jobs may mix. None (default): not checked here.
         precision: the command line's `--precision` (None: the defaults' `precision`, else "bf16"); a job whose
             own `precision` differs from the run's is an error.
+        option_values: the command-line values of a list field in `defaults_overrides`, as typed
+            (`{"loras": ["x.safetensors:0.8"]}`), so that their problems name the option (`LIST_OPTIONS`).
 
     Raises:
         ManifestError: every problem found, one line each, naming file, line and field.
@@ -90,8 +95,7 @@ def read_manifest(path: str | Path, limits: Limits, defaults_overrides: Mapping[
         raise ManifestError([f"{path}: cannot read manifest: {one_line(exc)}"]) from None
     reader = read_jsonl if suffix in (".jsonl", ".ndjson") else read_yaml
     defaults, job_layers = reader(text, str(path), errors)
-    overrides = Layer(_COMMAND_LINE, 0, {k: Value(v, 0) for k, v in (defaults_overrides or {}).items()
-                                          if v is not None})
+    overrides = _command_line_layer(_COMMAND_LINE, defaults_overrides or {}, option_values or {})
     adapter = _manifest_adapter(defaults, path, errors)
     if adapter_available is not None:
         adapter_available = adapter_available or adapter is not None
@@ -112,19 +116,35 @@ def load_manifest(path: str | Path, limits: Limits, defaults_overrides: Mapping[
 
 
 def job_from_fields(fields: Mapping[str, Any], limits: Limits, *, source: str = _COMMAND_LINE,
-                    presets_dir: str | Path | None = None, adapter_available: bool | None = None) -> Job:
+                    presets_dir: str | Path | None = None, adapter_available: bool | None = None,
+                    option_values: Mapping[str, list[str]] | None = None) -> Job:
     """One job from a mapping of manifest fields (e.g. `h3render prompt "text" --aspect 16:9`), by the same
-    rules as a manifest line. None values are ignored; `adapter_available` as for `read_manifest`.
+    rules as a manifest line. None values are ignored; `adapter_available` and `option_values` as for
+    `read_manifest`.
 
     Raises:
         ManifestError: as `read_manifest`, with `source` in place of the file name.
     """
     errors = Errors()
     presets = _load_presets_for(errors, source, presets_dir)
-    layer = Layer(source, 0, {k: Value(v, 0) for k, v in fields.items() if v is not None})
+    layer = _command_line_layer(source, fields, option_values or {})
     jobs = _resolve_all([layer], [], limits, presets, errors, adapter_available)
     errors.raise_if_any()
     return jobs[0]
+
+
+def _command_line_layer(source: str, fields: Mapping[str, Any], option_values: Mapping[str, list[str]]) -> Layer:
+    """`fields` (None values left out) as one layer; each list field in `option_values` labelled by its option:
+    the field as `--lora`, its entry i as `--lora #i+1 (<value as typed>)` (`Layer.where`)."""
+    layer = Layer(source, 0)
+    for name, value in fields.items():
+        if value is None:
+            continue
+        option, typed = LIST_OPTIONS.get(name), option_values.get(name)
+        labels = None if option is None or typed is None else {
+            "": option, **{f"[{i}]": f"{option} #{i + 1} ({text})" for i, text in enumerate(typed)}}
+        layer.fields[name] = Value(value, 0, None, labels)
+    return layer
 
 
 def _run_precision(cli: str | None, defaults: Layer, job_layers: list[Layer], errors: Errors) -> str:
@@ -174,10 +194,7 @@ def _check_layer(layer: Layer, presets: Mapping[str, Preset], limits: Limits, er
         value = layer.get(name)
         where = layer.where(name)
         if name not in _KNOWN_FIELDS:
-            allowed = JOB_FIELDS + ENGINE_FIELDS if is_job else DEFAULT_FIELDS
-            close = difflib.get_close_matches(name, allowed, n=1)
-            hint = f" (did you mean {close[0]}?)" if close else f"; allowed: {', '.join(allowed)}"
-            errors.add(where, f"unknown field{hint}")
+            errors.add(where, unknown_field(name, JOB_FIELDS + ENGINE_FIELDS if is_job else DEFAULT_FIELDS))
             continue
         if not is_job and name in JOB_ONLY_FIELDS:
             errors.add(where, "may only be set on a job, not in defaults")
@@ -187,8 +204,7 @@ def _check_layer(layer: Layer, presets: Mapping[str, Preset], limits: Limits, er
             errors.add(where, "may only be set in the manifest's defaults" +
                        (f" (on the command line: {flag})" if layer.file == _COMMAND_LINE else ""))
             continue
-        problem = field_problem(name, value, presets, limits)
-        if problem:
+        for problem in field_problems(name, value, presets, limits):
             errors.add(*layer.blame(name, problem))
     if "preset" in layer.fields and any(f in layer.fields for f in ("aspect", "width", "height")):
         errors.add(layer.where("preset"), "conflicts with aspect/width/height on the same level (a preset sets the "
@@ -199,7 +215,7 @@ def _check_layer(layer: Layer, presets: Mapping[str, Preset], limits: Limits, er
         missing = "height" if "width" in layer.fields else "width"
         present = "width" if missing == "height" else "height"
         errors.add(layer.where(present), f"needs {missing} as well")
-    elif "width" in layer.fields and not any(field_problem(f, layer.get(f), presets, limits)
+    elif "width" in layer.fields and not any(field_problems(f, layer.get(f), presets, limits)
                                              for f in ("width", "height")):
         try:
             check_canvas(layer.get("width"), layer.get("height"))
@@ -222,10 +238,13 @@ def _resolve_all(job_layers: list[Layer], default_layers: list[Layer], limits: L
     defaults_ok = all([_check_layer(layer, presets, limits, errors, is_job=False) for layer in default_layers])
     resolved: list[tuple[Layer, dict[str, Any]]] = []
     for layer in job_layers:
-        # Every job is checked even when the defaults are bad, so one run reports every problem.
-        if not _check_layer(layer, presets, limits, errors, is_job=True) or not defaults_ok:
+        # Every job is checked even when the defaults are bad, and its files are read even when its fields are
+        # bad, so one run reports every problem (a trial: a missing file showed up only once the typos were fixed).
+        fields_ok = _check_layer(layer, presets, limits, errors, is_job=True) and defaults_ok
+        files = _read_files(layer, [layer, *default_layers], errors)
+        if not fields_ok or files is None:
             continue
-        values = _resolve_job(layer, [layer, *default_layers], limits, presets, errors, adapter_available)
+        values = _resolve_job(layer, [layer, *default_layers], limits, presets, errors, adapter_available, files)
         if values is not None:
             resolved.append((layer, values))
     repeated_ids = _check_ids(job_layers, errors)
@@ -236,30 +255,56 @@ def _resolve_all(job_layers: list[Layer], default_layers: list[Layer], limits: L
             for (layer, values), name in zip(resolved, names)]
 
 
-def _resolve_job(job: Layer, layers: list[Layer], limits: Limits, presets: Mapping[str, Preset],
-                 errors: Errors, adapter_available: bool | None) -> dict[str, Any] | None:
-    """Apply precedence to one checked job; returns Job keyword arguments (without output/source) or None."""
-    requested: dict[str, Any] = {}
-    # fl2va: keyframe files are read now (relative to the manifest's folder), before anything loads.
+class _Files(NamedTuple):
+    """What a job's files resolved to (`_read_files`)."""
+
+    keyframes: dict[str, Any]  # Job keyword arguments: first_frame, last_frame, frame_keyframes
+    placed: list  # ((field, at), KeyframeRef) for each keyframe: where to blame one past the clip's end
+    references: tuple
+    loras: tuple
+    loras_layer: Layer | None  # the level the job's `loras` come from
+
+
+def _read_files(job: Layer, layers: list[Layer], errors: Errors) -> _Files | None:
+    """Read every file the job names, relative to the manifest's folder (keyframe images, references; LoRAs from
+    the level its `loras` come from), each well-formed entry even when other fields are wrong; None when a file
+    was missing or bad (each reported on its own entry)."""
     base_dir = "." if job.file == _COMMAND_LINE else os.path.dirname(job.file) or "."
-    keyframes, problems = resolve_keyframes({f: job.get(f) for f in (*KEYFRAME_FIELDS, "keyframes")
-                                             if f in job.fields}, base_dir)
+    keyframes, problems, placed = resolve_keyframes({f: job.get(f) for f in (*KEYFRAME_FIELDS, "keyframes")
+                                                     if f in job.fields}, base_dir)
     for name, problem in problems:
         errors.add(*job.blame(name, problem))
-    if problems:
-        return None
+    failed = bool(problems)
     references: tuple = ()
     if "references" in job.fields:  # ref2va: every file probed now, in order; they never set the canvas
-        if keyframes:
-            errors.add(job.where("references"), "references (ref2va) and keyframes (fl2va: first_frame, last_frame, "
-                                                "keyframes) cannot be combined in one job")
-            return None
         audio_layer = _first(layers, ["reference_audio"])
-        references, problem = resolve_references(job.get("references"), base_dir,
-                                                 audio_layer.get("reference_audio") if audio_layer else True)
-        if problem:
+        use_audio = audio_layer.get("reference_audio") if audio_layer else True
+        references, problems = resolve_references(job.get("references"), base_dir, use_audio is not False)
+        for problem in problems:
             errors.add(*job.blame("references", problem))
-            return None
+        failed = failed or bool(problems)
+    loras: tuple = ()
+    loras_layer = _first(layers, ["loras"])  # a job's own list replaces the defaults' (`[]`: none)
+    if loras_layer is not None:
+        file = loras_layer.file
+        loras, problems = resolve_loras(loras_layer.get("loras"),
+                                        "." if file == _COMMAND_LINE else os.path.dirname(file) or ".")
+        for problem in problems:  # the defaults' are one line each, not one per job (`Errors.add`)
+            errors.add(*loras_layer.blame("loras", problem))
+        failed = failed or bool(problems)
+    return None if failed else _Files(keyframes, placed, references, loras, loras_layer)
+
+
+def _resolve_job(job: Layer, layers: list[Layer], limits: Limits, presets: Mapping[str, Preset],
+                 errors: Errors, adapter_available: bool | None, files: _Files) -> dict[str, Any] | None:
+    """Apply precedence to one checked job whose files were read; returns Job keyword arguments (without
+    output/source) or None."""
+    requested: dict[str, Any] = {}
+    keyframes, references = files.keyframes, files.references
+    if references and keyframes:
+        errors.add(job.where("references"), "references (ref2va) and keyframes (fl2va: first_frame, last_frame, "
+                                            "keyframes) cannot be combined in one job")
+        return None
     canvas_layer = _first(layers, _CANVAS_FIELDS)
     preset = None
     if canvas_layer is None and keyframes:  # the canvas follows the leading keyframe (first given)
@@ -297,10 +342,11 @@ def _resolve_job(job: Layer, layers: list[Layer], limits: Limits, presets: Mappi
     except ValueError as exc:
         errors.add(where, str(exc))
         return None
-    refs = tuple(k for v in keyframes.values() for k in (v if isinstance(v, tuple) else (v,)))
-    problem = keyframe_problem(refs, frames)
-    if problem:
-        errors.add(job.where(next(f for f in job.fields if f in (*KEYFRAME_FIELDS, "keyframes"))), problem)
+    problems = keyframe_problems(tuple(ref for _, ref in files.placed), frames)
+    for position, problem in problems:  # on its entry (`keyframes[2]`), as the list's other problems
+        name, at = files.placed[position][0]
+        errors.add(job.where(name, at), problem)
+    if problems:
         return None
     overlap = 0
     if window is not None:  # a long clip: its window and overlap (h3render.windows), the defaults unless set
@@ -359,21 +405,13 @@ def _resolve_job(job: Layer, layers: list[Layer], limits: Limits, presets: Mappi
         errors.add(job.where("steps"), "mode fasth3 runs the FastH3 adapter's fixed distilled schedule; remove steps")
         return None
     steps = None if mode == "fasth3" else steps_layer.get("steps") if steps_layer else limits.default_steps
-    loras = ()
-    loras_layer = _first(layers, ["loras"])  # a job's own list replaces the defaults' (`[]`: none)
-    if loras_layer is not None:
-        where = loras_layer.where("loras")
-        lora_dir = "." if where.file == _COMMAND_LINE else os.path.dirname(where.file) or "."
-        loras, problem = resolve_loras(loras_layer.get("loras"), lora_dir)
-        if problem:
-            errors.add(*loras_layer.blame("loras", problem))
-            return None
-        if references and any(ref.strength != 0 for ref in loras):  # it rendered without them, silently (a trial)
-            fix = ("drop --lora" if where.file == _COMMAND_LINE else "remove its loras" if loras_layer is job else
-                   f"give it loras: [] over the defaults' ({where})")
-            errors.add(job.where("references"), f"LoRAs apply to t2va and fl2va jobs; this ref2va job runs the Ref2VA "
-                                                f"DiT, which takes none yet ({fix})")
-            return None
+    loras, loras_layer = files.loras, files.loras_layer
+    if references and any(ref.strength != 0 for ref in loras):  # it rendered without them, silently (a trial)
+        fix = ("drop --lora" if loras_layer.file == _COMMAND_LINE else "remove its loras" if loras_layer is job else
+               f"give it loras: [] over the defaults' ({loras_layer.where('loras')})")
+        errors.add(job.where("references"), f"LoRAs apply to t2va and fl2va jobs; this ref2va job runs the Ref2VA "
+                                            f"DiT, which takes none yet ({fix})")
+        return None
     if any(ref.turbo and ref.strength != 0 for ref in loras):  # it runs its LoRA's own schedule (docs/lora.md)
         if "steps" in job.fields:
             errors.add(job.where("steps"), "a turbo LoRA of this job brings its own schedule; remove steps")

@@ -1,6 +1,6 @@
-"""Manifest fields on their own: each value's type and range (`field_problem`), and the fl2va keyframe fields
-(`first_frame`, `last_frame`) read into `KeyframeRef`s (`resolve_keyframes`). `h3render.manifest` applies them to
-every level of a manifest and adds `file:line: field:` to each problem.
+"""Manifest fields on their own: each value's type and range (`field_problems`), and the files a job names read
+(keyframes into `KeyframeRef`s: `resolve_keyframes`; references: `resolve_references`). `h3render.manifest` applies
+them to every level of a manifest and adds `file:line: field:` to each problem.
 """
 
 from __future__ import annotations
@@ -9,11 +9,11 @@ import math
 from pathlib import Path
 from typing import Any, Mapping, NamedTuple
 
-from h3render.job_loras import loras_field_problem
+from h3render.job_loras import loras_field_problems
 from h3render.job_keyframes import (ANCHOR_OF_FIELD, KEYFRAME_FIELDS, KeyframeRef, parse_keyframe_spec,
                                     read_keyframe_ref)
-from h3render.job_references import (ReferenceRef, entry_problem, read_reference, references_problem,
-                                     unsupported_problem)
+from h3render.job_references import (ReferenceRef, entry_problems, read_reference, references_problem,
+                                     unsupported_problems)
 from h3render.jobs import MAX_SEED, MODES, Preset, lone_surrogate, output_path_problem
 from h3render.spec import (CANVAS_MULTIPLE, POSITION_CHOICES, PRECISIONS, Limits, canvas_for_aspect, is_int,
                            parse_aspect)
@@ -32,15 +32,36 @@ class TooLong(NamedTuple):
 
 
 
-def field_problem(name: str, value: Any, presets: Mapping[str, Preset], limits: Limits) -> str | tuple[str, str] | None:
-    """Why one field's value is wrong on its own (type, range, known name), or None. A problem in one entry of a
-    list field (`loras`, `references`, `keyframes`) is ``(at, message)``, `at` its place under the field (``"[1]"``,
-    ``"[1].strength"``), which `manifest_formats.Layer.blame` prints as ``loras[1].strength`` on its own line.
-    Keyframe files are read later, by `resolve_keyframes`, once the value is known to be a non-empty string."""
+def field_problems(name: str, value: Any, presets: Mapping[str, Preset], limits: Limits) -> list:
+    """Why one field's value is wrong on its own (type, range, known name); [] when it is not. A list field
+    (`loras`, `references`, `keyframes`) gives every bad entry's problems (a 500-job manifest's user wants them all
+    at once), each ``(at, message)``, `at` its place under the field (``"[1]"``, ``"[1].strength"``), which
+    `manifest_formats.Layer.blame` prints as ``loras[1].strength`` on its own line. Files are read later, by
+    `resolve_keyframes`, `resolve_references` and `job_loras.resolve_loras`, for the entries well-formed here."""
     if isinstance(value, TooLong):
-        return f"an integer of {value.digits:,} digits is out of range"
+        return [f"an integer of {value.digits:,} digits is out of range"]
     if name == "loras":
-        return loras_field_problem(value)
+        return loras_field_problems(value)
+    if name == "references":
+        if not isinstance(value, list) or not value:
+            return [f"must be a non-empty list of reference files, got {type_name(value)}"]
+        return [(f"[{i}]{at}", message) for i, entry in enumerate(value) for at, message in entry_problems(entry)]
+    if name == "keyframes":
+        if not isinstance(value, list) or not value:
+            return ['must be a non-empty list of "FRAME:IMAGE" strings (e.g. ["0:first.png", "240:mid.png"])']
+        problems = []
+        for index, item in enumerate(value):
+            try:
+                parse_keyframe_spec(item)
+            except ValueError as exc:
+                problems.append((f"[{index}]", str(exc)))
+        return problems
+    problem = _value_problem(name, value, presets, limits)
+    return [problem] if problem else []
+
+
+def _value_problem(name: str, value: Any, presets: Mapping[str, Preset], limits: Limits) -> str | None:
+    """Why the value of a field that is not a list is wrong on its own, or None."""
     if name in STRING_FIELDS and not isinstance(value, str):
         return f"must be a string, got {type_name(value)}"
     if name in STRING_FIELDS and lone_surrogate(value):  # a prompt would fail every job at the warm-up's encode
@@ -85,25 +106,10 @@ def field_problem(name: str, value: Any, presets: Mapping[str, Preset], limits: 
             return f"{value} sigma points is too few (at least 2: N points run N-1 forwards)"
         if value > limits.max_sigma_points:
             return f"{value} sigma points is more than this checkpoint's limit of {limits.max_sigma_points:,}"
-    if name == "references":
-        if not isinstance(value, list) or not value:
-            return f"must be a non-empty list of reference files, got {type_name(value)}"
-        for index, entry in enumerate(value):
-            problem = entry_problem(entry)
-            if problem:
-                return f"[{index}]{problem[0]}", problem[1]
     if name == "reference_audio" and not isinstance(value, bool):
         return f"must be true or false, got {type_name(value)}"
     if name == "mode" and value not in MODES:
         return f"{value!r} is not one of {', '.join(MODES)}"
-    if name == "keyframes":
-        if not isinstance(value, list) or not value:
-            return 'must be a non-empty list of "FRAME:IMAGE" strings (e.g. ["0:first.png", "240:mid.png"])'
-        for index, item in enumerate(value):
-            try:
-                parse_keyframe_spec(item)
-            except ValueError as exc:
-                return f"[{index}]", str(exc)
     if name == "output":
         problem = output_path_problem(strip_mp4(value))
         if problem:
@@ -126,49 +132,70 @@ def strip_mp4(output: str) -> str:
     return output[:-4] if output.lower().endswith(".mp4") else output
 
 
-def resolve_keyframes(values: Mapping[str, str], base_dir: str | Path) -> tuple[dict[str, KeyframeRef], list[tuple]]:
-    """Read the keyframe fields a job sets (`{"first_frame": "a.png", ...}`, paths relative to `base_dir`).
+def resolve_keyframes(values: Mapping[str, Any], base_dir: str | Path) -> tuple[dict[str, Any], list[tuple], list]:
+    """Read the keyframe fields a job sets (`{"first_frame": "a.png", ...}`, paths relative to `base_dir`): every
+    well-formed one (`field_problems` reports the others), so one pass reports every missing or bad file.
 
     Returns:
-        `({field: KeyframeRef}, [(field, problem), ...])`: every file is read, so one pass reports all problems; a
-        `keyframes` entry's problem is ``("[i]", message)``, as `field_problem`'s.
+        `({field: KeyframeRef or, for keyframes, a tuple of them}, [(field, problem), ...], placed)`: a `keyframes`
+        entry's problem is ``("[i]", message)``, as `field_problems`'s; `placed` pairs each ref read with its place
+        ``(field, at)`` (``("keyframes", "[2]")``), first_frame, last_frame, then the keyframes by frame, so that a
+        problem found later (a frame past the clip's end) names its entry.
     """
-    refs, problems = {}, []
+    refs, problems, placed = {}, [], []
     for name in KEYFRAME_FIELDS:
-        if name in values:
+        if isinstance(values.get(name), str) and values[name].strip():
             try:
                 refs[name] = read_keyframe_ref(values[name], ANCHOR_OF_FIELD[name], base_dir)
+                placed.append(((name, ""), refs[name]))
             except ValueError as exc:
                 problems.append((name, str(exc)))
-    if "keyframes" in values:  # ["240:mid.png", ...]: Job.frame_keyframes, ascending
+    if isinstance(values.get("keyframes"), list):  # ["240:mid.png", ...]: Job.frame_keyframes, ascending
+        specs = []
+        for given, value in enumerate(values["keyframes"]):
+            try:
+                specs.append((parse_keyframe_spec(value), given))
+            except ValueError:
+                continue  # field_problems' to report
         at = []
-        for (index, path), given in sorted((parse_keyframe_spec(v), i) for i, v in enumerate(values["keyframes"])):
+        for (index, path), given in sorted(specs):
             try:
                 at.append(read_keyframe_ref(path, index, base_dir))
+                placed.append((("keyframes", f"[{given}]"), at[-1]))
             except ValueError as exc:
                 problems.append(("keyframes", (f"[{given}]", str(exc))))
         refs["frame_keyframes"] = tuple(at)
-    return refs, problems
+    return refs, problems, placed
 
 
-def resolve_references(entries: list, base_dir: str | Path, use_audio: bool = True) -> tuple[
-        tuple[ReferenceRef, ...], str | tuple[str, str] | None]:
-    """Read a job's `references` list (entries already passed `field_problem`), in order, paths relative to
-    `base_dir`; `use_audio` False (`reference_audio: false`, `--reference-no-audio`) drops the videos' soundtracks
-    unless an entry says `audio: true`.
+def resolve_references(entries: Any, base_dir: str | Path, use_audio: bool = True) -> tuple[
+        tuple[ReferenceRef, ...], list]:
+    """Read a job's `references` list in order, paths relative to `base_dir`: every well-formed entry
+    (`field_problems` reports the others); `use_audio` False (`reference_audio: false`, `--reference-no-audio`)
+    drops the videos' soundtracks unless an entry says `audio: true`.
 
     Returns:
-        `(refs, problem)`: the first problem or None: an entry's (`("[i]", "<path>: ...")`, as `field_problem`'s,
-        also for a type h3render cannot render yet), or the list's (the counts, audio alone).
+        `(refs, problems)`: every entry's problem (``("[i]", "<path>: ...")``, as `field_problems`'s, also for a type
+        h3render cannot render yet), and once every entry was read the list's own (the counts, audio alone).
     """
-    refs = []
+    if not isinstance(entries, list):
+        return (), []
+    refs, problems, complete = [], [], True
     for index, entry in enumerate(entries):
+        if entry_problems(entry):
+            complete = False
+            continue
         try:
             refs.append(read_reference(entry, base_dir, no_audio=not use_audio))
         except ValueError as exc:
-            return (), (f"[{index}]", str(exc))
-    problem = references_problem(refs) or unsupported_problem(refs)
-    return tuple(refs), problem
+            problems.append((f"[{index}]", str(exc)))
+    if problems or not complete:
+        return (), problems
+    problem = references_problem(refs)
+    problems = ([problem] if problem else []) + unsupported_problems(refs)
+    return (() if problems else tuple(refs)), problems
+
+
 def leading_keyframe(refs: Mapping[str, Any]) -> KeyframeRef:
     """The keyframe that sets an fl2va job's canvas when it names none: the earliest one (first_frame, else the
     lowest `keyframes:` index, else last_frame), as diffusers' leading `image`."""

@@ -37,6 +37,8 @@ class Value(NamedTuple):
     line: int  # 1-based line of the field; 0 when not from a file
     # a list value's places and their lines, where the file gives them (YAML): {"[1]": 7, "[1].strength": 8}
     lines: Mapping[str, int] | None = None
+    # a command-line list's names for the field and its entries, as typed: {"": "--lora", "[0]": "--lora #1 (x:0.8)"}
+    labels: Mapping[str, str] | None = None
 
 
 @dataclass
@@ -50,8 +52,14 @@ class Layer:
     def where(self, name: str | None = None, at: str = "") -> Where:
         """The place to blame: the field's own line when it has one, else the job's. `at`, a place inside the
         field's value (`"[1].strength"`), is added to the field's name (`loras[1].strength`) and blamed on its own
-        line, else its entry's (`"[1]"`), when the file gives them."""
+        line, else its entry's (`"[1]"`), when the file gives them. A command-line value with `labels` names the
+        option instead: `--lora #2 (b.safetensors:0.5)`, `--lora #2 (b.safetensors:nan): strength`."""
         value = self.fields.get(name) if name else None
+        if value is not None and value.labels:  # an option's value: named as typed, not `loras[0].path` (a trial)
+            entry = at[:at.find("]") + 1]  # "[1].strength" -> "[1]"; "" -> ""
+            if entry in value.labels:
+                key = at[len(entry):].removeprefix(".")
+                return Where(value.labels[entry], 0, key if key not in ("", "path") else None)
         line = value.line if value is not None and value.line else self.line
         lines = (value.lines or {}) if value is not None else {}
         place = at
@@ -61,7 +69,7 @@ class Layer:
 
     def blame(self, name: str, problem: str | tuple[str, str]) -> tuple[Where, str]:
         """`Errors.add`'s arguments for a problem of field `name`: a message, or `(at, message)` for a place inside
-        its value (`manifest_fields.field_problem`)."""
+        its value (`manifest_fields.field_problems`)."""
         at, message = problem if isinstance(problem, tuple) else ("", problem)
         return self.where(name, at), message
 
@@ -182,8 +190,7 @@ def read_yaml(text: str, file: str, errors: Errors) -> tuple[Layer, list[Layer]]
             return defaults, []
         root = yaml.compose(text, Loader=yaml.SafeLoader)
     except yaml.MarkedYAMLError as exc:
-        line = exc.problem_mark.line + 1 if exc.problem_mark else 0
-        errors.add(Where(file, line), f"not valid YAML: {exc.problem or exc.context}")
+        errors.add(*_syntax_error(file, text, exc))
         return defaults, []
     except yaml.YAMLError as exc:
         errors.add(Where(file), f"not valid YAML: {one_line(exc)}")
@@ -236,6 +243,25 @@ def read_yaml(text: str, file: str, errors: Errors) -> tuple[Layer, list[Layer]]
         else:
             errors.add(Where(file, _line(node)), "each job must be a mapping of fields")
     return defaults, jobs
+
+
+def _syntax_error(file: str, text: str, exc: yaml.MarkedYAMLError) -> tuple[Where, str]:
+    """Where PyYAML's syntax error is and what it says, with the place the unfinished construct opened (its
+    `context_mark`) when that is another line. Found at the end of the file, the error is blamed on that opening
+    line, since the end is never the mistake: a trial's `prompt: "hello` (a quote never closed) was blamed on the
+    file's last line, with nothing naming the line the quote opened on."""
+    problem, context = exc.problem_mark, exc.context_mark
+    line = problem.line + 1 if problem else 0
+    if context is None or not exc.context or (problem is not None and context.line == problem.line):
+        return Where(file, line), f"not valid YAML: {exc.problem or exc.context}"
+    column = context.column + 1
+    if problem is not None and problem.index >= len(text):
+        what = exc.context.removeprefix("while scanning ").removeprefix("while parsing ")
+        what = "the quote" if what == "a quoted scalar" else what  # PyYAML's name for a quoted string
+        return Where(file, context.line + 1), (f"not valid YAML: {what} opened here (column {column}) is never "
+                                               f"closed: {exc.problem} at line {line}")
+    return Where(file, line), (f"not valid YAML: {exc.problem} ({exc.context} at line {context.line + 1}, column "
+                               f"{column})")
 
 
 def _yaml_pairs(node: yaml.MappingNode, loader: yaml.SafeLoader, file: str, errors: Errors):

@@ -112,7 +112,7 @@ class MemoryPlan:
     def label(self) -> str:
         """`resident fp32`, `phased bf16`, `streamed fp8`: the plan and what its weights compute in (a CPU run's
         fp32 read "resident bf16": `--precision bf16` only means no FP8)."""
-        return f"{self.name} {'fp8' if self.precision == 'fp8' else self.dtype}"
+        return f"{self.name} {spec.ran_precision(self.precision, self.dtype)}"
 
     def fits(self) -> bool:
         return self.limit is None or self.peak <= self.limit
@@ -129,7 +129,7 @@ class MemoryPlan:
 
     def record(self) -> dict[str, Any]:
         """The sidecar's `run.memory` (docs/sidecar.md)."""
-        return {"plan": self.name, "precision": self.precision,
+        return {"plan": self.name, "precision": spec.ran_precision(self.precision, self.dtype),
                 "expected_peak_gb": round(self.peak / GB, 2),
                 "expected_phases_gb": {k: round(v / GB, 2) for k, v in self.phases.items()},
                 "host_gb": round(self.host_bytes / GB, 2),

@@ -162,3 +162,37 @@ def path_problem(mp4: Path, sidecar: Path, out_real: Path) -> str | None:
         if final.is_dir():
             return f"{final}: a folder stands at the job's output name; nothing can be written there"
     return None
+
+
+def make_folders(folder: Path) -> list[Path]:
+    """Make `folder` and its missing parents, as ``mkdir(parents=True, exist_ok=True)``; returns the ones this call
+    made, outermost first, for `remove_empty_folders` (one another process made meanwhile is not ours).
+
+    Raises:
+        OSError: as ``Path.mkdir`` (a file in the way, no permission).
+    """
+    missing = []
+    probe = folder
+    while not os.path.lexists(probe) and probe != probe.parent:
+        missing.append(probe)
+        probe = probe.parent
+    made = []
+    for path in reversed(missing):
+        try:
+            path.mkdir()
+            made.append(path)
+        except FileExistsError:
+            pass  # made meanwhile by another queue (or something else in the way: the call below says what)
+    folder.mkdir(parents=True, exist_ok=True)
+    return made
+
+
+def remove_empty_folders(folders: list[Path]) -> None:
+    """Remove each of `folders` (the ones `make_folders` made for a job that wrote nothing) that is still empty,
+    innermost first: an interrupted job left `out/shots/deep/` behind empty (a trial). ``rmdir`` never removes a
+    folder with anything in it, so another job's or another process's files there keep it, and its parents."""
+    for path in reversed(folders):
+        try:
+            path.rmdir()
+        except OSError:
+            return  # not empty (or gone): what holds it holds its parents too

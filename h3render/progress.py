@@ -1,7 +1,7 @@
 """Stage progress of one render on stderr: tqdm bars on a terminal, plain lines in a log.
 
 `render.render_job` reports four stages of every job through a `Progress` (the engine's `settings.progress`):
-``text_encode``, ``denoise`` (one update per DiT forward), ``decode`` (one update per frame decoded by the video VAE
+``text_encode`` (one update: the window's prompt), ``denoise`` (one update per DiT forward), ``decode`` (one update per frame decoded by the video VAE
 and handed to the MP4 writer) and ``encode`` (frames the x264 thread has taken in, then the MP4's close: flush,
 trailer, fsync, rename). Styles:
 

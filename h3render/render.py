@@ -109,8 +109,10 @@ def render_windows(engine, job, windows: Sequence, mp4_path: Path, sidecar_path:
             # What each component computes in, read now: the sidecar is written on the writer's thread, by when the
             # next job may have fused and quantized the DiT.
             precision = precision or _precision_report(engine)
-            with progress.stage(label, task_of(window).ENCODE_STAGE):
+            # One prompt (with its keyframes or references) a window: a total, so the bar reads 1/1, not a bare count
+            with progress.stage(label, task_of(window).ENCODE_STAGE, 1, "prompt") as shown:
                 prepared = task_of(window).prepare(engine, window, timer)
+                shown.update()
             latents = generate(engine, window, prepared, schedule, timer, progress, label)
             del prepared
             if settings.save_latents and engine.plan.writes:
@@ -311,9 +313,10 @@ class _Sink:
 
 def run_facts(engine, mp4_path: Path, started_at: str, components: dict[str, str]) -> dict[str, Any]:
     """What ran this job, for the sidecar's ``run`` (docs/sidecar.md): the output, the start time, the device, the
-    engine's precision setting and `components` (`models.fp8.precision_report` at the job's start), the dtypes the
-    components hold, the attention backends actually used (and the one asked for), the x264 settings, and the
-    process's command line (`sys.argv`: under torchrun every rank has it, a spawned rank inherits it)."""
+    precision the engine ran (`spec.ran_precision`: fp8, bf16 or fp32) and `components`
+    (`models.fp8.precision_report` at the job's start), the dtypes the components hold, the attention backends
+    actually used (and the one asked for), the x264 settings, and the process's command line (`sys.argv`: under
+    torchrun every rank has it, a spawned rank inherits it)."""
     dev = engine.device
     requested = engine.settings.attention or "auto"
     dit_attention = str(engine.warmup.get("attention_backend", "sdpa"))
@@ -330,7 +333,7 @@ def run_facts(engine, mp4_path: Path, started_at: str, components: dict[str, str
               "float32_matmul": torch.get_float32_matmul_precision()}
     return {"output": str(Path(mp4_path).resolve()), "started_at": started_at, "argv": list(sys.argv),
             "device": {"type": dev.type, "name": device_name(dev), "ranks": engine.ctx.world_size},
-            "dtype": dtypes["dit"], "dtypes": dtypes, "precision": engine.precision,
+            "dtype": dtypes["dit"], "dtypes": dtypes, "precision": engine.settings.ran_precision,
             "precision_components": dict(components),
             "attention": {"requested": requested, "dit": dit_attention, "vae": vae_attention},
             "encoder": {"crf": engine.settings.crf, "x264_preset": engine.settings.x264_preset},
@@ -351,7 +354,7 @@ def _memory_facts(engine) -> dict[str, Any]:
     (`memplan.MemoryPlan.record`, chosen before the load); just the plan for an engine built without the chooser."""
     chosen = getattr(engine.settings, "memory", None)
     facts = dict(chosen) if chosen else {"plan": engine.warmup.get("memory_plan", "resident"),
-                                         "precision": engine.precision}
+                                         "precision": engine.settings.ran_precision}
     facts["plan"] = engine.warmup.get("memory_plan", facts["plan"])
     return facts
 

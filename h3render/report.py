@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from h3render import locks
-from h3render.exits import EXIT_FAILED, EXIT_OK, signal_exit_code
+from h3render.exits import EXIT_FAILED, EXIT_OK, REQUEUE_SIGNALS, signal_exit_code
 from h3render.signals import signal_name
 
 SUCCEEDED = "succeeded"
@@ -406,6 +406,25 @@ def _now() -> str:
 
 def _name(outcome: JobOutcome) -> str:
     return outcome.output if outcome.id is None else f"{outcome.id} ({outcome.output})"
+
+
+def stop_lines(report: BatchReport, where: str, resume: str | None, *, overwrite: bool = False) -> list[str]:
+    """The queue's last lines after a signal: which job it stopped (its partial files removed), what finished and
+    what did not start, the exit code and report (`where`), and the command that resumes (`resume`; None: "the
+    same command"). A trial found one terse line ("interrupted (SIGINT); exit 130; report ...")."""
+    how = "stopped for a requeue" if report.signum in REQUEUE_SIGNALS else "interrupted"
+    n, c = len(report.jobs), report.counts
+    stopped = [f"job {i + 1}/{n} {_name(j)}" for i, j in enumerate(report.jobs) if j.status == INTERRUPTED]
+    during = f" during {', '.join(stopped)}; its partial files were removed" if stopped else " between jobs"
+    counts = f"{c[SUCCEEDED]} succeeded, {c[FAILED]} failed, {c[SKIPPED]} skipped (already rendered)" + (
+        f", {c[ELSEWHERE]} in progress elsewhere" if c[ELSEWHERE] else "") + f", {c[PENDING]} not started"
+    command = resume or "the same h3render batch command"
+    if overwrite:  # --overwrite again would render the finished jobs again
+        again = (f"to resume: {command} (without --overwrite: the jobs finished now are skipped, and so are those "
+                 f"not reached whose earlier outputs are current; with it every job renders again)")
+    else:
+        again = f"to resume (jobs already rendered are skipped): {command}"
+    return [f"{how} ({signal_name(report.signum)}){during}", f"{counts}; exit {report.exit_code}; {where}", again]
 
 
 class QueueLog:

@@ -32,6 +32,7 @@ class Queue:
     shard: tuple[int, int] | None = None
     overwrite: bool = False
     fail_fast: bool = False
+    resume: str | None = None  # the command that resumes the queue (`batch.run_batch`'s `resume`)
 
 
 def plan_ranks(run: RunSettings, heads: int) -> tuple[int, str | None]:
@@ -65,7 +66,7 @@ def run_jobs(run: RunSettings, jobs: Sequence, world: int, heads: int, *, quiet:
 
         return run_batch(list(jobs), _never_loaded, queue.out_dir, overwrite=queue.overwrite,
                          fail_fast=queue.fail_fast, quiet=quiet, shard=queue.shard, render_order=render_order(jobs),
-                         current=run.record()).exit_code
+                         current=run.record(), resume=queue.resume).exit_code
     if world > 1:
         from h3render.parallel.launch import spawn
 
@@ -140,7 +141,7 @@ def _rank_main(run: RunSettings, jobs: list, heads: int, quiet: bool, single, qu
             else:
                 report = run_batch(jobs, factory, queue.out_dir, overwrite=queue.overwrite,
                                    fail_fast=queue.fail_fast, quiet=quiet, shard=queue.shard,
-                                   render_order=render_order(jobs), current=run.record())
+                                   render_order=render_order(jobs), current=run.record(), resume=queue.resume)
                 code = report.exit_code
             in_step = code not in (EXIT_INTERRUPTED, EXIT_REQUEUE)
             return code

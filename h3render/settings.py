@@ -19,7 +19,7 @@ from typing import Any, Iterable, Mapping, Sequence
 from h3render.exits import UsageError
 from h3render.jobs import check_x264_preset
 from h3render.manifest import DEFAULT_PRECISION
-from h3render.spec import X264_CRF, check_precision
+from h3render.spec import X264_CRF, check_precision, ran_precision
 
 DTYPES = ("bf16", "fp32")  # --dtype: the activations' (block stack's) dtype
 DEVICES = ("cuda", "cpu")
@@ -298,12 +298,19 @@ class RunSettings:
         transformer = self.transformer and str(Path(self.transformer).resolve())
         return {"checkpoint": {"path": self.checkpoint_path if self.checkpoint_path is not None else self.checkpoint,
                                "config_hash": self.config_hash, "transformer": transformer,
-                               "precision": self.precision},
+                               "precision": self.ran_precision},
                 "encoder": {"crf": self.crf, "x264_preset": self.x264_preset}}
 
     def summary(self) -> dict[str, Any]:
-        """`--dry-run`'s first line: checkpoint (as given), precision, adapter (None values left out there)."""
-        return {"checkpoint": self.checkpoint, "precision": self.precision, "adapter": self.adapter}
+        """`--dry-run`'s first line: checkpoint (as given), precision (what runs), adapter (None values left out
+        there)."""
+        return {"checkpoint": self.checkpoint, "precision": self.ran_precision, "adapter": self.adapter}
+
+    @property
+    def ran_precision(self) -> str:
+        """What the linears compute in (`spec.ran_precision`): "fp8", else the dtype ("fp32" on a CPU by default),
+        for the dry run's line, the sidecar's `run.precision` and the resume key."""
+        return ran_precision(self.precision, self.dtype)
 
     @property
     def torch_dtype(self):

@@ -22,7 +22,9 @@ from typing import Any, Mapping, Union
 #    computes in (`models.fp8.precision_report`); the per-component dtypes run.precision held moved to run.dtypes
 # 4: run.argv; versions.transformers, versions.x264, versions.h3render_commit; extra.audio (the soundtrack's level);
 #    extra.windows for a job rendered in several windows
-SIDECAR_SCHEMA = 4
+# 5: run.precision and run.memory.precision say what ran ("fp32" too: a CPU run's default), not the --precision
+#    setting, whose "bf16" means no FP8 (`spec.ran_precision`)
+SIDECAR_SCHEMA = 5
 
 
 def rendered_with(sidecar: Mapping[str, Any], checkpoint: Mapping[str, Any], encoder: Mapping[str, Any]) -> str | None:
@@ -40,8 +42,11 @@ def rendered_with(sidecar: Mapping[str, Any], checkpoint: Mapping[str, Any], enc
     """
     was = sidecar.get("checkpoint") or {}
     then_encoder = (sidecar.get("run") or {}).get("encoder") or {}
-    then_precision = (sidecar.get("run") or {}).get("precision")
+    then_run = sidecar.get("run") or {}
+    then_precision = then_run.get("precision")
     then_precision = then_precision if isinstance(then_precision, str) else "bf16"  # schema 2: a dtype mapping
+    if then_precision == "bf16" and then_run.get("dtype") == "float32":
+        then_precision = "fp32"  # schema 3 and 4 recorded the setting, whose bf16 meant no FP8, for an fp32 run
     pairs = [("checkpoint", was.get("path"), checkpoint.get("path")),
              ("checkpoint config", was.get("config_hash"), checkpoint.get("config_hash")),
              ("--transformer", (was.get("transformer") or {}).get("path"), checkpoint.get("transformer")),

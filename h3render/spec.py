@@ -312,6 +312,13 @@ PRECISIONS = ("bf16", "fp8")
 POSITION_CHOICES = ("release", "fastvideo-example")
 
 
+def ran_precision(precision: str, dtype: str) -> str:
+    """What a run's linears compute in, as the log and the sidecar name it: "fp8" with --precision fp8, else the
+    activations' dtype (`--dtype`: "bf16", or "fp32", a CPU run's default). --precision bf16 only means no FP8: a
+    CPU render in fp32 printed and recorded "precision bf16" (a trial)."""
+    return "fp8" if precision == "fp8" else dtype
+
+
 def check_precision(precision: str) -> str:
     """`precision` if it is one of `PRECISIONS`, else ValueError naming the choices."""
     if precision not in PRECISIONS:

@@ -37,8 +37,8 @@ def loras(tmp_path_factory):
 
 
 def refs(*items):
-    found, problem = resolve_loras([{"path": str(p), "strength": s} for p, s in items], ".")
-    assert problem is None, problem
+    found, problems = resolve_loras([{"path": str(p), "strength": s} for p, s in items], ".")
+    assert not problems, problems
     return found
 
 
@@ -84,8 +84,8 @@ def test_alternating_sets_equal_single_set_engines_with_one_load(loras, tmp_path
     for part in ("video", "audio"):
         err = float((latents[part] - got["x1"][0][part]).norm() / got["x1"][0][part].norm())
         assert err < 1e-4, (part, err)
-    found, problem = resolve_loras([{"path": str(x), "schedule": "lightx2v-fl2va-4step-v0.1"}], ".")
-    assert problem is None and found[0].turbo
+    found, problems = resolve_loras([{"path": str(x), "schedule": "lightx2v-fl2va-4step-v0.1"}], ".")
+    assert not problems and found[0].turbo
     _, data = render(side, replace(JOB, output="turbo", loras=found), tmp_path / "side")
     sigmas = data["sigmas"]
     assert sigmas["forwards"] == 4 and sigmas["source"] == "turbo LoRA lightx2v-fl2va-4step-v0.1"
@@ -107,9 +107,9 @@ def test_cli_lora_problems_exit_2_before_load(loras, tmp_path):
     manifest.write_text("".join(json.dumps(line) + "\n" for line in lines))
     r = invoke("batch", str(manifest), "--out-dir", str(tmp_path / "out"), "--dry-run")
     assert r.exit_code == 2, r.stderr
-    assert f"{manifest}:2: loras[0].path: missing.safetensors: no such LoRA file" in r.stderr
+    assert f"{manifest}:2: loras[0].path: {tmp_path}/missing.safetensors: LoRA file not found" in r.stderr
     assert f"{manifest}:3: loras[0].path: {bad}: not a readable safetensors file" in r.stderr
-    assert f"{manifest}:4: loras[0].file: unknown key; allowed: path, strength, schedule" in r.stderr
+    assert f"{manifest}:4: loras[0].file: unknown field; allowed: path, strength, schedule" in r.stderr
     assert ":1:" not in r.stderr
     manifest.write_text(json.dumps(lines[0]) + "\n")  # the good line alone: the plan names its LoRA
     r = invoke("batch", str(manifest), "--out-dir", str(tmp_path / "out"), "--dry-run")

@@ -55,7 +55,9 @@ def test_t2va_sidecar_matches_the_schema_and_says_what_ran(t2va):
     assert before - timedelta(seconds=1) <= datetime.fromisoformat(run["started_at"]) <= after
     assert run["device"]["type"] == "cpu" and run["device"]["ranks"] == 1
     assert run["dtype"] == "float32" and run["dtypes"]["audio_vae"] == "float32"  # CPU default fp32
-    assert run["precision"] == "bf16" and run["precision_components"]["dit_blocks"] == "fp32"  # the default
+    # what ran: --precision bf16 (the default) means no FP8, and a CPU run computes in fp32 (it said "bf16": a trial)
+    assert run["precision"] == "fp32" and run["precision_components"]["dit_blocks"] == "fp32"
+    assert run["memory"]["precision"] == "fp32"
     # fa3 was asked for; CPU ran torch SDPA, and both the warning and the sidecar say so
     assert run["attention"] == {"requested": "fa3", "dit": "sdpa", "vae": "sdpa"}
     warning = [line for line in stderr.splitlines() if "warning" in line and "--attention fa3" in line]
@@ -124,7 +126,7 @@ def test_writer_stats_are_durations_on_the_jobs_scale(t2va):
 
 def test_non_tty_prompt_prints_a_line_per_stage(t2va):
     stderr = t2va[1]
-    for stage, count in (("text encode", ""), ("denoise", "(2/2 steps)"), ("decode", "(22/22 frames)"),
+    for stage, count in (("text encode", "(1/1 prompt)"), ("denoise", "(2/2 steps)"), ("decode", "(22/22 frames)"),
                          ("encode", "(22/22 frames)")):
         lines = [line for line in stderr.splitlines() if line.startswith(f"h3render: clip: {stage} done in ")]
         assert len(lines) == 1 and lines[0].endswith(count), (stage, stderr)

@@ -34,7 +34,8 @@ def test_sigusr1_mid_job_stops_cleanly_with_the_requeue_code(tmp_path):
     assert [j["status"] for j in data["jobs"]] == ["succeeded", "interrupted", "pending"]
     assert data["jobs"][1]["error"] == "Interrupted: SIGUSR1 received"
     assert files_under(out) == {"batch-report.json", "j0.mp4", "j0.json"}  # j1's temp and lock are gone
-    assert "stopped for a requeue (SIGUSR1); exit 75" in err
+    assert "stopped for a requeue (SIGUSR1) during job 2/3 j1 (j1.mp4); its partial files were removed" in err
+    assert "1 succeeded, 0 failed, 0 skipped (already rendered), 1 not started; exit 75" in err
 
 
 @pytest.mark.parametrize("signum, code", [(signal.SIGUSR2, 75), (signal.SIGHUP, 130), (signal.SIGTERM, 130)])
@@ -168,7 +169,8 @@ def test_the_queue_bar_after_ctrl_c(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "failed 1" not in err  # an interrupted job is not counted as failed
     after = err.split("h3render batch: interrupted (SIGINT)", 1)[1]
-    assert after.endswith("batch-report.json\n") and after.count("\n") == 1, after  # nothing drawn below it
+    # nothing drawn below its three lines: the job stopped, the counts and report, how to resume
+    assert after.endswith("the same h3render batch command\n") and after.count("\n") == 3, after
     assert "denoise" not in after and "\r" not in after
     assert not tqdm._instances
 

@@ -279,16 +279,17 @@ def test_a_lora_strength_that_is_no_number_says_so(tmp_path, monkeypatch):
     _no_load(monkeypatch)
     lora = write_synthetic_lora(tmp_path / "f.safetensors", RELEASES["tiny"].dit, "peft", seed=0)
     line = one_error_line(invoke("prompt", "x", "-o", str(tmp_path / "a.mp4"), "--lora", f"{lora}:abc"))
-    assert line.endswith(f"loras[0].path: {lora}:abc: the strength after ':' ('abc') is not a number ({lora} is the "
-                         f"file)"), line
+    assert line.endswith(f"error: --lora #1 ({lora}:abc): {lora}:abc: the strength after ':' ('abc') is not a number "
+                         f"({lora} is the file)"), line
     # on `batch` the command line's LoRA reaches every job: its problem is one line, not one per job (a trial)
     manifest = tmp_path / "three.jsonl"
     manifest.write_text('{"prompt": "a"}\n{"prompt": "b"}\n{"prompt": "c"}\n')
     line = one_error_line(invoke("batch", str(manifest), "--lora", f"{lora}:abc", "--dry-run"))
-    assert line.endswith("is not a number " f"({lora} is the file)"), line
+    assert line.startswith(f"h3render: error: --lora #1 ({lora}:abc): ") and line.endswith(
+        "is not a number " f"({lora} is the file)"), line
     missing = tmp_path / "g.safetensors"
     line = one_error_line(invoke("prompt", "x", "-o", str(tmp_path / "a.mp4"), "--lora", f"{missing}:abc"))
-    assert line.endswith(f"no such LoRA file ({missing}:abc)"), line  # no file before the ':' either
+    assert line.endswith(f"{missing}:abc: LoRA file not found"), line  # no file before the ':' either
     # and a LoRA that is used is said on stderr, not only in the sidecar (a trial)
     from h3render.checkpoint.info import read_checkpoint_info
     from h3render.manifest import job_from_fields
@@ -305,8 +306,8 @@ def test_a_lora_strength_that_is_no_number_says_so(tmp_path, monkeypatch):
     Image.new("RGB", (128, 64)).save(tmp_path / "r.png")
     line = one_error_line(invoke("prompt", "<Picture 1> x", "--reference", str(tmp_path / "r.png"), "-o",
                                  str(tmp_path / "a.mp4"), "--lora", f"{lora}:0.7"))
-    assert line.endswith("references: LoRAs apply to t2va and fl2va jobs; this ref2va job runs the Ref2VA DiT, which "
-                         "takes none yet (drop --lora)"), line
+    assert line.endswith("error: --reference: LoRAs apply to t2va and fl2va jobs; this ref2va job runs the Ref2VA DiT, "
+                         "which takes none yet (drop --lora)"), line
     manifest = tmp_path / "ref.yaml"  # from the defaults: the job's own line is blamed, and told how to opt out
     manifest.write_text(f"defaults: {{loras: ['{lora}']}}\njobs:\n  - {{prompt: x, references: [r.png]}}\n")
     line = one_error_line(invoke("batch", str(manifest), "--dry-run"))
@@ -364,3 +365,27 @@ def test_an_output_folder_that_cannot_be_made_names_the_folder_in_the_way(tmp_pa
     assert line == f"h3render: error: output folder {locked / 'sub'} cannot be made: {locked} is not writable", line
     line = one_error_line(invoke("prompt", "x", "-o", str(locked / "a.mp4")))
     assert line == f"h3render: error: output folder {locked} is not writable", line
+
+
+def test_command_line_list_problems_name_the_option_as_typed(tmp_path, monkeypatch):
+    """A trial: `prompt --lora PATH:0.8` with a missing file said `<command line>: loras[0].path: ...`, the
+    manifest's vocabulary, which a `prompt` user never wrote. Each option value is named by the option, its
+    1-based place among its kind and the text as typed; --reference and --keyframe alike."""
+    _no_load(monkeypatch)
+    monkeypatch.chdir(tmp_path)
+    from PIL import Image
+
+    Image.new("RGB", (128, 64)).save(tmp_path / "a.png")
+    r = invoke("prompt", "x", "-o", "o.mp4", "--lora", "gone.safetensors:0.8", "--lora", "a.png:nan")
+    assert r.exit_code == 2 and r.stderr.splitlines() == [
+        "h3render: error: --lora #2 (a.png:nan): strength: must be a finite number, got nan",
+        f"h3render: error: --lora #1 (gone.safetensors:0.8): {tmp_path}/gone.safetensors: LoRA file not found"], r.stderr
+    line = one_error_line(invoke("prompt", "x", "-o", "o.mp4", "--reference", "a.png", "--reference", "b.png"))
+    assert line == f"h3render: error: --reference #2 (b.png): {tmp_path}/b.png: reference file not found", line
+    line = one_error_line(invoke("prompt", "x", "-o", "o.mp4", "--frames", "22", "--keyframe", "0:a.png",
+                                 "--keyframe", "30:a.png"))
+    assert line == "h3render: error: --keyframe #2 (30:a.png): frame 30 is past the clip's last frame 21 (22 frames)"
+    manifest = tmp_path / "m.jsonl"
+    manifest.write_text('{"prompt": "a"}\n{"prompt": "b", "loras": []}\n')
+    line = one_error_line(invoke("batch", str(manifest), "--lora", "gone.safetensors", "--dry-run"))
+    assert line == f"h3render: error: --lora #1 (gone.safetensors): {tmp_path}/gone.safetensors: LoRA file not found"

@@ -7,7 +7,7 @@ functions count the same as top-level ones (a function-level import does not mak
 =====  ==============  =============================================================================================
 layer  name            modules (and why they sit there)
 =====  ==============  =============================================================================================
-  7    front end       cli, cli_*, settings, runner, manifest, manifest_formats, manifest_fields, jobs, shards,
+  7    front end       cli, cli_*, settings, runner, manifest, manifest_formats, manifest_fields, suggest, jobs, shards,
                        dry_run, job_keyframes, job_references, job_loras, batch, report, locks, signals: torch-free on import
                        (manifest lines to `Job`s and run settings, the batch loop); they reach the job path's
                        torch modules only inside functions.
@@ -53,7 +53,7 @@ SOURCES = {"h3render": REPO / "h3render", "h3render.kernels": REPO / "kernels"}
 
 LAYERS: dict[int, tuple[str, ...]] = {
     7: ("h3render.__main__", "h3render.cli", "h3render.cli_*", "h3render.settings", "h3render.manifest", "h3render.manifest_formats",
-        "h3render.manifest_fields",
+        "h3render.manifest_fields", "h3render.suggest",
         "h3render.jobs", "h3render.dry_run", "h3render.shards", "h3render.job_keyframes", "h3render.job_references", "h3render.job_loras",
         "h3render.batch", "h3render.report", "h3render.locks", "h3render.signals", "h3render.runner"),
     6: ("h3render.engine", "h3render.warmup", "h3render.adaln_cache", "h3render.render", "h3render.tasks", "h3render.tasks.*", "h3render.sidecar",
@@ -74,7 +74,7 @@ LAYER_NAMES = {7: "front end", 6: "job path", 5: "writers", 4: "checkpoint", 3: 
                1: "kernels", 0: "foundation"}
 # The front end's modules that must import without torch (a manifest is checked before anything heavy loads).
 TORCH_FREE = ("h3render.make_checkpoint.targets", "h3render.spec", "h3render.windows", "h3render.errors", "h3render.exits", "h3render.runner", "h3render.sidecar", "h3render.jobs", "h3render.manifest", "h3render.manifest_formats",
-              "h3render.manifest_fields", "h3render.shards", "h3render.dry_run",
+              "h3render.manifest_fields", "h3render.suggest", "h3render.shards", "h3render.dry_run",
               "h3render.job_keyframes", "h3render.job_references", "h3render.job_loras", "h3render.outputs",
               "h3render.settings", "h3render.batch", "h3render.report", "h3render.locks", "h3render.progress",
               "h3render.signals", "h3render.cli",

@@ -1,5 +1,6 @@
 """YAML tags in a manifest (issue #28 item 9): a tag on the root or on a job is an error naming its line, not silently
-ignored; `!!map`/`!!seq` written out are the plain tags. Any manifest text at all: tests/unit/test_output_names.py."""
+ignored; `!!map`/`!!seq` written out are the plain tags. A YAML syntax error names the line where the unfinished
+construct opened. Any manifest text at all: tests/unit/test_output_names.py."""
 
 from __future__ import annotations
 
@@ -47,3 +48,25 @@ def test_tagged_defaults_and_jobs_are_errors_naming_their_lines(tmp_path):
         load_manifest(path, RELEASED)
     assert info.value.errors == [f"{path}:1: defaults: has the YAML tag '!custom'; defaults are a plain mapping of "
                                  "fields", f"{path}:2: jobs: has the YAML tag '!more'; jobs are a plain list"]
+
+
+@pytest.mark.parametrize("quote", ['"', "'"])
+def test_an_unclosed_quote_is_blamed_on_the_line_it_opens(tmp_path, quote):
+    """A trial: `prompt: "hello` with no closing quote was blamed on the end of the file (`m.yaml:7: not valid YAML:
+    found unexpected end of stream`); PyYAML's context mark says where the quote opened."""
+    path = tmp_path / "m.yaml"
+    path.write_text(f"jobs:\n  - id: a\n    prompt: {quote}hello\n    seed: 3\n  - id: b\n    prompt: x\n",
+                    encoding="utf-8")
+    with pytest.raises(ManifestError) as info:
+        load_manifest(path, RELEASED)
+    assert info.value.errors == [f"{path}:3: not valid YAML: the quote opened here (column 13) is never closed: found "
+                                 "unexpected end of stream at line 7"]
+
+
+def test_a_syntax_error_inside_a_construct_names_where_it_opened(tmp_path):
+    path = tmp_path / "m.yaml"
+    path.write_text('jobs:\n  - id: a\n    keyframes: ["0:a.png",\n    seed: 3\n  - prompt: x\n', encoding="utf-8")
+    with pytest.raises(ManifestError) as info:
+        load_manifest(path, RELEASED)
+    assert info.value.errors == [f"{path}:5: not valid YAML: expected ',' or ']', but got ':' (while parsing a flow "
+                                 "sequence at line 3, column 16)"]

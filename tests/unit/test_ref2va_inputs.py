@@ -106,7 +106,7 @@ def test_manifest_references_relative_to_the_manifest(media, tmp_path):
     ({"references": ["wide.png"], "mode": "fasth3"}, "FastH3 students are t2va-only"),
     ({"references": ["wide.png"], "first_frame": "wide.png"}, "cannot be combined"),
     ({"references": []}, "must be a non-empty list"),
-    ({"references": [{"file": "wide.png"}]}, "references[0].file: unknown key; allowed: path, type, audio"),
+    ({"references": [{"file": "wide.png"}]}, "references[0].file: unknown field; allowed: path, type, audio"),
     ({"references": ["wide.png", {"path": "wide.png", "type": "picture"}]},
      "references[1].type: 'picture' is not one of image, video, audio"),
     ({"references": ["wide.png", "missing.png"]}, "references[1]: "),
@@ -125,7 +125,7 @@ def test_job_refusals(media, monkeypatch, fields, message):
     (("--reference", "notes.mp4"), "not a decodable image, video or audio file"),
     (("--reference", "too_wide.png"), "4.1:1) is outside"),
     (("--reference", "short.mp4"), "needs at least 13 frames"),
-    (("--reference", "mono44k.wav", "--reference-no-audio"), "audio references alone"),
+    (("--reference", "stereo32k.wav", "--reference-no-audio"), "audio references alone"),
 ])
 def test_cli_refusals_are_one_line_before_load(media, monkeypatch, args, message):
     monkeypatch.chdir(media)

@@ -189,7 +189,7 @@ def test_sidecar_round_trip(tmp_path, timer_and_clock):
         extra={"note": "test"},
     )
     doc = json.loads(path.read_text())
-    assert doc["schema"] == 4
+    assert doc["schema"] == 5
     assert doc["job"] == {"prompt": "a cat", "seed": 7, "frames": 107, "canvas": [1344, 768]}
     assert doc["checkpoint"]["path"] == str(tmp_path / "ckpt")
     assert doc["sigmas"] == {"video": [1.0, 0.5, 0.0], "audio": [1.0, 0.25, 0.0]}
