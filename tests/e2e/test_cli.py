@@ -363,7 +363,10 @@ def test_batch_renders_jobs_in_turn_and_the_overlap_flags_are_gone(tmp_path):
                                             "steps": 2, "width": 128, "height": 64}) + "\n" for name in "ab"))
     out = tmp_path / "out"
     plan = invoke("batch", str(manifest), "--out-dir", str(out), "--dry-run").stdout.splitlines()
-    assert plan[0] == "run: checkpoint tiny, precision fp32"  # what a CPU run computes in
+    import torch
+
+    # what the run computes in: fp32 on a CPU, bf16 on the GPU (the default device there)
+    assert plan[0] == f"run: checkpoint tiny, precision {'bf16' if torch.cuda.is_available() else 'fp32'}"
     assert plan[1].startswith(f"[1/2] a ({out / 'a.mp4'}, render: no MP4): ") and not out.exists()
     r = run_here("batch", str(manifest), "--out-dir", str(out), "--quiet")
     assert r.returncode == 0, r.stderr

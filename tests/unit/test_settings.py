@@ -195,16 +195,17 @@ def test_record_is_the_resume_key_batch_built_before(transformer):
 def test_record_of_a_recorded_sidecar_reads_as_unchanged():
     from h3render.sidecar import rendered_with
 
-    run = resolve({"crf": 20})
+    run = resolve({"crf": 20, "device": "cpu"})  # a CPU run (the GPU suite's default device is cuda, dtype bf16)
     assert run.dtype == "fp32" and run.record()["checkpoint"]["precision"] == "fp32"  # this CPU run's: what runs
     sidecar = {"schema": 5, "checkpoint": {"path": "/models/h3", "config_hash": "c0ffee"},
                "run": {"precision": "fp32", "dtype": "float32", "encoder": {"crf": 20, "x264_preset": "veryfast"}}}
     assert rendered_with(sidecar, **run.record()) is None
-    assert rendered_with(sidecar, **resolve({"crf": 18}).record()) == "rendered earlier with crf 20 (now 18)"
+    assert rendered_with(sidecar, **resolve({"crf": 18, "device": "cpu"}).record()) == (
+        "rendered earlier with crf 20 (now 18)")
     # schema 4 recorded the setting, "bf16", for the same fp32 run: it reads as unchanged too, not "bf16 (now fp32)"
     schema4 = {**sidecar, "schema": 4, "run": {**sidecar["run"], "precision": "bf16"}}
     assert rendered_with(schema4, **run.record()) is None
-    assert rendered_with(schema4, **resolve({"crf": 20, "dtype": "bf16"}).record()) == (
+    assert rendered_with(schema4, **resolve({"crf": 20, "device": "cpu", "dtype": "bf16"}).record()) == (
         "rendered earlier with precision fp32 (now bf16)")
 
 
