@@ -74,8 +74,9 @@ Stages (`--stages`, comma-separated):
   peers     issue 26 (scripts/bench_peers.py): FastVideo-kernel 0.3.5's VSA fine kernels (Triton; ThunderKittens when its
             sm_90 extension loads) against ours on the same kept sets at 1344x768x243, and FlashAttention-3 bf16 / FP8
             at the video VAE decoder's attention shape, each with its error; a peer that does not load gets a row
-  vsa-tune  issue 26 (scripts/bench_vsa_tune.py): the TMA fine kernel at 1344x768x243 over stages x register caps
-            (--vsa-tune-maxnreg), int8 and bf16 QK^T, each with its error, registers, spills and shared memory
+  vsa-tune  issue 26 (scripts/bench_vsa_tune.py): the TMA fine kernel at --vsa-tune-canvases over stages x register
+            caps (--vsa-tune-maxnreg) x program order, int8 and bf16 QK^T, each with its error, registers, spills and
+            shared memory
   batch     queue throughput on 1 GPU: --batch-jobs jobs of --forwards DiT forwards at --batch-canvas through
             `run_batch` with one resident Engine (each job's MP4 tail beside the next job's start). Warm-up
             (prepare, and one untimed job of the queue's shape for Triton JIT / first-call costs) is outside the
@@ -269,6 +270,7 @@ def main() -> None:
     p.add_argument("--prof-dit", default="bf16-dense", choices=("bf16-dense", "fp8-vsa", "none"),
                    help="prof stage: the 8-block DiT's precision and attention (fp8-vsa skips the VAE profile, none "
                         "the DiT's)")
+    p.add_argument("--prof-canvas", default="1344x768x243", help="prof stage: the DiT forward's WxHxFRAMES")
     p.add_argument("--prof-vae", default="bf16", choices=("bf16", "fp8"),
                    help="prof stage: the video VAE decoder's block linears")
     p.add_argument("--vsa-layer-only", action="store_true", help="vsa stage: one layer only, no DiT forward")
@@ -276,6 +278,8 @@ def main() -> None:
     p.add_argument("--vsa-sparsity", type=float, default=FASTH3_V1_VSA_SPARSITY,
                    help="vsa stage: sparsity (default FastH3 v1's; h3render.spec FASTH3_V*_VSA_SPARSITY)")
     p.add_argument("--vsa-tune-maxnreg", default="168", help="vsa-tune stage: register caps besides none")
+    p.add_argument("--vsa-tune-stages", default="2,3", help="vsa-tune stage: pipeline stages to time")
+    p.add_argument("--vsa-tune-canvases", default="1344x768x243,960x544x124", help="vsa-tune stage: WxHxFRAMES")
     p.add_argument("--fl2va-canvas", default="1344x768x243", help="fl2va stage: WxHxFRAMES")
     p.add_argument("--fl2va-model", default="released", choices=["released", "tiny", "small"])
     p.add_argument("--fl2va-device", default=None, choices=["cuda", "cpu"], help="default: cuda when available")

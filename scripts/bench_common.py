@@ -134,9 +134,10 @@ PROMPT = ("A lighthouse keeper climbs the spiral stairs at dusk, camera tracking
 
 
 @torch.no_grad()
-def released_vsa_case(sparsity: float):
-    """One VSA layer at the released geometry (1344x768x243 with 300 text rows: S = 73,686, 56 heads x 128, 1,206
-    tiles) on CUDA: random bf16 q, k, v, gate (seed 0, drawn in that order) and the kept sets from their tile scores.
+def released_vsa_case(sparsity: float, canvas: tuple[int, int, int] = (1344, 768, 243)):
+    """One VSA layer of the released DiT at `canvas` (width, height, frames; default the released geometry,
+    1344x768x243 with 300 text rows: S = 73,686, 56 heads x 128, 1,206 tiles) on CUDA: random bf16 q, k, v, gate
+    (seed 0, drawn in that order) and the kept sets from their tile scores.
 
     Returns a namespace: plan, q, k, v, gate `[S, H, D]`, pooled_k `[H, n, D]` fp32, scores `[H, n, n]`, sel
     `[H, V, K]` int32, k_kept, k_mean `[H, D]` (the int8 smoothing), flop (effective: 4 S^2 H D x block density).
@@ -150,7 +151,8 @@ def released_vsa_case(sparsity: float):
     from h3render.models.attention import SparseAttention
     from h3render.packing import t2va_layout
 
-    plan = SparseAttention.for_layout(t2va_layout(300, 768, 1344, 243), sparsity, "cuda").plan
+    width, height, frames = canvas
+    plan = SparseAttention.for_layout(t2va_layout(300, height, width, frames), sparsity, "cuda").plan
     heads, dim, n = 56, 128, plan.num_tiles
     g = torch.Generator(device="cuda").manual_seed(0)
     q, k, v, gate = (torch.randn(plan.seq_len, heads, dim, device="cuda", generator=g).bfloat16() for _ in range(4))

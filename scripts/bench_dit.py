@@ -8,8 +8,8 @@ import dataclasses
 
 import torch
 
-from bench_common import (build_on_gpu, cuda_time, dit_flops, dit_inputs, gb, peak_gb, peak_reset, random_, rec,
-                          rel_err, released_dit)
+from bench_common import (build_on_gpu, cuda_time, dit_flops, dit_inputs, gb, parse_canvas, peak_gb, peak_reset,
+                          random_, rec, rel_err, released_dit)
 from bench_vae import vae_attention
 
 PEAK_TFLOPS = [None]
@@ -337,7 +337,9 @@ def _prof_dit(args, ctx) -> None:
         bench_fp8.enable_random_vsa_(dit, args.vsa_sparsity, seed=1)
         quantize_dit_fp8_(dit)
         what += f" fp8 VSA s={args.vsa_sparsity}"
-    layout, inputs = _dit_step(dit, 768, 1344, 243)
+    w, h, f = parse_canvas(args.prof_canvas)
+    what += f" {w}x{h}x{f}"
+    layout, inputs = _dit_step(dit, h, w, f)
     fn = (lambda: sharded_forward(dit, ctx, *inputs)) if ctx.distributed else (lambda: dit(*inputs))
     t = cuda_time(fn, reps=2)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:

@@ -50,7 +50,8 @@ def add_arguments(p) -> None:
                         "session work), session12 (this tree with the video VAE decoder's FP8 FFN as at the "
                         "thirteenth session's start: Inductor's own SwiGLU quantization, no fused kernel), uncapped "
                         "(this tree with the VSA TMA kernel's autotuner over the thirteenth session's uncapped "
-                        "settings: 4 warps x 2, 3, 4 stages)")
+                        "settings: 4 warps x 2, 3, 4 stages), head-order (this tree with the fine kernels' programs "
+                        "head by head, not the dense query tiles first: main before the fifteenth session)")
     p.add_argument("--e2e-content", default="noise",
                    help="e2e / memplans: comma-separated pictures each job is rendered with, in this order: noise "
                         "(what the random weights decode), moving (the real decode, each chunk then painted with "
@@ -269,18 +270,20 @@ def vsa_variants(args) -> list[str]:
     return variants
 
 
-VARIANTS = ("current", "bf16-qk", "session12", "uncapped")
+VARIANTS = ("current", "bf16-qk", "session12", "uncapped", "head-order")
 _UNCAPPED_PICKS: dict = {}  # the "uncapped" variant's autotuner picks, apart from the tree's own
 
 
 @contextlib.contextmanager
 def vsa_kernels(variant: str, engine):
     """Run the kernels of `variant` inside the block (the engine's settings patched and restored)."""
+    from h3render.kernels.vsa import triton_impl
     from h3render.models.video_vae import FeedForward
 
     dit = engine.c.dit
-    saved = dit.vsa_qk_int8, FeedForward.fused_fp8
+    saved = dit.vsa_qk_int8, FeedForward.fused_fp8, triton_impl.LONG_FIRST
     dit.vsa_qk_int8 = saved[0] and variant != "bf16-qk"
+    triton_impl.LONG_FIRST = saved[2] and variant != "head-order"
     if variant == "session12":  # (the compiled blocks recompile on the first decode: `decode_alone` takes it)
         FeedForward.fused_fp8 = False
     tuner = tuned = None
@@ -295,7 +298,7 @@ def vsa_kernels(variant: str, engine):
     try:
         yield
     finally:
-        dit.vsa_qk_int8, FeedForward.fused_fp8 = saved
+        dit.vsa_qk_int8, FeedForward.fused_fp8, triton_impl.LONG_FIRST = saved
         if tuner is not None:
             tuner.configs, tuner.cache = tuned
 

@@ -1,9 +1,11 @@
 """The VSA TMA fine kernel's launch settings with their register budgets at the released geometry (issue 26,
 `--stages vsa-tune`).
 
-1344x768x243 (S = 73,686, 56 heads x 128, 1,206 tiles), s = --vsa-sparsity, random bf16 q/k/v/gate (seed 0), kept
-sets from their tile scores; the TMA kernel (`triton_hopper`) with the gate, int8 and bf16 QK^T. One row per launch
-setting (4 warps x 1, 2, 3 stages x no cap and each of --vsa-tune-maxnreg): seconds (median of 5), effective TFLOP/s,
+Each of --vsa-tune-canvases (default 1344x768x243: S = 73,686, 56 heads x 128, 1,206 tiles; and 960x544x124),
+s = --vsa-sparsity, random bf16 q/k/v/gate (seed 0), kept sets from their tile scores; the TMA kernel
+(`triton_hopper`) with the gate, int8 and bf16 QK^T. One row per launch setting (4 warps x --vsa-tune-stages x no cap
+and each of --vsa-tune-maxnreg) and program order (head by head, or the dense query tiles first:
+`triton_impl.program_tile`): seconds (median of 5), effective TFLOP/s,
 rel. error of the whole layer on 4 heads against the torch reference, and the compiled kernel's registers, spilled
 registers and shared memory, which decide how many programs share a multiprocessor (65,536 registers, 228 KB).
 """
@@ -15,6 +17,11 @@ import torch
 
 @torch.no_grad()
 def run(args, bench) -> None:
+    for canvas in args.vsa_tune_canvases.split(","):
+        _canvas(args, bench, bench.parse_canvas(canvas))
+
+
+def _canvas(args, bench, canvas: tuple[int, int, int]) -> None:
     from h3render.kernels.vsa import vsa_attention_naive
     from h3render.kernels.vsa.naive import coarse_attention_naive
     from h3render.kernels.vsa.quant_triton import key_tiles_int8
@@ -22,7 +29,7 @@ def run(args, bench) -> None:
     from h3render.kernels.vsa.triton_hopper import launch_fine_tma
     from h3render.kernels.vsa.triton_impl import pool_tiles_triton
 
-    case = bench.released_vsa_case(args.vsa_sparsity)
+    case = bench.released_vsa_case(args.vsa_sparsity, canvas)
     plan, q, k, v, gate, sel, k_mean, flop = (case.plan, case.q, case.k, case.v, case.gate, case.sel, case.k_mean,
                                               case.flop)
     coarse = coarse_attention_naive(case.scores, pool_tiles_triton(v, plan)).contiguous()  # [H, n, D] fp32
@@ -31,25 +38,29 @@ def run(args, bench) -> None:
     vt = gather_tiles(v, plan)
     keys = {True: key_tiles_int8(k, plan, k_mean), False: (gather_tiles(k, plan),) * 2}
     out = torch.empty_like(q)
+    where = "x".join(map(str, canvas))
     for int8 in (True, False):
         kt, ks = keys[int8]
-        for stages in (1, 2, 3):
+        for stages in [int(x) for x in args.vsa_tune_stages.split(",")]:
             for cap in [None] + [int(x) for x in args.vsa_tune_maxnreg.split(",") if x]:
-                launch = {"num_warps": 4, "num_stages": stages, **({"maxnreg": cap} if cap else {})}
+                for long_first in (False, True):
+                    launch = {"num_warps": 4, "num_stages": stages, **({"maxnreg": cap} if cap else {})}
 
-                def fn():
-                    return launch_fine_tma(q, out, kt, vt, ks, gate, coarse, plan, sel, plan.num_prefix, case.k_kept,
-                                           gate=True, upcast=False, launch=launch, qk_int8=int8)  # noqa: B023
+                    def fn():
+                        return launch_fine_tma(q, out, kt, vt, ks, gate, coarse, plan, sel, plan.num_prefix,  # noqa: B023
+                                               case.k_kept, gate=True, upcast=False, launch=launch, qk_int8=int8,  # noqa: B023
+                                               long_first=long_first)  # noqa: B023
 
-                label = f"VSA fine+gate TMA {'int8' if int8 else 'bf16'} QK 4w/{stages}st{f' maxnreg={cap}' if cap else ''}"
-                try:
-                    handle = fn()
-                    t = bench.cuda_time(fn, reps=5, warm=2)
-                except Exception as exc:  # noqa: BLE001  a row says why
-                    bench.rec(stage="vsa-tune", what=label, failed=f"{type(exc).__name__}: {exc}"[:300])
-                    continue
-                fn()
-                bench.rec(stage="vsa-tune", what=label, ours_s=round(t, 4), tflops=round(flop / t / 1e12, 1),
-                          rel_err=bench.rel_err(out[:, sub], ref), n_regs=getattr(handle, "n_regs", None),
-                          n_spills=getattr(handle, "n_spills", None),
-                          shared=getattr(getattr(handle, "metadata", None), "shared", None))
+                    label = (f"VSA fine+gate TMA {where} {'int8' if int8 else 'bf16'} QK 4w/{stages}st"
+                             f"{f' maxnreg={cap}' if cap else ''}{', dense tiles first' if long_first else ''}")
+                    try:
+                        handle = fn()
+                        t = bench.cuda_time(fn, reps=5, warm=2)
+                    except Exception as exc:  # noqa: BLE001  a row says why
+                        bench.rec(stage="vsa-tune", what=label, failed=f"{type(exc).__name__}: {exc}"[:300])
+                        continue
+                    fn()
+                    bench.rec(stage="vsa-tune", what=label, ours_s=round(t, 4), tflops=round(flop / t / 1e12, 1),
+                              rel_err=bench.rel_err(out[:, sub], ref), n_regs=getattr(handle, "n_regs", None),
+                              n_spills=getattr(handle, "n_spills", None),
+                              shared=getattr(getattr(handle, "metadata", None), "shared", None))

@@ -22,7 +22,9 @@ import triton
 import triton.language as tl
 
 from h3render.kernels.vsa.tiles import TILE, TilePlan
-from h3render.kernels.vsa.triton_impl import fine_epilogue, fine_prologue, key_scales, key_tile, online_softmax_step
+from h3render.kernels.vsa import triton_impl
+from h3render.kernels.vsa.triton_impl import (fine_epilogue, fine_prologue, key_scales, key_tile, online_softmax_step,
+                                              program_tile)
 
 
 @triton.jit
@@ -44,11 +46,11 @@ def _fine_tma_kernel(
     IEEE: tl.constexpr,  # fp32 inputs: exact fp32 dots (no TF32)
     UPCAST: tl.constexpr,  # interpreter only: its bf16 dot is wrong, an fp32 dot of the same bf16 values is exact
     QK_INT8: tl.constexpr,  # int8 QK^T (kernels/vsa/quant.py)
+    LONG_FIRST: tl.constexpr,  # triton_impl.program_tile
 ):
     # Programs run head by head, query tiles fastest: the programs in flight read one head's keys and values, which
     # stay in L2 (see triton_impl._fine_kernel, whose prologue, softmax step and epilogue this kernel shares).
-    qt = tl.program_id(0)
-    h = tl.program_id(1)
+    qt, h = program_tile(num_tiles, dense_q, LONG_FIRST)
     q, q_scale, q_rows, q_valid, m_i, l_i, acc, count, sel_row = fine_prologue(
         q_ptr, row_of_slot_ptr, sel_ptr, stride_qs, stride_qh, qt, h, num_tiles, num_prefix, num_video, dense_q, topk,
         scale_log2, TILE_ROWS, HEAD_DIM, QK_INT8)
@@ -84,7 +86,7 @@ def tma_supported(x: torch.Tensor) -> bool:
 
 
 def launch_fine_tma(q, out, kt, vt, ks, g, c, plan: TilePlan, sel, dense_q: int, topk: int, *, gate: bool,
-                    upcast: bool, launch: dict | None, qk_int8: bool = False):
+                    upcast: bool, launch: dict | None, qk_int8: bool = False, long_first: bool | None = None):
     """Launch the TMA fine kernel; `fine_attention_triton` checks the arguments and builds kt, vt.
 
     Args:
@@ -93,6 +95,8 @@ def launch_fine_tma(q, out, kt, vt, ks, g, c, plan: TilePlan, sel, dense_q: int,
             (or any tensor without a gate); sel: `[H, V, topk]` int32 (any int32 tensor when dense_q == n).
         launch: {"num_warps", "num_stages"} (optionally "maxnreg"), or None: the autotuner's pick among
             `TMA_CONFIGS` for this shape.
+        long_first: the dense query tiles of every head first (`triton_impl.program_tile`); None:
+            `triton_impl.LONG_FIRST`.
     Returns:
         Triton's launched kernel handle (its `n_regs`, `n_spills`, `metadata.shared`); None when autotuned.
     """
@@ -103,12 +107,12 @@ def launch_fine_tma(q, out, kt, vt, ks, g, c, plan: TilePlan, sel, dense_q: int,
     desc_k = TensorDescriptor.from_tensor(kt.view(kt.shape[0], heads * d), [TILE, d])
     desc_v = TensorDescriptor.from_tensor(vt.view(vt.shape[0], heads * d), [TILE, d])
     kernel = _fine_tma_tuned if launch is None else _fine_tma_kernel
-    handle = kernel[(plan.num_tiles, heads)](
+    handle = kernel[(plan.num_tiles * heads,)](
         q, out, desc_k, desc_v, ks, g, c, plan.row_of_slot, plan.sizes, sel,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), g.stride(0), g.stride(1),
         plan.num_tiles, plan.num_prefix, plan.num_video, dense_q, topk,
         1.4426950408889634 / math.sqrt(d),  # log2(e) / sqrt(D): exp(x) = exp2(x * log2(e))
         HEAD_DIM=d, TILE_ROWS=TILE, GATE=gate, IEEE=q.dtype == torch.float32, UPCAST=upcast, QK_INT8=qk_int8,
-        **(launch or {}),
+        LONG_FIRST=triton_impl.LONG_FIRST if long_first is None else long_first, **(launch or {}),
     )
     return None if launch is None else handle

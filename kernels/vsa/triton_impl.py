@@ -57,6 +57,28 @@ def _pool_kernel(
 # key/value tile reaches the program, so the prologue, the online-softmax step and the epilogue live once, below.
 
 @triton.jit
+def program_tile(num_tiles, dense_q, LONG_FIRST: tl.constexpr):
+    """This program's (query tile, head) on the fine kernels' 1-D grid of num_tiles x heads programs: head by head,
+    query tiles fastest (the L2 order, see `_fine_kernel`). With LONG_FIRST the dense query tiles of every head go
+    first: each visits all n key tiles, a video tile only P + k (≈ 8x fewer at 1344x768x243), so in head order the
+    last head's long programs started in the last waves and ran on alone (a tail)."""
+    pid = tl.program_id(0)
+    if LONG_FIRST:
+        first = dense_q * (tl.num_programs(0) // num_tiles)
+        if pid < first:
+            qt = pid % dense_q
+            h = pid // dense_q
+        else:
+            rest = num_tiles - dense_q
+            qt = dense_q + (pid - first) % rest
+            h = (pid - first) // rest
+    else:
+        qt = pid % num_tiles
+        h = pid // num_tiles
+    return qt, h
+
+
+@triton.jit
 def fine_prologue(q_ptr, row_of_slot_ptr, sel_ptr, stride_qs, stride_qh, qt, h, num_tiles, num_prefix, num_video,
                   dense_q, topk, scale_log2, TILE_ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, QK_INT8: tl.constexpr):
     """The query tile `qt` of head `h` from the packed rows and its loop state: (q [TILE, D] (int8 codes with
@@ -171,12 +193,12 @@ def _fine_kernel(
     IEEE: tl.constexpr,  # fp32 inputs: exact fp32 dots (no TF32)
     UPCAST: tl.constexpr,  # interpreter only: its bf16 dot is wrong, an fp32 dot of the same bf16 values is exact
     QK_INT8: tl.constexpr,  # int8 QK^T (kernels/vsa/quant.py)
+    LONG_FIRST: tl.constexpr,  # `program_tile`
 ):
     # Programs run head by head (query tile fastest): those in flight at once read one head's keys and values (38 MB
     # at 1344x768x243), which stay in the 50 MB L2. Head-fastest order spread them over all 56 heads (2.1 GB), so
     # every selected key tile came from HBM: 0.086 against 0.062 s per layer on an H200 (2026-12-01).
-    qt = tl.program_id(0)
-    h = tl.program_id(1)
+    qt, h = program_tile(num_tiles, dense_q, LONG_FIRST)
     q, q_scale, q_rows, q_valid, m_i, l_i, acc, count, sel_row = fine_prologue(
         q_ptr, row_of_slot_ptr, sel_ptr, stride_qs, stride_qh, qt, h, num_tiles, num_prefix, num_video, dense_q, topk,
         scale_log2, TILE_ROWS, HEAD_DIM, QK_INT8)
@@ -201,6 +223,8 @@ def _fine_kernel(
 # 0.0633, 4/1 0.0750, 8/2 0.1292, 8/3 0.1241; autotuned (it picked 4/3) 0.0617. The 1-stage and 8-warp settings
 # never won and each costs a compile on every new shape, so the autotuner tries the three below.
 FINE_CONFIGS = ((4, 2), (4, 3), (4, 4))
+# The fine kernels' program order (`program_tile`): the dense query tiles of every head first.
+LONG_FIRST = True
 _fine_tuned = triton.autotune(
     configs=[triton.Config({}, num_warps=w, num_stages=st) for w, st in FINE_CONFIGS],
     # QK_INT8 and GATE are in the key: with fp32 inputs (the tests) nothing else tells those variants apart.
@@ -323,12 +347,12 @@ def fine_attention_triton(
                                       upcast=not q.is_cuda and interpreting(), launch=launch, qk_int8=qk_int8)
         return out
     kernel = _fine_tuned if launch is None else _fine_kernel
-    kernel[(plan.num_tiles, heads)](
+    kernel[(plan.num_tiles * heads,)](
         q, out, kt, vt, ks, g, c, plan.row_of_slot, plan.sizes, sel,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), kt.stride(0), kt.stride(1), g.stride(0), g.stride(1),
         plan.num_tiles, plan.num_prefix, plan.num_video, dense_q, topk,
         LOG2E / math.sqrt(d),
         HEAD_DIM=d, TILE_ROWS=TILE, GATE=gate is not None, IEEE=q.dtype == torch.float32,
-        UPCAST=not q.is_cuda and interpreting(), QK_INT8=qk_int8, **(launch or {}),
+        UPCAST=not q.is_cuda and interpreting(), QK_INT8=qk_int8, LONG_FIRST=LONG_FIRST, **(launch or {}),
     )
     return out

@@ -160,6 +160,7 @@ def test_the_bf16_qk_variant_is_patched_in_and_restored(bench_fp8):
     """`--e2e-vsa-kernels bf16-qk` turns the fp8 engine's int8 QK^T off inside the block only."""
     import bench_e2e
 
+    from h3render.kernels.vsa import triton_impl
     from h3render.models.video_vae import FeedForward
 
     dit = random_dit(DIT_TINY, seed=1)
@@ -172,6 +173,9 @@ def test_the_bf16_qk_variant_is_patched_in_and_restored(bench_fp8):
         assert dit.vsa_qk_int8 is True and FeedForward.fused_fp8 is False
     assert FeedForward.fused_fp8 is True
     with bench_e2e.vsa_kernels("current", engine):
-        assert dit.vsa_qk_int8 is True and FeedForward.fused_fp8 is True
+        assert dit.vsa_qk_int8 is True and FeedForward.fused_fp8 is True and triton_impl.LONG_FIRST is True
+    with bench_e2e.vsa_kernels("head-order", engine):  # the fine kernels' programs head by head
+        assert triton_impl.LONG_FIRST is False and dit.vsa_qk_int8 is True
+    assert triton_impl.LONG_FIRST is True
     with pytest.raises(ValueError, match="expected some of current, bf16-qk, session12"):
         bench_e2e.vsa_variants(type("A", (), {"e2e_vsa_kernels": "session10"})())

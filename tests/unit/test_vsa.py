@@ -8,10 +8,13 @@ import os
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from h3render.kernels.vsa import select_tiles, tile_plan, topk_budget, vsa_attention, vsa_attention_naive
 from h3render.kernels.vsa.naive import block_mask, pool_tiles_naive, tile_scores
 from h3render.kernels.vsa.tiles import TILE, from_tiles, to_tiles
+from h3render.kernels.vsa.triton_impl import program_tile
 from h3render.models.attention import naive_attention
 from tests._numerics import rel_err
 
@@ -252,3 +255,33 @@ def test_bad_shapes_and_backend_raise():
         vsa_attention(q, k, v, g, plan, 0.5, fine="tk")
     with pytest.raises(ValueError, match="tile_plan"):
         tile_plan((3,), (0, 2, 2))
+
+
+@triton.jit
+def _order_kernel(out_ptr, num_tiles, dense_q, LONG_FIRST: tl.constexpr):
+    """Each program's `program_tile` pair into out [programs, 2] (module level: Triton resolves names here)."""
+    qt, h = program_tile(num_tiles, dense_q, LONG_FIRST)
+    pid = tl.program_id(0)
+    tl.store(out_ptr + 2 * pid, qt)
+    tl.store(out_ptr + 2 * pid + 1, h)
+
+
+@pytest.mark.parametrize("num_tiles, dense_q, heads", [(7, 2, 3), (5, 0, 2), (4, 4, 3), (9, 1, 1)])
+@pytest.mark.parametrize("long_first", [True, False])
+def test_program_order_visits_every_query_tile_of_every_head_once(num_tiles, dense_q, heads, long_first):
+    """`program_tile` maps the fine kernels' 1-D grid onto (query tile, head): every pair exactly once; with
+    LONG_FIRST the dense query tiles (all n key tiles each) of every head come first, then the video tiles head by
+    head; without it head by head, query tiles fastest. Odd counts, no dense tile, all dense, one head."""
+    if os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available():
+        pytest.skip("CPU Triton needs TRITON_INTERPRET=1")
+    device = "cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda"
+    out = torch.full((num_tiles * heads, 2), -1, dtype=torch.int32, device=device)
+    _order_kernel[(num_tiles * heads,)](out, num_tiles, dense_q, LONG_FIRST=long_first)
+    got = [tuple(p) for p in out.cpu().tolist()]
+    if long_first:
+        want = [(t, h) for h in range(heads) for t in range(dense_q)]
+        want += [(t, h) for h in range(heads) for t in range(dense_q, num_tiles)]
+    else:
+        want = [(t, h) for h in range(heads) for t in range(num_tiles)]
+    assert got == want
+
