@@ -51,7 +51,9 @@ def add_arguments(p) -> None:
                         "thirteenth session's start: Inductor's own SwiGLU quantization, no fused kernel), uncapped "
                         "(this tree with the VSA TMA kernel's autotuner over the thirteenth session's uncapped "
                         "settings: 4 warps x 2, 3, 4 stages), head-order (this tree with the fine kernels' programs "
-                        "head by head, not the dense query tiles first: main before the fifteenth session)")
+                        "head by head, not the dense query tiles first: main before the fifteenth session), "
+                        "exact-accum (this tree with every FP8 GEMM of the DiT promoting to fp32: no "
+                        "models.fp8.DIT_FAST_ACCUM, main before the fifteenth session)")
     p.add_argument("--e2e-content", default="noise",
                    help="e2e / memplans: comma-separated pictures each job is rendered with, in this order: noise "
                         "(what the random weights decode), moving (the real decode, each chunk then painted with "
@@ -270,13 +272,15 @@ def vsa_variants(args) -> list[str]:
     return variants
 
 
-VARIANTS = ("current", "bf16-qk", "session12", "uncapped", "head-order")
+VARIANTS = ("current", "bf16-qk", "session12", "uncapped", "head-order", "exact-accum")
 _UNCAPPED_PICKS: dict = {}  # the "uncapped" variant's autotuner picks, apart from the tree's own
 
 
 @contextlib.contextmanager
 def vsa_kernels(variant: str, engine):
     """Run the kernels of `variant` inside the block (the engine's settings patched and restored)."""
+    from bench_fp8 import accumulation
+
     from h3render.kernels.vsa import triton_impl
     from h3render.models.video_vae import FeedForward
 
@@ -296,7 +300,8 @@ def vsa_kernels(variant: str, engine):
         tuner.configs = [triton.Config({}, num_warps=4, num_stages=st) for st in (2, 3, 4)]
         tuner.cache = _UNCAPPED_PICKS
     try:
-        yield
+        with accumulation(dit, False if variant == "exact-accum" else None):
+            yield
     finally:
         dit.vsa_qk_int8, FeedForward.fused_fp8, triton_impl.LONG_FIRST = saved
         if tuner is not None:

@@ -22,6 +22,8 @@ fp8-memory and e2e (bf16 and fp8 engines one after the other) are in scripts/ben
 
 from __future__ import annotations
 
+import contextlib
+
 import gc
 import statistics
 import time
@@ -183,6 +185,23 @@ def enable_random_vsa_(dit, sparsity: float, seed: int = 1) -> None:
 # fp8-gemm and fp8-quant
 
 
+@contextlib.contextmanager
+def accumulation(module: nn.Module, fast: bool | None):
+    """Inside the block every `Fp8Linear` of `module` (itself included) runs with cuBLASLt's fast accumulation
+    (`fast`), or without; None leaves them as they are (`Fp8Linear.fast_accum`)."""
+    from h3render.models.fp8 import Fp8Linear
+
+    linears = [m for m in module.modules() if isinstance(m, Fp8Linear)]
+    saved = [m.fast_accum for m in linears]
+    try:
+        for m in linears:
+            m.fast_accum = m.fast_accum if fast is None else fast
+        yield
+    finally:
+        for m, was in zip(linears, saved):
+            m.fast_accum = was
+
+
 def _rows_and_config(args):
     from h3render.checkpoint.releases import RELEASES
     from h3render.packing import t2va_layout
@@ -222,10 +241,12 @@ def stage_gemm(args, bench) -> None:
         t16 = time_call(lambda: F.linear(x, linear.weight), device, args.fp8_gemm_reps, warm=3)["median_s"]
         bench.rec(stage="fp8-gemm", what=f"{label}: bf16 F.linear", **row, ours_s=t16,
                   tflops=round(flop / t16 / 1e12, 1), rel_err=bench.rel_err(y16, exact), vs="fp32 GEMM")
-        for variant, fn in (("Fp8Linear, Fp8Rows input", lambda: fp8(rows)),
-                            ("Fp8Linear, bf16 input (quantize_rows inside)", lambda: fp8(x))):
-            y8 = fn()
-            t8 = time_call(fn, device, args.fp8_gemm_reps, warm=3)["median_s"]
+        for variant, fn, fast in (("Fp8Linear, Fp8Rows input", lambda: fp8(rows), False),
+                                  ("Fp8Linear, Fp8Rows input, fast accumulation", lambda: fp8(rows), True),
+                                  ("Fp8Linear, bf16 input (quantize_rows inside)", lambda: fp8(x), False)):
+            with accumulation(fp8, fast):
+                y8 = fn()
+                t8 = time_call(fn, device, args.fp8_gemm_reps, warm=3)["median_s"]
             bench.rec(stage="fp8-gemm", what=f"{label}: {variant}", **row, ours_s=t8, ref_s=t16,
                       speedup=round(t16 / t8, 3), tflops=round(flop / t8 / 1e12, 1), rel_err=bench.rel_err(y8, y16),
                       vs="bf16 F.linear", rel_err_vs_fp32=bench.rel_err(y8, exact))
@@ -394,5 +415,8 @@ def stage_dit(args, bench) -> None:
     run("fp8", "dense", dense16)
     run("fp8", "vsa", vsa16)
     chain("fp8", chain16)
+    with accumulation(dit, False):  # every FP8 GEMM promoting to fp32 (models.fp8.DIT_FAST_ACCUM: before)
+        run("fp8 exact-accum", "vsa", vsa16)
+        chain("fp8 exact-accum", chain16)
     del dit, tables, model_fn, dense16, vsa16, chain16
     free_memory(device)

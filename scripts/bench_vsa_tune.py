@@ -46,10 +46,10 @@ def _canvas(args, bench, canvas: tuple[int, int, int]) -> None:
                 for long_first in (False, True):
                     launch = {"num_warps": 4, "num_stages": stages, **({"maxnreg": cap} if cap else {})}
 
-                    def fn():
-                        return launch_fine_tma(q, out, kt, vt, ks, gate, coarse, plan, sel, plan.num_prefix,  # noqa: B023
-                                               case.k_kept, gate=True, upcast=False, launch=launch, qk_int8=int8,  # noqa: B023
-                                               long_first=long_first)  # noqa: B023
+                    def fn(launch=launch, kt=kt, ks=ks, int8=int8, long_first=long_first):
+                        return launch_fine_tma(q, out, kt, vt, ks, gate, coarse, plan, sel, plan.num_prefix,
+                                               case.k_kept, gate=True, upcast=False, launch=launch, qk_int8=int8,
+                                               long_first=long_first)
 
                     label = (f"VSA fine+gate TMA {where} {'int8' if int8 else 'bf16'} QK 4w/{stages}st"
                              f"{f' maxnreg={cap}' if cap else ''}{', dense tiles first' if long_first else ''}")

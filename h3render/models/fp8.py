@@ -78,6 +78,8 @@ _CHUNK_ELEMENTS = 1 << 26
 
 # DiT block linears that run FP8 (issue #18): attention q/k/v and output, the SwiGLU FFN, FastH3's VSA gate.
 DIT_BLOCK_LINEARS = ("attn.qkv_proj", "attn.gate_proj", "attn.out_proj", "mlp.fc1", "mlp.fc2")
+# Those that run with fast accumulation (`Fp8Linear.fast_accum`): faster at the released shapes, fc2 slower.
+DIT_FAST_ACCUM = ("attn.qkv_proj", "attn.out_proj", "mlp.fc1")
 # Qwen3-VL decoder-layer linears (transformers `Qwen3VLTextAttention` / `Qwen3VLTextMLP`): about 24 B of the released
 # conditioner's ≈25.7 B parameters (50 read layers x 487 M; embeddings 0.78 B and the norms stay bf16).
 # Video VAE decoder block linears (`models.video_vae.ViTBlock`): q/k/v (fused `to_qkv` as the Engine runs them, or
@@ -115,7 +117,7 @@ def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _rows_scaled_mm(x: "torch.Tensor | Fp8Rows", weight: torch.Tensor, weight_scale: torch.Tensor,
-                    bias: torch.Tensor | None) -> torch.Tensor:
+                    bias: torch.Tensor | None, fast_accum: bool = False) -> torch.Tensor:
     """The one home of the w8a8 product (`Fp8Linear`, `Fp8WeightLinear` mode "rows"): e4m3 rows x e4m3 weight.
 
     Args:
@@ -124,6 +126,7 @@ def _rows_scaled_mm(x: "torch.Tensor | Fp8Rows", weight: torch.Tensor, weight_sc
         weight: [N, K] float8_e4m3fn; weight_scale: [1, N] float32 (`quantize_weight`); K, N multiples of 16 on
             CUDA (`torch._scaled_mm`).
         bias: [N] or None, added to the bf16 product in bf16.
+        fast_accum: on CUDA, cuBLASLt's fast accumulation (`Fp8Linear.fast_accum`); no effect off CUDA.
 
     Returns:
         [S, N] bf16: on CUDA one `torch._scaled_mm` (both scales in its epilogue; row-wise scaling writes bf16 only);
@@ -138,7 +141,7 @@ def _rows_scaled_mm(x: "torch.Tensor | Fp8Rows", weight: torch.Tensor, weight_sc
         out = torch.empty(0, weight.shape[0], dtype=torch.bfloat16, device=x.data.device)
     elif x.data.device.type == "cuda":
         out = torch._scaled_mm(x.data, weight.t(), scale_a=x.scale, scale_b=weight_scale,
-                               out_dtype=torch.bfloat16)  # [S, N]
+                               out_dtype=torch.bfloat16, use_fast_accum=fast_accum)  # [S, N]
     else:
         # Off CUDA the same product, dequantized operands in fp32 then one bf16 rounding: CPU `_scaled_mm` takes
         # per-tensor scales only before torch 2.13 (2.11 fails an INTERNAL ASSERT in mkldnn/Linear.cpp).
@@ -205,7 +208,17 @@ class Fp8Linear(_Fp8Weight):
     Buffers: `weight` [N, K] float8_e4m3fn (row-major, as nn.Linear), `weight_scale` [1, N] float32, optional
     `bias` [N]. K and N must be multiples of 16 (`torch._scaled_mm`); the released DiT's are (5376, 7168, 14336,
     21504, 28672), and so are DIT_TINY's / DIT_SMALL's.
+
+    `fast_accum` (the DiT's block linears: `quantize_dit_fp8_` sets it) accumulates the e4m3 products in the tensor
+    cores' own accumulator over the whole K loop instead of promoting to fp32 every few steps (cuBLASLt's
+    FAST_ACCUM). 1x H200, the DiT's block GEMMs at S = 73,642: qkv, out and fc1 6.7-9.5 % faster, fc2 5 % slower;
+    rel. error vs the fp32 GEMM 0.03747 -> 0.03750 (qkv, fc1), 0.03751 (out): e4m3's rounding dominates
+    (docs/performance.md §25.6). So `quantize_dit_fp8_` sets it on those three (`DIT_FAST_ACCUM`); fc2, the VSA gate
+    (not measured) and the video VAE decoder's linears (their error on decoded frames was not measured with it) keep
+    the fp32 promotion.
     """
+
+    fast_accum = False
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False, out_dtype: torch.dtype = torch.bfloat16,
                  device: torch.device | str | None = None):
@@ -237,7 +250,7 @@ class Fp8Linear(_Fp8Weight):
         elif x.data.ndim != 2 or x.data.shape[1] != self.in_features:
             raise ValueError(f"Fp8Linear: Fp8Rows data must be [S, {self.in_features}], got {tuple(x.data.shape)}")
         bias = self.bias if with_bias else None
-        out = _rows_scaled_mm(x, self.weight, self.weight_scale, bias).to(self.out_dtype)
+        out = _rows_scaled_mm(x, self.weight, self.weight_scale, bias, self.fast_accum).to(self.out_dtype)
         return out if lead is None else out.view(*lead, self.out_features)
 
 
@@ -352,11 +365,14 @@ def empty_dit_fp8_(dit: nn.Module) -> int:
 
 
 def _replace_block_linears(dit: nn.Module) -> int:
-    """`DIT_BLOCK_LINEARS` of every block -> `Fp8Linear.from_linear` (quantized, or empty on meta); the count."""
+    """`DIT_BLOCK_LINEARS` of every block -> `Fp8Linear.from_linear` (quantized, or empty on meta), those in
+    `DIT_FAST_ACCUM` with fast accumulation; the count."""
     count = 0
     for block in dit.blocks:
         for path in DIT_BLOCK_LINEARS:
-            count += _replace(block, path, Fp8Linear.from_linear)
+            if _replace(block, path, Fp8Linear.from_linear):
+                count += 1
+                block.get_submodule(path).fast_accum = path in DIT_FAST_ACCUM
     return count
 
 

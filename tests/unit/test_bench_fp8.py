@@ -80,12 +80,12 @@ def test_fp8_gemm_rows(rows):
     found = _stage(rows, "fp8-gemm")
     for name, k, n in (("qkv", h, 3 * inner), ("out", inner, h), ("fc1", h, 2 * ffn), ("fc2", ffn, h)):
         mine = [r for r in found if r["what"].startswith(f"{name} GEMM {k}->{n}, S=")]
-        assert len(mine) == 4, (name, [r["what"] for r in found])
+        assert len(mine) == 5, (name, [r["what"] for r in found])
         assert all(_finite_time(r["ours_s"]) for r in mine)
         bf16 = next(r for r in mine if r["what"].endswith("bf16 F.linear"))
         assert 0 < bf16["rel_err"] <= 1e-2  # bf16 rounding of the output vs the fp32 GEMM (measured 1.7e-3)
         fp8 = [r for r in mine if "Fp8Linear" in r["what"]]
-        assert len(fp8) == 2
+        assert len(fp8) == 3  # Fp8Rows input without and with fast accumulation, bf16 input
         for r in fp8:  # e4m3 on both operands: measured 0.035-0.037 against bf16
             assert 5e-3 <= r["rel_err"] <= 0.08 and 5e-3 <= r["rel_err_vs_fp32"] <= 0.08
             assert _finite_time(r["ref_s"]) and r["tflops"] >= 0
@@ -112,10 +112,10 @@ def test_fp8_dit_rows(rows):
     by = {r["what"]: r for r in found}
     forwards = [r for r in found if r["what"].startswith("DiT forward")]
     chains = [r for r in found if r["what"].startswith("4-forward FastH3 chain")]
-    assert len(forwards) == 4 and len(chains) == 2
+    assert len(forwards) == 5 and len(chains) == 3  # fp8 VSA forward and chain again without fast accumulation
     assert all(_finite_time(r["ours_s"]) for r in forwards + chains)
     for r in forwards + chains:
-        if r["precision"] == "fp8":  # measured 4.4e-4 (dense), 1.0e-3 (VSA), 2.8e-4 (chain); 0 if FP8 never ran
+        if r["precision"].startswith("fp8"):  # measured 4.4e-4 (dense), 1.0e-3 (VSA), 2.8e-4 (chain); 0 if FP8 never ran
             assert 1e-5 < r["rel_err_video"] <= 0.05 and 1e-5 < r["rel_err_audio"] <= 0.05, r
     assert chains[0]["forwards"] == 4
     mem = by["DiT resident weights bf16 vs fp8 (AdaLN dropped)"]
@@ -177,5 +177,10 @@ def test_the_bf16_qk_variant_is_patched_in_and_restored(bench_fp8):
     with bench_e2e.vsa_kernels("head-order", engine):  # the fine kernels' programs head by head
         assert triton_impl.LONG_FIRST is False and dit.vsa_qk_int8 is True
     assert triton_impl.LONG_FIRST is True
+    quantize_dit_fp8_(dit)
+    fast = [m.fast_accum for m in dit.modules() if isinstance(m, Fp8Linear)]
+    with bench_e2e.vsa_kernels("exact-accum", engine):  # every FP8 GEMM of the DiT promoting to fp32
+        assert not any(m.fast_accum for m in dit.modules() if isinstance(m, Fp8Linear))
+    assert [m.fast_accum for m in dit.modules() if isinstance(m, Fp8Linear)] == fast and any(fast)
     with pytest.raises(ValueError, match="expected some of current, bf16-qk, session12"):
         bench_e2e.vsa_variants(type("A", (), {"e2e_vsa_kernels": "session10"})())

@@ -110,6 +110,11 @@ def test_quantize_dit_replaces_exactly_the_block_linears(vsa):
     leaves = ("attn.qkv_proj", "attn.out_proj", "mlp.fc1", "mlp.fc2") + (("attn.gate_proj",) if vsa else ())
     assert changed == {f"blocks.{i}.{leaf}" for i in range(DIT_TINY.num_layers) for leaf in leaves}
     assert all(isinstance(dit.get_submodule(name), Fp8Linear) for name in changed)
+    # cuBLASLt's fast accumulation on the three GEMMs it speeds up at the released shapes (qkv, out, fc1), not fc2 or
+    # the VSA gate (docs/performance.md §25.6)
+    fast = {name for name in changed if dit.get_submodule(name).fast_accum}
+    assert fast == {f"blocks.{i}.{leaf}" for i in range(DIT_TINY.num_layers)
+                    for leaf in ("attn.qkv_proj", "attn.out_proj", "mlp.fc1")}
     assert quantize_dit_fp8_(dit) == 0  # idempotent
     dense = random_dit(DIT_TINY, seed=1)
     quantize_dit_fp8_(dense)
@@ -190,6 +195,12 @@ def test_load_components_fp8_builtin_tiny():
     n_dit = sum(isinstance(m, Fp8Linear) for m in c.dit.modules())
     n_te = sum(isinstance(m, Fp8WeightLinear) for m in c.text_encoder.modules())
     assert n_dit == 4 * DIT_TINY.num_layers and n_te == 7 * c.text_encoder.read_layer
+    # the DiT quantized while streaming (`empty_dit_fp8_`) gets the same fast-accumulation GEMMs; the video VAE
+    # decoder's FP8 linears keep the fp32 promotion (their error on frames was not measured with it)
+    assert sum(m.fast_accum for m in c.dit.modules() if isinstance(m, Fp8Linear)) == 3 * DIT_TINY.num_layers
+    vae = copy.deepcopy(c.video_vae)
+    assert fp8.quantize_video_decoder_fp8_(vae) > 0  # as the Engine quantizes it
+    assert not any(m.fast_accum for m in vae.modules() if isinstance(m, Fp8Linear))
     assert not any(isinstance(m, (Fp8Linear, Fp8WeightLinear)) for m in plain.dit.modules())
     # The text encoder's weights, quantized while streaming, equal quantizing the loaded encoder afterwards.
     after = copy.deepcopy(plain.text_encoder)
