@@ -456,6 +456,10 @@ def precision_report(components: Any) -> dict[str, str]:
         n = sum(isinstance(m, Fp8Linear) for m in dit.blocks.modules())
         report["dit_blocks"] = (f"fp8_e4m3 (row-wise activations, per-channel weights; {n} linears)" if n
                                 else _dtype_summary(dit.blocks))
+        # fast accumulation is cuBLASLt's: only FP8 GEMMs on CUDA run it (the CPU computes the product in fp32)
+        fast = sum(isinstance(m, Fp8Linear) and m.fast_accum and m.weight.is_cuda for m in dit.blocks.modules())
+        if fast:
+            report["dit_blocks"] += f"; fast accumulation in {fast} of them ({', '.join(DIT_FAST_ACCUM)})"
         if getattr(dit, "vsa_sparsity", None) is not None and getattr(dit, "vsa_qk_int8", False):
             report["dit_blocks"] += "; VSA QK^T int8 (smoothed keys, per-row scales)"
         other = nn.ModuleList(m for name, m in dit.named_children() if name != "blocks")

@@ -214,6 +214,12 @@ def test_load_components_fp8_builtin_tiny():
     assert torch.isfinite(v).all() and torch.isfinite(a).all()
     report = precision_report(c)
     assert report["dit_blocks"].startswith("fp8_e4m3") and report["text_encoder"].startswith("fp8_e4m3 weights")
+    assert "fast accumulation" not in report["dit_blocks"]  # cuBLASLt's: the CPU computes the product in fp32
+    if torch.cuda.is_available():
+        c.dit.cuda()
+        assert f"; fast accumulation in {3 * DIT_TINY.num_layers} of them (attn.qkv_proj, attn.out_proj, mlp.fc1)" \
+            in precision_report(c)["dit_blocks"]
+        c.dit.cpu()
     assert report["audio_vae"] == "fp32" and precision_report(plain)["dit_blocks"] == "fp32"
     with pytest.raises(ValueError, match="precision must be one of bf16, fp8"):
         load_components("tiny", precision="int8")
