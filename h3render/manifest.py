@@ -327,9 +327,11 @@ def _resolve_job(job: Layer, layers: list[Layer], limits: Limits, presets: Mappi
 
     time_layer = _first(layers, _TIME_FIELDS)
     window = None  # past one pass: the longest window of a windowed continuation (h3render.windows)
+    field = None
     try:
         if time_layer is not None:
-            where = time_layer.where("duration" if "duration" in time_layer.fields else "frames")
+            field = "duration" if "duration" in time_layer.fields else "frames"
+            where = time_layer.where(field)
             requested.update(duration=time_layer.get("duration"), frames=time_layer.get("frames"))
             frames, window = resolve_frames(time_layer.get("frames"), time_layer.get("duration"), limits)
         elif preset is not None:
@@ -340,7 +342,9 @@ def _resolve_job(job: Layer, layers: list[Layer], limits: Limits, presets: Mappi
             where = job.where()
             frames = snap_frames(limits.default_frames, None, limits)
     except ValueError as exc:
-        errors.add(where, str(exc))
+        # spec's messages start with what was asked ("frames 3 snaps to ..."), which the location names already
+        text = str(exc)
+        errors.add(where, text[len(field) + 1:] if field and text.startswith(f"{field} ") else text)
         return None
     problems = keyframe_problems(tuple(ref for _, ref in files.placed), frames)
     for position, problem in problems:  # on its entry (`keyframes[2]`), as the list's other problems

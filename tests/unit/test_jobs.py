@@ -203,7 +203,7 @@ def test_jsonl_errors_are_collected_with_lines(tmp_path):
     expected = [
         (2, "seed: must be an integer"), (3, "sed: unknown field (did you mean seed?)"), (4, "id: duplicate id 'a'"),
         (5, "preset: conflicts with"), (6, "duration: conflicts with frames"), (7, "output: path components"),
-        (8, "duration: duration 200 s is 4800 frames (200 s), longer than the 120 s (2880 frames) h3render renders"),
+        (8, "duration: 200 s is 4800 frames (200 s), longer than the 120 s (2880 frames) h3render renders"),
         (9, "not valid JSON"), (10, "prompt: missing"), (11, "defaults: a defaults line"),
         (12, "width: 1000 is not a positive multiple of 32"), (12, "mode: 't2v' is not one of t2va, fasth3"),
         (13, "prompt: field given twice"),
@@ -655,3 +655,15 @@ def test_the_note_follows_the_checkpoints_own_limits_not_5_to_15():
     with pytest.raises(ValueError, match="trained_seconds"):
         Limits(min_frames=22, max_frames=362, default_canvas=(128, 96), default_frames=39, default_steps=8,
                trained_seconds=(3.0, 2.0))
+
+
+def test_a_frame_count_outside_the_range_is_named_once(tmp_path):
+    """The location names the field; the message goes on with the value, not with the field again (a trial saw
+    `frames: frames 3 snaps to 5 frames, ...`)."""
+    path = write(tmp_path, "m.jsonl", """
+        {"id": "a", "prompt": "x", "frames": 3}
+        {"id": "b", "prompt": "x", "duration": 0.1}
+    """)
+    errors = errors_of(path)
+    assert errors[0].startswith(f"{path}:1: frames: 3 snaps to ") and "frames: frames" not in errors[0]
+    assert errors[1].startswith(f"{path}:2: duration: 0.1 s (2 frames) snaps to "), errors[1]
