@@ -166,7 +166,7 @@ def generate(engine, job, prepared: Prepared, schedule: sampling.Schedule, timer
     """
     progress = progress or Progress("off")
     tables = engine.tables(schedule, task_of(job).timesteps(schedule), prepared.partition)
-    with timer.stage("denoise"), progress.stage(label, "denoise", schedule.forwards, "steps") as shown:
+    with timer.stage("denoise"), progress.stage(label, "denoise", schedule.forwards, "forwards") as shown:
         model_fn = _timed_steps(engine.model_fn(prepared, tables), timer)
         video_rows, audio_rows = sampling.denoise(model_fn, prepared.video_rows, prepared.audio_rows, schedule.video,
                                                   schedule.audio, on_step=lambda i, v, a: shown.update(1))

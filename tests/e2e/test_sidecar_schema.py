@@ -125,8 +125,10 @@ def test_writer_stats_are_durations_on_the_jobs_scale(t2va):
 
 
 def test_non_tty_prompt_prints_a_line_per_stage(t2va):
+    """Denoise counts DiT forwards: a job of `steps` sigma points runs steps - 1 of them (a trial read "7/7 steps"
+    beside the sidecar's `job.steps` 8)."""
     stderr = t2va[1]
-    for stage, count in (("text encode", "(1/1 prompt)"), ("denoise", "(2/2 steps)"), ("decode", "(22/22 frames)"),
+    for stage, count in (("text encode", "(1/1 prompt)"), ("denoise", "(2/2 forwards)"), ("decode", "(22/22 frames)"),
                          ("encode", "(22/22 frames)")):
         lines = [line for line in stderr.splitlines() if line.startswith(f"h3render: clip: {stage} done in ")]
         assert len(lines) == 1 and lines[0].endswith(count), (stage, stderr)
