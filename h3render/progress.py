@@ -16,7 +16,7 @@ trailer, fsync, rename). Styles:
 =========  ==========================================================================================================
 
 A stage's end line says "done" only when it reached its total; one left early says "interrupted" (Ctrl-C) or
-"stopped" (an error, or closed short of its total), so a log never reads "done (0/7 steps)".
+"stopped" (an error, or closed short of its total), so a log never reads "done (0/7 forwards)".
 """
 
 from __future__ import annotations
