@@ -124,9 +124,9 @@ def test_the_plan_line_counts_windows_and_past_120_s_is_refused(tmp_path):
     assert "30 s → 720 frames = 30 s in 3 windows of 260 frames, 22-frame overlaps cross-faded" in result.output
     assert "90 s → 2160 frames = 90 s in 7 windows of 328 frames" in result.output
     line = one_error_line(invoke("prompt", "surf", "-o", str(tmp_path / "x.mp4"), "--duration", "121"))
-    assert "--duration" in line or "duration 121 s is 2904 frames (121 s), longer than the 120 s" in line, line
+    assert "duration: 121 s is 2904 frames (121 s), longer than the 120 s" in line, line
     line = one_error_line(invoke("prompt", "surf", "-o", str(tmp_path / "x.mp4"), "--frames", "2881"))
-    assert "frames 2881 is 2881 frames (120.042 s), longer than the 120 s (2880 frames)" in line
+    assert "frames: 2881 is 2881 frames (120.042 s), longer than the 120 s (2880 frames)" in line, line
 
 
 def test_fasth3_clips_render_plain_t2va_windows():
