@@ -182,5 +182,11 @@ def test_the_bf16_qk_variant_is_patched_in_and_restored(bench_fp8):
     with bench_e2e.vsa_kernels("exact-accum", engine):  # every FP8 GEMM of the DiT promoting to fp32
         assert not any(m.fast_accum for m in dit.modules() if isinstance(m, Fp8Linear))
     assert [m.fast_accum for m in dit.modules() if isinstance(m, Fp8Linear)] == fast and any(fast)
+    vae = torch.nn.Sequential(Fp8Linear.from_linear(torch.nn.Linear(32, 16)))  # a decoder's FP8 linear stands in
+    engine.c.video_vae = vae
+    with bench_e2e.vsa_kernels("vae-fast", engine):  # the decoder's FP8 GEMMs fast as well; the DiT's as shipped
+        assert vae[0].fast_accum is True
+        assert [m.fast_accum for m in dit.modules() if isinstance(m, Fp8Linear)] == fast
+    assert vae[0].fast_accum is False
     with pytest.raises(ValueError, match="expected some of current, bf16-qk, session12"):
         bench_e2e.vsa_variants(type("A", (), {"e2e_vsa_kernels": "session10"})())
