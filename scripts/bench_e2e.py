@@ -53,8 +53,8 @@ def add_arguments(p) -> None:
                         "settings: 4 warps x 2, 3, 4 stages), head-order (this tree with the fine kernels' programs "
                         "head by head, not the dense query tiles first: main before the fifteenth session), "
                         "exact-accum (this tree with every FP8 GEMM of the DiT promoting to fp32: no "
-                        "models.fp8.DIT_FAST_ACCUM, main before the fifteenth session), vae-fast (this tree with "
-                        "the video VAE decoder's FP8 GEMMs fast-accumulating as well)")
+                        "models.fp8.DIT_FAST_ACCUM, main before the fifteenth session), vae-exact (this tree with "
+                        "the video VAE decoder's FP8 GEMMs promoting to fp32: main before the sixteenth session)")
     p.add_argument("--e2e-content", default="noise",
                    help="e2e / memplans: comma-separated pictures each job is rendered with, in this order: noise "
                         "(what the random weights decode), moving (the real decode, each chunk then painted with "
@@ -273,7 +273,7 @@ def vsa_variants(args) -> list[str]:
     return variants
 
 
-VARIANTS = ("current", "bf16-qk", "session12", "uncapped", "head-order", "exact-accum", "vae-fast")
+VARIANTS = ("current", "bf16-qk", "session12", "uncapped", "head-order", "exact-accum", "vae-exact")
 _UNCAPPED_PICKS: dict = {}  # the "uncapped" variant's autotuner picks, apart from the tree's own
 
 
@@ -303,7 +303,7 @@ def vsa_kernels(variant: str, engine):
     try:
         vae = getattr(engine.c, "video_vae", None) or torch.nn.Identity()  # (the bench's tests pass a DiT alone)
         with (accumulation(dit, False if variant == "exact-accum" else None),
-              accumulation(vae, True if variant == "vae-fast" else None)):  # decode_alone takes the recompile
+              accumulation(vae, False if variant == "vae-exact" else None)):  # decode_alone takes the recompile
             yield
     finally:
         dit.vsa_qk_int8, FeedForward.fused_fp8, triton_impl.LONG_FIRST = saved

@@ -215,11 +215,13 @@ def _rows_and_config(args):
 
 
 def gemm_shapes(cfg) -> list[tuple[str, int, int]]:
-    """(name, K, N) of a DiT block's four linears: qkv hidden -> 3 x heads x head_dim (q/k/v interleaved per head),
-    out heads x head_dim -> hidden, fc1 hidden -> 2 x ffn (gate and value), fc2 ffn -> hidden."""
+    """(name, K, N) of a DiT block's five linears: qkv hidden -> 3 x heads x head_dim (q/k/v interleaved per head),
+    out heads x head_dim -> hidden, fc1 hidden -> 2 x ffn (gate and value), fc2 ffn -> hidden, and a VSA student's
+    gate hidden -> heads x head_dim (`attn.gate_proj`)."""
     inner = cfg.num_attention_heads * cfg.attention_head_dim
     return [("qkv", cfg.hidden_size, 3 * inner), ("out", inner, cfg.hidden_size),
-            ("fc1", cfg.hidden_size, 2 * cfg.ffn_dim), ("fc2", cfg.ffn_dim, cfg.hidden_size)]
+            ("fc1", cfg.hidden_size, 2 * cfg.ffn_dim), ("fc2", cfg.ffn_dim, cfg.hidden_size),
+            ("gate", cfg.hidden_size, inner)]
 
 
 @torch.no_grad()

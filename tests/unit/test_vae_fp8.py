@@ -79,7 +79,10 @@ def test_fp8_decoder_replaces_exactly_the_block_linears(vaes):
     report = precision_report(type("C", (), {"video_vae": fp8, "audio_vae": None})())
     # other: the tiny encoder's fp32 and proj_out's bf16 (32 -> 3072) parameters
     assert report["video_vae"] == ("fp8_e4m3 decoder blocks (row-wise activations, per-channel weights; 8 linears); "
-                                   "other: bf16 (fp32: 47% of parameters)"), report
+                                   "other: bf16 (fp32: 47% of parameters)"), report  # no fast accumulation off CUDA
+    if torch.cuda.is_available():  # cuBLASLt's fast accumulation: every decoder FP8 GEMM on the GPU
+        report = precision_report(type("C", (), {"video_vae": copy.deepcopy(fp8).cuda()})())
+        assert "per-channel weights; 8 linears, fast accumulation in 8); other:" in report["video_vae"], report
     assert precision_report(type("C", (), {"video_vae": bf16})())["video_vae"].startswith("bf16")
 
 
