@@ -78,8 +78,9 @@ _CHUNK_ELEMENTS = 1 << 26
 
 # DiT block linears that run FP8 (issue #18): attention q/k/v and output, the SwiGLU FFN, FastH3's VSA gate.
 DIT_BLOCK_LINEARS = ("attn.qkv_proj", "attn.gate_proj", "attn.out_proj", "mlp.fc1", "mlp.fc2")
-# Those that run with fast accumulation (`Fp8Linear.fast_accum`): faster at the released shapes, fc2 slower.
-DIT_FAST_ACCUM = ("attn.qkv_proj", "attn.out_proj", "mlp.fc1")
+# Those that run with fast accumulation (`Fp8Linear.fast_accum`): faster at the released shapes, fc2 slower
+# (docs/performance.md §25.6, the gate §26.2).
+DIT_FAST_ACCUM = ("attn.qkv_proj", "attn.gate_proj", "attn.out_proj", "mlp.fc1")
 # Qwen3-VL decoder-layer linears (transformers `Qwen3VLTextAttention` / `Qwen3VLTextMLP`): about 24 B of the released
 # conditioner's ≈25.7 B parameters (50 read layers x 487 M; embeddings 0.78 B and the norms stay bf16).
 # Video VAE decoder block linears (`models.video_vae.ViTBlock`): q/k/v (fused `to_qkv` as the Engine runs them, or
@@ -209,14 +210,15 @@ class Fp8Linear(_Fp8Weight):
     `bias` [N]. K and N must be multiples of 16 (`torch._scaled_mm`); the released DiT's are (5376, 7168, 14336,
     21504, 28672), and so are DIT_TINY's / DIT_SMALL's.
 
-    `fast_accum` (the DiT's block linears: `quantize_dit_fp8_` sets it) accumulates the e4m3 products in the tensor
-    cores' own accumulator over the whole K loop instead of promoting to fp32 every few steps (cuBLASLt's
+    `fast_accum` (`quantize_dit_fp8_` and `quantize_video_decoder_fp8_` set it) accumulates the e4m3 products in
+    the tensor cores' own accumulator over the whole K loop instead of promoting to fp32 every few steps (cuBLASLt's
     FAST_ACCUM). 1x H200, the DiT's block GEMMs at S = 73,642: qkv, out and fc1 6.7-9.5 % faster, fc2 5 % slower;
     rel. error vs the fp32 GEMM 0.03747 -> 0.03750 (qkv, fc1), 0.03751 (out): e4m3's rounding dominates
-    (docs/performance.md §25.6). So `quantize_dit_fp8_` sets it on those three (`DIT_FAST_ACCUM`); fc2 and the VSA
-    gate (not measured) keep the fp32 promotion. `quantize_video_decoder_fp8_` sets it on all the video VAE decoder's
-    FP8 linears: 72 latents at 1344x768 decode in 5.035 s instead of 5.453 s, and the frames' PSNR against the bf16
-    decode is the same (45.08 dB at gains 0.3, 58.52 dB at 0.02; docs/performance.md §26.1).
+    (docs/performance.md §25.6); a VSA student's gate (5376 -> 7168) 9.3 % faster, 0.03747 -> 0.03750 (§26.2). So
+    `quantize_dit_fp8_` sets it on those four (`DIT_FAST_ACCUM`); fc2 keeps the fp32 promotion.
+    `quantize_video_decoder_fp8_` sets it on all the video VAE decoder's FP8 linears: 72 latents at 1344x768
+    decode in 5.035 s instead of 5.453 s, and the frames' PSNR against the bf16 decode is the same (45.08 dB at
+    gains 0.3, 58.52 dB at 0.02; docs/performance.md §26.1).
     """
 
     fast_accum = False
@@ -273,8 +275,9 @@ class Fp8WeightLinear(_Fp8Weight):
     Mode "rows" (issue 26 item 3; measured on an H200, docs/performance.md §22.4: GEMM device time no more than
     bf16's, but two launches a linear leave a short prompt's launch-bound encode 16-23 % slower than bf16 and the
     error 0.12 against 0.104; not the default) trades that accuracy for FP8 tensor cores: the activations are
-    rounded to e4m3 too, one scale per row (`kernels.fp8.quantize_rows`), and one `torch._scaled_mm` multiplies them with the weight as is, the product `Fp8Linear` computes (`_rows_scaled_mm`;
-    the 0.127 above) with the output in x's dtype. On CUDA it needs compute capability >= `FP8_MIN_CAPABILITY`.
+    rounded to e4m3 too, one scale per row (`kernels.fp8.quantize_rows`), and one `torch._scaled_mm` multiplies
+    them with the weight as is, the product `Fp8Linear` computes (`_rows_scaled_mm`; the 0.127 above) with the
+    output in x's dtype. On CUDA it needs compute capability >= `FP8_MIN_CAPABILITY`.
     """
 
     # "auto" (above), "gemm", "dequant-fused", "dequant" (the torch expression: the path before issue 26) or "rows"
@@ -463,9 +466,11 @@ def precision_report(components: Any) -> dict[str, str]:
         report["dit_blocks"] = (f"fp8_e4m3 (row-wise activations, per-channel weights; {n} linears)" if n
                                 else _dtype_summary(dit.blocks))
         # fast accumulation is cuBLASLt's: only FP8 GEMMs on CUDA run it (the CPU computes the product in fp32)
-        fast = sum(isinstance(m, Fp8Linear) and m.fast_accum and m.weight.is_cuda for m in dit.blocks.modules())
-        if fast:
-            report["dit_blocks"] += f"; fast accumulation in {fast} of them ({', '.join(DIT_FAST_ACCUM)})"
+        fast = {name: m for name, m in dit.blocks.named_modules()
+                if isinstance(m, Fp8Linear) and m.fast_accum and m.weight.is_cuda}
+        if fast:  # the paths that run it (a t2va DiT has no gate_proj)
+            paths = [p for p in DIT_FAST_ACCUM if any(name.endswith("." + p) for name in fast)]
+            report["dit_blocks"] += f"; fast accumulation in {len(fast)} of them ({', '.join(paths)})"
         if getattr(dit, "vsa_sparsity", None) is not None and getattr(dit, "vsa_qk_int8", False):
             report["dit_blocks"] += "; VSA QK^T int8 (smoothed keys, per-row scales)"
         other = nn.ModuleList(m for name, m in dit.named_children() if name != "blocks")

@@ -110,11 +110,18 @@ def test_quantize_dit_replaces_exactly_the_block_linears(vsa):
     leaves = ("attn.qkv_proj", "attn.out_proj", "mlp.fc1", "mlp.fc2") + (("attn.gate_proj",) if vsa else ())
     assert changed == {f"blocks.{i}.{leaf}" for i in range(DIT_TINY.num_layers) for leaf in leaves}
     assert all(isinstance(dit.get_submodule(name), Fp8Linear) for name in changed)
-    # cuBLASLt's fast accumulation on the three GEMMs it speeds up at the released shapes (qkv, out, fc1), not fc2 or
-    # the VSA gate (docs/performance.md §25.6)
+    # cuBLASLt's fast accumulation on the GEMMs it speeds up at the released shapes (qkv, out, fc1 and the VSA gate),
+    # not fc2 (docs/performance.md §25.6, §26.2)
     fast = {name for name in changed if dit.get_submodule(name).fast_accum}
     assert fast == {f"blocks.{i}.{leaf}" for i in range(DIT_TINY.num_layers)
-                    for leaf in ("attn.qkv_proj", "attn.out_proj", "mlp.fc1")}
+                    for leaf in ("attn.qkv_proj", "attn.out_proj", "mlp.fc1") + (("attn.gate_proj",) if vsa else ())}
+    if torch.cuda.is_available():  # the sidecar names the paths that run it: the gate only on a VSA DiT
+        dit.cuda()
+        paths = ("attn.qkv_proj, attn.gate_proj, attn.out_proj, mlp.fc1" if vsa
+                 else "attn.qkv_proj, attn.out_proj, mlp.fc1")
+        assert precision_report(type("C", (), {"dit": dit})())["dit_blocks"].endswith(
+            f"; fast accumulation in {len(fast)} of them ({paths})")
+        dit.cpu()
     assert quantize_dit_fp8_(dit) == 0  # idempotent
     dense = random_dit(DIT_TINY, seed=1)
     quantize_dit_fp8_(dense)
