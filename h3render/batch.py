@@ -446,7 +446,6 @@ class _Queue:
         if self.attempt is not None:
             self.attempt.cleanup()
             self.attempt.release()
-            remove_empty_folders(self.attempt.made)  # after the release: its lock file was in there
 
     def close(self) -> None:
         """The final report and the last log lines (after the bars are gone, so none is redrawn below them)."""
@@ -547,6 +546,7 @@ class _Attempt:
         if self.lock is not None:
             self.lock.release()
             self.lock = None
+        remove_empty_folders(self.made)  # still empty once the lock file is gone: the job wrote nothing there
 
     def check_written(self) -> None:
         if not (self.mp4.is_file() and self.sidecar.is_file()):

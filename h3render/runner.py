@@ -169,23 +169,28 @@ def _progress(shown: bool, single: bool):
 
 def _render_single(factory, job, mp4: Path, sidecar: Path, *, quiet: bool = False) -> int:
     """`h3render prompt`: one job. The renderer writes `<name>.tmp.mp4` / sidecar temp files and renames them on
-    success; on failure or Ctrl-C nothing is left under either name. `quiet`: no "wrote" line (errors still print)."""
-    from h3render.outputs import temp_paths
+    success; on failure or Ctrl-C nothing is left under either name, nor a folder made for them that is still empty.
+    `quiet`: no "wrote" line (errors still print)."""
+    from h3render.outputs import make_folders, remove_empty_folders, temp_paths
     from h3render.report import remove_files
 
-    mp4.parent.mkdir(parents=True, exist_ok=True)
+    made = make_folders(mp4.parent)  # only these may go again: a folder that was there before stays
     t0 = time.perf_counter()
+    rendered = False
     try:
         factory().render(job, mp4, sidecar)
+        rendered = True
     except KeyboardInterrupt:
-        remove_files(*temp_paths(mp4, sidecar))
         print("h3render: interrupted; no output written", file=sys.stderr)
         return EXIT_INTERRUPTED
     except Exception as exc:
-        remove_files(*temp_paths(mp4, sidecar))
         first = (str(exc).strip().splitlines() or [""])[0]
         print(f"h3render: failed: {type(exc).__name__}: {first}", file=sys.stderr)
         return EXIT_FAILED
+    finally:
+        if not rendered:  # `-o out/new/x.mp4` left an empty `out/new/` behind (a trial)
+            remove_files(*temp_paths(mp4, sidecar))
+            remove_empty_folders(made)
     if not quiet:
         print(f"h3render: wrote {mp4} and {sidecar} in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
     return EXIT_OK

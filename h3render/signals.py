@@ -187,12 +187,15 @@ class ProcessGuard:
     """The CLI's handlers from start-up to exit: a handled signal raises `Interrupted` (so the CLI exits 130 or 75
     with one line) until `settle` says the outcome is written; after that the signals are ignored (``SIG_IGN``),
     and the process exits with the code its report holds. A signal inside an import is re-sent until it lands
-    outside one. The queue's `InterruptGuard` takes over while it runs."""
+    outside one, and so is one whose `Interrupted` Python dropped (raised inside a ``__del__`` or a garbage
+    collection callback: the render went on to exit 0, and every later Ctrl-C was ignored as "already raised").
+    The queue's `InterruptGuard` takes over while it runs."""
 
     def __init__(self):
         self.settled = False
         self.pending: int | None = None  # the first signal, kept while it waits for the end of an import
         self.raised = False
+        self._previous_hook = sys.unraisablehook
 
     def install(self) -> "ProcessGuard":
         global _process_guard
@@ -200,8 +203,16 @@ class ProcessGuard:
             for signum in HANDLED:
                 if signal.getsignal(signum) is not signal.SIG_IGN:
                     signal.signal(signum, self._handle)
+            self._previous_hook, sys.unraisablehook = sys.unraisablehook, self._unraisable
         _process_guard = self
         return self
+
+    def _unraisable(self, unraisable) -> None:
+        if isinstance(unraisable.exc_value, Interrupted) and self.pending is not None and not self.settled:
+            self.raised = False  # it never reached the command: raise it again, from outside the __del__
+            _resend_until(self.pending, lambda: self.raised or self.settled)
+            return
+        self._previous_hook(unraisable)
 
     def _handle(self, signum, frame) -> None:
         if self.settled or self.raised:

@@ -102,7 +102,7 @@ def test_a_signal_while_the_final_report_is_written_changes_nothing(tmp_path, mo
 
 
 def test_once_settled_the_process_guard_ignores_signals(tmp_path):
-    before = {s: signal.getsignal(s) for s in signals.HANDLED}
+    before, hook = {s: signal.getsignal(s) for s in signals.HANDLED}, sys.unraisablehook
     try:
         signals.ProcessGuard().install()
         with pytest.raises(signals.Interrupted) as info:  # start-up: a signal raises, carrying its number
@@ -118,7 +118,7 @@ def test_once_settled_the_process_guard_ignores_signals(tmp_path):
             pass
         assert report.exit_code == 0
     finally:
-        signals._process_guard = None
+        signals._process_guard, sys.unraisablehook = None, hook
         for s, h in before.items():
             signal.signal(s, h)
 
@@ -204,10 +204,10 @@ def test_the_sbatch_script_forwards_usr1_and_requeues_on_75(tmp_path):
 # Issue #28 item 6: the edges of the process's life.
 
 def _restoring_handlers():
-    before = {s: signal.getsignal(s) for s in signals.HANDLED}
+    before, hook = {s: signal.getsignal(s) for s in signals.HANDLED}, sys.unraisablehook
 
     def restore():
-        signals._process_guard = None
+        signals._process_guard, sys.unraisablehook = None, hook
         for s, h in before.items():
             signal.signal(s, h)
 
@@ -233,6 +233,30 @@ def test_a_signal_inside_an_import_is_raised_after_the_import(tmp_path, monkeypa
         assert exits.error_exit_code(info.value) == 75
     finally:
         sys.modules.pop("h28_slow_module", None)
+        restore()
+
+
+def test_a_signal_dropped_inside_a_del_is_raised_again(tmp_path):
+    """Python drops an exception raised while a ``__del__`` (or a garbage collection's callback) runs; the queue's
+    guard has re-sent such a signal since SLURM's SIGTERM landed in regex's ``Group.__del__``, the start-up guard
+    did not: `prompt` rendered on to exit 0, every later Ctrl-C ignored as already raised. Now it raises again."""
+
+    class Collected:
+        def __del__(self):
+            os.kill(os.getpid(), signal.SIGUSR1)
+            for _ in range(1000):  # the handler runs here, inside the __del__
+                pass
+
+    restore = _restoring_handlers()
+    try:
+        signals.ProcessGuard().install()
+        with pytest.raises(signals.Interrupted) as info:
+            Collected()  # collected at once: its __del__ runs
+            deadline = time.monotonic() + 5
+            while time.monotonic() < deadline:
+                time.sleep(0.01)
+        assert exits.error_exit_code(info.value) == 75
+    finally:
         restore()
 
 
