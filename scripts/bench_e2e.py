@@ -54,7 +54,8 @@ def add_arguments(p) -> None:
                         "head by head, not the dense query tiles first: main before the fifteenth session), "
                         "exact-accum (this tree with every FP8 GEMM of the DiT promoting to fp32: no "
                         "models.fp8.DIT_FAST_ACCUM, main before the fifteenth session), vae-exact (this tree with "
-                        "the video VAE decoder's FP8 GEMMs promoting to fp32: main before the sixteenth session)")
+                        "the video VAE decoder's FP8 GEMMs promoting to fp32: main before the sixteenth session), "
+                        "gate-exact (this tree with the VSA gates' FP8 GEMMs promoting to fp32: the same)")
     p.add_argument("--e2e-content", default="noise",
                    help="e2e / memplans: comma-separated pictures each job is rendered with, in this order: noise "
                         "(what the random weights decode), moving (the real decode, each chunk then painted with "
@@ -273,7 +274,7 @@ def vsa_variants(args) -> list[str]:
     return variants
 
 
-VARIANTS = ("current", "bf16-qk", "session12", "uncapped", "head-order", "exact-accum", "vae-exact")
+VARIANTS = ("current", "bf16-qk", "session12", "uncapped", "head-order", "exact-accum", "vae-exact", "gate-exact")
 _UNCAPPED_PICKS: dict = {}  # the "uncapped" variant's autotuner picks, apart from the tree's own
 
 
@@ -302,7 +303,9 @@ def vsa_kernels(variant: str, engine):
         tuner.cache = _UNCAPPED_PICKS
     try:
         vae = getattr(engine.c, "video_vae", None) or torch.nn.Identity()  # (the bench's tests pass a DiT alone)
+        gates = torch.nn.ModuleList(b.attn.gate_proj for b in dit.blocks if b.attn.gate_proj is not None)
         with (accumulation(dit, False if variant == "exact-accum" else None),
+              accumulation(gates, False if variant == "gate-exact" else None),
               accumulation(vae, False if variant == "vae-exact" else None)):  # decode_alone takes the recompile
             yield
     finally:

@@ -167,9 +167,10 @@ def enable_random_vsa_(dit, sparsity: float, seed: int = 1) -> None:
     """VSA at `sparsity` with random gates, on a bf16 DiT (`DiT.enable_vsa`) or an already quantized one.
     `DiT.enable_vsa` refuses an FP8 DiT without gates (its gates would be bf16 linears reading FP8 rows), so
     there this adds `Fp8Linear` gates itself and sets `vsa_sparsity` as `enable_vsa` does: a benchmark of random
-    gates only (a student's gates stream in before the quantization, `checkpoint.students`)."""
+    gates only (a student's gates stream in before the quantization, `checkpoint.students`); their accumulation is
+    the one `quantize_dit_fp8_` gives a student's gates (`models.fp8.DIT_FAST_ACCUM`)."""
     from h3render.models.attention import check_vsa_settings, gate_projection
-    from h3render.models.fp8 import Fp8Linear
+    from h3render.models.fp8 import DIT_FAST_ACCUM, Fp8Linear
 
     if not isinstance(dit.blocks[0].attn.qkv_proj, Fp8Linear):
         dit.enable_vsa(sparsity)
@@ -179,6 +180,7 @@ def enable_random_vsa_(dit, sparsity: float, seed: int = 1) -> None:
             if attn.gate_proj is None:
                 like = torch.empty(1, attn.qkv_proj.in_features, device=attn.qkv_proj.weight.device, dtype=dit.dtype)
                 attn.gate_proj = Fp8Linear.from_linear(gate_projection(like, attn.heads * attn.head_dim))
+                attn.gate_proj.fast_accum = "attn.gate_proj" in DIT_FAST_ACCUM
         dit.vsa_sparsity = check_vsa_settings(sparsity, 64)
     fill_random_gates_(dit, seed)
 

@@ -149,8 +149,13 @@ def test_random_gates_on_an_fp8_dit_match_the_bf16_ones(bench_fp8):
     quantize_dit_fp8_(fp8)  # dense FP8 DiT: DiT.enable_vsa refuses it, the bench helper adds FP8 gates
     bench_fp8.enable_random_vsa_(fp8, 0.75, seed=1)
     assert fp8.vsa_sparsity == bf16.vsa_sparsity == 0.75
-    for a, b in zip(bf16.blocks, fp8.blocks):
+    quantized = random_dit(DIT_TINY, seed=1).apply_precision_(torch.bfloat16)
+    bench_fp8.enable_random_vsa_(quantized, 0.75, seed=1)
+    quantize_dit_fp8_(quantized)  # a student's way: gates first, then the quantization
+    for a, b, c in zip(bf16.blocks, fp8.blocks, quantized.blocks):
         assert isinstance(b.attn.gate_proj, Fp8Linear)
+        # the bench's added gates accumulate as a quantized student's do (a render's gates ran exact before 26.2)
+        assert b.attn.gate_proj.fast_accum is c.attn.gate_proj.fast_accum is True
         ref = a.attn.gate_proj.weight.detach().float()
         assert ref.abs().sum() > 0
         assert rel_err(b.attn.gate_proj.dequantized_weight(), ref) <= 0.04  # e4m3 rounding, measured ~0.02
@@ -189,5 +194,10 @@ def test_the_bf16_qk_variant_is_patched_in_and_restored(bench_fp8):
         assert vae[0].fast_accum is False
         assert [m.fast_accum for m in dit.modules() if isinstance(m, Fp8Linear)] == fast
     assert vae[0].fast_accum is True
+    bench_fp8.enable_random_vsa_(dit, 0.75, seed=1)  # FP8 gates, fast-accumulating as a student's
+    with bench_e2e.vsa_kernels("gate-exact", engine):  # the gates' FP8 GEMMs promoting to fp32; the rest as shipped
+        assert not any(b.attn.gate_proj.fast_accum for b in dit.blocks) and vae[0].fast_accum is True
+        assert all(b.attn.qkv_proj.fast_accum for b in dit.blocks)
+    assert all(b.attn.gate_proj.fast_accum for b in dit.blocks)
     with pytest.raises(ValueError, match="expected some of current, bf16-qk, session12"):
         bench_e2e.vsa_variants(type("A", (), {"e2e_vsa_kernels": "session10"})())
