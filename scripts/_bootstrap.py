@@ -2,9 +2,9 @@
 `python scripts/bench.py` with only PYTHONPATH set): `import _bootstrap` before the first h3render import.
 
 An installed h3render (a wheel, or `pip install -e .`) wins and nothing changes. Otherwise the checkout's root joins
-`sys.path`, for `h3render` itself, and a finder maps `h3render.kernels` and `h3render.presets` to the checkout's
-top-level `kernels/` and `presets/` folders, as pyproject's `[tool.setuptools.package-dir]` does for the wheel and
-setuptools' editable finder does for an editable install. The package itself knows nothing of checkouts.
+`sys.path`, for `h3render` itself, and a finder maps `h3render.presets` to the checkout's top-level `presets/`
+folder, as pyproject's `[tool.setuptools.package-dir]` does for the wheel and setuptools' editable finder does for
+an editable install. The package itself knows nothing of checkouts.
 """
 
 from __future__ import annotations
@@ -16,11 +16,11 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 # Import name -> the checkout folder the wheel ships under that name (pyproject `[tool.setuptools.package-dir]`).
-FOLDERS = {"h3render.kernels": ROOT / "kernels", "h3render.presets": ROOT / "presets"}
+FOLDERS = {"h3render.presets": ROOT / "presets"}
 
 
 class CheckoutFolders(importlib.abc.MetaPathFinder):
-    """Finds `h3render.kernels` and `h3render.presets` in the checkout; last on `sys.meta_path`, so an installed
+    """Finds `h3render.presets` in the checkout; last on `sys.meta_path`, so an installed
     h3render's own packages are found first. Their submodules then follow the package's `__path__` as usual."""
 
     def find_spec(self, name, path=None, target=None):
@@ -32,7 +32,7 @@ class CheckoutFolders(importlib.abc.MetaPathFinder):
 
 
 def install() -> None:
-    """Make `import h3render` (and its kernels and presets) work from this checkout; idempotent."""
+    """Make `import h3render` (and its presets) work from this checkout; idempotent."""
     if importlib.util.find_spec("h3render") is None:
         sys.path.insert(0, str(ROOT))
     if not any(isinstance(finder, CheckoutFolders) for finder in sys.meta_path):

@@ -241,7 +241,7 @@ def stage_vsa(args) -> None:
         rec(stage="vsa", what=f"VSA tile selection ({'Triton select' if use_triton else 'torch topk + sort'})",
             ours_s=round(t, 5), same_set=bool(torch.equal(select_tiles(scores, plan, s, use_triton=use_triton), sel)))
     # Each fixed launch setting, then the autotuned pick (issue 26), of the pointer kernel (tma=False) and of the TMA
-    # kernel (kernels/vsa/triton_hopper.py, the default on sm_90).
+    # kernel (h3render/kernels/vsa/triton_hopper.py, the default on sm_90).
     from h3render.kernels.vsa.triton_hopper import TMA_CONFIGS
 
     from h3render.kernels.vsa.quant import head_mean_from_pooled

@@ -14,8 +14,8 @@ AdaLN modulation depends only on (timestep, modality), so it is computed ahead o
 `ModulationTables` (`DiT.modulation_tables`) and `DiT.forward` reads the tables only. After the tables of a schedule
 are built, `DiT.drop_adaln_weights_()` frees the AdaLN projections (about 13 B of the 33 B released parameters).
 
-The element-wise ops (`qk_norm_rope`, `modulate`, `gated_residual`, `swiglu`) are the `kernels/` functions: fused
-Triton on CUDA, their plain-torch references elsewhere. The swap point for attention backends and sequence
+The element-wise ops (`qk_norm_rope`, `modulate`, `gated_residual`, `swiglu`) are the `h3render.kernels` functions:
+fused Triton on CUDA, their plain-torch references elsewhere. The swap point for attention backends and sequence
 parallelism is the `attention` attribute of every `Attention` module (`DiT.set_attention`). `DiT.enable_vsa`
 switches the blocks (not the token refiner) to FastH3's video sparse attention and adds its gate projections.
 """
@@ -50,9 +50,9 @@ QKVAttentionFn = Callable[..., torch.Tensor]
 # Attention and the element-wise ops of a block.
 
 
-# The element-wise work of a block lives in `kernels/`: each function there runs its Triton kernel on CUDA tensors
-# and its plain-torch reference (fp32 math, one rounding) elsewhere, so CPU parity tests exercise the reference and
-# the GPU the fused kernel (kernel-vs-reference tests: tests/unit/test_kernels.py).
+# The element-wise work of a block lives in `h3render.kernels`: each function there runs its Triton kernel on CUDA
+# tensors and its plain-torch reference (fp32 math, one rounding) elsewhere, so CPU parity tests exercise the reference
+# and the GPU the fused kernel (kernel-vs-reference tests: tests/unit/test_kernels.py).
 qk_norm_rope = kernels.qk_norm_rope  # (q, k, v [S, H, D], q_weight, k_weight [D], cos, sin [S, R] | None, eps)
 modulate = kernels.modulate  # (x [S, C], norm_weight [C], shift, scale [R, C], row_index [S], eps) -> [S, C]
 gated_residual = kernels.gated_residual  # (x, y [S, C], gate [R, C], row_index [S]) -> x + gate[row] * y

@@ -441,7 +441,8 @@ main()
                            "the CPU-only install")
 def test_a_cpu_install_without_triton_renders_the_readme_clip(tmp_path):
     """The README's first command on a CPU-only install: a top-level `import triton` in a module the DiT imports
-    (kernels/vsa/quant.py, session 12) made every command but `presets` a traceback there (a fresh-user trial)."""
+    (h3render/kernels/vsa/quant.py, session 12) made every command but `presets` a traceback there (a fresh-user
+    trial)."""
     import subprocess
     import sys
 

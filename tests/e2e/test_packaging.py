@@ -20,7 +20,7 @@ from tests._mp4 import decode
 
 REPO = Path(__file__).resolve().parents[2]
 # Source folder on disk -> import name in the wheel (pyproject [tool.setuptools.package-dir]).
-ROOTS = {"h3render": "h3render", "kernels": "h3render.kernels"}
+ROOTS = {"h3render": "h3render"}
 
 
 def _pyproject() -> dict:
@@ -28,7 +28,7 @@ def _pyproject() -> dict:
 
 
 def _packages_on_disk() -> set[str]:
-    """Every folder under h3render/ and kernels/ holding an __init__.py, named as imported, plus the presets and the
+    """Every folder under h3render/ holding an __init__.py, named as imported, plus the presets and the
     docs (data packages)."""
     found = {"h3render.presets", "h3render.docs"}
     for folder, name in ROOTS.items():
@@ -42,8 +42,10 @@ def _packages_on_disk() -> set[str]:
 def test_pyproject_packages_are_the_package_folders_on_disk():
     tool = _pyproject()["tool"]["setuptools"]
     assert sorted(tool["packages"]) == sorted(_packages_on_disk())
-    assert tool["package-dir"] == {"h3render": "h3render", "h3render.kernels": "kernels",
-                                   "h3render.presets": "presets", "h3render.docs": "docs"}
+    assert tool["package-dir"] == {"h3render": "h3render", "h3render.presets": "presets", "h3render.docs": "docs"}
+    # no top-level folder may take the name of an importable package: `kernels/` shadowed PyPI's `kernels`, which
+    # transformers 5.25 imports, whenever the checkout's root was on sys.path (README's `python -m pytest`)
+    assert not (REPO / "kernels").exists()
     assert (REPO / "presets" / "__init__.py").is_file() and (REPO / "docs" / "__init__.py").is_file()
     assert tool["package-data"] == {"h3render.presets": ["*.yaml"],
                                     "h3render.docs": ["*.md", "schema/*.json", "h3render.sbatch"]}
@@ -93,7 +95,7 @@ def test_wheel_installs_in_a_fresh_venv_and_renders_from_outside_the_checkout(tm
     src = tmp_path / "src"
     src.mkdir()
     shutil.copy(REPO / "pyproject.toml", src)
-    for folder in ("h3render", "kernels", "presets", "docs", "scripts"):  # docs/h3render.sbatch links into scripts/
+    for folder in ("h3render", "presets", "docs", "scripts"):  # docs/h3render.sbatch links into scripts/
         shutil.copytree(REPO / folder, src / folder, symlinks=True,
                         ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
     dist = tmp_path / "dist"

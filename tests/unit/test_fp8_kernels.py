@@ -369,7 +369,7 @@ def test_fp8_kernels_on_cuda_match_naive():
     got_q = quantize_rows(x)
     # The fused producers compute their fp32 row in another order than torch (FMA contraction): the bound. The
     # stand-alone quantization reads the same bf16 row as the reference: bit-exact (the first H200 run, before the
-    # reference divided by a tensor 448, had 1.2e-3 of the codes off at ties: kernels/fp8/naive.py).
+    # reference divided by a tensor 448, had 1.2e-3 of the codes off at ties: h3render/kernels/fp8/naive.py).
     for got, ref in ((got_m, modulate_naive(x, w, table[:, 0], table[:, 1], row_index, 1e-5, fp8=True)),
                      (got_s, swiglu_naive(h, fp8=True))):
         assert_fp8_close(tuple(t.cpu() for t in got), tuple(t.cpu() for t in ref))

@@ -25,7 +25,7 @@ layer  name            modules (and why they sit there)
                        FastH3 checkpoint states its few-step schedule (`checkpoint.contract` returns a
                        `sampling.Schedule`); it imports only packing and spec (and the DiT's type).
   2    models          models/: pure torch modules, no I/O.
-  1    kernels         h3render.kernels (the top-level kernels/ folder): Triton kernels beside their torch references.
+  1    kernels         h3render.kernels (h3render/kernels/): Triton kernels beside their torch references.
   0    foundation      the package root (`__version__`), spec (geometry facts and request rules, torch-free),
                        windows (a long clip's window plan, torch-free: jobs plan it, render and seams follow it),
                        errors (`RenderError`) and exits (every exit code and the error classes that map to them),
@@ -49,7 +49,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 # Source folder -> import name (pyproject `[tool.setuptools.package-dir]`).
-SOURCES = {"h3render": REPO / "h3render", "h3render.kernels": REPO / "kernels"}
+SOURCES = {"h3render": REPO / "h3render"}
 
 LAYERS: dict[int, tuple[str, ...]] = {
     7: ("h3render.__main__", "h3render.cli", "h3render.cli_*", "h3render.settings", "h3render.manifest", "h3render.manifest_formats",
@@ -96,13 +96,12 @@ def _module_name(path: Path, root: Path, package: str) -> str:
 
 
 def scan() -> tuple[dict[str, Path], dict[str, dict[str, list[tuple[int, bool]]]]]:
-    """Every module of h3render/ and kernels/ and its imports of our own modules.
+    """Every module of h3render/ and its imports of our own modules.
 
     Returns:
         (modules: import name -> file, edges: importer -> imported -> [(line, inside a function)]). An imported
         name resolves to the longest module prefix that exists (`from h3render.spec import FPS` -> `h3render.spec`,
-        `from h3render.checkpoint import load` -> `h3render.checkpoint.load`); the top-level `kernels` package is
-        `h3render.kernels`.
+        `from h3render.checkpoint import load` -> `h3render.checkpoint.load`).
     """
     modules = {}
     for package, root in SOURCES.items():
@@ -112,8 +111,6 @@ def scan() -> tuple[dict[str, Path], dict[str, dict[str, list[tuple[int, bool]]]
     modules.setdefault("h3render.presets", REPO / "presets" / "__init__.py")
 
     def resolve(name: str) -> str | None:
-        if name == "kernels" or name.startswith("kernels."):
-            name = "h3render." + name
         while name and name not in modules:
             name = name.rpartition(".")[0]
         return name or None
@@ -138,7 +135,7 @@ def scan() -> tuple[dict[str, Path], dict[str, dict[str, list[tuple[int, bool]]]
                     visit(child, in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)))
                     continue
                 for target in targets:
-                    if not target.startswith(("h3render", "kernels")):
+                    if not target.startswith("h3render"):
                         continue
                     home = resolve(target)
                     sites = edges.setdefault(name, {}).setdefault(home, []) if home not in (None, name) else None
@@ -272,17 +269,21 @@ def _bare_python(code: str) -> subprocess.CompletedProcess:
                           cwd="/", env=env)
 
 
-def test_a_checkout_alone_has_no_kernels_subpackage():
+def test_a_bare_checkout_on_sys_path_adds_no_top_level_package_of_ours():
     # The package does not append the repository root to its own __path__: from a bare checkout on sys.path,
-    # h3render imports but h3render.kernels does not (and neither h3render.scripts nor h3render.tests).
+    # h3render and its kernels import, h3render.scripts and h3render.tests do not; and the root holds no folder that
+    # takes a PyPI package's import name (a top-level `kernels/` did: transformers 5.25's `from kernels import ...`
+    # then failed on it, and with it `python -m pytest` in the checkout).
     done = _bare_python(f"sys.path.insert(0, {str(REPO)!r})\nimport importlib.util, h3render\n"
                         "print([importlib.util.find_spec(n) is None for n in "
-                        "('h3render.kernels', 'h3render.scripts', 'h3render.tests')])")
+                        "('h3render.kernels', 'h3render.scripts', 'h3render.tests')])\n"
+                        "spec = importlib.util.find_spec('kernels')\n"
+                        "print(spec is None or not spec.origin.startswith(sys.path[0]))")
     assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.strip() == "[True, True, True]"
+    assert done.stdout.split() == ["[False,", "True,", "True]", "True"]
 
 
-def test_scripts_bootstrap_maps_kernels_and_presets_from_the_checkout():
+def test_scripts_bootstrap_maps_presets_from_the_checkout():
     # find_spec, not an import, for the kernels: their package imports torch, which this check does not need.
     done = _bare_python(f"sys.path.insert(0, {str(REPO / 'scripts')!r})\nimport _bootstrap\n"
                         "import importlib.util, h3render, h3render.presets, h3render.jobs\n"
@@ -291,4 +292,4 @@ def test_scripts_bootstrap_maps_kernels_and_presets_from_the_checkout():
     assert done.returncode == 0, done.stderr[-3000:]
     package, kernel, presets, torch_loaded = done.stdout.split()
     assert Path(package) == REPO / "h3render" / "__init__.py" and torch_loaded == "False"
-    assert Path(kernel) == REPO / "kernels" / "__init__.py" and Path(presets) == REPO / "presets"
+    assert Path(kernel) == REPO / "h3render" / "kernels" / "__init__.py" and Path(presets) == REPO / "presets"

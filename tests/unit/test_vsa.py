@@ -1,5 +1,5 @@
-"""VSA-H3 (kernels/vsa): tile geometry, the torch reference's defining properties, and the Triton / flex fine stages
-against the reference (Triton under TRITON_INTERPRET=1 on CPU, NaN-poisoned outputs)."""
+"""VSA-H3 (h3render/kernels/vsa): tile geometry, the torch reference's defining properties, and the Triton / flex fine
+stages against the reference (Triton under TRITON_INTERPRET=1 on CPU, NaN-poisoned outputs)."""
 
 from __future__ import annotations
 
@@ -171,7 +171,7 @@ TMA_CASES = [(*CASES[0], F32, True), (*CASES[0], BF16, True), (*CASES[1], BF16, 
 
 @pytest.mark.parametrize("prefix, grid, heads, dim, sparsity, dtype, with_gate", TMA_CASES)
 def test_tma_fine_matches_reference(prefix, grid, heads, dim, sparsity, dtype, with_gate):
-    """The TMA kernel (kernels/vsa/triton_hopper.py; the default on sm_90 GPUs) against the reference."""
+    """The TMA kernel (h3render/kernels/vsa/triton_hopper.py; the default on sm_90 GPUs) against the reference."""
     from h3render.kernels.vsa.naive import coarse_attention_naive
     from h3render.kernels.vsa.triton_impl import fine_attention_triton
 

@@ -1,7 +1,7 @@
-"""INT8 QKᵀ in the VSA fine kernels (kernels/vsa/quant.py, `qk_int8=True`): the key pass against its torch reference
-bit for bit, both fine kernels against the dequantized-codes reference on odd shapes, and the smoothing's purpose
-(a channel bias on the keys, which softmax ignores, must not cost precision). CPU under TRITON_INTERPRET=1, the
-compiled kernels on the device machine (TRITON_INTERPRET=0)."""
+"""INT8 QKᵀ in the VSA fine kernels (h3render/kernels/vsa/quant.py, `qk_int8=True`): the key pass against its torch
+reference bit for bit, both fine kernels against the dequantized-codes reference on odd shapes, and the smoothing's
+purpose (a channel bias on the keys, which softmax ignores, must not cost precision). CPU under TRITON_INTERPRET=1,
+the compiled kernels on the device machine (TRITON_INTERPRET=0)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""The one-launch Triton tile selection (kernels/vsa/select_triton.py) against `select_tiles`' torch path (`topk` +
-sort), under TRITON_INTERPRET=1 on CPU or compiled on a GPU (TRITON_INTERPRET=0)."""
+"""The one-launch Triton tile selection (h3render/kernels/vsa/select_triton.py) against `select_tiles`' torch path
+(`topk` + sort), under TRITON_INTERPRET=1 on CPU or compiled on a GPU (TRITON_INTERPRET=0)."""
 
 from __future__ import annotations
 

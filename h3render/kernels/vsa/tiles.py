@@ -115,7 +115,7 @@ def tile_plan(prefix: tuple[int, ...], grid: tuple[int, int, int], device: str =
     prefix = tuple(int(p) for p in prefix if int(p) != 0)
     grid = tuple(int(g) for g in grid)
     if any(p < 0 for p in prefix) or len(grid) != 3 or min(grid) < 1:
-        raise ValueError(f"kernels/vsa/tiles.py: tile_plan: bad prefix {prefix} or video grid {grid}")
+        raise ValueError(f"h3render/kernels/vsa/tiles.py: tile_plan: bad prefix {prefix} or video grid {grid}")
     prefix_sizes, prefix_slot = _prefix_tiles(prefix)
     video_sizes, video_slot = _video_tiles(grid)
     num_prefix = len(prefix_sizes)
@@ -139,7 +139,7 @@ def tile_plan(prefix: tuple[int, ...], grid: tuple[int, int, int], device: str =
 def _check(sizes: torch.Tensor, slot: torch.Tensor, prefix: tuple[int, ...], grid: tuple[int, int, int]) -> None:
     """Sizes in [1, 64] summing to S, and `slot` injective into the valid slots (what the kernels trust)."""
     total = sum(prefix) + math.prod(grid)
-    where = f"kernels/vsa/tiles.py: tile_plan(prefix={prefix}, grid={grid})"
+    where = f"h3render/kernels/vsa/tiles.py: tile_plan(prefix={prefix}, grid={grid})"
     if int(sizes.min()) < 1 or int(sizes.max()) > TILE or int(sizes.sum()) != total or slot.numel() != total:
         raise ValueError(f"{where}: tile sizes out of bounds (min {int(sizes.min())}, max {int(sizes.max())}, "
                          f"sum {int(sizes.sum())}, rows {total})")
@@ -157,7 +157,7 @@ def to_tiles(x: torch.Tensor, plan: TilePlan) -> torch.Tensor:
         `[n * 64, ...]`, same dtype; pad slots are zero.
     """
     if x.shape[0] != plan.seq_len:
-        raise ValueError(f"kernels/vsa/tiles.py: to_tiles: {x.shape[0]} rows, the plan tiles {plan.seq_len}")
+        raise ValueError(f"h3render/kernels/vsa/tiles.py: to_tiles: {x.shape[0]} rows, the plan tiles {plan.seq_len}")
     out = x.new_zeros(plan.padded_len, *x.shape[1:])
     out.index_copy_(0, plan.slot, x)  # a row scatter: one contiguous H*D row per packed row
     return out
@@ -174,7 +174,8 @@ def gather_tiles(x: torch.Tensor, plan: TilePlan) -> torch.Tensor:
         scatters: a memset plus a scatter, 3.8 against 1.2 ms a layer (docs/performance.md §19).
     """
     if x.shape[0] != plan.seq_len:
-        raise ValueError(f"kernels/vsa/tiles.py: gather_tiles: {x.shape[0]} rows, the plan tiles {plan.seq_len}")
+        raise ValueError(f"h3render/kernels/vsa/tiles.py: gather_tiles: {x.shape[0]} rows, "
+                         f"the plan tiles {plan.seq_len}")
     return x.index_select(0, plan.row_of_slot.clamp(min=0))
 
 

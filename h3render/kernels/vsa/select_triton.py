@@ -82,10 +82,10 @@ def select_tiles_triton(scores: torch.Tensor, num_prefix: int, k: int, *, num_wa
     heads, n, _ = scores.shape
     num_video = n - num_prefix
     if scores.dtype != torch.float32 or scores.stride(-1) != 1:
-        raise ValueError(f"kernels/vsa/select_triton.py: scores must be fp32 with unit stride over key tiles, got "
-                         f"{scores.dtype} strides {scores.stride()}")
+        raise ValueError(f"h3render/kernels/vsa/select_triton.py: scores must be fp32 with unit stride over key "
+                         f"tiles, got {scores.dtype} strides {scores.stride()}")
     if not 1 <= k <= num_video:
-        raise ValueError(f"kernels/vsa/select_triton.py: k = {k} outside 1..{num_video} (video tiles)")
+        raise ValueError(f"h3render/kernels/vsa/select_triton.py: k = {k} outside 1..{num_video} (video tiles)")
     out = torch.empty(heads, num_video, k, dtype=torch.int32, device=scores.device)
     block = next_power_of_2(num_video)
     if num_warps is None and scores.is_cuda and not interpreting():

@@ -59,8 +59,8 @@ def key_tiles_int8(k: torch.Tensor, plan: TilePlan, mean: torch.Tensor) -> tuple
     """
     s, heads, d = k.shape
     if s != plan.seq_len or tuple(mean.shape) != (heads, d) or k.stride(-1) != 1:
-        raise ValueError(f"kernels/vsa/quant.py: k {list(k.shape)} (unit stride over D) and mean {list(mean.shape)} "
-                         f"do not fit a plan of {plan.seq_len} rows")
+        raise ValueError(f"h3render/kernels/vsa/quant.py: k {list(k.shape)} (unit stride over D) and mean "
+                         f"{list(mean.shape)} do not fit a plan of {plan.seq_len} rows")
     out = torch.empty(plan.padded_len, heads, d, dtype=torch.int8, device=k.device)
     scales = torch.empty(heads, plan.padded_len, dtype=torch.float32, device=k.device)
     _key_tiles_int8_kernel[(plan.num_tiles, heads)](

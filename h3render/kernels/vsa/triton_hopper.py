@@ -45,7 +45,7 @@ def _fine_tma_kernel(
     GATE: tl.constexpr,
     IEEE: tl.constexpr,  # fp32 inputs: exact fp32 dots (no TF32)
     UPCAST: tl.constexpr,  # interpreter only: its bf16 dot is wrong, an fp32 dot of the same bf16 values is exact
-    QK_INT8: tl.constexpr,  # int8 QK^T (kernels/vsa/quant.py)
+    QK_INT8: tl.constexpr,  # int8 QK^T (h3render/kernels/vsa/quant.py)
     LONG_FIRST: tl.constexpr,  # triton_impl.program_tile
 ):
     # Programs run head by head, query tiles fastest: the programs in flight read one head's keys and values, which

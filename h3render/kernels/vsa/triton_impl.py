@@ -192,7 +192,7 @@ def _fine_kernel(
     GATE: tl.constexpr,
     IEEE: tl.constexpr,  # fp32 inputs: exact fp32 dots (no TF32)
     UPCAST: tl.constexpr,  # interpreter only: its bf16 dot is wrong, an fp32 dot of the same bf16 values is exact
-    QK_INT8: tl.constexpr,  # int8 QK^T (kernels/vsa/quant.py)
+    QK_INT8: tl.constexpr,  # int8 QK^T (h3render/kernels/vsa/quant.py)
     LONG_FIRST: tl.constexpr,  # `program_tile`
 ):
     # Programs run head by head (query tile fastest): those in flight at once read one head's keys and values (38 MB
@@ -236,9 +236,9 @@ _fine_tuned = triton.autotune(
 )(_fine_kernel)
 
 
-# The TMA kernel (kernels/vsa/triton_hopper.py) on sm_90+: 0.0562-0.0578 s against 0.0595-0.0606 s per layer for the
-# pointer kernel at 1344x768x243, s = 0.9 on an H200 (docs/performance.md §19); its shipped form: 0.0583-0.0592 s
-# against 0.0603-0.0612 s, CUDA cases passed (§21.2).
+# The TMA kernel (h3render/kernels/vsa/triton_hopper.py) on sm_90+: 0.0562-0.0578 s against 0.0595-0.0606 s per
+# layer for the pointer kernel at 1344x768x243, s = 0.9 on an H200 (docs/performance.md §19); its shipped form:
+# 0.0583-0.0592 s against 0.0603-0.0612 s, CUDA cases passed (§21.2).
 TMA_BY_DEFAULT = True
 
 
@@ -256,7 +256,7 @@ def tuned_fine_config(shape_key: tuple | None = None, tma: bool = False) -> tupl
 
 def _check_head_dim(d: int) -> None:
     if d < 16 or d > 256 or d & (d - 1):
-        raise ValueError(f"kernels/vsa/triton_impl.py: head dim {d} must be a power of two in [16, 256]")
+        raise ValueError(f"h3render/kernels/vsa/triton_impl.py: head dim {d} must be a power of two in [16, 256]")
 
 
 def pool_tiles_triton(x: torch.Tensor, plan: TilePlan) -> torch.Tensor:
@@ -313,7 +313,7 @@ def fine_attention_triton(
     s, heads, d = q.shape
     _check_head_dim(d)
     if (gate is None) != (coarse is None):
-        raise ValueError("kernels/vsa/triton_impl.py: gate and coarse go together")
+        raise ValueError("h3render/kernels/vsa/triton_impl.py: gate and coarse go together")
     if out is None:
         out = torch.empty_like(q)
     if sel is None:
@@ -321,8 +321,8 @@ def fine_attention_triton(
     else:
         dense_q, topk = plan.num_prefix, sel.shape[-1]
         if sel.dtype != torch.int32 or not sel.is_contiguous() or tuple(sel.shape) != (heads, plan.num_video, topk):
-            raise ValueError(f"kernels/vsa/triton_impl.py: sel must be contiguous int32 [{heads}, {plan.num_video}, "
-                             f"K], got {sel.dtype} {list(sel.shape)}")
+            raise ValueError(f"h3render/kernels/vsa/triton_impl.py: sel must be contiguous int32 "
+                             f"[{heads}, {plan.num_video}, K], got {sel.dtype} {list(sel.shape)}")
     g = gate if gate is not None else q
     c = coarse if coarse is not None else q
     # one row gather each (≈1 GB at 1344x768x243): key/value loads at addresses affine in the tile id
@@ -339,7 +339,8 @@ def fine_attention_triton(
     if num_warps is None and num_stages is None:
         launch = None if compiled else {"num_warps": 4, "num_stages": 1}  # None: autotune
     elif num_warps is None or num_stages is None:
-        raise ValueError("kernels/vsa/triton_impl.py: give num_warps and num_stages together (or neither: autotune)")
+        raise ValueError("h3render/kernels/vsa/triton_impl.py: give num_warps and num_stages together "
+                         "(or neither: autotune)")
     from h3render.kernels.vsa import triton_hopper
 
     use_tma = tma if tma is not None else compiled and TMA_BY_DEFAULT and triton_hopper.tma_supported(q)

@@ -64,7 +64,8 @@ def _fine_backend(q: torch.Tensor, fine: str | None) -> str:
     if fine is None:
         return "triton" if use_triton_for(q, None) else "torch"
     if fine not in FINE_BACKENDS:
-        raise ValueError(f"kernels/vsa: unknown fine backend {fine!r}; choose one of {', '.join(FINE_BACKENDS)}")
+        raise ValueError(f"h3render/kernels/vsa: unknown fine backend {fine!r}; "
+                         f"choose one of {', '.join(FINE_BACKENDS)}")
     return fine
 
 
@@ -96,13 +97,13 @@ def vsa_attention(
         ValueError: shapes that do not match the plan, or an unknown `fine`.
     """
     if q.ndim != 3 or q.shape[0] != plan.seq_len or k.shape != q.shape or v.shape != q.shape:
-        raise ValueError(f"kernels/vsa: q, k, v must be [{plan.seq_len}, H, D] for this plan, got "
+        raise ValueError(f"h3render/kernels/vsa: q, k, v must be [{plan.seq_len}, H, D] for this plan, got "
                          f"{list(q.shape)}, {list(k.shape)}, {list(v.shape)}")
     if gate is not None and gate.shape != q.shape:
-        raise ValueError(f"kernels/vsa: gate must be {list(q.shape)}, got {list(gate.shape)}")
+        raise ValueError(f"h3render/kernels/vsa: gate must be {list(q.shape)}, got {list(gate.shape)}")
     backend = _fine_backend(q, fine)
     if qk_int8 and backend == "flex":
-        raise ValueError("kernels/vsa: qk_int8 runs on the triton or torch fine stage, not flex")
+        raise ValueError("h3render/kernels/vsa: qk_int8 runs on the triton or torch fine stage, not flex")
     if backend == "torch" and not q.is_cuda and not qk_int8:
         return vsa_attention_naive(q, k, v, gate, plan, sparsity)
 
