@@ -95,7 +95,7 @@ def test_qk_norm_rope_without_v_and_dispatch(monkeypatch):
     q, k, _ = qkv.unbind(2)
     ref_q, ref_k, _ = qk_norm_rope_naive(q, k, None, q_w, k_w, cos, sin, 1e-5)
     # Forcing Triton on CPU must never fall back to the reference.
-    mod = importlib.import_module("kernels.qk_norm_rope")  # the package re-exports a function of the same name
+    mod = importlib.import_module("h3render.kernels.qk_norm_rope")  # the package re-exports a function of the same name
 
     monkeypatch.setattr(mod, "qk_norm_rope_naive", lambda *a: pytest.fail("naive path taken"))
     got_q, got_k, got_v = qk_norm_rope(q, k, None, q_w, k_w, cos, sin, use_triton=True)
@@ -192,7 +192,7 @@ def test_gated_residual_in_place_and_dispatch(monkeypatch):
     x, table, row_index = _rows(37, 2100, 6, torch.float32, torch.int64, seed=5)
     y = torch.randn_like(x)
     ref = gated_residual_naive(x, y, table[:, 5], row_index)
-    mod = importlib.import_module("kernels.gated_residual")  # the package re-exports a function of the same name
+    mod = importlib.import_module("h3render.kernels.gated_residual")  # the package re-exports a function of the same name
 
     monkeypatch.setattr(mod, "gated_residual_naive", lambda *a: pytest.fail("naive path taken"))
     got = gated_residual(x, y, table[:, 5], row_index, out=x, use_triton=True)
@@ -204,7 +204,7 @@ def test_gated_residual_in_place_and_dispatch(monkeypatch):
 def test_modulate_dispatch_and_errors(monkeypatch):
     x, table, row_index = _rows(5, 16, 3, torch.float32, torch.int64, seed=1)
     ref = modulate_naive(x, None, table[:, 0], table[:, 1], row_index, 1e-5)
-    mod = importlib.import_module("kernels.modulate")  # the package re-exports a function of the same name
+    mod = importlib.import_module("h3render.kernels.modulate")  # the package re-exports a function of the same name
 
     monkeypatch.setattr(mod, "modulate_naive", lambda *a: pytest.fail("naive path taken"))
     torch.testing.assert_close(modulate(x, None, table[:, 0], table[:, 1], row_index, use_triton=True), ref)
@@ -245,7 +245,7 @@ def test_swiglu_value_first_with_bias_triton_matches_naive(dtype):
 @interpreted
 def test_swiglu_strided_rows_and_errors(monkeypatch):
     h = torch.randn(37, 100)[:, :90]  # row stride 100, unit column stride
-    mod = importlib.import_module("kernels.swiglu")  # the package re-exports a function of the same name
+    mod = importlib.import_module("h3render.kernels.swiglu")  # the package re-exports a function of the same name
 
     ref = swiglu_naive(h)
     monkeypatch.setattr(mod, "swiglu_naive", lambda *a: pytest.fail("naive path taken"))
