@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from h3render.kernels.vsa import select_tiles, tile_plan, topk_budget
+from h3render.kernels.vsa import select_triton
 from h3render.kernels.vsa.select_triton import select_tiles_triton
 
 DEVICE = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") == "0" else "cpu"
@@ -63,3 +64,58 @@ def test_bad_arguments_are_refused():
         select_tiles_triton(scores, num_prefix=2, k=5)
     with pytest.raises(ValueError, match="fp32"):
         select_tiles_triton(scores.double(), num_prefix=2, k=1)
+    with pytest.raises(ValueError, match="search"):
+        select_tiles_triton(scores, num_prefix=2, k=1, search="sort")
+
+
+def _stable_topk_ids(scores: torch.Tensor, num_prefix: int, k: int) -> torch.Tensor:
+    """[H, V, k] ascending ids of each row's k largest video scores, ties to the lowest ids: a stable sort of the
+    scores' int keys (float order, -0.0 below +0.0, NaN above +inf), integer work that the process's denormal
+    setting cannot touch (`torch.set_flush_denormal(True)`, which the CPU runner sets, makes float compares treat
+    subnormals as zero)."""
+    bits = scores[:, num_prefix:, num_prefix:].cpu().contiguous().view(torch.int32).long()
+    keys = bits ^ ((bits >> 31) & 0x7FFFFFFF)
+    order = keys.sort(dim=-1, descending=True, stable=True).indices[..., :k]
+    return (order.sort(dim=-1).values + num_prefix).to(torch.int32)
+
+
+def _rows(kind: str, rows: int, v: int, g: torch.Generator) -> torch.Tensor:
+    x = torch.randn(rows, v, generator=g)
+    if kind == "cauchy":  # heavy tails: the bracket's ends sit far from the cut
+        return torch.tan(torch.pi * (torch.rand(rows, v, generator=g) - 0.5))
+    if kind == "outliers":  # a few scores 1e4 times the bulk, on both sides
+        x[:, ::9] *= 1e4
+        return x
+    if kind == "ties":  # few distinct values: the cut falls inside a run of equal scores
+        return (x * 2).round()
+    if kind == "equal":
+        return torch.full((rows, v), -0.75)
+    if kind == "tiny":  # subnormal scores of both signs, made from their bits (no float arithmetic to flush them)
+        bits = torch.randint(1, 1 << 23, (rows, v), generator=g, dtype=torch.int32)
+        return torch.where(x < 0, bits | -2147483648, bits).view(torch.float32)
+    return x
+
+
+@pytest.mark.parametrize("search", ["interpolate", "radix"])
+@pytest.mark.parametrize("kind", ["normal", "cauchy", "outliers", "ties", "equal", "tiny"])
+@pytest.mark.parametrize("k", [1, 5, 36, 37])
+def test_both_searches_keep_the_k_largest_with_ties_to_the_lowest_ids(search, kind, k):
+    """Each search against a stable descending sort on rows that stress it: heavy tails and far outliers (the
+    interpolation's slow cases), runs of equal scores at the cut (its snap to a key), one value, subnormals; k from 1
+    to V (37 video tiles, one prefix tile)."""
+    g = torch.Generator().manual_seed(len(kind) * 100 + k)
+    scores = torch.zeros(2, 38, 38)
+    scores[:, 1:, 1:] = _rows(kind, 2 * 37, 37, g).view(2, 37, 37)
+    out = select_tiles_triton(scores.to(DEVICE), num_prefix=1, k=k, search=search).cpu()
+    assert torch.equal(out, _stable_topk_ids(scores, 1, k))
+
+
+@pytest.mark.parametrize("guesses", [0, 1, 3])
+def test_the_search_ends_exact_when_its_guesses_run_out(monkeypatch, guesses):
+    """After MAX_GUESSES interpolation steps the search bisects in key space: exact whichever step it stops at."""
+    monkeypatch.setattr(select_triton, "MAX_GUESSES", guesses)
+    g = torch.Generator().manual_seed(guesses)
+    scores = torch.zeros(1, 41, 41)
+    scores[:, 1:, 1:] = torch.cat([_rows("cauchy", 20, 40, g), _rows("ties", 20, 40, g)]).view(1, 40, 40)
+    out = select_tiles_triton(scores.to(DEVICE), num_prefix=1, k=7, search="interpolate").cpu()
+    assert torch.equal(out, _stable_topk_ids(scores, 1, 7))

@@ -2,18 +2,26 @@
 a sort of the kept ids) in one launch.
 
 At the released geometry (56 heads x 1,188 video query tiles, k = 119 of 1,188) the torch path is six kernels (the
-radix top-k's digit counts, cumulative sums and gather, then `radixSortKVInPlace` of the ids): 4.0 ms of each VSA
-layer's device time on an H200 (2026-12-02, `scripts/bench.py --stages prof --prof-dit fp8-vsa`,
-docs/performance.md §21.1), 0.2 s of a 50-block forward; timed alone 3.70 ms, this kernel 1.55 ms with the same
-kept sets (§21.2). Here one program per (head, video query tile) row:
+radix top-k's digit counts, cumulative sums and gather, then `radixSortKVInPlace` of the ids): 3.7 ms of each VSA
+layer on an H200 (docs/performance.md §21.2). Here one program per (head, video query tile) row:
 
 1. maps each score to an int32 key whose signed order is the float order (negative values' magnitude bits flipped),
    so that NaN ranks above +inf as in `torch.topk`;
-2. finds the k-th largest key exactly by a 32-step bitwise radix select (each step counts the keys at or above a
-   candidate threshold: the sign first, then bits 30..0);
+2. finds a threshold t with #(key >= t) >= k > #(key > t): the k-th largest key, or any t that cuts exactly k;
 3. keeps every key above it and, of the keys equal to it, the lowest tile ids (the torch top-k leaves ties to its
    implementation: on distinct scores both keep the same set);
 4. writes the kept ids in ascending order (a cumulative sum of the keep mask gives each id its slot).
+
+Step 2 is a count per candidate t, a reduction over the row, so the number of candidates is the cost.
+`_select_kernel` (SEARCH = "radix") builds t bit by bit from the sign down: 32 counts whatever the row. The default
+`_select_search_kernel` (SEARCH = "interpolate") brackets t between the row's smallest and largest key and guesses
+by regula falsi on the counts in float value space (the Illinois variant, so a far outlier cannot stall one side);
+when a guess lands on a count already known (ties at the cut) it snaps to the largest key below the bracket's top,
+and when only one key is missing above the top that key is the threshold. On Gaussian rows of 1,188 with k = 119
+this is ~11 reductions all told (min, max, counts, the final sums) against the radix's ~35; heavy tails or far
+outliers ~23 (a numpy model of both). After `MAX_GUESSES` guesses it bisects in key space, so every row ends within
+MAX_GUESSES + 32 counts. Measured on an H200 (2026-12-03, docs/performance.md §27.1), same kept sets: 1.54 -> 0.87 ms
+a layer at 1344x768x243 (k = 119 of 1,188), 0.18 -> 0.15 ms at 960x544x124 (k = 40), autotuned both.
 """
 
 from __future__ import annotations
@@ -60,14 +68,103 @@ def _select_kernel(
     tl.store(out_ptr + row.to(tl.int64) * k + slot, (offs + num_prefix).to(tl.int32), mask=keep)
 
 
+@triton.jit
+def _value_of(key):
+    """The fp32 value of an int32 key (the key mapping is its own inverse)."""
+    return (key ^ ((key >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _select_search_kernel(
+    scores_ptr, out_ptr,  # as `_select_kernel`
+    stride_h, stride_q,
+    num_prefix, num_video, k,
+    BLOCK: tl.constexpr,  # power of two >= num_video
+    MAX_GUESSES: tl.constexpr,  # interpolation steps before key-space bisection
+):
+    row = tl.program_id(0)  # h * V + video query tile
+    h = row // num_video
+    vq = row % num_video
+    offs = tl.arange(0, BLOCK)
+    valid = offs < num_video
+    x = tl.load(scores_ptr + h.to(tl.int64) * stride_h + (num_prefix + vq).to(tl.int64) * stride_q + num_prefix + offs,
+                mask=valid, other=0.0)
+    bits = x.to(tl.int32, bitcast=True)
+    key = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # float order as signed int32 order (see `_select_kernel`)
+    key = tl.where(valid, key, -2147483648)
+    # Bracket [lo, hi): #(key >= lo) = c_lo >= k > c_hi = #(key >= hi). Bounds in int64: hi may be INT_MAX + 1.
+    # Every candidate lies in (lo, hi), above INT_MIN, so the pad lanes never count.
+    lo = tl.min(tl.where(valid, key, 2147483647), axis=0).to(tl.int64)
+    hi = tl.max(key, axis=0).to(tl.int64) + 1
+    c_lo = num_video
+    c_hi = tl.full((), 0, tl.int32)
+    w_lo = tl.full((), 1.0, tl.float32)  # Illinois: a side kept twice in a row has its weight halved
+    w_hi = tl.full((), 1.0, tl.float32)
+    last = tl.full((), 0, tl.int32)  # +1: the last step moved lo; -1: it moved hi
+    snap = tl.full((), 0, tl.int32)  # 1: the last guess counted what a bound already had (ties at the cut)
+    steps = tl.full((), 0, tl.int32)
+    while (hi - lo > 1) & (c_lo != k):
+        top = (k - c_hi) == 1
+        at_key = top | (snap != 0)
+        if at_key:
+            # The largest key below hi (>= lo, as the bracket holds a key): with one key missing above hi it is the
+            # threshold; else counting it settles the cut there or drops one distinct value from the bracket.
+            below = (key < tl.minimum(hi, 2147483647).to(tl.int32)) | (hi > 2147483647)
+            mid = tl.max(tl.where(below, key, -2147483648), axis=0).to(tl.int64)
+        elif steps < MAX_GUESSES:
+            v_lo = _value_of(lo.to(tl.int32))
+            v_hi = _value_of((hi - 1).to(tl.int32))
+            f_lo = (c_lo - k + 0.5) * w_lo
+            f_hi = (k - c_hi - 0.5) * w_hi
+            guess = v_lo + (v_hi - v_lo) * (f_lo / (f_lo + f_hi))
+            g = guess.to(tl.int32, bitcast=True)
+            mid = (g ^ ((g >> 31) & 0x7FFFFFFF)).to(tl.int64)
+            mid = tl.where(guess == guess, mid, lo + (hi - lo) // 2)  # NaN (from NaN or inf bounds): bisect
+            mid = tl.minimum(tl.maximum(mid, lo + 1), hi - 1)
+        else:
+            mid = lo + (hi - lo) // 2
+        if top:
+            count = k  # #(key >= mid) = c_hi + #(key == mid) >= k
+        else:
+            count = tl.sum((key >= mid.to(tl.int32)).to(tl.int32), axis=0)
+        snap = ((~at_key) & ((count == c_lo) | (count == c_hi))).to(tl.int32)
+        if count >= k:
+            w_hi = tl.where(last == 1, w_hi * 0.5, 1.0)
+            w_lo = 1.0
+            last = 1
+            lo = mid
+            c_lo = count
+            hi = tl.where(at_key, mid + 1, hi)  # no key lies in (mid, hi): mid is the k-th largest
+        else:
+            w_lo = tl.where(last == -1, w_lo * 0.5, 1.0)
+            w_hi = 1.0
+            last = -1
+            hi = mid
+            c_hi = count
+        steps += 1
+    threshold = lo.to(tl.int32)
+    above = key > threshold
+    tied = (key == threshold) & valid
+    need = k - tl.sum(above.to(tl.int32), axis=0)  # >= 0; all of `tied` when the cut is exact
+    keep = above | (tied & (tl.cumsum(tied.to(tl.int32), axis=0) <= need))
+    slot = tl.cumsum(keep.to(tl.int32), axis=0) - 1
+    tl.store(out_ptr + row.to(tl.int64) * k + slot, (offs + num_prefix).to(tl.int32), mask=keep)
+
+
 # One program per row does 32 reductions over its row: with few warps each is a register + shuffle reduction with no
 # cross-warp barrier. The autotuner picks per shape (the first call of each: the FastH3 warm-up forward).
 SELECT_WARPS = (1, 2, 4, 8)
 _select_tuned = triton.autotune(configs=[triton.Config({}, num_warps=w) for w in SELECT_WARPS],
                                 key=["num_video", "k", "BLOCK"], cache_results=True)(_select_kernel)
+_search_tuned = triton.autotune(configs=[triton.Config({}, num_warps=w) for w in SELECT_WARPS],
+                                key=["num_video", "k", "BLOCK"], cache_results=True)(_select_search_kernel)
+# The default search (module docstring); "radix" stays for the benchmark's before/after rows.
+SEARCH = "interpolate"
+MAX_GUESSES = 16
 
 
-def select_tiles_triton(scores: torch.Tensor, num_prefix: int, k: int, *, num_warps: int | None = None) -> torch.Tensor:
+def select_tiles_triton(scores: torch.Tensor, num_prefix: int, k: int, *, num_warps: int | None = None,
+                        search: str | None = None) -> torch.Tensor:
     """Kept video key tiles of every video query tile: the top `k` of each row's video columns, ascending ids.
 
     Args:
@@ -75,6 +172,7 @@ def select_tiles_triton(scores: torch.Tensor, num_prefix: int, k: int, *, num_wa
         num_prefix: P prefix tiles (the first P rows and columns, not selected here).
         k: kept video tiles per query tile, 1 <= k <= V = n - P.
         num_warps: warps per row's program; None = on CUDA the autotuner's pick among `SELECT_WARPS` for this shape.
+        search: "interpolate" (`_select_search_kernel`) or "radix" (`_select_kernel`); None = `SEARCH`.
     Returns:
         `[H, V, k]` int32 absolute tile ids (P..n-1), ascending in each row: the set `torch.topk` keeps when the
         row's scores are distinct (ties at the k-th score keep the lowest ids).
@@ -88,10 +186,15 @@ def select_tiles_triton(scores: torch.Tensor, num_prefix: int, k: int, *, num_wa
         raise ValueError(f"h3render/kernels/vsa/select_triton.py: k = {k} outside 1..{num_video} (video tiles)")
     out = torch.empty(heads, num_video, k, dtype=torch.int32, device=scores.device)
     block = next_power_of_2(num_video)
-    if num_warps is None and scores.is_cuda and not interpreting():
-        kernel, launch = _select_tuned, {}
+    search = SEARCH if search is None else search
+    if search not in ("interpolate", "radix"):
+        raise ValueError(f"h3render/kernels/vsa/select_triton.py: search must be 'interpolate' or 'radix', got {search!r}")
+    tuned = num_warps is None and scores.is_cuda and not interpreting()
+    if search == "radix":
+        kernel, extra = (_select_tuned if tuned else _select_kernel), {}
     else:
-        kernel, launch = _select_kernel, {"num_warps": num_warps or 4}
+        kernel, extra = (_search_tuned if tuned else _select_search_kernel), {"MAX_GUESSES": MAX_GUESSES}
+    launch = {} if tuned else {"num_warps": num_warps or 4}
     kernel[(heads * num_video,)](
-        scores, out, scores.stride(0), scores.stride(1), num_prefix, num_video, k, BLOCK=block, **launch)
+        scores, out, scores.stride(0), scores.stride(1), num_prefix, num_video, k, BLOCK=block, **extra, **launch)
     return out
