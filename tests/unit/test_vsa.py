@@ -285,3 +285,38 @@ def test_program_order_visits_every_query_tile_of_every_head_once(num_tiles, den
         want = [(t, h) for h in range(heads) for t in range(num_tiles)]
     assert got == want
 
+
+
+@pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
+def test_coarse_output_is_the_reference_within_tf32_and_restores_the_flag(device):
+    """`coarse_output` runs the reference's GEMM in TF32 on CUDA only (`COARSE_TF32`), and leaves torch's TF32 switch
+    as it found it: the CPU result is the reference's bit for bit, the CUDA one within TF32's 10-bit mantissa."""
+    from h3render.kernels.vsa import coarse_output
+    from h3render.kernels.vsa.naive import coarse_attention_naive
+
+    g = torch.Generator().manual_seed(3)
+    scores = (torch.randn(3, 37, 37, generator=g) * 4).to(device)
+    v_pooled = torch.randn(3, 37, 64, generator=g).to(device)
+    before = torch.backends.cuda.matmul.allow_tf32
+    ours, ref = coarse_output(scores, v_pooled), coarse_attention_naive(scores, v_pooled)
+    assert torch.backends.cuda.matmul.allow_tf32 == before
+    if device == "cpu":
+        assert torch.equal(ours, ref)
+    else:
+        exact = torch.softmax(scores.double(), -1) @ v_pooled.double()
+        assert float((ours.double() - exact).norm() / exact.norm()) < 2e-3
+
+
+@pytest.mark.parametrize("heads_per_program", [None, 1, 2, 4, 8])
+@pytest.mark.parametrize("heads", [1, 3, 5])
+def test_pool_kernel_with_several_heads_per_program_is_the_reference(heads_per_program, heads):
+    """The pool kernel's head groups (`POOL_CONFIGS`; None = the autotuner on CUDA) on head counts they do not
+    divide, a ragged tile grid with a prefix, head stride != D (a strided view of a wider tensor)."""
+    from h3render.kernels.vsa.triton_impl import pool_tiles_triton
+
+    plan = tile_plan((70, 5), (5, 6, 9), FAST_DEVICE)
+    g = torch.Generator().manual_seed(heads)
+    wide = torch.randn(plan.seq_len, heads + 2, 32, generator=g).to(FAST_DEVICE)
+    x = wide[:, 1:heads + 1]  # [S, H, D] with row stride (H + 2) * D
+    ours = pool_tiles_triton(x, plan, heads_per_program=heads_per_program)
+    torch.testing.assert_close(ours, pool_tiles_naive(x, plan), rtol=1e-6, atol=1e-6)

@@ -7,8 +7,8 @@ One call on the packed rows of one sequence (all heads or a Ulysses head shard):
 2. fine: block-sparse attention of every 64-row query tile over its kept key tiles, by the Triton kernel
    (`fine="triton"`, default on CUDA), flex_attention (`fine="flex"`) or the token-level torch reference
    (`fine="torch"`, default elsewhere);
-3. with a gate: `softmax(scores) @ v̄` (fp32, all tiles) cast to the rows' dtype, times the gate, added to every row
-   (fused into the Triton kernel's epilogue).
+3. with a gate: `softmax(scores) @ v̄` (fp32, all tiles; its GEMM in TF32 on CUDA: `COARSE_TF32`) cast to the
+   rows' dtype, times the gate, added to every row (fused into the Triton kernel's epilogue).
 
 The reference of the whole call is `vsa_attention_naive` (naive.py); tile geometry is `tile_plan` (tiles.py).
 """
@@ -35,6 +35,24 @@ __all__ = ["FINE_BACKENDS", "TILE", "TilePlan", "select_tiles", "tile_plan", "to
            "vsa_attention_naive"]
 
 FINE_BACKENDS = ("triton", "flex", "torch")
+# The coarse output's GEMM (`softmax(scores) @ v̄`, [H, n, n] x [H, n, D]) in TF32 on CUDA: fp32 runs cuBLAS's FFMA
+# kernel. Softmax + GEMM at the released geometry on an H200: 0.69 ms fp32, 0.43 ms TF32, rel. error 2.7e-4 against
+# fp32 (docs/performance.md §27.1), below the bf16 rounding its result gets before the gate multiplies it. The scores
+# stay fp32: they decide the kept sets, and ties there matter (sglang measured bf16 scores' ties costing 3.9 %).
+COARSE_TF32 = True
+
+
+def coarse_output(scores: torch.Tensor, v_pooled: torch.Tensor) -> torch.Tensor:
+    """`naive.coarse_attention_naive` (`[H, n, n]`, `[H, n, D]` -> `[H, n, D]` fp32), its GEMM in TF32 on CUDA when
+    `COARSE_TF32`."""
+    if not (COARSE_TF32 and scores.is_cuda):
+        return coarse_attention_naive(scores, v_pooled)
+    previous = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = True
+    try:
+        return coarse_attention_naive(scores, v_pooled)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = previous
 
 
 def select_tiles(scores: torch.Tensor, plan: TilePlan, sparsity: float, *, use_triton: bool | None = None
@@ -113,7 +131,7 @@ def vsa_attention(
         pool = pool_tiles_naive
     k_pooled = pool(k, plan)
     scores = tile_scores(pool(q, plan), k_pooled)  # [H, n, n] fp32
-    coarse = None if gate is None else coarse_attention_naive(scores, pool(v, plan))  # [H, n, D] fp32
+    coarse = None if gate is None else coarse_output(scores, pool(v, plan))  # [H, n, D] fp32
     k_mean = head_mean_from_pooled(k_pooled, plan) if qk_int8 else None
 
     if backend == "triton":

@@ -40,17 +40,38 @@ def _pool_kernel(
     row_of_slot_ptr,  # [n * TILE] int32, -1 on pad slots
     sizes_ptr,  # [n] int32 valid rows per tile
     stride_xs, stride_xh,
-    num_tiles,
+    num_tiles, num_heads,
     HEAD_DIM: tl.constexpr,
     TILE_ROWS: tl.constexpr,
+    HEADS: tl.constexpr,  # heads per program (a power of two)
 ):
-    h = tl.program_id(0)
+    # One program per (tile, group of HEADS heads), groups fastest: a program reads HEADS x 256 B of each of its 64
+    # rows, so fewer, longer reads per row gather than one head at a time (`_pool_tuned`).
+    g = tl.program_id(0)
     t = tl.program_id(1)
-    offs_d = tl.arange(0, HEAD_DIM)
-    x, _, _ = load_tile_rows(x_ptr, row_of_slot_ptr, t, h, stride_xs, stride_xh, TILE_ROWS, HEAD_DIM)
-    total = tl.sum(x.to(tl.float32), axis=0)  # [D]
+    offs_m = tl.arange(0, TILE_ROWS)
+    offs_c = tl.arange(0, HEADS * HEAD_DIM)
+    h = g * HEADS + offs_c // HEAD_DIM  # [HEADS * D] head of each column
+    d = offs_c % HEAD_DIM
+    rows = tl.load(row_of_slot_ptr + t * TILE_ROWS + offs_m)
+    valid = rows >= 0
+    rows = tl.where(valid, rows, 0).to(tl.int64)  # int64: S * H * D passes 2**31 at the released size
+    cols = h < num_heads
+    x = tl.load(x_ptr + rows[:, None] * stride_xs + (h * stride_xh + d)[None, :], mask=valid[:, None] & cols[None, :],
+                other=0.0)
+    total = tl.sum(x.to(tl.float32), axis=0)  # [HEADS * D]
     size = tl.load(sizes_ptr + t).to(tl.float32)
-    tl.store(out_ptr + (h * num_tiles + t) * HEAD_DIM + offs_d, total / size)
+    tl.store(out_ptr + (h.to(tl.int64) * num_tiles + t) * HEAD_DIM + d, total / size, mask=cols)
+
+
+# (heads per program, warps). One head per program was the only form until 2026-12-03: 0.44 ms a call at the released
+# geometry on an H200, 0.30 ms with 4 or 8 heads, 0.32 ms autotuned (the pick is made on a timing of each; 960x544:
+# 0.20 -> 0.12-0.16 ms; docs/performance.md §27.1). The autotuner keeps one head among the choices.
+POOL_CONFIGS = ((1, 4), (2, 4), (4, 4), (4, 8), (8, 8))
+_pool_tuned = triton.autotune(
+    configs=[triton.Config({"HEADS": hb}, num_warps=w) for hb, w in POOL_CONFIGS],
+    key=["num_tiles", "num_heads", "HEAD_DIM"], cache_results=True,
+)(_pool_kernel)
 
 
 # The fine kernels' shared steps (`_fine_kernel` here, `triton_hopper._fine_tma_kernel`): they differ only in how a
@@ -259,15 +280,19 @@ def _check_head_dim(d: int) -> None:
         raise ValueError(f"h3render/kernels/vsa/triton_impl.py: head dim {d} must be a power of two in [16, 256]")
 
 
-def pool_tiles_triton(x: torch.Tensor, plan: TilePlan) -> torch.Tensor:
-    """fp32 tile means. `x [S, H, D]` (unit stride over D) -> `[H, n, D]` float32."""
+def pool_tiles_triton(x: torch.Tensor, plan: TilePlan, *, heads_per_program: int | None = None) -> torch.Tensor:
+    """fp32 tile means. `x [S, H, D]` (unit stride over D) -> `[H, n, D]` float32.
+
+    heads_per_program: a power of two; None = on CUDA the autotuner's pick among `POOL_CONFIGS`, else 1."""
     s, heads, d = x.shape
     _check_head_dim(d)
     out = torch.empty(heads, plan.num_tiles, d, dtype=torch.float32, device=x.device)
-    _pool_kernel[(heads, plan.num_tiles)](
-        x, out, plan.row_of_slot, plan.sizes, x.stride(0), x.stride(1), plan.num_tiles,
-        HEAD_DIM=d, TILE_ROWS=TILE, num_warps=4,
-    )
+    args = (x, out, plan.row_of_slot, plan.sizes, x.stride(0), x.stride(1), plan.num_tiles, heads)
+    if heads_per_program is None and x.is_cuda and not interpreting():
+        _pool_tuned[lambda meta: (triton.cdiv(heads, meta["HEADS"]), plan.num_tiles)](*args, HEAD_DIM=d, TILE_ROWS=TILE)
+    else:
+        hb = heads_per_program or 1
+        _pool_kernel[(triton.cdiv(heads, hb), plan.num_tiles)](*args, HEAD_DIM=d, TILE_ROWS=TILE, HEADS=hb, num_warps=4)
     return out
 
 
