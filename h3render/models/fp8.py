@@ -13,10 +13,11 @@ encoder's weights.
 * `quantize_dit_fp8_`, `quantize_text_encoder_fp8_`: in-place replacement of the covered linears, one at a time, so
   the peak grows by one linear's transient, not by a model. `empty_dit_fp8_` (and `quantize_text_encoder_fp8_` on
   an empty encoder) build the empty FP8 modules that `checkpoint.load` streams quantized weights into.
-* `quantize_video_decoder_fp8_`: the video VAE decoder's block linears as `Fp8Linear` (fed by `quantize_rows`;
-  under `torch.compile`, which the Engine applies to those blocks on CUDA, by the torch reference, which Inductor
-  fuses into the norm that writes the input), except the FFN's fc2, which reads `Fp8Rows` from the fused SwiGLU
-  kernel (`models.video_vae.FeedForward`: fc1 bias + value * silu(gate) + row scale + e4m3 in one pass).
+* `quantize_video_decoder_fp8_`: the video VAE decoder's block linears as `Fp8Linear`. q/k/v and fc1 read `Fp8Rows`
+  from the fused residual add + RMSNorm + e4m3 kernel (`kernels.residual_norm_fp8`, `models.video_vae.ViTBlock`),
+  fc2 from the fused SwiGLU kernel (`models.video_vae.FeedForward`: fc1 bias + value * silu(gate) + row scale +
+  e4m3 in one pass), the attention output projection from `quantize_rows` (under `torch.compile`, which the Engine
+  applies to those blocks on CUDA, its torch reference, fused by Inductor).
 * `precision_report`: what precision each loaded component runs in, for the sidecar.
 
 Weight scales are per output channel, `amax(|w[n, :]|) / 448` (448 = largest finite e4m3, `kernels.fp8.E4M3_MAX`),

@@ -22,7 +22,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from h3render.kernels.fp8 import Fp8Rows
+from h3render.kernels.qk_norm_rope import qk_norm_rope
+from h3render.kernels.residual_norm_fp8 import residual_norm_fp8
 from h3render.kernels.swiglu import swiglu
+from h3render.kernels.utils import use_triton_for
 from h3render.models.fp8 import Fp8Linear
 from h3render.models.vae_blend import assemble_frames, stitch_tiles, stitch_window
 from h3render.models.vae_tiling import RELEASED_TILING, DecodeItem, DecodePlan, TilingConfig, plan_decode, split_axis
@@ -75,8 +79,39 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.cat([rot * cos + rotated * sin, keep], dim=-1)
 
 
+def norm_rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, eps: float, *,
+                 use_triton: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The decoder's per-head RMSNorm (no weight) of q and k, then rotate-half RoPE on their first R channels.
+
+    Args:
+        q, k: [B, S, H, D] bf16/fp16/fp32, any strides over B, S, H, unit stride over D (the qkv projection's
+            output viewed per head; released: H = 32, D = 64, S = N latent tokens + 5).
+        cos, sin: [S, R] float32 (`rope_angles`; released R = 48), one table for the B items.
+        eps: RMSNorm epsilon.
+        use_triton: None = the fused kernel on CUDA tensors, the torch code below otherwise; True/False force one.
+
+    Returns:
+        (q, k): contiguous [B, S, H, D] in q's dtype.
+    """
+    if use_triton_for(q, use_triton):
+        # One kernel (`kernels.qk_norm_rope`, a Triton op that the compiled blocks launch whole) for Inductor's ~5
+        # kernels on the torch code: 5.7 ms of a ~100 ms decode batch on an H200 (docs/performance.md §27 profile).
+        # Its fp32 math rounds once, closer to the fp32 truth than the bf16 steps below.
+        q, k, _ = qk_norm_rope(q, k, None, None, None, cos, sin, eps, use_triton=True)
+        return q, k
+    dtype, dim = q.dtype, q.shape[-1]
+    q = F.rms_norm(q.float(), (dim,), eps=eps).to(dtype)
+    k = F.rms_norm(k.float(), (dim,), eps=eps).to(dtype)
+    cos, sin = cos.to(dtype)[:, None], sin.to(dtype)[:, None]  # [S, 1, R]
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+
+
 class ViTAttention(nn.Module):
     """Self-attention with per-head RMS-normed q/k (in fp32) and 3-axis RoPE."""
+
+    # Where q/k norm + RoPE runs (`norm_rope_qk`): None = the fused Triton kernel on CUDA, torch elsewhere (CPU
+    # results stay those of the torch code); a class setting, so tests and benchmarks can force either.
+    use_triton: bool | None = None
 
     def __init__(self, dim: int, heads: int, head_dim: int, eps: float) -> None:
         super().__init__()
@@ -111,19 +146,17 @@ class ViTAttention(nn.Module):
         self.to_qkv = fused.requires_grad_(parts[0].weight.requires_grad)
         del self.to_q, self.to_k, self.to_v
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x: [B, S, dim] in the linears' dtype; cos/sin: [S, R] float32."""
-        b, s, _ = x.shape
+    def forward(self, x: "torch.Tensor | Fp8Rows", cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x: [B, S, dim] in the linears' dtype, or (FP8 q/k/v linears) its `Fp8Rows` [B*S, dim] from the block's
+        fused norm1 (`ViTBlock.forward`); cos/sin: [S, R] float32. Returns [B, S, dim] in to_out's output dtype."""
+        b, s = (x.data.shape[0] // cos.shape[0], cos.shape[0]) if isinstance(x, Fp8Rows) else x.shape[:2]
         shape = (b, s, self.heads, self.head_dim)
         if hasattr(self, "to_qkv"):
             q, k, v = self.to_qkv(x).view(b, s, 3, self.heads, self.head_dim).unbind(2)  # [B, S, H, D] views
         else:
             q, k, v = self.to_q(x).view(shape), self.to_k(x).view(shape), self.to_v(x).view(shape)  # [B, S, H, D]
-        # Norm and rotate in the contiguous [B, S, H, D] layout; only the attention call sees [B, H, S, D] views.
-        q = F.rms_norm(q.float(), (self.head_dim,), eps=self.eps).to(v.dtype)
-        k = F.rms_norm(k.float(), (self.head_dim,), eps=self.eps).to(v.dtype)
-        cos, sin = cos.to(v.dtype)[:, None], sin.to(v.dtype)[:, None]  # [S, 1, R]
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        # Norm and rotate into the contiguous [B, S, H, D] layout; only the attention call sees [B, H, S, D] views.
+        q, k = norm_rope_qk(q, k, cos, sin, self.eps, use_triton=self.use_triton)
         out = self.attention_fn(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))  # [B, H, S, D]
         return self.to_out[0](out.transpose(1, 2).reshape(b, s, -1))
 
@@ -153,22 +186,40 @@ class FeedForward(nn.Module):
         # Indices 0 and 2 keep the checkpoint names `ff.net.0.proj.*` / `ff.net.2.*` (index 1 was a dropout).
         self.net = nn.ModuleList([SwiGLUIn(dim, dim * mult), nn.Identity(), nn.Linear(dim * mult, dim)])
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x: [B, S, dim] in the linears' dtype -> [B, S, dim] in fc2's output dtype."""
+    def forward(self, x: "torch.Tensor | Fp8Rows") -> torch.Tensor:
+        """x: [B, S, dim] in the linears' dtype -> [B, S, dim] in fc2's output dtype; or (FP8 linears) `Fp8Rows`
+        [B*S, dim] from the block's fused norm2 (`ViTBlock.forward`) -> [B*S, dim]."""
         fc1, fc2 = self.net[0].proj, self.net[2]
         if not (self.fused_fp8 and isinstance(fc1, Fp8Linear) and isinstance(fc2, Fp8Linear)):
             return fc2(self.net[0](x))
         # FP8 (`models.fp8.quantize_video_decoder_fp8_`): fc1's GEMM without its bias, then one kernel adds the bias
         # in fp32, takes value * silu(gate) and writes fc2's e4m3 rows and scales (a Triton op Inductor keeps whole
         # under the Engine's torch.compile: docs/performance.md §21.7).
-        b, s, _ = x.shape
-        h = fc1(x.reshape(b * s, -1), with_bias=False)  # [B*S, 2 * inner] bf16
+        flat = isinstance(x, Fp8Rows)
+        h = fc1(x if flat else x.reshape(-1, x.shape[-1]), with_bias=False)  # [B*S, 2 * inner] bf16
         rows = swiglu(h, fp8=True, value_first=True, bias=fc1.bias)  # Fp8Rows: [B*S, inner] e4m3, [B*S, 1] fp32
-        return fc2(rows).view(b, s, -1)  # [B*S, dim] -> [B, S, dim]
+        out = fc2(rows)  # [B*S, dim]
+        return out if flat else out.view(*x.shape[:-1], -1)  # [B, S, dim]
+
+
+def _eps(norm: nn.RMSNorm) -> float:
+    """The epsilon `nn.RMSNorm` applies (its `eps`, or float32's machine epsilon when None)."""
+    return torch.finfo(torch.float32).eps if norm.eps is None else norm.eps
 
 
 class ViTBlock(nn.Module):
-    """Pre-norm block with learned residual gains; residual stream and norms fp32, linears in any dtype."""
+    """Pre-norm block with learned residual gains; residual stream and norms fp32, linears in any dtype.
+
+    FP8 blocks (`models.fp8.quantize_video_decoder_fp8_`; `fuses_norm_fp8`) fuse each residual add with the RMSNorm,
+    bf16 rounding and e4m3 row quantization that follow it (`kernels.residual_norm_fp8`): `x + attn * scale1` ->
+    norm2 -> fc1 here, and `x + ff * scale2` -> the next block's norm1 -> its q/k/v, whose rows this block hands on
+    (`ViTDecoder3d.forward`). Same values as the unfused form, up to the rounding ties `kernels.residual_norm_fp8`
+    describes (bit-equal on the CPU, where both run the torch reference).
+    """
+
+    # Whether FP8 blocks take the fused residual + norm + e4m3 kernel; a class setting so that a benchmark measures
+    # the Inductor-fused form beside it in one process (as `FeedForward.fused_fp8`).
+    fused_norm_fp8 = True
 
     def __init__(self, dim: int, heads: int, head_dim: int, ffn_mult: int, eps: float) -> None:
         super().__init__()
@@ -179,11 +230,52 @@ class ViTBlock(nn.Module):
         self.ff = FeedForward(dim, ffn_mult)
         self.scale2 = nn.Parameter(torch.zeros(dim))
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x: [B, S, dim] float32."""
-        dtype = self.attn.dtype
-        x = x + self.attn(self.norm1(x).to(dtype), cos, sin) * self.scale1
-        return x + self.ff(self.norm2(x).to(dtype)) * self.scale2
+    @property
+    def fuses_norm_fp8(self) -> bool:
+        """Whether forward runs the fused residual + norm + e4m3 kernels: `fused_norm_fp8` is on, q/k/v and fc1 are
+        `Fp8Linear`s with bf16 outputs (the kernel rounds the normed rows to bf16, as the block does for them) and
+        the norm weights and gains are the release's fp32 (`VideoVAE.apply_precision_`)."""
+        attn = self.attn
+        qkv = (attn.to_qkv,) if hasattr(attn, "to_qkv") else (attn.to_q, attn.to_k, attn.to_v)
+        fp32 = (self.norm1.weight, self.norm2.weight, self.scale1, self.scale2)
+        return (self.fused_norm_fp8 and attn.dtype == torch.bfloat16
+                and all(p is not None and p.dtype == torch.float32 for p in fp32)
+                and all(isinstance(m, Fp8Linear) for m in (*qkv, self.ff.net[0].proj)))
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rows: Fp8Rows | None = None,
+                next_weight: torch.Tensor | None = None, next_eps: float | None = None
+                ) -> "torch.Tensor | tuple[torch.Tensor, Fp8Rows]":
+        """
+        Args:
+            x: [B, S, dim] float32 residual stream; cos, sin: [S, R] float32 RoPE tables.
+            rows: (`fuses_norm_fp8` blocks only) `Fp8Rows` [B*S, dim] of norm1(x) rounded to bf16, handed on by the
+                previous block; None: computed here.
+            next_weight, next_eps: (`fuses_norm_fp8` blocks only) the next block's norm1 weight [dim] fp32 and
+                epsilon: the rows of its input are returned too, written by this block's last residual add. (Tensors,
+                not the module: the compiled blocks then share their graphs.)
+
+        Returns:
+            x [B, S, dim] float32; with next_weight, (x, `Fp8Rows` [B*S, dim] e4m3 + [B*S, 1] fp32 scales).
+        """
+        if not self.fuses_norm_fp8:
+            if rows is not None or next_weight is not None:
+                raise ValueError("ViTBlock: rows / next_weight are for FP8 blocks with the fused norm (fuses_norm_fp8)")
+            dtype = self.attn.dtype
+            x = x + self.attn(self.norm1(x).to(dtype), cos, sin) * self.scale1
+            return x + self.ff(self.norm2(x).to(dtype)) * self.scale2
+        # One pass per residual add instead of Inductor's two or three over the fp32 residual (docs/performance.md
+        # §27 profile): add, RMSNorm, bf16 rounding and the next FP8 linear's e4m3 rows in one kernel.
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])  # [B*S, dim]
+        if rows is None:  # the first block: norm1 of the decoder's input, no residual add before it
+            rows = residual_norm_fp8(x, None, None, self.norm1.weight, _eps(self.norm1))[1]
+        attn = self.attn(rows, cos, sin).view(x.shape)  # [B*S, dim] bf16
+        x, rows = residual_norm_fp8(x, attn, self.scale1, self.norm2.weight, _eps(self.norm2))
+        ff = self.ff(rows)  # [B*S, dim] bf16
+        if next_weight is None:  # the last block: its output feeds norm_out (a LayerNorm, unfused)
+            return (x + ff * self.scale2).view(shape)
+        x, rows = residual_norm_fp8(x, ff, self.scale2, next_weight, next_eps)
+        return x.view(shape), rows
 
 
 class ViTDecoder3d(nn.Module):
@@ -222,8 +314,14 @@ class ViTDecoder3d(nn.Module):
         x = torch.cat([x, registers, x.new_zeros(b, 1, x.shape[-1])], dim=1)  # [B, N + R + 1, dim] fp32 residual
         angles = rope_angles(t, h, w, self.num_register_tokens + 1, self.inv_freq)
         cos, sin = angles.cos(), angles.sin()
-        for block in self.transformer_blocks:
-            x = block(x, cos, sin)
+        blocks = self.transformer_blocks
+        rows = None  # FP8 blocks with the fused norm: the next block's q/k/v input, written by the block before it
+        for i, block in enumerate(blocks):
+            after = blocks[i + 1] if i + 1 < len(blocks) else None
+            if after is not None and block.fuses_norm_fp8 and after.fuses_norm_fp8:
+                x, rows = block(x, cos, sin, rows, after.norm1.weight, _eps(after.norm1))
+            else:  # the last block (norm_out follows) and every unfused one
+                x, rows = block(x, cos, sin, rows), None
         x = self.norm_out(x[:, :n]).to(self.proj_out.weight.dtype)
         x = self.proj_out(x).float()  # [B, N, 3*pt*p*p]
         p, pt = self.patch, self.patch_t

@@ -18,9 +18,9 @@ from torch import nn
 
 from h3render.kernels.fp8 import quantize_rows_naive
 from h3render.models.fp8 import FP8, Fp8Linear, precision_report, quantize_video_decoder_fp8_
-from h3render.models.video_vae import SwiGLUIn, VideoVAE, ViTBlock
+from h3render.models.video_vae import FeedForward, SwiGLUIn, VideoVAE, ViTBlock
 from h3render.models.video_vae_config import VIDEO_VAE_TINY
-from tests._markers import compiled_cuda
+from tests._markers import compiled_cuda, interpreted
 
 
 def random_vae(seed: int = 0) -> VideoVAE:
@@ -165,3 +165,124 @@ def test_fp8_decoder_compiled_matches_eager_on_cuda():
     psnr_fb, _ = psnr_and_max(eager, want)
     assert psnr_ce >= 45.0 and psnr_fb >= 44.0, (psnr_ce, psnr_fb)
 
+
+
+# ------------------------------------------------------------ fused residual + norm + e4m3 (ViTBlock.fused_norm_fp8)
+
+
+def decoder_input(batch: int = 2) -> torch.Tensor:
+    """[B, 24, 3, 4, 4] post-quant-conv latents: 48 latent tokens + 5 per item."""
+    return torch.randn(batch, 24, 3, 4, 4, generator=torch.Generator().manual_seed(8))
+
+
+def test_fp8_blocks_fuse_the_norms_and_hand_rows_on(vaes, monkeypatch):
+    """An FP8 decoder runs `kernels.residual_norm_fp8` at every residual add that feeds an FP8 linear (first block's
+    norm1, each block's norm2, each block boundary but the last: 2L calls), its q/k/v and fc1 take those rows (only
+    the attention output is quantized by `Fp8Linear`), and on the CPU, where both forms run the torch reference, the
+    decode equals the unfused one (`ViTBlock.fused_norm_fp8 = False`) bit for bit. The bf16 decoder never fuses."""
+    import h3render.models.fp8 as fp8_module
+    import h3render.models.video_vae as video_vae
+
+    bf16, fp8, _ = vaes
+    calls, quantized = [], []
+    fused = video_vae.residual_norm_fp8
+    monkeypatch.setattr(video_vae, "residual_norm_fp8", lambda x, y, *a: calls.append(y is None) or fused(x, y, *a))
+    quantize = fp8_module.quantize_rows
+    monkeypatch.setattr(fp8_module, "quantize_rows", lambda y, **kw: quantized.append(y.shape) or quantize(y, **kw))
+    layers = VIDEO_VAE_TINY.decoder_num_layers
+    z = decoder_input()
+    with torch.no_grad():
+        assert all(block.fuses_norm_fp8 for block in fp8.decoder.transformer_blocks)
+        got = fp8.decoder(z)
+        assert calls == [True] + [False] * (2 * layers - 1) and len(quantized) == layers
+        calls.clear(), quantized.clear()
+        monkeypatch.setattr(ViTBlock, "fused_norm_fp8", False)
+        assert not any(block.fuses_norm_fp8 for block in fp8.decoder.transformer_blocks)
+        want = fp8.decoder(z)
+        assert calls == [] and len(quantized) == 3 * layers  # q/k/v, attention output, fc1
+        assert torch.equal(got, want)
+        monkeypatch.setattr(FeedForward, "fused_fp8", False)  # the unfused SwiGLU reads the fused norm's rows too
+        unfused_ff = fp8.decoder(z)
+        monkeypatch.setattr(ViTBlock, "fused_norm_fp8", True)
+        assert torch.equal(fp8.decoder(z), unfused_ff)
+        monkeypatch.undo()
+        assert not any(block.fuses_norm_fp8 for block in bf16.decoder.transformer_blocks)
+        monkeypatch.setattr(video_vae, "residual_norm_fp8", lambda *a: pytest.fail("a bf16 block fused"))
+        bf16.decoder(z)
+        with pytest.raises(ValueError, match="fused norm"):
+            bf16.decoder.transformer_blocks[0](torch.zeros(1, 5, 32), *torch.zeros(2, 5, 6), None,
+                                               bf16.decoder.transformer_blocks[1].norm1.weight, 1e-5)
+
+
+@interpreted
+def test_fp8_decoder_with_the_fused_kernel_matches_unfused(vaes, monkeypatch):
+    """The Triton kernel (interpreted) in the decoder against the unfused blocks: its x_new is the reference's bit
+    for bit, and its rows differ only where a bf16 rounding of a normed value sits within a few fp32 ulps of a tie
+    (tests/unit/test_residual_norm_fp8.py), one e4m3 step of one GEMM input element there. Measured bit-equal here
+    (torch 2.13 CPU); the bound allows a few such steps, a missing gain or a wrong weight is O(1)."""
+    import functools
+
+    import h3render.models.video_vae as video_vae
+
+    fp8 = vaes[1]
+    z = decoder_input()
+    with torch.no_grad():
+        monkeypatch.setattr(ViTBlock, "fused_norm_fp8", False)
+        want = fp8.decoder(z)
+        monkeypatch.setattr(ViTBlock, "fused_norm_fp8", True)
+        monkeypatch.setattr(video_vae, "residual_norm_fp8",
+                            functools.partial(video_vae.residual_norm_fp8, use_triton=True))
+        got = fp8.decoder(z)
+    assert (got - want).norm() <= 1e-2 * want.norm(), float((got - want).norm() / want.norm())
+
+
+def test_fp8_decoder_fused_blocks_trace_fullgraph(vaes):
+    """Each fused FP8 block compiles with `fullgraph=True` (as the Engine compiles them): the rows it receives
+    (`Fp8Rows`), the next block's norm (a module argument) and the (x, rows) it returns all trace without a graph
+    break. Dynamo only (backend "eager", the torch reference on the CPU: Inductor and the Triton op are the CUDA
+    tests'); the compiled decode equals the eager one."""
+    fp8 = copy.deepcopy(vaes[1])
+    z = decoder_input()
+    torch._dynamo.reset()
+    try:
+        with torch.no_grad():
+            want = fp8.decoder(z)
+            fp8.compile_blocks_(backend="eager", fullgraph=True, dynamic=False)
+            got = fp8.decoder(z)
+    finally:
+        torch._dynamo.reset()
+    assert torch.equal(got, want)
+
+
+@compiled_cuda
+@pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability() < (8, 9),
+                    reason="torch._scaled_mm e4m3 needs CUDA compute capability >= 8.9")
+def test_fp8_block_compiled_fullgraph_runs_the_residual_norm_kernel_on_cuda(vaes, monkeypatch):
+    """A compiled FP8 decoder block handed rows and the next norm (a middle block as the decoder runs it) launches
+    the fused residual + norm + e4m3 kernel itself (Inductor keeps `h3render::residual_norm_fp8` whole) and matches
+    the eager fused block and the eager unfused one up to rounding order (the same bound as the SwiGLU test above)."""
+    from torch._inductor.utils import run_and_get_code
+
+    from h3render.kernels.residual_norm_fp8 import residual_norm_fp8
+
+    blocks = copy.deepcopy(vaes[1].decoder.transformer_blocks).cuda()
+    block, after = blocks
+    assert block.fuses_norm_fp8 and after.fuses_norm_fp8
+    g = torch.Generator(device="cuda").manual_seed(5)
+    x = torch.randn(2, 37, block.norm1.weight.shape[0], device="cuda", generator=g)
+    angles = torch.randn(37, 6, device="cuda", generator=g)
+    cos, sin = angles.cos(), angles.sin()
+    torch._dynamo.reset()
+    with torch.no_grad():
+        rows = residual_norm_fp8(x.view(74, -1), None, None, block.norm1.weight, block.norm1.eps)[1]
+        eager_x, eager_rows = block(x, cos, sin, rows, after.norm1.weight, after.norm1.eps)
+        (compiled_x, compiled_rows), code = run_and_get_code(
+            torch.compile(block, dynamic=False, fullgraph=True), x, cos, sin, rows, after.norm1.weight,
+            after.norm1.eps)
+        monkeypatch.setattr(ViTBlock, "fused_norm_fp8", False)
+        unfused_x = block(x, cos, sin)
+    assert "_residual_norm_fp8_kernel" in "\n".join(code)
+    for got in (compiled_x, unfused_x):
+        assert (got - eager_x).norm() <= 3e-2 * (eager_x - x).norm()
+    eager_h, compiled_h = eager_rows.dequantize(), compiled_rows.dequantize()
+    assert (compiled_h - eager_h).norm() <= 3e-2 * eager_h.norm()

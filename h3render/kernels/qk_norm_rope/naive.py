@@ -5,19 +5,20 @@ from __future__ import annotations
 import torch
 
 
-def rms_norm_heads(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm_heads(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
     """RMSNorm over the last axis, fp32 math.
 
     Args:
-        x: [S, H, D] any float dtype.
-        weight: [D].
+        x: [(B,) S, H, D] any float dtype.
+        weight: [D], or None for no weight (the video VAE decoder).
         eps: added to the mean square (released checkpoint: 1e-5).
 
     Returns:
-        [S, H, D] float32.
+        [(B,) S, H, D] float32.
     """
     x = x.float()
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight.float()
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return x if weight is None else x * weight.float()
 
 
 def rope_rotate_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -26,11 +27,12 @@ def rope_rotate_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> t
     With x1, x2 = x[..., :R/2], x[..., R/2:R]: out[..., :R] = x[..., :R] * cos + cat(-x2, x1) * sin.
 
     Args:
-        x: [S, H, D] float32.
-        cos, sin: [S, R] angles' cosine and sine, R even and <= D (released: R = 96 of D = 128).
+        x: [(B,) S, H, D] float32.
+        cos, sin: [S, R] angles' cosine and sine (shared by the B items), R even and <= D (released DiT: R = 96 of
+            D = 128; video VAE decoder: R = 48 of D = 64).
 
     Returns:
-        [S, H, D] float32.
+        [(B,) S, H, D] float32.
     """
     rot = cos.shape[-1]
     x_rot, x_pass = x[..., :rot], x[..., rot:]
@@ -45,8 +47,8 @@ def qk_norm_rope_naive(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor | None,
-    q_weight: torch.Tensor,
-    k_weight: torch.Tensor,
+    q_weight: torch.Tensor | None,
+    k_weight: torch.Tensor | None,
     cos: torch.Tensor | None,
     sin: torch.Tensor | None,
     eps: float,
@@ -54,13 +56,13 @@ def qk_norm_rope_naive(
     """Reference: q, k -> RoPE(RMSNorm(.)) in fp32 (no RoPE when cos is None), cast back; v copied contiguous.
 
     Args:
-        q, k, v: [S, H, D] (views of the qkv projection are fine); v may be None.
-        q_weight, k_weight: [D] per-head RMSNorm weights.
-        cos, sin: [S, R] float32, or None for no RoPE.
+        q, k, v: [S, H, D] or [B, S, H, D] (views of the qkv projection are fine); v may be None.
+        q_weight, k_weight: [D] per-head RMSNorm weights, or both None (no weight).
+        cos, sin: [S, R] float32 shared by the B items, or None for no RoPE.
         eps: RMSNorm epsilon.
 
     Returns:
-        (q, k, v): contiguous [S, H, D] in the input dtype; v is None when v was None.
+        (q, k, v): contiguous, shaped like q, in the input dtype; v is None when v was None.
     """
     q_out, k_out = rms_norm_heads(q, q_weight, eps), rms_norm_heads(k, k_weight, eps)
     if cos is not None:

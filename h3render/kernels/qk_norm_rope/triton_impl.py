@@ -1,8 +1,18 @@
 """Triton launcher + kernel for the fused per-head QK RMSNorm + partial RoPE.
 
-One program handles one packed row s and BLOCK_H heads: it reads q and k straight from the qkv projection's
-output (any row/head strides, unit stride along D), normalizes each head in fp32, rotates the leading R channels,
-and writes q, k (and a copy of v) contiguously as [S, H, D], the layout FlashAttention and SDPA want.
+One program handles one packed row and BLOCK_H heads: it reads q and k straight from the qkv projection's output
+(any item/row/head strides, unit stride along D), normalizes each head in fp32 (times the RMSNorm weight if
+HAS_WEIGHT), rotates the leading R channels, and writes q, k (and a copy of v) contiguously as [B, S, H, D], the
+layout FlashAttention and SDPA want.
+
+Two users: the DiT (one item, B = 1: q [S, H, D], weighted norm, R = 96 of D = 128) and the video VAE decoder
+(B tiles per batch sharing one cos/sin table of S rows, no norm weight, R = 48 of D = 64). The program of packed row
+`row` reads table row `row % S`, so a batch never needs B copies of cos/sin.
+
+`qk_norm_rope_op` is the launcher as a `torch.library.triton_op`: under `torch.compile` (the video VAE decoder's
+blocks) Inductor launches this one kernel as is instead of its own ~5 kernels for the norm, casts and RoPE
+concatenations (5.7 ms of a ~100 ms decode batch on an H200, against ~2.5 ms for q and k read and written once at
+HBM bandwidth; docs/performance.md §27).
 """
 
 from __future__ import annotations
@@ -10,6 +20,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from torch.library import triton_op, wrap_triton
 
 from h3render.kernels.utils import calculate_settings, next_power_of_2
 
@@ -20,7 +31,7 @@ _TILE_ELEMENTS = 2048
 @triton.jit
 def _norm_rope_tile(
     x_ptr,  # row s of one input, [H, D] at (stride_h, 1)
-    w_ptr,  # [D] RMSNorm weight
+    w_ptr,  # [D] RMSNorm weight (read only if HAS_WEIGHT)
     out_ptr,  # row s of the output, contiguous [H, D]
     stride_h,
     heads,  # [BLOCK_H] head indices
@@ -31,17 +42,21 @@ def _norm_rope_tile(
     mask,  # [BLOCK_H, BLOCK_D]
     D,
     eps,
+    HAS_WEIGHT: tl.constexpr,
 ):
     row_off = heads[:, None] * stride_h
     x = tl.load(x_ptr + row_off + dims[None, :], mask=mask, other=0.0).to(tl.float32)
     # Masked lanes load 0, so the sum over BLOCK_D equals the sum over the D real channels.
     rstd = tl.rsqrt(tl.sum(x * x, axis=1) / D + eps)  # [BLOCK_H]
-    w = tl.load(w_ptr + dims, mask=dims < D, other=0.0).to(tl.float32)
     # The partner channel is re-read from memory (an L1 hit) instead of shuffled across lanes.
     xp = tl.load(x_ptr + row_off + partner[None, :], mask=mask, other=0.0).to(tl.float32)
-    wp = tl.load(w_ptr + partner, mask=dims < D, other=0.0).to(tl.float32)
-    y = x * rstd[:, None] * w[None, :]
-    yp = xp * rstd[:, None] * wp[None, :]
+    y = x * rstd[:, None]
+    yp = xp * rstd[:, None]
+    if HAS_WEIGHT:
+        w = tl.load(w_ptr + dims, mask=dims < D, other=0.0).to(tl.float32)
+        wp = tl.load(w_ptr + partner, mask=dims < D, other=0.0).to(tl.float32)
+        y = y * w[None, :]
+        yp = yp * wp[None, :]
     out = y * cos[None, :] + yp * sin_signed[None, :]
     out_off = heads[:, None] * D + dims[None, :]
     tl.store(out_ptr + out_off, out.to(out_ptr.dtype.element_ty), mask=mask)
@@ -49,34 +64,41 @@ def _norm_rope_tile(
 
 @triton.jit
 def _qk_norm_rope_kernel(
-    q_ptr,  # [S, H, D] strides (stride_q_s, stride_q_h, 1)
-    k_ptr,  # [S, H, D] strides (stride_k_s, stride_k_h, 1)
-    v_ptr,  # [S, H, D] strides (stride_v_s, stride_v_h, 1); unused unless HAS_V
-    q_out_ptr,  # [S, H, D] contiguous
+    q_ptr,  # [B, S, H, D] strides (stride_q_b, stride_q_s, stride_q_h, 1)
+    k_ptr,  # [B, S, H, D] strides (stride_k_b, stride_k_s, stride_k_h, 1)
+    v_ptr,  # [B, S, H, D] strides (stride_v_b, stride_v_s, stride_v_h, 1); unused unless HAS_V
+    q_out_ptr,  # [B, S, H, D] contiguous
     k_out_ptr,
     v_out_ptr,
-    q_w_ptr,  # [D]
-    k_w_ptr,  # [D]
-    cos_ptr,  # [S, R] strides (stride_cos_s, 1)
+    q_w_ptr,  # [D]; unused unless HAS_WEIGHT
+    k_w_ptr,  # [D]; unused unless HAS_WEIGHT
+    cos_ptr,  # [S, R] strides (stride_cos_s, 1), shared by the B items
     sin_ptr,  # [S, R] strides (stride_sin_s, 1)
+    stride_q_b,
     stride_q_s,
     stride_q_h,
+    stride_k_b,
     stride_k_s,
     stride_k_h,
+    stride_v_b,
     stride_v_s,
     stride_v_h,
     stride_cos_s,
     stride_sin_s,
+    S,  # rows per item = rows of the cos/sin table
     H,
     D,
     R,
     eps,
     HAS_V: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
     # int64 row index: S * (3 * H * D) passes 2**31 at about 100k rows of the released model.
-    s = tl.program_id(0).to(tl.int64)
+    row = tl.program_id(0).to(tl.int64)  # packed row b * S + s
+    b = row // S
+    s = row - b * S
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     dims = tl.arange(0, BLOCK_D)
     mask = (heads[:, None] < H) & (dims[None, :] < D)
@@ -88,63 +110,107 @@ def _qk_norm_rope_kernel(
     sin = tl.load(sin_ptr + s * stride_sin_s + dims, mask=in_rot, other=0.0).to(tl.float32)
     sin_signed = tl.where(dims < half, -sin, sin)
 
-    out_row = s * H * D
-    _norm_rope_tile(q_ptr + s * stride_q_s, q_w_ptr, q_out_ptr + out_row, stride_q_h,
-                    heads, dims, partner, cos, sin_signed, mask, D, eps)
-    _norm_rope_tile(k_ptr + s * stride_k_s, k_w_ptr, k_out_ptr + out_row, stride_k_h,
-                    heads, dims, partner, cos, sin_signed, mask, D, eps)
+    out_row = row * H * D
+    _norm_rope_tile(q_ptr + b * stride_q_b + s * stride_q_s, q_w_ptr, q_out_ptr + out_row, stride_q_h,
+                    heads, dims, partner, cos, sin_signed, mask, D, eps, HAS_WEIGHT)
+    _norm_rope_tile(k_ptr + b * stride_k_b + s * stride_k_s, k_w_ptr, k_out_ptr + out_row, stride_k_h,
+                    heads, dims, partner, cos, sin_signed, mask, D, eps, HAS_WEIGHT)
     if HAS_V:
-        v = tl.load(v_ptr + s * stride_v_s + heads[:, None] * stride_v_h + dims[None, :], mask=mask)
+        v_row = v_ptr + b * stride_v_b + s * stride_v_s
+        v = tl.load(v_row + heads[:, None] * stride_v_h + dims[None, :], mask=mask)
         tl.store(v_out_ptr + out_row + heads[:, None] * D + dims[None, :], v, mask=mask)
+
+
+def _as_4d(t: torch.Tensor) -> torch.Tensor:
+    """[S, H, D] -> [1, S, H, D] view (the DiT's single item); [B, S, H, D] unchanged."""
+    return t if t.ndim == 4 else t.unsqueeze(0)
+
+
+def _launch(kernel, q, k, v, q_weight, k_weight, cos, sin, eps, q_out, k_out, v_out) -> None:
+    """Run `kernel` (`_qk_norm_rope_kernel`, or its `wrap_triton` form inside the op) over q, k (v) [(B,) S, H, D]
+    into contiguous outputs of the same shape: one program per packed row and block of heads."""
+    q, k, q_out, k_out = _as_4d(q), _as_4d(k), _as_4d(q_out), _as_4d(k_out)
+    B, S, H, D = q.shape
+    if B * S == 0:
+        return
+    R = 0 if cos is None else cos.shape[-1]
+    block_d = next_power_of_2(D)
+    block_h = min(next_power_of_2(H), max(1, _TILE_ELEMENTS // block_d))
+    _, num_warps = calculate_settings(block_h * block_d)
+    has_v = v is not None
+    v_in = _as_4d(v) if has_v else q  # placeholder pointer; never read when HAS_V is False
+    v_dst = _as_4d(v_out) if has_v else q_out
+    has_weight = q_weight is not None
+    if not has_weight:  # placeholder pointers; never read when HAS_WEIGHT is False
+        q_weight = k_weight = q
+    if cos is None:  # R = 0: the kernel masks every cos/sin load, any pointer will do
+        cos = sin = q.new_zeros((1, 1), dtype=torch.float32)
+    grid = (B * S, triton.cdiv(H, block_h))
+    kernel[grid](
+        q, k, v_in, q_out, k_out, v_dst, q_weight, k_weight, cos, sin,
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        v_in.stride(0), v_in.stride(1), v_in.stride(2), cos.stride(0), sin.stride(0),
+        S, H, D, R, eps,
+        HAS_V=has_v, HAS_WEIGHT=has_weight, BLOCK_H=block_h, BLOCK_D=block_d, num_warps=num_warps,
+    )
 
 
 def qk_norm_rope_triton(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor | None,
-    q_weight: torch.Tensor,
-    k_weight: torch.Tensor,
+    q_weight: torch.Tensor | None,
+    k_weight: torch.Tensor | None,
     cos: torch.Tensor | None,
     sin: torch.Tensor | None,
     eps: float,
     out: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Launch the fused kernel. Arguments as in `kernels.qk_norm_rope.qk_norm_rope_qkv`, already validated.
+    """Launch the fused kernel. Arguments as in `kernels.qk_norm_rope.qk_norm_rope`, already validated.
 
     Args:
-        q, k, v: [S, H, D], unit stride along D; v may be None.
-        q_weight, k_weight: [D].
-        cos, sin: [S, R], unit stride along R, or None (R = 0: norm only).
+        q, k, v: [S, H, D] or [B, S, H, D], unit stride along D; v may be None.
+        q_weight, k_weight: [D], or both None (no norm weight).
+        cos, sin: [S, R], unit stride along R, shared by the B items, or None (R = 0: norm only).
         eps: RMSNorm epsilon.
-        out: optional preallocated contiguous (q, k, v) outputs [S, H, D] (v entry None when v is None).
+        out: optional preallocated contiguous (q, k, v) outputs shaped like q (v entry None when v is None).
 
     Returns:
-        (q, k, v) contiguous [S, H, D] in q's dtype; v is None when v was None.
+        (q, k, v) contiguous, shaped like q, in q's dtype; v is None when v was None.
     """
-    S, H, D = q.shape
-    R = 0 if cos is None else cos.shape[-1]
     if out is None:
-        q_out = torch.empty((S, H, D), dtype=q.dtype, device=q.device)
-        k_out = torch.empty((S, H, D), dtype=k.dtype, device=k.device)
-        v_out = None if v is None else torch.empty((S, H, D), dtype=v.dtype, device=v.device)
+        q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+        v_out = None if v is None else torch.empty(v.shape, dtype=v.dtype, device=v.device)
     else:
         q_out, k_out, v_out = out
-    if S == 0:
-        return q_out, k_out, v_out
-    block_d = next_power_of_2(D)
-    block_h = min(next_power_of_2(H), max(1, _TILE_ELEMENTS // block_d))
-    _, num_warps = calculate_settings(block_h * block_d)
-    has_v = v is not None
-    v_in = v if has_v else q  # placeholder pointer; never read when HAS_V is False
-    v_dst = v_out if has_v else q_out
-    if cos is None:  # R = 0: the kernel masks every cos/sin load, any pointer will do
-        cos = sin = q_weight.new_zeros((1, 1), dtype=torch.float32)
-    grid = (S, triton.cdiv(H, block_h))
-    _qk_norm_rope_kernel[grid](
-        q, k, v_in, q_out, k_out, v_dst, q_weight, k_weight, cos, sin,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v_in.stride(0), v_in.stride(1),
-        cos.stride(0), sin.stride(0),
-        H, D, R, eps,
-        HAS_V=has_v, BLOCK_H=block_h, BLOCK_D=block_d, num_warps=num_warps,
-    )
+    _launch(_qk_norm_rope_kernel, q, k, v, q_weight, k_weight, cos, sin, eps, q_out, k_out, v_out)
     return q_out, k_out, v_out
+
+
+@triton_op("h3render::qk_norm_rope", mutates_args=())
+def qk_norm_rope_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    q_weight: torch.Tensor | None,
+    k_weight: torch.Tensor | None,
+    cos: torch.Tensor | None,
+    sin: torch.Tensor | None,
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`qk_norm_rope_triton` for q and k only (new outputs) as one operator that `torch.compile(fullgraph=True)`
+    traces to one Triton kernel launch (`wrap_triton`); eager callers launch `qk_norm_rope_triton` directly.
+
+    Args:
+        q, k: [S, H, D] or [B, S, H, D] (bf16 on GPU), unit stride along D (views of the qkv projection's output).
+        q_weight, k_weight: [D] or both None; cos, sin: [S, R] or both None; eps: RMSNorm epsilon.
+
+    Returns:
+        (q, k): contiguous, shaped like q, in q's dtype.
+    """
+    q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    # `wrap_triton(<kernel name>)` spelled out here: torch finds the op's kernels by reading this source, and their
+    # code then keys the AOTAutograd cache (an edited kernel is not served from a stale compiled graph).
+    _launch(wrap_triton(_qk_norm_rope_kernel), q, k, None, q_weight, k_weight, cos, sin, eps, q_out, k_out, None)
+    return q_out, k_out
