@@ -76,7 +76,8 @@ Stages (`--stages`, comma-separated):
             at the video VAE decoder's attention shape, each with its error; a peer that does not load gets a row
   vsa-tune  issue 26 (scripts/bench_vsa_tune.py): the TMA fine kernel at --vsa-tune-canvases over stages x register
             caps (--vsa-tune-maxnreg) x program order, int8 and bf16 QK^T, each with its error, registers, spills and
-            shared memory
+            shared memory; first the coarse stage's rows: the kept-set selection (torch, Triton radix and
+            interpolation searches) and the coarse softmax @ v in fp32 and TF32
   batch     queue throughput on 1 GPU: --batch-jobs jobs of --forwards DiT forwards at --batch-canvas through
             `run_batch` with one resident Engine (each job's MP4 tail beside the next job's start). Warm-up
             (prepare, and one untimed job of the queue's shape for Triton JIT / first-call costs) is outside the
@@ -278,7 +279,7 @@ def main() -> None:
     p.add_argument("--vsa-sparsity", type=float, default=FASTH3_V1_VSA_SPARSITY,
                    help="vsa stage: sparsity (default FastH3 v1's; h3render.spec FASTH3_V*_VSA_SPARSITY)")
     p.add_argument("--vsa-tune-maxnreg", default="168", help="vsa-tune stage: register caps besides none")
-    p.add_argument("--vsa-tune-stages", default="2,3", help="vsa-tune stage: pipeline stages to time")
+    p.add_argument("--vsa-tune-stages", default="2,3", help="vsa-tune stage: pipeline stages to time (\"\": the coarse rows only)")
     p.add_argument("--vsa-tune-canvases", default="1344x768x243,960x544x124", help="vsa-tune stage: WxHxFRAMES")
     p.add_argument("--fl2va-canvas", default="1344x768x243", help="fl2va stage: WxHxFRAMES")
     p.add_argument("--fl2va-model", default="released", choices=["released", "tiny", "small"])

@@ -55,7 +55,10 @@ def add_arguments(p) -> None:
                         "exact-accum (this tree with every FP8 GEMM of the DiT promoting to fp32: no "
                         "models.fp8.DIT_FAST_ACCUM, main before the fifteenth session), vae-exact (this tree with "
                         "the video VAE decoder's FP8 GEMMs promoting to fp32: main before the sixteenth session), "
-                        "gate-exact (this tree with the VSA gates' FP8 GEMMs promoting to fp32: the same)")
+                        "gate-exact (this tree with the VSA gates' FP8 GEMMs promoting to fp32: the same), "
+                        "session16 (this tree with the seventeenth session's work off: the radix tile selection, the "
+                        "coarse output GEMM in fp32, the video VAE decoder's q/k norm + RoPE and residual + norm + "
+                        "FP8 quantization as Inductor fuses them: main before the seventeenth session)")
     p.add_argument("--e2e-content", default="noise",
                    help="e2e / memplans: comma-separated pictures each job is rendered with, in this order: noise "
                         "(what the random weights decode), moving (the real decode, each chunk then painted with "
@@ -274,7 +277,8 @@ def vsa_variants(args) -> list[str]:
     return variants
 
 
-VARIANTS = ("current", "bf16-qk", "session12", "uncapped", "head-order", "exact-accum", "vae-exact", "gate-exact")
+VARIANTS = ("current", "bf16-qk", "session12", "uncapped", "head-order", "exact-accum", "vae-exact", "gate-exact",
+            "session16")
 _UNCAPPED_PICKS: dict = {}  # the "uncapped" variant's autotuner picks, apart from the tree's own
 
 
@@ -283,13 +287,18 @@ def vsa_kernels(variant: str, engine):
     """Run the kernels of `variant` inside the block (the engine's settings patched and restored)."""
     from bench_fp8 import accumulation
 
-    from h3render.kernels.vsa import triton_impl
-    from h3render.models.video_vae import FeedForward
+    from h3render.kernels import vsa
+    from h3render.kernels.vsa import select_triton, triton_impl
+    from h3render.models.video_vae import FeedForward, ViTAttention, ViTBlock
 
     dit = engine.c.dit
     saved = dit.vsa_qk_int8, FeedForward.fused_fp8, triton_impl.LONG_FIRST
+    saved16 = select_triton.SEARCH, vsa.COARSE_TF32, ViTAttention.use_triton, ViTBlock.fused_norm_fp8
     dit.vsa_qk_int8 = saved[0] and variant != "bf16-qk"
     triton_impl.LONG_FIRST = saved[2] and variant != "head-order"
+    if variant == "session16":  # (the compiled decoder blocks recompile on the first decode: `decode_alone` takes it)
+        select_triton.SEARCH, vsa.COARSE_TF32, ViTAttention.use_triton, ViTBlock.fused_norm_fp8 = (
+            "radix", False, False, False)
     if variant == "session12":  # (the compiled blocks recompile on the first decode: `decode_alone` takes it)
         FeedForward.fused_fp8 = False
     tuner = tuned = None
@@ -310,6 +319,7 @@ def vsa_kernels(variant: str, engine):
             yield
     finally:
         dit.vsa_qk_int8, FeedForward.fused_fp8, triton_impl.LONG_FIRST = saved
+        select_triton.SEARCH, vsa.COARSE_TF32, ViTAttention.use_triton, ViTBlock.fused_norm_fp8 = saved16
         if tuner is not None:
             tuner.configs, tuner.cache = tuned
 

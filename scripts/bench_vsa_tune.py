@@ -8,6 +8,7 @@ and each of --vsa-tune-maxnreg) and program order (head by head, or the dense qu
 `triton_impl.program_tile`): seconds (median of 5), effective TFLOP/s,
 rel. error of the whole layer on 4 heads against the torch reference, and the compiled kernel's registers, spilled
 registers and shared memory, which decide how many programs share a multiprocessor (65,536 registers, 228 KB).
+Before those, per canvas, the coarse stage's rows (`_coarse`); `--vsa-tune-stages ""` runs only them.
 """
 
 from __future__ import annotations
@@ -18,7 +19,55 @@ import torch
 @torch.no_grad()
 def run(args, bench) -> None:
     for canvas in args.vsa_tune_canvases.split(","):
+        _coarse(args, bench, bench.parse_canvas(canvas))
+    for canvas in args.vsa_tune_canvases.split(",") if args.vsa_tune_stages else ():  # "": the coarse rows only
         _canvas(args, bench, bench.parse_canvas(canvas))
+
+
+def _coarse(args, bench, canvas: tuple[int, int, int]) -> None:
+    """The coarse stage's pieces at one canvas: the kept-set selection (torch topk + sort, the Triton radix search,
+    the Triton interpolation search; each set checked equal to torch's), the pool kernel per heads a program, and the
+    coarse output GEMM in fp32 and TF32 (rel. error of the TF32 one against fp32, and after the bf16 rounding the
+    layer applies)."""
+    from h3render.kernels.vsa import select_tiles, topk_budget
+    from h3render.kernels.vsa.naive import coarse_attention_naive
+    from h3render.kernels.vsa.select_triton import select_tiles_triton
+    from h3render.kernels.vsa.triton_impl import pool_tiles_triton
+
+    case = bench.released_vsa_case(args.vsa_sparsity, canvas)
+    plan, scores = case.plan, case.scores
+    where = "x".join(map(str, canvas))
+    k = topk_budget(args.vsa_sparsity, plan.num_video)
+    ref = select_tiles(scores, plan, args.vsa_sparsity, use_triton=False)
+    rows = [("torch topk + sort", lambda: select_tiles(scores, plan, args.vsa_sparsity, use_triton=False))]
+    for search in ("radix", "interpolate"):
+        rows.append((f"Triton {search}, autotuned",
+                     lambda search=search: select_tiles_triton(scores, plan.num_prefix, k, search=search)))
+        for warps in (1, 2, 4):
+            rows.append((f"Triton {search}, {warps} warps", lambda search=search, warps=warps: select_tiles_triton(
+                scores, plan.num_prefix, k, search=search, num_warps=warps)))
+    for label, fn in rows:
+        t = bench.cuda_time(fn, reps=20, warm=3)
+        bench.rec(stage="vsa-tune", what=f"VSA selection {where} k={k}: {label}", ours_s=round(t, 6),
+                  same_set=bool(torch.equal(fn(), ref)))
+    v_pooled = pool_tiles_triton(case.v, plan, heads_per_program=1)
+    for hb in (1, 2, 4, 8, None):
+        fn = lambda hb=hb: pool_tiles_triton(case.v, plan, heads_per_program=hb)  # noqa: E731
+        t = bench.cuda_time(fn, reps=20, warm=3)
+        bench.rec(stage="vsa-tune", what=f"VSA pool {where}: {hb or 'autotuned'} head(s) a program", ours_s=round(t, 6),
+                  max_abs_vs_1=float((fn() - v_pooled).abs().max()))
+    exact = coarse_attention_naive(scores, v_pooled)
+    previous = torch.backends.cuda.matmul.allow_tf32
+    for tf32 in (False, True):
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+        try:
+            t = bench.cuda_time(lambda: coarse_attention_naive(scores, v_pooled), reps=20, warm=3)
+            out = coarse_attention_naive(scores, v_pooled)
+        finally:
+            torch.backends.cuda.matmul.allow_tf32 = previous
+        bench.rec(stage="vsa-tune", what=f"VSA coarse softmax @ v̄ {where} ({'TF32' if tf32 else 'fp32'})",
+                  ours_s=round(t, 6), rel_err=bench.rel_err(out, exact),
+                  rel_err_bf16=bench.rel_err(out.bfloat16(), exact.bfloat16()))
 
 
 def _canvas(args, bench, canvas: tuple[int, int, int]) -> None:

@@ -199,5 +199,16 @@ def test_the_bf16_qk_variant_is_patched_in_and_restored(bench_fp8):
         assert not any(b.attn.gate_proj.fast_accum for b in dit.blocks) and vae[0].fast_accum is True
         assert all(b.attn.qkv_proj.fast_accum for b in dit.blocks)
     assert all(b.attn.gate_proj.fast_accum for b in dit.blocks)
+    from h3render.kernels import vsa
+    from h3render.kernels.vsa import select_triton
+    from h3render.models.video_vae import ViTAttention, ViTBlock
+
+    shipped = select_triton.SEARCH, vsa.COARSE_TF32, ViTAttention.use_triton, ViTBlock.fused_norm_fp8
+    assert shipped == ("interpolate", True, None, True)
+    with bench_e2e.vsa_kernels("session16", engine):  # the seventeenth session's work off, the rest as shipped
+        assert (select_triton.SEARCH, vsa.COARSE_TF32, ViTAttention.use_triton, ViTBlock.fused_norm_fp8) == (
+            "radix", False, False, False)
+        assert dit.vsa_qk_int8 is True and FeedForward.fused_fp8 is True and vae[0].fast_accum is True
+    assert (select_triton.SEARCH, vsa.COARSE_TF32, ViTAttention.use_triton, ViTBlock.fused_norm_fp8) == shipped
     with pytest.raises(ValueError, match="expected some of current, bf16-qk, session12"):
         bench_e2e.vsa_variants(type("A", (), {"e2e_vsa_kernels": "session10"})())
