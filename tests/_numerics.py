@@ -41,3 +41,18 @@ def assert_close(ours: torch.Tensor, ref: torch.Tensor, rtol_err: float, what: s
     print(f"{what}: rel. err {err:.2e} (tolerance {rtol_err:.0e})")
     assert err <= rtol_err, f"{what}: rel. err {err:.3e} > {rtol_err:.0e}"
     return err
+
+
+@torch.no_grad()
+def randomize_vae_(module: torch.nn.Module) -> torch.nn.Module:
+    """Every parameter of a (tiny) video VAE drawn at O(1) scale, in place: matrices ~ N(0, 1/fan_in), norm weights
+    1 + N(0, 0.01), everything else (biases, the residual gains the release initializes to zero, which would make
+    each block the identity) N(0, 0.09). Draws from torch's global generator, in `named_parameters` order."""
+    for name, p in module.named_parameters():
+        if p.ndim > 1:
+            p.copy_(torch.randn_like(p) / p[0].numel() ** 0.5)
+        elif "norm" in name:
+            p.copy_(1 + 0.1 * torch.randn_like(p))
+        else:
+            p.copy_(0.3 * torch.randn_like(p))
+    return module

@@ -12,7 +12,7 @@ from h3render.models.vae_tiling import TilingConfig, split_axis
 from h3render.models.video_vae import PIXEL_MEAN, PIXEL_STD, VideoVAE
 from h3render.models.video_vae_config import VIDEO_VAE_TINY, VideoVAEConfig
 from h3render.spec import SPATIAL_COMPRESSION
-from tests._numerics import assert_close, rel_err
+from tests._numerics import assert_close, randomize_vae_, rel_err
 
 diffusers = pytest.importorskip("diffusers")
 from diffusers import AutoencoderKLMiniMaxH3  # noqa: E402
@@ -32,15 +32,8 @@ def models():
         latents_std=tuple((0.5 + torch.rand(24)).tolist()),
     )
     ref = AutoencoderKLMiniMaxH3(**dataclasses.asdict(cfg)).eval()
-    with torch.no_grad():
-        # Released init has zero residual gains (identity blocks); randomize everything so every path matters.
-        for name, p in ref.named_parameters():
-            if p.ndim > 1:
-                p.copy_(torch.randn_like(p) / p[0].numel() ** 0.5)
-            elif "norm" in name:
-                p.copy_(1 + 0.1 * torch.randn_like(p))
-            else:
-                p.copy_(0.3 * torch.randn_like(p))
+    # Released init has zero residual gains (identity blocks); randomize everything so every path matters.
+    randomize_vae_(ref)
     ref.enable_tiling(TILING.tile_height, TILING.tile_width, TILING.overlap_height, TILING.overlap_width)
     ours = VideoVAE(cfg, TILING).eval()
     ours.load_state_dict(ref.state_dict(), strict=True)

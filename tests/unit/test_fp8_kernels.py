@@ -21,6 +21,7 @@ from h3render.kernels.modulate.triton_impl import modulate_fp8_triton
 from h3render.kernels.swiglu import swiglu, swiglu_naive
 from h3render.kernels.swiglu.triton_impl import swiglu_fp8_triton
 from tests._markers import compiled_cuda, interpreted
+from tests._triton_trace import traced_launches
 
 DTYPES = [torch.float32, torch.bfloat16]
 SCALE_RTOL = 1e-6
@@ -303,43 +304,17 @@ def test_swiglu_fp8_op_traces_to_one_triton_kernel(monkeypatch):
     """Under torch.compile(fullgraph=True) the FP8 front becomes the `h3render::swiglu_fp8` op, whose AOT graph
     (what Inductor lowers) is one user-defined Triton kernel launch, not the reference's reduction and casts.
 
-    Traced on the CPU: the op runs its fake implementation, the AOT compiler only records the graph, nothing is
-    launched. `wrap_triton` passes interpreted kernels through untraced, so the kernel and the @triton.jit helpers
-    it calls are swapped for compiled-mode JITFunctions of the same code for the trace."""
-    import triton
-    from torch._dynamo.backends.common import aot_autograd
-    from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
-    from triton.runtime.interpreter import InterpretedFunction
-
+    Traced on the CPU (`tests._triton_trace`)."""
     from h3render.kernels.fp8 import triton_impl as fp8_impl
     from h3render.kernels.swiglu import triton_impl
-
-    twins = {}
-    for module in (fp8_impl, triton_impl):
-        for name, fn in list(vars(module).items()):
-            if isinstance(fn, InterpretedFunction):
-                monkeypatch.setattr(module, name, twins.setdefault(id(fn), triton.JITFunction(fn.fn)))
-    kernel = triton_impl._swiglu_fp8_kernel
-    graphs = []
-
-    def record(gm, example_inputs):
-        launched = [kernel_side_table.get_kernel(n.kwargs["kernel_idx"]) for n in gm.graph.nodes
-                    if n.target is torch.ops.higher_order.triton_kernel_wrapper_functional]
-        graphs.append((gm, launched))  # the side table empties with the dynamo reset below
-        raise RuntimeError("traced")  # the CPU cannot launch the kernel: stop at the graph
 
     def front(h, bias):
         rows = swiglu(h, fp8=True, value_first=True, bias=bias, use_triton=True)
         return rows.data, rows.scale
 
     h, bias = torch.randn(37, 80).bfloat16(), torch.randn(80).bfloat16()
-    torch._dynamo.reset()
-    try:
-        with pytest.raises(torch._dynamo.exc.BackendCompilerFailed, match="traced"), torch.no_grad():
-            torch.compile(front, backend=aot_autograd(fw_compiler=record), fullgraph=True)(h, bias)
-    finally:
-        torch._dynamo.reset()
-    (gm, launched), = graphs
+    gm, launched = traced_launches(monkeypatch, (fp8_impl, triton_impl), front, h, bias)
+    kernel = triton_impl._swiglu_fp8_kernel
     calls = [n for n in gm.graph.nodes if n.op == "call_function"]
     launches = [n for n in calls if n.target is torch.ops.higher_order.triton_kernel_wrapper_functional]
     # (torch wraps a kernel launched with num_warps in a one-config Autotuner: `.fn` is the kernel)

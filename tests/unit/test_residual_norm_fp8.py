@@ -26,6 +26,7 @@ from h3render.kernels.residual_norm_fp8 import residual_norm_fp8, residual_norm_
 from h3render.kernels.residual_norm_fp8.triton_impl import (_round_bf16, norm_fp8_op, residual_norm_fp8_op,
                                                            residual_norm_fp8_triton)
 from tests._markers import compiled_cuda, interpreted
+from tests._triton_trace import traced_launches
 
 pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # NaN / Inf rows
 EPS = 1e-5  # the decoder's (`VideoVAEConfig.decoder_norm_eps`)
@@ -253,41 +254,16 @@ def test_op_traces_to_one_triton_kernel(monkeypatch, residual):
     """Under torch.compile(fullgraph=True) each form is one op whose AOT graph (what Inductor lowers) is one
     user-defined Triton kernel launch, not the reference's reductions and casts. Traced on the CPU as in
     tests/unit/test_fp8_kernels.py (`test_swiglu_fp8_op_traces_to_one_triton_kernel`): compiled-mode twins of the
-    interpreted kernels, the graph recorded, nothing launched."""
-    import triton
-    from torch._dynamo.backends.common import aot_autograd
-    from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
-    from triton.runtime.interpreter import InterpretedFunction
-
+    interpreted kernels (`tests._triton_trace`)."""
     from h3render.kernels.fp8 import triton_impl as fp8_impl
     from h3render.kernels.residual_norm_fp8 import triton_impl
-
-    twins = {}
-    for module in (fp8_impl, triton_impl):
-        for name, fn in list(vars(module).items()):
-            if isinstance(fn, InterpretedFunction):
-                monkeypatch.setattr(module, name, twins.setdefault(id(fn), triton.JITFunction(fn.fn)))
-    kernel = triton_impl._residual_norm_fp8_kernel
-    graphs = []
-
-    def record(gm, example_inputs):
-        launched = [kernel_side_table.get_kernel(n.kwargs["kernel_idx"]) for n in gm.graph.nodes
-                    if n.target is torch.ops.higher_order.triton_kernel_wrapper_functional]
-        graphs.append((gm, launched))
-        raise RuntimeError("traced")
 
     def front(x, y, gain, weight):
         x_new, rows = residual_norm_fp8(x, y, gain, weight, EPS, use_triton=True)
         return x_new, rows.data, rows.scale
 
-    x, y, gain, weight = inputs(7, 80, residual, seed=6)
-    torch._dynamo.reset()
-    try:
-        with pytest.raises(torch._dynamo.exc.BackendCompilerFailed, match="traced"), torch.no_grad():
-            torch.compile(front, backend=aot_autograd(fw_compiler=record), fullgraph=True)(x, y, gain, weight)
-    finally:
-        torch._dynamo.reset()
-    (gm, launched), = graphs
+    gm, launched = traced_launches(monkeypatch, (fp8_impl, triton_impl), front, *inputs(7, 80, residual, seed=6))
+    kernel = triton_impl._residual_norm_fp8_kernel
     calls = [n for n in gm.graph.nodes if n.op == "call_function"]
     launches = [n for n in calls if n.target is torch.ops.higher_order.triton_kernel_wrapper_functional]
     assert len(launches) == 1 and [getattr(k, "fn", k) for k in launched] == [kernel]

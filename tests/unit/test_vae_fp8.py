@@ -21,20 +21,14 @@ from h3render.models.fp8 import FP8, Fp8Linear, precision_report, quantize_video
 from h3render.models.video_vae import FeedForward, SwiGLUIn, VideoVAE, ViTBlock
 from h3render.models.video_vae_config import VIDEO_VAE_TINY
 from tests._markers import compiled_cuda, interpreted
+from tests._numerics import randomize_vae_
 
 
 def random_vae(seed: int = 0) -> VideoVAE:
     """The tiny VAE with O(1) random weights, as tests/parity/test_video_vae.py makes them (gains 0.3 * N(0, 1))."""
     torch.manual_seed(seed)
     vae = VideoVAE(dataclasses.replace(VIDEO_VAE_TINY)).eval()
-    with torch.no_grad():
-        for name, p in vae.named_parameters():
-            if p.ndim > 1:
-                p.copy_(torch.randn_like(p) / p[0].numel() ** 0.5)
-            elif "norm" in name:
-                p.copy_(1 + 0.1 * torch.randn_like(p))
-            else:
-                p.copy_(0.3 * torch.randn_like(p))
+    randomize_vae_(vae)
     return vae
 
 

@@ -20,7 +20,7 @@ from h3render.kernels.qk_norm_rope.triton_impl import qk_norm_rope_op, qk_norm_r
 from h3render.models.video_vae import VideoVAE, ViTAttention, norm_rope_qk, rope_angles
 from h3render.models.video_vae_config import VIDEO_VAE_TINY
 from tests._markers import compiled_cuda, interpreted
-from tests._numerics import rel_err
+from tests._numerics import randomize_vae_, rel_err
 
 EPS = 1e-5
 # Kernel vs its reference: the same fp32 math rounded once, so at most one ulp apart (bf16: 2**-8 relative).
@@ -218,14 +218,7 @@ def test_decode_with_kernel_stays_at_parity():
     1e-5; bf16 block linears stay within their 5e-2 of the fp32 decode (tests/parity/test_video_vae.py)."""
     torch.manual_seed(0)
     vae = VideoVAE(dataclasses.replace(VIDEO_VAE_TINY)).eval()
-    with torch.no_grad():  # random O(1) weights with non-zero gains, as the parity tests make them
-        for name, p in vae.named_parameters():
-            if p.ndim > 1:
-                p.copy_(torch.randn_like(p) / p[0].numel() ** 0.5)
-            elif "norm" in name:
-                p.copy_(1 + 0.1 * torch.randn_like(p))
-            else:
-                p.copy_(0.3 * torch.randn_like(p))
+    randomize_vae_(vae)  # random O(1) weights with non-zero gains, as the parity tests make them
     vae.fuse_qkv_()
     low = copy.deepcopy(vae).apply_precision_(torch.bfloat16)
     latent = torch.randn(24, 7, 2, 3, generator=torch.Generator().manual_seed(1))

@@ -34,14 +34,11 @@ from h3render.kernels.utils import interpreting, next_power_of_2
 
 
 @triton.jit
-def _select_kernel(
-    scores_ptr,  # [H, n, n] fp32 tile scores (any strides over H and query tiles, unit stride over key tiles)
-    out_ptr,  # [H, V, k] int32 kept absolute key tile ids, ascending
-    stride_h, stride_q,
-    num_prefix, num_video, k,
-    BLOCK: tl.constexpr,  # power of two >= num_video
-):
-    row = tl.program_id(0)  # h * V + video query tile
+def _row_keys(scores_ptr, stride_h, stride_q, num_prefix, num_video, BLOCK: tl.constexpr):
+    """This program's row (h * V + video query tile) of video scores as int32 keys: (row, offs [BLOCK], valid
+    [BLOCK], key [BLOCK]). Float order as signed int32 order: a negative float's magnitude bits flipped (NaN above
+    +inf, as torch.topk); pad lanes at INT_MIN, below every score but a negative NaN."""
+    row = tl.program_id(0)
     h = row // num_video
     vq = row % num_video
     offs = tl.arange(0, BLOCK)
@@ -49,9 +46,19 @@ def _select_kernel(
     x = tl.load(scores_ptr + h.to(tl.int64) * stride_h + (num_prefix + vq).to(tl.int64) * stride_q + num_prefix + offs,
                 mask=valid, other=0.0)
     bits = x.to(tl.int32, bitcast=True)
-    # Float order as signed int32 order: a negative float's magnitude bits flipped (NaN above +inf, as torch.topk).
     key = bits ^ ((bits >> 31) & 0x7FFFFFFF)
-    key = tl.where(valid, key, -2147483648)  # pad lanes at INT_MIN: below every score but a negative NaN
+    return row, offs, valid, tl.where(valid, key, -2147483648)
+
+
+@triton.jit
+def _select_kernel(
+    scores_ptr,  # [H, n, n] fp32 tile scores (any strides over H and query tiles, unit stride over key tiles)
+    out_ptr,  # [H, V, k] int32 kept absolute key tile ids, ascending
+    stride_h, stride_q,
+    num_prefix, num_video, k,
+    BLOCK: tl.constexpr,  # power of two >= num_video
+):
+    row, offs, valid, key = _row_keys(scores_ptr, stride_h, stride_q, num_prefix, num_video, BLOCK)
     # The largest t with #(key >= t) >= k (the k-th largest key), built from the sign down: t >= 0 exactly when k
     # keys are >= 0; below it, adding bit b to t only ever moves it up (two's complement), so one comparison per bit.
     nonneg = tl.sum((key >= 0).to(tl.int32), axis=0)
@@ -82,16 +89,7 @@ def _select_search_kernel(
     BLOCK: tl.constexpr,  # power of two >= num_video
     MAX_GUESSES: tl.constexpr,  # interpolation steps before key-space bisection
 ):
-    row = tl.program_id(0)  # h * V + video query tile
-    h = row // num_video
-    vq = row % num_video
-    offs = tl.arange(0, BLOCK)
-    valid = offs < num_video
-    x = tl.load(scores_ptr + h.to(tl.int64) * stride_h + (num_prefix + vq).to(tl.int64) * stride_q + num_prefix + offs,
-                mask=valid, other=0.0)
-    bits = x.to(tl.int32, bitcast=True)
-    key = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # float order as signed int32 order (see `_select_kernel`)
-    key = tl.where(valid, key, -2147483648)
+    row, offs, valid, key = _row_keys(scores_ptr, stride_h, stride_q, num_prefix, num_video, BLOCK)
     # Bracket [lo, hi): #(key >= lo) = c_lo >= k > c_hi = #(key >= hi). Bounds in int64: hi may be INT_MAX + 1.
     # Every candidate lies in (lo, hi), above INT_MIN, so the pad lanes never count.
     lo = tl.min(tl.where(valid, key, 2147483647), axis=0).to(tl.int64)
