@@ -310,8 +310,8 @@ def test_coarse_output_is_the_reference_within_tf32_and_restores_the_flag(device
 @pytest.mark.parametrize("heads_per_program", [None, 1, 2, 4, 8])
 @pytest.mark.parametrize("heads", [1, 3, 5])
 def test_pool_kernel_with_several_heads_per_program_is_the_reference(heads_per_program, heads):
-    """The pool kernel's head groups (`POOL_CONFIGS`; None = the autotuner on CUDA) on head counts they do not
-    divide, a ragged tile grid with a prefix, head stride != D (a strided view of a wider tensor)."""
+    """The pool kernel's head groups (None = `POOL_HEADS`) on head counts they do not divide, a ragged tile grid
+    with a prefix, head stride != D (a strided view of a wider tensor)."""
     from h3render.kernels.vsa.triton_impl import pool_tiles_triton
 
     plan = tile_plan((70, 5), (5, 6, 9), FAST_DEVICE)

@@ -46,7 +46,7 @@ def _pool_kernel(
     HEADS: tl.constexpr,  # heads per program (a power of two)
 ):
     # One program per (tile, group of HEADS heads), groups fastest: a program reads HEADS x 256 B of each of its 64
-    # rows, so fewer, longer reads per row gather than one head at a time (`_pool_tuned`).
+    # rows, so fewer, longer reads per row gather than one head at a time (`POOL_HEADS`).
     g = tl.program_id(0)
     t = tl.program_id(1)
     offs_m = tl.arange(0, TILE_ROWS)
@@ -64,14 +64,11 @@ def _pool_kernel(
     tl.store(out_ptr + (h.to(tl.int64) * num_tiles + t) * HEAD_DIM + d, total / size, mask=cols)
 
 
-# (heads per program, warps). One head per program was the only form until 2026-12-03: 0.44 ms a call at the released
-# geometry on an H200, 0.30 ms with 4 or 8 heads, 0.32 ms autotuned (the pick is made on a timing of each; 960x544:
-# 0.20 -> 0.12-0.16 ms; docs/performance.md §27.1). The autotuner keeps one head among the choices.
-POOL_CONFIGS = ((1, 4), (2, 4), (4, 4), (4, 8), (8, 8))
-_pool_tuned = triton.autotune(
-    configs=[triton.Config({"HEADS": hb}, num_warps=w) for hb, w in POOL_CONFIGS],
-    key=["num_tiles", "num_heads", "HEAD_DIM"], cache_results=True,
-)(_pool_kernel)
+# Heads per program. One head per program was the only form until 2026-12-03: on an H200 (docs/performance.md §27.1)
+# 0.44 ms a call at the released geometry, 0.43 / 0.30 / 0.30 ms with 2 / 4 / 8 heads (4 warps); 960x544: 0.20 ->
+# 0.12 ms with 8. An autotuner over (1, 2, 4, 8) x (4, 8 warps) picked slower settings than 8 heads (0.32, 0.16 ms):
+# its short timings cannot tell them apart, so the best measured setting is fixed.
+POOL_HEADS = 8
 
 
 # The fine kernels' shared steps (`_fine_kernel` here, `triton_hopper._fine_tma_kernel`): they differ only in how a
@@ -283,16 +280,15 @@ def _check_head_dim(d: int) -> None:
 def pool_tiles_triton(x: torch.Tensor, plan: TilePlan, *, heads_per_program: int | None = None) -> torch.Tensor:
     """fp32 tile means. `x [S, H, D]` (unit stride over D) -> `[H, n, D]` float32.
 
-    heads_per_program: a power of two; None = on CUDA the autotuner's pick among `POOL_CONFIGS`, else 1."""
+    heads_per_program: heads a program sums (a power of two); None = `POOL_HEADS`."""
     s, heads, d = x.shape
     _check_head_dim(d)
     out = torch.empty(heads, plan.num_tiles, d, dtype=torch.float32, device=x.device)
-    args = (x, out, plan.row_of_slot, plan.sizes, x.stride(0), x.stride(1), plan.num_tiles, heads)
-    if heads_per_program is None and x.is_cuda and not interpreting():
-        _pool_tuned[lambda meta: (triton.cdiv(heads, meta["HEADS"]), plan.num_tiles)](*args, HEAD_DIM=d, TILE_ROWS=TILE)
-    else:
-        hb = heads_per_program or 1
-        _pool_kernel[(triton.cdiv(heads, hb), plan.num_tiles)](*args, HEAD_DIM=d, TILE_ROWS=TILE, HEADS=hb, num_warps=4)
+    hb = heads_per_program or POOL_HEADS
+    _pool_kernel[(triton.cdiv(heads, hb), plan.num_tiles)](
+        x, out, plan.row_of_slot, plan.sizes, x.stride(0), x.stride(1), plan.num_tiles, heads,
+        HEAD_DIM=d, TILE_ROWS=TILE, HEADS=hb, num_warps=4,
+    )
     return out
 
 
