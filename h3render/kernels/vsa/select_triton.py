@@ -186,7 +186,8 @@ def select_tiles_triton(scores: torch.Tensor, num_prefix: int, k: int, *, num_wa
     block = next_power_of_2(num_video)
     search = SEARCH if search is None else search
     if search not in ("interpolate", "radix"):
-        raise ValueError(f"h3render/kernels/vsa/select_triton.py: search must be 'interpolate' or 'radix', got {search!r}")
+        raise ValueError(f"h3render/kernels/vsa/select_triton.py: search must be 'interpolate' or 'radix', "
+                         f"got {search!r}")
     tuned = num_warps is None and scores.is_cuda and not interpreting()
     if search == "radix":
         kernel, extra = (_select_tuned if tuned else _select_kernel), {}
