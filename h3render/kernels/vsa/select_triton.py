@@ -149,8 +149,9 @@ def _select_search_kernel(
     tl.store(out_ptr + row.to(tl.int64) * k + slot, (offs + num_prefix).to(tl.int32), mask=keep)
 
 
-# One program per row does 32 reductions over its row: with few warps each is a register + shuffle reduction with no
-# cross-warp barrier. The autotuner picks per shape (the first call of each: the FastH3 warm-up forward).
+# One program per row does its reductions over the row (32 counts for the radix search, ~11 reductions for the
+# interpolation on Gaussian rows): with few warps each is a register + shuffle reduction with no cross-warp barrier.
+# The autotuner picks per shape (the first call of each: the FastH3 warm-up forward).
 SELECT_WARPS = (1, 2, 4, 8)
 _select_tuned = triton.autotune(configs=[triton.Config({}, num_warps=w) for w in SELECT_WARPS],
                                 key=["num_video", "k", "BLOCK"], cache_results=True)(_select_kernel)
