@@ -118,6 +118,11 @@ def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return data, scale.t().contiguous()
 
 
+# Whether CUDA GEMMs add their bias in cuBLASLt's epilogue (`_rows_scaled_mm`); False adds it in a separate pass after
+# the bf16 rounding, as before the eighteenth session: a module setting so that the benchmark times both in one process.
+BIAS_EPILOGUE = True
+
+
 def _rows_scaled_mm(x: "torch.Tensor | Fp8Rows", weight: torch.Tensor, weight_scale: torch.Tensor,
                     bias: torch.Tensor | None, fast_accum: bool = False) -> torch.Tensor:
     """The one home of the w8a8 product (`Fp8Linear`, `Fp8WeightLinear` mode "rows"): e4m3 rows x e4m3 weight.
@@ -127,7 +132,10 @@ def _rows_scaled_mm(x: "torch.Tensor | Fp8Rows", weight: torch.Tensor, weight_sc
             (`kernels.fp8.quantize_rows`).
         weight: [N, K] float8_e4m3fn; weight_scale: [1, N] float32 (`quantize_weight`); K, N multiples of 16 on
             CUDA (`torch._scaled_mm`).
-        bias: [N] or None, added to the bf16 product in bf16.
+        bias: [N] or None, added to the fp32 product before its one bf16 rounding: on CUDA in the GEMM's epilogue
+            (cuBLASLt's bias epilogue), where a separate `out + bias` cost one more pass over the output (the video
+            VAE decoder's q/k/v, out and fc2 projections: 6.9 ms of each 99 ms decode batch on an H200,
+            docs/performance.md §28).
         fast_accum: on CUDA, cuBLASLt's fast accumulation (`Fp8Linear.fast_accum`); no effect off CUDA.
 
     Returns:
@@ -142,14 +150,19 @@ def _rows_scaled_mm(x: "torch.Tensor | Fp8Rows", weight: torch.Tensor, weight_sc
     if x.data.shape[0] == 0:  # a rank's empty shard: cuBLASLt takes no M = 0 problem
         out = torch.empty(0, weight.shape[0], dtype=torch.bfloat16, device=x.data.device)
     elif x.data.device.type == "cuda":
+        epilogue = bias is not None and BIAS_EPILOGUE
         out = torch._scaled_mm(x.data, weight.t(), scale_a=x.scale, scale_b=weight_scale,
+                               bias=bias.to(torch.bfloat16) if epilogue else None,
                                out_dtype=torch.bfloat16, use_fast_accum=fast_accum)  # [S, N]
+        if bias is not None and not epilogue:
+            out = out + bias.to(out.dtype)
     else:
         # Off CUDA the same product, dequantized operands in fp32 then one bf16 rounding: CPU `_scaled_mm` takes
         # per-tensor scales only before torch 2.13 (2.11 fails an INTERNAL ASSERT in mkldnn/Linear.cpp).
-        out = (x.dequantize() @ (weight.float() * weight_scale.t()).t()).to(torch.bfloat16)
-    if bias is not None:
-        out = out + bias.to(out.dtype)
+        out = x.dequantize() @ (weight.float() * weight_scale.t()).t()
+        if bias is not None:  # cuBLASLt's epilogue reads the bias in bf16
+            out = out + bias.to(torch.bfloat16).float()
+        out = out.to(torch.bfloat16)
     return out
 
 

@@ -103,13 +103,14 @@ def test_fp8_feed_forward_runs_the_fused_swiglu(vaes, monkeypatch):
     fc1, fc2 = ff.net[0].proj, ff.net[2]
     x = torch.randn(2, 37, fc1.in_features, generator=torch.Generator().manual_seed(3)).bfloat16()
 
-    def product(rows, lin):  # what `Fp8Linear` computes off CUDA: the dequantized operands' fp32 product -> bf16
+    def product(rows, lin, bias=None):  # what `Fp8Linear` computes off CUDA: the fp32 product (+ bias) -> bf16
         data, scale = rows
-        return ((data.float() * scale) @ lin.dequantized_weight().t()).bfloat16()
+        out = (data.float() * scale) @ lin.dequantized_weight().t()
+        return (out if bias is None else out + bias.bfloat16().float()).bfloat16()
 
     h = product(quantize_rows_naive(x.reshape(74, -1)), fc1).float() + fc1.bias.float()  # [74, 2F]: [value | gate]
     value, gate = h.chunk(2, dim=-1)
-    want = (product(quantize_rows_naive(value * torch.nn.functional.silu(gate)), fc2) + fc2.bias).view(2, 37, -1)
+    want = product(quantize_rows_naive(value * torch.nn.functional.silu(gate)), fc2, fc2.bias).view(2, 37, -1)
     monkeypatch.setattr(SwiGLUIn, "forward", lambda *a: pytest.fail("the unfused SwiGLU ran"))
     got = ff(x)
     assert got.dtype == torch.bfloat16 and torch.equal(got, want)
