@@ -332,11 +332,15 @@ def _prof_dit(args, ctx) -> None:
     if args.prof_dit == "fp8-vsa":  # as a FastH3 render runs: VSA with (random) gates, then the FP8 linears
         import bench_fp8
 
+        from h3render.models.attention import vsa_qk_int8_pays
         from h3render.models.fp8 import quantize_dit_fp8_
 
         bench_fp8.enable_random_vsa_(dit, args.vsa_sparsity, seed=1)
         quantize_dit_fp8_(dit)
-        what += f" fp8 VSA s={args.vsa_sparsity}"
+        # The Engine's setting for fp8 on sm_90+ (`vsa_qk_int8_pays`); before 2026-12-04 this profile ran bf16 QK^T
+        # (its fine kernel 53.7 ms a layer against 45.4 ms with int8 on the same GPU: docs/performance.md §28.2).
+        dit.vsa_qk_int8 = vsa_qk_int8_pays("fp8", torch.device("cuda"))
+        what += f" fp8 VSA s={args.vsa_sparsity}{' int8 QK' if dit.vsa_qk_int8 else ''}"
     w, h, f = parse_canvas(args.prof_canvas)
     what += f" {w}x{h}x{f}"
     layout, inputs = _dit_step(dit, h, w, f)
@@ -347,8 +351,61 @@ def _prof_dit(args, ctx) -> None:
         torch.cuda.synchronize()
     rec(stage="prof", what=f"{what}, {ctx.world_size} GPU(s), top kernels", seconds=round(t, 4),
         kernels=_top_kernels(prof, 30))
+    from h3render.models.dit import Attention  # q, k, v copied out by the norm + RoPE, as before session 18
+
+    Attention.qk_in_place = False
+    try:
+        t_copy = cuda_time(fn, reps=2)
+    finally:
+        Attention.qk_in_place = True
+    rec(stage="prof", what=f"{what}, q/k/v copied out of the qkv projection (not normalized in place)",
+        seconds=round(t_copy, 4), in_place_s=round(t, 4))
+    if args.prof_dit == "fp8-vsa" and not ctx.distributed:
+        _fine_in_forward(fn, what)
     del dit, inputs
     peak_reset()
+
+
+def _fine_in_forward(forward, what: str) -> None:
+    """The fine kernel on one layer's own inputs from inside the forward (captured at its first call), autotuned as
+    the forward launches it and at each `TMA_CONFIGS` setting, beside the same launches on `released_vsa_case`'s
+    random q/k/v: whether a layer's fine time in the forward's profile comes from its inputs or from the launch."""
+    from h3render.kernels.vsa import triton_impl
+    from h3render.kernels.vsa.triton_hopper import TMA_CONFIGS
+
+    captured: list = []
+    original = triton_impl.fine_attention_triton
+
+    def capture(*a, **kw):
+        if not captured:
+            captured.append((tuple(x.clone() if torch.is_tensor(x) else x for x in a),
+                             {k: v.clone() if torch.is_tensor(v) else v for k, v in kw.items()}))
+        return original(*a, **kw)
+
+    triton_impl.fine_attention_triton = capture
+    try:
+        forward()
+    finally:
+        triton_impl.fine_attention_triton = original
+    a, kw = captured[0]
+    q = a[0]
+    settings = [dict(num_warps=w, num_stages=st, maxnreg=r) for w, st, r in TMA_CONFIGS] + [{}]
+    for setting in settings:
+        t = cuda_time(lambda: original(*a, **kw, **setting), reps=5, warm=2)
+        label = (f"{setting['num_warps']}w/{setting['num_stages']}st maxnreg={setting['maxnreg']}" if setting
+                 else f"autotuned (picked {triton_impl.tuned_fine_config(tma=True)})")
+        rec(stage="prof", what=f"{what}: fine+gate on block 0's own inputs, {label}", ours_s=round(t, 4),
+            q_stride=list(q.stride()), qk_int8=kw.get("qk_int8"), kept=list(a[4].shape) if a[4] is not None else None)
+    from bench_common import released_vsa_case
+    from h3render.kernels.vsa.naive import coarse_attention_naive
+
+    case = released_vsa_case(0.9)  # 1344x768x243 with 300 text rows
+    coarse = coarse_attention_naive(case.scores, triton_impl.pool_tiles_triton(case.v, case.plan))
+    for setting in settings[:1]:
+        t = cuda_time(lambda: original(case.q, case.k, case.v, case.plan, case.sel, case.gate, coarse, qk_int8=True,
+                                       k_mean=case.k_mean, **setting), reps=5, warm=2)
+        rec(stage="prof", what=f"fine+gate on released_vsa_case's random inputs (vsa-tune's), {setting}",
+            ours_s=round(t, 4), kept=list(case.sel.shape), seq=case.plan.seq_len, forward_seq=q.shape[0])
 
 
 def _prof_vae(args) -> None:
@@ -394,4 +451,13 @@ def _prof_vae(args) -> None:
             FeedForward.fused_fp8 = True
         rec(stage="prof", what=f"video VAE fp8 compiled, {len(many)} items, Inductor's SwiGLU quantization "
             "(no fused kernel)", seconds=round(t_unfused, 4), fused_s=round(t_many, 4))
+        from h3render.models import fp8  # the GEMMs' bias in a pass of its own, as before the eighteenth session
+
+        fp8.BIAS_EPILOGUE = False
+        try:
+            t_apart = cuda_time(lambda: vae.decode_items(z, many, vb), reps=3, warm=2)  # warm: recompiles
+        finally:
+            fp8.BIAS_EPILOGUE = True
+        rec(stage="prof", what=f"video VAE fp8 compiled, {len(many)} items, the GEMMs' bias added apart (no "
+            "epilogue)", seconds=round(t_apart, 4), epilogue_s=round(t_many, 4))
 
