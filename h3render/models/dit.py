@@ -112,10 +112,6 @@ class Attention(nn.Module):
     `(q, k, v) -> out`, all `[B, S, H, D]` with B = 1. Default `sdpa_attention`.
     """
 
-    # Whether q and k are normalized in place inside the qkv projection's output (v read where it lies); False
-    # copies q, k, v out as before the eighteenth session: a class setting so that the benchmark times both.
-    qk_in_place = True
-
     def __init__(self, hidden_size: int, heads: int, head_dim: int, qk_norm_eps: float):
         super().__init__()
         self.heads = heads
@@ -143,16 +139,11 @@ class Attention(nn.Module):
             extra = {} if sparse is None else dict(sparse=sparse, gate=gate)
             out = self.qkv_attention(qkv, self.q_norm.weight, self.k_norm.weight, rope, self.qk_norm_eps, **extra)
             return self.out_proj(out.reshape(s, self.heads * self.head_dim))
-        q, k, v = qkv.unbind(2)  # each [S, H, D], views of the projection output
+        q, k, v = qkv.unbind(2)  # each [S, H, D]
         cos, sin = rope if rope is not None else (None, None)
-        # q and k normalized and rotated in place: v is read where the projection wrote it, and no second
-        # three-width buffer exists (copying q, k and v out took 1.9 ms a layer at 1344x768x243 on an H200 and held
-        # six widths per row at once; docs/performance.md §28).
-        if self.qk_in_place and not torch.is_grad_enabled():  # (autograd forbids writing into unbind's views)
-            q, k, _ = qk_norm_rope(q, k, None, self.q_norm.weight, self.k_norm.weight, cos, sin, self.qk_norm_eps,
-                                   out=(q, k, None))
-        else:
-            q, k, v = qk_norm_rope(q, k, v, self.q_norm.weight, self.k_norm.weight, cos, sin, self.qk_norm_eps)
+        q, k, v = qk_norm_rope(q, k, v, self.q_norm.weight, self.k_norm.weight, cos, sin, self.qk_norm_eps)
+        # The projection output is dead once normalized: freed here, not when the call returns, it leaves attention
+        # 4 hidden-widths per row more room (3.2 GB at 1344x768x243; the streamed plan's peak, memplan.py).
         del qkv
         out = self.attention(q[None], k[None], v[None])[0] if sparse is None else sparse(q, k, v, gate)
         return self.out_proj(out.reshape(s, self.heads * self.head_dim))

@@ -77,28 +77,19 @@ def qk_norm_rope(
             None for no RoPE (the token refiner).
         sin: [S, R] float32 sines, None exactly when cos is None.
         eps: RMSNorm epsilon (released checkpoint: 1e-5).
-        out: optional outputs shaped like q (q, k, and v or None), unit stride over D, any other strides; q and k
-            themselves are allowed (in place: the DiT normalizes q and k inside its qkv projection's output, so v
-            needs no copy and no second [S, 3, H, D] buffer is allocated).
+        out: optional preallocated contiguous outputs shaped like q (q, k, and v or None).
         use_triton: None = Triton on CUDA tensors, torch reference otherwise; True/False force one. Under
             `torch.compile` the Triton path is the `h3render::qk_norm_rope` op (`triton_impl.qk_norm_rope_op`),
             which Inductor launches as one kernel.
 
     Returns:
-        (q, k, v): shaped like q, in q's dtype, contiguous (or `out`) (add a batch axis to [S, H, D] with
-        `.unsqueeze(0)` for attention's [B, S, H, D]); v is None when v was None.
+        (q, k, v): contiguous, shaped like q, in q's dtype (add a batch axis to [S, H, D] with `.unsqueeze(0)` for
+        attention's [B, S, H, D]); v is None when v was None.
 
     Raises:
         ValueError: shapes, dtypes or strides do not fit the above.
     """
     _check(q, k, v, q_weight, k_weight, cos, sin)
-    if out is not None:
-        for name, dst, src in zip(("out[0]", "out[1]", "out[2]"), out, (q, k, v)):
-            if (dst is None) != (src is None) or (dst is not None and (dst.shape != q.shape or dst.dtype != q.dtype)):
-                raise ValueError(f"{name} must be shaped like q ({tuple(q.shape)}, {q.dtype}) exactly where the "
-                                 f"input is given, got {None if dst is None else (tuple(dst.shape), dst.dtype)}")
-            if dst is not None:
-                check_last_dim_contiguous(name, dst)
     if use_triton_for(q, use_triton):
         if torch.compiler.is_compiling():
             # One opaque op (the video VAE decoder's compiled blocks): Dynamo traces none of the launcher's Python,

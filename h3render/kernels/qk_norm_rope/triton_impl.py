@@ -2,9 +2,8 @@
 
 One program handles one packed row and BLOCK_H heads: it reads q and k straight from the qkv projection's output
 (any item/row/head strides, unit stride along D), normalizes each head in fp32 (times the RMSNorm weight if
-HAS_WEIGHT), rotates the leading R channels, and writes q, k (and a copy of v) as [B, S, H, D] at the outputs' own
-strides: new contiguous tensors, or q and k themselves (in place; a program reads its rows' heads before it writes
-them, and no other program touches them).
+HAS_WEIGHT), rotates the leading R channels, and writes q, k (and a copy of v) contiguously as [B, S, H, D], the
+layout FlashAttention and SDPA want.
 
 Two users: the DiT (one item, B = 1: q [S, H, D], weighted norm, R = 96 of D = 128) and the video VAE decoder
 (B tiles per batch sharing one cos/sin table of S rows, no norm weight, R = 48 of D = 64). The program of packed row
@@ -33,9 +32,8 @@ _TILE_ELEMENTS = 2048
 def _norm_rope_tile(
     x_ptr,  # row s of one input, [H, D] at (stride_h, 1)
     w_ptr,  # [D] RMSNorm weight (read only if HAS_WEIGHT)
-    out_ptr,  # row s of the output, [H, D] at (out_stride_h, 1); may be x_ptr
+    out_ptr,  # row s of the output, contiguous [H, D]
     stride_h,
-    out_stride_h,
     heads,  # [BLOCK_H] head indices
     dims,  # [BLOCK_D] channel indices
     partner,  # [BLOCK_D] rotate_half partner channel (itself outside the rotary part)
@@ -60,7 +58,7 @@ def _norm_rope_tile(
         y = y * w[None, :]
         yp = yp * wp[None, :]
     out = y * cos[None, :] + yp * sin_signed[None, :]
-    out_off = heads[:, None] * out_stride_h + dims[None, :]
+    out_off = heads[:, None] * D + dims[None, :]
     tl.store(out_ptr + out_off, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -69,9 +67,9 @@ def _qk_norm_rope_kernel(
     q_ptr,  # [B, S, H, D] strides (stride_q_b, stride_q_s, stride_q_h, 1)
     k_ptr,  # [B, S, H, D] strides (stride_k_b, stride_k_s, stride_k_h, 1)
     v_ptr,  # [B, S, H, D] strides (stride_v_b, stride_v_s, stride_v_h, 1); unused unless HAS_V
-    q_out_ptr,  # [B, S, H, D] strides (stride_qo_b, stride_qo_s, stride_qo_h, 1); may be q_ptr (in place)
-    k_out_ptr,  # [B, S, H, D] strides (stride_ko_b, stride_ko_s, stride_ko_h, 1); may be k_ptr
-    v_out_ptr,  # [B, S, H, D] strides (stride_vo_b, stride_vo_s, stride_vo_h, 1); unused unless HAS_V
+    q_out_ptr,  # [B, S, H, D] contiguous
+    k_out_ptr,
+    v_out_ptr,
     q_w_ptr,  # [D]; unused unless HAS_WEIGHT
     k_w_ptr,  # [D]; unused unless HAS_WEIGHT
     cos_ptr,  # [S, R] strides (stride_cos_s, 1), shared by the B items
@@ -85,15 +83,6 @@ def _qk_norm_rope_kernel(
     stride_v_b,
     stride_v_s,
     stride_v_h,
-    stride_qo_b,
-    stride_qo_s,
-    stride_qo_h,
-    stride_ko_b,
-    stride_ko_s,
-    stride_ko_h,
-    stride_vo_b,
-    stride_vo_s,
-    stride_vo_h,
     stride_cos_s,
     stride_sin_s,
     S,  # rows per item = rows of the cos/sin table
@@ -121,15 +110,15 @@ def _qk_norm_rope_kernel(
     sin = tl.load(sin_ptr + s * stride_sin_s + dims, mask=in_rot, other=0.0).to(tl.float32)
     sin_signed = tl.where(dims < half, -sin, sin)
 
-    _norm_rope_tile(q_ptr + b * stride_q_b + s * stride_q_s, q_w_ptr, q_out_ptr + b * stride_qo_b + s * stride_qo_s,
-                    stride_q_h, stride_qo_h, heads, dims, partner, cos, sin_signed, mask, D, eps, HAS_WEIGHT)
-    _norm_rope_tile(k_ptr + b * stride_k_b + s * stride_k_s, k_w_ptr, k_out_ptr + b * stride_ko_b + s * stride_ko_s,
-                    stride_k_h, stride_ko_h, heads, dims, partner, cos, sin_signed, mask, D, eps, HAS_WEIGHT)
+    out_row = row * H * D
+    _norm_rope_tile(q_ptr + b * stride_q_b + s * stride_q_s, q_w_ptr, q_out_ptr + out_row, stride_q_h,
+                    heads, dims, partner, cos, sin_signed, mask, D, eps, HAS_WEIGHT)
+    _norm_rope_tile(k_ptr + b * stride_k_b + s * stride_k_s, k_w_ptr, k_out_ptr + out_row, stride_k_h,
+                    heads, dims, partner, cos, sin_signed, mask, D, eps, HAS_WEIGHT)
     if HAS_V:
         v_row = v_ptr + b * stride_v_b + s * stride_v_s
         v = tl.load(v_row + heads[:, None] * stride_v_h + dims[None, :], mask=mask)
-        v_out_row = v_out_ptr + b * stride_vo_b + s * stride_vo_s
-        tl.store(v_out_row + heads[:, None] * stride_vo_h + dims[None, :], v, mask=mask)
+        tl.store(v_out_ptr + out_row + heads[:, None] * D + dims[None, :], v, mask=mask)
 
 
 def _as_4d(t: torch.Tensor) -> torch.Tensor:
@@ -139,8 +128,7 @@ def _as_4d(t: torch.Tensor) -> torch.Tensor:
 
 def _launch(kernel, q, k, v, q_weight, k_weight, cos, sin, eps, q_out, k_out, v_out) -> None:
     """Run `kernel` (`_qk_norm_rope_kernel`, or its `wrap_triton` form inside the op) over q, k (v) [(B,) S, H, D]
-    into outputs of the same shape (any strides, unit stride along D): one program per packed row and block of
-    heads."""
+    into contiguous outputs of the same shape: one program per packed row and block of heads."""
     q, k, q_out, k_out = _as_4d(q), _as_4d(k), _as_4d(q_out), _as_4d(k_out)
     B, S, H, D = q.shape
     if B * S == 0:
@@ -151,7 +139,7 @@ def _launch(kernel, q, k, v, q_weight, k_weight, cos, sin, eps, q_out, k_out, v_
     _, num_warps = calculate_settings(block_h * block_d)
     has_v = v is not None
     v_in = _as_4d(v) if has_v else q  # placeholder pointer; never read when HAS_V is False
-    v_dst = _as_4d(v_out) if has_v else q_out  # placeholder; never written when HAS_V is False
+    v_dst = _as_4d(v_out) if has_v else q_out
     has_weight = q_weight is not None
     if not has_weight:  # placeholder pointers; never read when HAS_WEIGHT is False
         q_weight = k_weight = q
@@ -161,9 +149,7 @@ def _launch(kernel, q, k, v, q_weight, k_weight, cos, sin, eps, q_out, k_out, v_
     kernel[grid](
         q, k, v_in, q_out, k_out, v_dst, q_weight, k_weight, cos, sin,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-        v_in.stride(0), v_in.stride(1), v_in.stride(2), q_out.stride(0), q_out.stride(1), q_out.stride(2),
-        k_out.stride(0), k_out.stride(1), k_out.stride(2), v_dst.stride(0), v_dst.stride(1), v_dst.stride(2),
-        cos.stride(0), sin.stride(0),
+        v_in.stride(0), v_in.stride(1), v_in.stride(2), cos.stride(0), sin.stride(0),
         S, H, D, R, eps,
         HAS_V=has_v, HAS_WEIGHT=has_weight, BLOCK_H=block_h, BLOCK_D=block_d, num_warps=num_warps,
     )
@@ -187,11 +173,10 @@ def qk_norm_rope_triton(
         q_weight, k_weight: [D], or both None (no norm weight).
         cos, sin: [S, R], unit stride along R, shared by the B items, or None (R = 0: norm only).
         eps: RMSNorm epsilon.
-        out: optional (q, k, v) outputs shaped like q, unit stride along D, any other strides (v entry None when v
-            is None); q and k themselves (in place) are allowed.
+        out: optional preallocated contiguous (q, k, v) outputs shaped like q (v entry None when v is None).
 
     Returns:
-        (q, k, v) shaped like q, in q's dtype (contiguous unless `out` says otherwise); v is None when v was None.
+        (q, k, v) contiguous, shaped like q, in q's dtype; v is None when v was None.
     """
     if out is None:
         q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
