@@ -351,15 +351,6 @@ def _prof_dit(args, ctx) -> None:
         torch.cuda.synchronize()
     rec(stage="prof", what=f"{what}, {ctx.world_size} GPU(s), top kernels", seconds=round(t, 4),
         kernels=_top_kernels(prof, 30))
-    from h3render.models.dit import Attention  # q, k, v copied out by the norm + RoPE, as before session 18
-
-    Attention.qk_in_place = False
-    try:
-        t_copy = cuda_time(fn, reps=2)
-    finally:
-        Attention.qk_in_place = True
-    rec(stage="prof", what=f"{what}, q/k/v copied out of the qkv projection (not normalized in place)",
-        seconds=round(t_copy, 4), in_place_s=round(t, 4))
     if args.prof_dit == "fp8-vsa" and not ctx.distributed:
         _fine_in_forward(fn, what)
     del dit, inputs

@@ -60,8 +60,7 @@ def add_arguments(p) -> None:
                         "coarse output GEMM in fp32, the video VAE decoder's q/k norm + RoPE and residual + norm + "
                         "FP8 quantization as Inductor fuses them: main before the seventeenth session), "
                         "session17 (this tree with the eighteenth session's work off: the FP8 GEMMs' bias added in "
-                        "a pass of its own after the bf16 rounding, the DiT's q, k, v copied out of the qkv "
-                        "projection by its norm + RoPE: main before the eighteenth session)")
+                        "a pass of its own after the bf16 rounding: main before the eighteenth session)")
     p.add_argument("--e2e-content", default="noise",
                    help="e2e / memplans: comma-separated pictures each job is rendered with, in this order: noise "
                         "(what the random weights decode), moving (the real decode, each chunk then painted with "
@@ -293,20 +292,19 @@ def vsa_kernels(variant: str, engine):
     from h3render.kernels import vsa
     from h3render.kernels.vsa import select_triton, triton_impl
     from h3render.models import fp8
-    from h3render.models.dit import Attention
     from h3render.models.video_vae import FeedForward, ViTAttention, ViTBlock
 
     dit = engine.c.dit
     saved = dit.vsa_qk_int8, FeedForward.fused_fp8, triton_impl.LONG_FIRST
     saved16 = select_triton.SEARCH, vsa.COARSE_TF32, ViTAttention.use_triton, ViTBlock.fused_norm_fp8
-    saved17 = fp8.BIAS_EPILOGUE, Attention.qk_in_place
+    saved17 = fp8.BIAS_EPILOGUE
     dit.vsa_qk_int8 = saved[0] and variant != "bf16-qk"
     triton_impl.LONG_FIRST = saved[2] and variant != "head-order"
     if variant == "session16":  # (the compiled decoder blocks recompile on the first decode: `decode_alone` takes it)
         select_triton.SEARCH, vsa.COARSE_TF32, ViTAttention.use_triton, ViTBlock.fused_norm_fp8 = (
             "radix", False, False, False)
     if variant == "session17":  # (the compiled decoder blocks recompile on the first decode: `decode_alone` takes it)
-        fp8.BIAS_EPILOGUE = Attention.qk_in_place = False
+        fp8.BIAS_EPILOGUE = False
     if variant == "session12":  # (the compiled blocks recompile on the first decode: `decode_alone` takes it)
         FeedForward.fused_fp8 = False
     tuner = tuned = None
@@ -328,7 +326,7 @@ def vsa_kernels(variant: str, engine):
     finally:
         dit.vsa_qk_int8, FeedForward.fused_fp8, triton_impl.LONG_FIRST = saved
         select_triton.SEARCH, vsa.COARSE_TF32, ViTAttention.use_triton, ViTBlock.fused_norm_fp8 = saved16
-        fp8.BIAS_EPILOGUE, Attention.qk_in_place = saved17
+        fp8.BIAS_EPILOGUE = saved17
         if tuner is not None:
             tuner.configs, tuner.cache = tuned
 

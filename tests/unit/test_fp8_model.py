@@ -323,12 +323,19 @@ def test_fp8_linear_on_cuda_against_exact_reference(rows):
     exact = quantize_rows(x).dequantize() @ f.dequantized_weight().t() + lin.bias.float()
     assert rel_err(y.float(), exact) <= 4e-3  # bf16 output rounding only (CPU: 1.7e-3)
     assert rel_err(y.float(), F.linear(x.float(), lin.weight.float(), lin.bias.float())) <= 0.075
-    # The bias rides in the GEMM's epilogue (`BIAS_EPILOGUE`): one bf16 rounding of product + bias. An output may sit
-    # one bf16 step off where the accumulation order moves the fp32 sum across a rounding midpoint (0-0.5 % measured
-    # on an H200); adding the bias after rounding the product moves about a quarter of them.
-    want = exact.bfloat16()
-    twice = (exact - lin.bias.float()).bfloat16() + f.bias
-    assert (y != want).float().mean() < 0.02 and (twice != want).float().mean() > 0.1
+    # The bias rides in the GEMM's epilogue (`BIAS_EPILOGUE`): one bf16 rounding of product + bias, so every output
+    # is within one bf16 step of the fp32 value (accumulation order aside), and the switch changes bits: the
+    # separate add rounds twice (on the CPU about a quarter of the outputs differ, tests above).
+    import h3render.models.fp8 as fp8_module
+
+    step = torch.finfo(torch.bfloat16).eps * 2.0 ** torch.floor(torch.log2(exact.abs().clamp_min(1e-30)))
+    assert bool(((y.float() - exact).abs() <= step).all())
+    fp8_module.BIAS_EPILOGUE = False
+    try:
+        apart = f(x)
+    finally:
+        fp8_module.BIAS_EPILOGUE = True
+    assert not torch.equal(apart, y)
 
 
 @compiled_cuda
