@@ -432,23 +432,21 @@ def _prof_vae(args) -> None:
     many = vae.plan_decode(*z.shape[1:]).items[:4 * vb]
     t_many = cuda_time(lambda: vae.decode_items(z, many, vb), reps=3)
     rec(stage="prof", what=f"video VAE {args.prof_vae} compiled, {len(many)} items", seconds=round(t_many, 4))
-    if args.prof_vae == "fp8":  # the FP8 FFN with Inductor's own SwiGLU quantization, as at session 13's start
-        from h3render.models.video_vae import FeedForward
+    if args.prof_vae != "fp8":
+        return
+    from h3render.models import fp8
+    from h3render.models.video_vae import FeedForward
 
-        FeedForward.fused_fp8 = False
+    # Each earlier form with this tree's other parts (the compiled blocks recompile for each: warm-up 2): the FP8
+    # FFN with Inductor's own SwiGLU quantization (session 13's start), the GEMMs' bias in a pass of its own
+    # (before session 18).
+    for owner, name, label in ((FeedForward, "fused_fp8", "Inductor's SwiGLU quantization (no fused kernel)"),
+                               (fp8, "BIAS_EPILOGUE", "the GEMMs' bias added apart (no epilogue)")):
+        setattr(owner, name, False)
         try:
-            t_unfused = cuda_time(lambda: vae.decode_items(z, many, vb), reps=3, warm=2)  # warm: recompiles
+            t_before = cuda_time(lambda: vae.decode_items(z, many, vb), reps=3, warm=2)
         finally:
-            FeedForward.fused_fp8 = True
-        rec(stage="prof", what=f"video VAE fp8 compiled, {len(many)} items, Inductor's SwiGLU quantization "
-            "(no fused kernel)", seconds=round(t_unfused, 4), fused_s=round(t_many, 4))
-        from h3render.models import fp8  # the GEMMs' bias in a pass of its own, as before the eighteenth session
-
-        fp8.BIAS_EPILOGUE = False
-        try:
-            t_apart = cuda_time(lambda: vae.decode_items(z, many, vb), reps=3, warm=2)  # warm: recompiles
-        finally:
-            fp8.BIAS_EPILOGUE = True
-        rec(stage="prof", what=f"video VAE fp8 compiled, {len(many)} items, the GEMMs' bias added apart (no "
-            "epilogue)", seconds=round(t_apart, 4), epilogue_s=round(t_many, 4))
+            setattr(owner, name, True)
+        rec(stage="prof", what=f"video VAE fp8 compiled, {len(many)} items, {label}", seconds=round(t_before, 4),
+            current_s=round(t_many, 4))
 
