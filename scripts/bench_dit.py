@@ -338,7 +338,7 @@ def _prof_dit(args, ctx) -> None:
         bench_fp8.enable_random_vsa_(dit, args.vsa_sparsity, seed=1)
         quantize_dit_fp8_(dit)
         # The Engine's setting for fp8 on sm_90+ (`vsa_qk_int8_pays`); before 2026-12-04 this profile ran bf16 QK^T
-        # (its fine kernel 53.7 ms a layer against 45.4 ms with int8 on the same GPU: docs/performance.md §28.2).
+        # (its fine kernel 53.7 ms a layer against 45.4 ms with int8 on the same GPU: docs/performance.md §28.3).
         dit.vsa_qk_int8 = vsa_qk_int8_pays("fp8", torch.device("cuda"))
         what += f" fp8 VSA s={args.vsa_sparsity}{' int8 QK' if dit.vsa_qk_int8 else ''}"
     w, h, f = parse_canvas(args.prof_canvas)
@@ -392,11 +392,10 @@ def _fine_in_forward(forward, what: str) -> None:
 
     case = released_vsa_case(0.9)  # 1344x768x243 with 300 text rows
     coarse = coarse_attention_naive(case.scores, triton_impl.pool_tiles_triton(case.v, case.plan))
-    for setting in settings[:1]:
-        t = cuda_time(lambda: original(case.q, case.k, case.v, case.plan, case.sel, case.gate, coarse, qk_int8=True,
-                                       k_mean=case.k_mean, **setting), reps=5, warm=2)
-        rec(stage="prof", what=f"fine+gate on released_vsa_case's random inputs (vsa-tune's), {setting}",
-            ours_s=round(t, 4), kept=list(case.sel.shape), seq=case.plan.seq_len, forward_seq=q.shape[0])
+    t = cuda_time(lambda: original(case.q, case.k, case.v, case.plan, case.sel, case.gate, coarse, qk_int8=True,
+                                   k_mean=case.k_mean, **settings[0]), reps=5, warm=2)
+    rec(stage="prof", what=f"fine+gate on released_vsa_case's random inputs (vsa-tune's), {settings[0]}",
+        ours_s=round(t, 4), kept=list(case.sel.shape), seq=case.plan.seq_len, forward_seq=q.shape[0])
 
 
 def _prof_vae(args) -> None:
