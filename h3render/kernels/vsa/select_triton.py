@@ -51,6 +51,18 @@ def _row_keys(scores_ptr, stride_h, stride_q, num_prefix, num_video, BLOCK: tl.c
 
 
 @triton.jit
+def _store_kept(out_ptr, row, offs, valid, key, threshold, k, num_prefix):
+    """Write the row's kept ids, ascending: every key above `threshold` and, of the keys equal to it, the lowest ids
+    up to k in all (all of them when the cut is exact)."""
+    above = key > threshold
+    tied = (key == threshold) & valid
+    need = k - tl.sum(above.to(tl.int32), axis=0)  # >= 0
+    keep = above | (tied & (tl.cumsum(tied.to(tl.int32), axis=0) <= need))
+    slot = tl.cumsum(keep.to(tl.int32), axis=0) - 1
+    tl.store(out_ptr + row.to(tl.int64) * k + slot, (offs + num_prefix).to(tl.int32), mask=keep)
+
+
+@triton.jit
 def _select_kernel(
     scores_ptr,  # [H, n, n] fp32 tile scores (any strides over H and query tiles, unit stride over key tiles)
     out_ptr,  # [H, V, k] int32 kept absolute key tile ids, ascending
@@ -67,12 +79,7 @@ def _select_kernel(
         candidate = threshold + (1 << b)
         count = tl.sum((key >= candidate).to(tl.int32), axis=0)
         threshold = tl.where(count >= k, candidate, threshold)
-    above = key > threshold
-    tied = (key == threshold) & valid
-    need = k - tl.sum(above.to(tl.int32), axis=0)  # >= 1: the threshold key itself is among the top k
-    keep = above | (tied & (tl.cumsum(tied.to(tl.int32), axis=0) <= need))
-    slot = tl.cumsum(keep.to(tl.int32), axis=0) - 1
-    tl.store(out_ptr + row.to(tl.int64) * k + slot, (offs + num_prefix).to(tl.int32), mask=keep)
+    _store_kept(out_ptr, row, offs, valid, key, threshold, k, num_prefix)
 
 
 @triton.jit
@@ -140,13 +147,7 @@ def _select_search_kernel(
             hi = mid
             c_hi = count
         steps += 1
-    threshold = lo.to(tl.int32)
-    above = key > threshold
-    tied = (key == threshold) & valid
-    need = k - tl.sum(above.to(tl.int32), axis=0)  # >= 0; all of `tied` when the cut is exact
-    keep = above | (tied & (tl.cumsum(tied.to(tl.int32), axis=0) <= need))
-    slot = tl.cumsum(keep.to(tl.int32), axis=0) - 1
-    tl.store(out_ptr + row.to(tl.int64) * k + slot, (offs + num_prefix).to(tl.int32), mask=keep)
+    _store_kept(out_ptr, row, offs, valid, key, lo.to(tl.int32), k, num_prefix)
 
 
 # One program per row does its reductions over the row (32 counts for the radix search, ~11 reductions for the
