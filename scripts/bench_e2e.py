@@ -60,7 +60,13 @@ def add_arguments(p) -> None:
                         "coarse output GEMM in fp32, the video VAE decoder's q/k norm + RoPE and residual + norm + "
                         "FP8 quantization as Inductor fuses them: main before the seventeenth session), "
                         "session17 (this tree with the eighteenth session's work off: the FP8 GEMMs' bias added in "
-                        "a pass of its own after the bf16 rounding: main before the eighteenth session)")
+                        "a pass of its own after the bf16 rounding: main before the eighteenth session), "
+                        "session18 (this tree with the nineteenth session's work off: the FP8 modulate kernel's "
+                        "one-row, 16-warp launch, kernels.modulate.triton_impl.LAUNCH = None, and the DiT's v copied "
+                        "to packed rows and gathered into tile order, models.dit.Attention.vsa_v_tiles = False)")
+    p.add_argument("--e2e-prof-decode", action="store_true",
+                   help="e2e (with moving content): one more decode alone of each canvas under the profiler, its top "
+                        "kernels recorded (against the same VAE built alone: the prof stage's --prof-vae)")
     p.add_argument("--e2e-content", default="noise",
                    help="e2e / memplans: comma-separated pictures each job is rendered with, in this order: noise "
                         "(what the random weights decode), moving (the real decode, each chunk then painted with "
@@ -239,7 +245,13 @@ def stage_e2e(args, bench) -> None:
                 canvas = (job.width, job.height, job.frames)  # every job's id is "bench"
                 if scenes is not None and (canvas, kernels) not in floors:
                     with vsa_kernels(kernels, engine):
+                        # Twice: a variant's first decode may recompile the decoder blocks; the second is the floor.
+                        first = decode_alone(engine, job)
                         floors[canvas, kernels] = decode_alone(engine, job)
+                    bench.rec(stage="e2e", what=f"decode alone {job.width}x{job.height}x{job.frames}, {precision}"
+                              + ("" if kernels == "current" else f", VSA kernels {kernels}"),
+                              first_s=round(first, 3), second_s=round(floors[canvas, kernels], 3),
+                              **(_profiled(lambda: decode_alone(engine, job)) if args.e2e_prof_decode else {}))
                 floor = floors.get((canvas, kernels))
                 for kind, rep in [(kind, rep) for kind in contents for rep in range(args.e2e_reps)]:
                     reset_peak(device)
@@ -280,7 +292,7 @@ def vsa_variants(args) -> list[str]:
 
 
 VARIANTS = ("current", "bf16-qk", "session12", "uncapped", "head-order", "exact-accum", "vae-exact", "gate-exact",
-            "session16", "session17")
+            "session16", "session17", "session18")
 _UNCAPPED_PICKS: dict = {}  # the "uncapped" variant's autotuner picks, apart from the tree's own
 
 
@@ -298,6 +310,11 @@ def vsa_kernels(variant: str, engine):
     saved = dit.vsa_qk_int8, FeedForward.fused_fp8, triton_impl.LONG_FIRST
     saved16 = select_triton.SEARCH, vsa.COARSE_TF32, ViTAttention.use_triton, ViTBlock.fused_norm_fp8
     saved17 = fp8.BIAS_EPILOGUE
+    # session18: the nineteenth session's switches (the FP8 modulate launch, v written in tile order)
+    from h3render.kernels.modulate import triton_impl as modulate_impl
+    from h3render.models.dit import Attention
+
+    saved18 = modulate_impl.LAUNCH, Attention.vsa_v_tiles
     dit.vsa_qk_int8 = saved[0] and variant != "bf16-qk"
     triton_impl.LONG_FIRST = saved[2] and variant != "head-order"
     if variant == "session16":  # (the compiled decoder blocks recompile on the first decode: `decode_alone` takes it)
@@ -305,6 +322,8 @@ def vsa_kernels(variant: str, engine):
             "radix", False, False, False)
     if variant == "session17":  # (the compiled decoder blocks recompile on the first decode: `decode_alone` takes it)
         fp8.BIAS_EPILOGUE = False
+    if variant == "session18":  # (the DiT runs eager, no graphs: each call reads the switches)
+        modulate_impl.LAUNCH, Attention.vsa_v_tiles = None, False
     if variant == "session12":  # (the compiled blocks recompile on the first decode: `decode_alone` takes it)
         FeedForward.fused_fp8 = False
     tuner = tuned = None
@@ -327,6 +346,7 @@ def vsa_kernels(variant: str, engine):
         dit.vsa_qk_int8, FeedForward.fused_fp8, triton_impl.LONG_FIRST = saved
         select_triton.SEARCH, vsa.COARSE_TF32, ViTAttention.use_triton, ViTBlock.fused_norm_fp8 = saved16
         fp8.BIAS_EPILOGUE = saved17
+        modulate_impl.LAUNCH, Attention.vsa_v_tiles = saved18
         if tuner is not None:
             tuner.configs, tuner.cache = tuned
 
@@ -346,6 +366,19 @@ def content_scenes(args, device: torch.device, canvases) -> tuple[list[str], "Mo
 
 
 @torch.no_grad()
+def _profiled(fn) -> dict:
+    """`fn()` once under the CUDA profiler: its seconds, kernel launches and top kernels (`bench_dit._top_kernels`)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from bench_dit import _top_kernels
+
+    # (a CPU run, the bench's smoke test, records no kernels: the profiler needs some activity)
+    with profile(activities=[ProfilerActivity.CUDA if torch.cuda.is_available() else ProfilerActivity.CPU]) as prof:
+        seconds = fn()
+    return {"profiled_s": round(seconds, 3), "kernels": _top_kernels(prof, 25),
+            "launches": sum(e.count for e in prof.key_averages() if getattr(e, "self_device_time_total", 0) > 0)}
+
+
 def decode_alone(engine, job) -> float:
     """Seconds to drain the engine's video decode stream at `job`'s canvas with nothing taking the chunks: the floor
     of the render's `vae_video` (what is above it is the media path's time on the critical path). The latent is

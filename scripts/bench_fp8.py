@@ -10,7 +10,8 @@ as the fp8 it is compared with. Random weights at `--fp8-model`'s shapes (releas
   fp8-quant   the fused producers at the same S: modulate (C = hidden) and swiglu (F = ffn) in bf16 and with
               `fp8=True`, and `quantize_rows` on the attention output [S, heads x head_dim] (7168 wide at release:
               the out-projection's input); GB/s of the bytes each one reads and writes; the fp8 outputs against
-              their torch references with tests/unit/test_fp8_kernels.py's bounds.
+              their torch references with tests/unit/test_fp8_kernels.py's bounds; on CUDA also modulate at the
+              one-row, 16-warp launch and at (rows, warps) = (1, 8), (1, 4), (2, 4), (2, 8) (`launch=`, §28.5).
   fp8-dit     one DiT forward at `--fp8-canvas`, dense and VSA (`--vsa-sparsity`, random gates), then the 4-forward
               FastH3 chain (release positions, shifts 12/3; `--fp8-chain` attention): bf16 first, then the same DiT
               quantized in place (`quantize_dit_fp8_`) and the same again in fp8; times, rel. error of the video and
@@ -300,6 +301,25 @@ def stage_quant(args, bench) -> None:
            modulate_naive(x, weight, shift, scale, index, 1e-5, fp8=True),
            modulate_naive(x.float(), weight.float(), shift.float(), scale.float(), index, 1e-5), 2 * x.numel(),
            x.numel())
+    if device.type == "cuda":  # docs/performance.md §28.5's launch shapes: one row x 16 warps (before), 2 x 4
+        from h3render.kernels.modulate.triton_impl import modulate_fp8_triton, modulate_triton
+
+        ref_fp8 = Fp8Rows(*modulate_naive(x, weight, shift, scale, index, 1e-5, fp8=True))
+        for launch in ((1, 16), (1, 8), (1, 4), (2, 4), (2, 8)):
+            def bf16_fn():
+                return modulate_triton(x, weight, shift, scale, index, 1e-5, launch=launch)
+
+            def fp8_fn():
+                return Fp8Rows(*modulate_fp8_triton(x, weight, shift, scale, index, 1e-5, launch=launch))
+
+            what = f"modulate [{seq}, {c}]: %s, launch rows x warps = {launch[0]} x {launch[1]}"
+            t16 = time_call(bf16_fn, device, reps, warm=3)["median_s"]
+            bench.rec(stage="fp8-quant", what=what % "bf16", **row, ours_s=t16,
+                      gb_per_s=round(4 * x.numel() / t16 / 1e9, 3))
+            t8 = time_call(fp8_fn, device, reps, warm=3)["median_s"]
+            bench.rec(stage="fp8-quant", what=what % "fp8=True", **row, ours_s=t8,
+                      gb_per_s=round((3 * x.numel() + 4 * seq) / t8 / 1e9, 3), **fp8_agreement(fp8_fn(), ref_fp8))
+        del ref_fp8
     del x, weight, table, index
     free_memory(device)
 

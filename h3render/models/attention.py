@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from h3render.kernels.vsa import TILE, TilePlan, tile_plan, vsa_attention
+from h3render.kernels.vsa import TILE, TilePlan, fine_backend, tile_plan, vsa_attention
 from h3render.spec import ATTENTION_BACKENDS
 
 # Modules that provide FlashAttention-3's `flash_attn_func(q, k, v, softmax_scale=None, causal=False, ...)`
@@ -370,5 +370,15 @@ class SparseAttention:
                              f"{layout.seq_len} rows for prefix {prefix} and video grid {grid}")
         return cls(tile_plan(prefix, grid, str(torch.device(device))), float(sparsity), fine, qk_int8)
 
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
-        return vsa_attention(q, k, v, gate, self.plan, self.sparsity, fine=self.fine, qk_int8=self.qk_int8)
+    def triton_fine(self, x: torch.Tensor) -> bool:
+        """Whether the fine stage on tensors like `x` is the Triton kernel, the one that reads v in tile order
+        as is: then a caller gains by writing v so (`__call__(..., v_tiles=True)`); elsewhere it costs a copy back.
+        """
+        return fine_backend(x, self.fine) == "triton"
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: torch.Tensor | None, *,
+                 v_tiles: bool = False) -> torch.Tensor:
+        """q, k, gate `[S, h, D]` packed rows; v the same, or with `v_tiles` `[plan.padded_len, h, D]` in tile order
+        (`kernels.vsa.empty_tiles` written through `plan.slot`) -> `[S, h, D]` in q's dtype."""
+        return vsa_attention(q, k, v, gate, self.plan, self.sparsity, fine=self.fine, qk_int8=self.qk_int8,
+                             v_tiles=v_tiles)

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from h3render import kernels
-from h3render.kernels.vsa import TILE
+from h3render.kernels.vsa import TILE, empty_tiles
 from h3render.models.attention import SparseAttention, check_vsa_settings, gate_projection, sdpa_attention
 from h3render.models.dit_config import DiTConfig
 from h3render.models.fp8 import Fp8Linear, Fp8Rows
@@ -112,6 +112,11 @@ class Attention(nn.Module):
     `(q, k, v) -> out`, all `[B, S, H, D]` with B = 1. Default `sdpa_attention`.
     """
 
+    # With a `SparseAttention` whose fine stage is the Triton kernel, `qk_norm_rope` writes v straight into the
+    # kernel's tile order (`v_slot`), instead of packed rows the kernel then gathers into it: one pass over v fewer,
+    # 0.64 ms of a ~105 ms layer at 1344x768x243 on an H200. A class setting, so a benchmark can time both.
+    vsa_v_tiles = True
+
     def __init__(self, hidden_size: int, heads: int, head_dim: int, qk_norm_eps: float):
         super().__init__()
         self.heads = heads
@@ -134,19 +139,32 @@ class Attention(nn.Module):
         same quantized rows, and `out_proj` quantizes the attention output itself."""
         s = x.data.shape[0] if isinstance(x, Fp8Rows) else x.shape[0]
         qkv = self.qkv_proj(x).view(s, self.heads, 3, self.head_dim)  # interleaved per head
-        gate = None if sparse is None else self.gate_proj(x).view(s, self.heads, self.head_dim)  # input of q/k/v
         if self.qkv_attention is not None:
-            extra = {} if sparse is None else dict(sparse=sparse, gate=gate)
+            extra = {} if sparse is None else dict(sparse=sparse, gate=self._gate(x, s))
             out = self.qkv_attention(qkv, self.q_norm.weight, self.k_norm.weight, rope, self.qk_norm_eps, **extra)
             return self.out_proj(out.reshape(s, self.heads * self.head_dim))
         q, k, v = qkv.unbind(2)  # each [S, H, D]
         cos, sin = rope if rope is not None else (None, None)
-        q, k, v = qk_norm_rope(q, k, v, self.q_norm.weight, self.k_norm.weight, cos, sin, self.qk_norm_eps)
+        v_tiles = sparse is not None and self.vsa_v_tiles and sparse.triton_fine(v)
+        # With v_tiles v goes into the fine kernel's tile buffer [padded_len >= S, H, D] in place of a [S, H, D]
+        # copy, which the kernel's own tile copy of v then no longer joins: the peak does not grow.
+        buffers = (q.new_empty(q.shape), k.new_empty(k.shape),
+                   empty_tiles(sparse.plan, self.heads, self.head_dim, v.dtype, v.device)) if v_tiles else None
+        q, k, v = qk_norm_rope(q, k, v, self.q_norm.weight, self.k_norm.weight, cos, sin, self.qk_norm_eps,
+                               out=buffers, v_slot=sparse.plan.slot if v_tiles else None)
         # The projection output is dead once normalized: freed here, not when the call returns, it leaves attention
         # 4 hidden-widths per row more room (3.2 GB at 1344x768x243; the streamed plan's peak, memplan.py).
         del qkv
-        out = self.attention(q[None], k[None], v[None])[0] if sparse is None else sparse(q, k, v, gate)
+        if sparse is None:
+            out = self.attention(q[None], k[None], v[None])[0]
+        else:  # the gate only now: alive through qk_norm_rope it was one [S, H, D] more at that moment, the VSA
+            # layer's peak with int8 QKᵀ, which the v tile buffer's padded_len - S pad rows would otherwise raise
+            out = sparse(q, k, v, self._gate(x, s), v_tiles=v_tiles)
         return self.out_proj(out.reshape(s, self.heads * self.head_dim))
+
+    def _gate(self, x: "torch.Tensor | Fp8Rows", s: int) -> torch.Tensor:
+        """VSA's gate `[S, H, D]` from the attention input, the rows qkv reads (FastVideo `to_gate_compress`)."""
+        return self.gate_proj(x).view(s, self.heads, self.head_dim)
 
 
 class MLP(nn.Module):

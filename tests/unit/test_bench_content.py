@@ -60,9 +60,12 @@ def test_content_wraps_the_decode_stream_then_restores_it(bench_content):
 
 def test_e2e_stage_renders_each_content_on_cpu(tmp_path):
     argv = ["--stages", "e2e", "--e2e-model", "tiny", "--e2e-device", "cpu", "--e2e-canvases", "160x128x22",
-            "--forwards", "1", "--e2e-content", "noise,moving", "--e2e-dir", str(tmp_path)]
+            "--forwards", "1", "--e2e-content", "noise,moving", "--e2e-dir", str(tmp_path), "--e2e-prof-decode"]
     rows = run_bench(argv, tmp_path / "rows.json")
     assert not [r for r in rows if "error" in r], rows
+    [alone] = [r for r in rows if r.get("what", "").startswith("decode alone 160x128x22")]
+    assert alone["first_s"] > 0 and alone["second_s"] > 0 and alone["profiled_s"] > 0  # the decode ran thrice
+    assert "total_device_ms" in alone["kernels"][0]
     renders = {r["content"]: r for r in rows if r.get("what", "").startswith("complete MP4")}
     assert set(renders) == {"noise", "moving"}
     noise, moving = renders["noise"], renders["moving"]

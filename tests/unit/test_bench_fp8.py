@@ -210,5 +210,14 @@ def test_the_bf16_qk_variant_is_patched_in_and_restored(bench_fp8):
             "radix", False, False, False)
         assert dit.vsa_qk_int8 is True and FeedForward.fused_fp8 is True and vae[0].fast_accum is True
     assert (select_triton.SEARCH, vsa.COARSE_TF32, ViTAttention.use_triton, ViTBlock.fused_norm_fp8) == shipped
+    from h3render.kernels.modulate import triton_impl as modulate_impl
+
+    from h3render.models.dit import Attention
+
+    assert modulate_impl.LAUNCH == (2, 4) and Attention.vsa_v_tiles is True
+    with bench_e2e.vsa_kernels("session18", engine):  # the nineteenth session's work off: one-row modulate, v gathered
+        assert modulate_impl.LAUNCH is None and Attention.vsa_v_tiles is False
+        assert dit.vsa_qk_int8 is True and vae[0].fast_accum is True
+    assert modulate_impl.LAUNCH == (2, 4) and Attention.vsa_v_tiles is True
     with pytest.raises(ValueError, match="expected some of current, bf16-qk, session12"):
         bench_e2e.vsa_variants(type("A", (), {"e2e_vsa_kernels": "session10"})())

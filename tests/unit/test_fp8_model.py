@@ -324,12 +324,15 @@ def test_fp8_linear_on_cuda_against_exact_reference(rows):
     assert rel_err(y.float(), exact) <= 4e-3  # bf16 output rounding only (CPU: 1.7e-3)
     assert rel_err(y.float(), F.linear(x.float(), lin.weight.float(), lin.bias.float())) <= 0.075
     # The bias rides in the GEMM's epilogue (`BIAS_EPILOGUE`): one bf16 rounding of product + bias, so every output
-    # is within one bf16 step of the fp32 value (accumulation order aside), and the switch changes bits: the
-    # separate add rounds twice (on the CPU about a quarter of the outputs differ, tests above).
+    # is within one bf16 step of the fp32 value, give or take the fp32 accumulation's own error (cuBLAS sums the
+    # K = 512 products in its own order: up to K * 2^-24 of the sum of |products|, which decides outputs that nearly
+    # cancel; the GPU run of 2026-12-04 failed the bare one-step bound there). The switch changes bits: the separate
+    # add rounds twice (on the CPU about a quarter of the outputs differ, tests above).
     import h3render.models.fp8 as fp8_module
 
     step = torch.finfo(torch.bfloat16).eps * 2.0 ** torch.floor(torch.log2(exact.abs().clamp_min(1e-30)))
-    assert bool(((y.float() - exact).abs() <= step).all())
+    accumulation = 512 * 2.0 ** -24 * (quantize_rows(x).dequantize().abs() @ f.dequantized_weight().abs().t())
+    assert bool(((y.float() - exact).abs() <= step + accumulation).all())
     fp8_module.BIAS_EPILOGUE = False
     try:
         apart = f(x)

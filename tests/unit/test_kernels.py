@@ -149,6 +149,83 @@ def test_qk_norm_rope_rejects_bad_input():
         qk_norm_rope_qkv(qkv, q_w, k_w, cos, None)
 
 
+def _slotted_call(qkv, q_w, k_w, cos, sin, use_triton, extra_rows=11, seed=0):
+    """`qk_norm_rope` with v scattered by a shuffled row map into a random [S + extra_rows, H, D] buffer: (q, k, v
+    buffer, the buffer before the call, v_slot). The DiT's form: q, k, v strided views of the projection output."""
+    q, k, v = qkv.unbind(2)
+    S, H, D = q.shape
+    g = torch.Generator().manual_seed(seed)
+    v_slot = torch.randperm(S + extra_rows, generator=g)[:S]  # distinct, out of order, some rows never hit
+    buf = torch.randn(S + extra_rows, H, D, generator=g).to(v.dtype)
+    before = buf.clone()
+    out = (poisoned((S, H, D), q.dtype), poisoned((S, H, D), q.dtype), buf)
+    got = qk_norm_rope(q, k, v, q_w, k_w, cos, sin, out=out, v_slot=v_slot, use_triton=use_triton)
+    assert got[2] is buf
+    return got[0], got[1], buf, before, v_slot
+
+
+@pytest.mark.parametrize("use_triton", [False, pytest.param(True, marks=interpreted)])
+@pytest.mark.parametrize("D, rope, weights, dtype", [(16, True, True, torch.float32), (32, False, True, torch.bfloat16),
+                                                     (32, True, False, torch.float32), (16, False, False, torch.bfloat16)])
+def test_qk_norm_rope_v_slot_scatters_v_rows(use_triton, D, rope, weights, dtype):
+    """With `v_slot` v row s lands in row v_slot[s] of the buffer, bit for bit, and nothing else of the buffer moves;
+    q and k are the un-slotted call's."""
+    S, H, R = 37, 3, 8
+    qkv, q_w, k_w, cos, sin = _qkv_inputs(S, H, D, R, dtype, "interleaved", seed=D + rope)
+    if not rope:
+        cos = sin = None
+    if not weights:
+        q_w = k_w = None
+    ref_q, ref_k, ref_v = qk_norm_rope(*qkv.unbind(2), q_w, k_w, cos, sin, use_triton=use_triton)
+    q, k, buf, before, v_slot = _slotted_call(qkv, q_w, k_w, cos, sin, use_triton, seed=D)
+    assert torch.equal(q, ref_q) and torch.equal(k, ref_k)
+    assert torch.equal(buf[v_slot], ref_v) and torch.equal(ref_v, qkv[:, :, 2])
+    untouched = torch.ones(buf.shape[0], dtype=torch.bool)
+    untouched[v_slot] = False
+    assert int(untouched.sum()) == 11 and torch.equal(buf[untouched], before[untouched])
+
+
+@interpreted
+def test_qk_norm_rope_v_slot_triton_matches_naive():
+    qkv, q_w, k_w, cos, sin = _qkv_inputs(37, 3, 32, 16, torch.bfloat16, "stacked", seed=5)
+    triton_out = _slotted_call(qkv, q_w, k_w, cos, sin, use_triton=True, seed=1)
+    naive_out = _slotted_call(qkv, q_w, k_w, cos, sin, use_triton=False, seed=1)
+    for a, b in zip(triton_out[:2], naive_out[:2]):
+        torch.testing.assert_close(a, b, **TOL[torch.bfloat16])
+    assert torch.equal(triton_out[2], naive_out[2])
+
+
+def test_qk_norm_rope_v_slot_rejects_bad_input(monkeypatch):
+    S, H, D = 37, 3, 16
+    qkv, q_w, k_w, cos, sin = _qkv_inputs(S, H, D, 8, torch.float32, "interleaved", seed=0)
+    q, k, v = qkv.unbind(2)
+    slot = torch.arange(S)
+
+    def call(q=q, k=k, v=v, cos=cos, sin=sin, out="default", v_slot=slot, **kw):
+        if out == "default":
+            out = (torch.empty(q.shape), torch.empty(q.shape), torch.empty(S + 3, H, D))
+        return qk_norm_rope(q, k, v, q_w, k_w, cos, sin, out=out, v_slot=v_slot, **kw)
+
+    with pytest.raises(ValueError, match="needs v and out"):
+        call(out=None)
+    with pytest.raises(ValueError, match="needs v and out"):
+        call(v=None, out=(torch.empty(q.shape), torch.empty(q.shape), None))
+    with pytest.raises(ValueError, match=r"must be \[S=37\]"):
+        call(v_slot=slot[:-1])
+    with pytest.raises(ValueError, match=r"must be \[S=37\]"):
+        call(v_slot=slot.float())
+    with pytest.raises(ValueError, match="one item"):
+        q4, k4, v4 = (t[None] for t in (q, k, v))
+        call(q=q4, k=k4, v=v4, out=tuple(torch.empty(q4.shape) for _ in range(3)))
+    for buf in (torch.empty(S - 1, H, D), torch.empty(S, H + 1, D), torch.empty(S, D, H).transpose(1, 2),
+                torch.empty(S, H, D, dtype=torch.bfloat16)):
+        with pytest.raises(ValueError, match="the v buffer must be"):
+            call(out=(torch.empty(q.shape), torch.empty(q.shape), buf))
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)  # the compiled op has no v to scatter
+    with pytest.raises(ValueError, match="torch.compile"):
+        call(use_triton=True)
+
+
 # ---------------------------------------------------------------- modulate / gated_residual
 
 
@@ -275,6 +352,10 @@ def test_kernels_on_cuda_match_naive(dtype):
         got = qk_norm_rope_triton(q, k, v, q_w, k_w, cos, sin, 1e-5, out=tuple(nan((S, H, D)) for _ in range(3)))
         for a, b in zip(got, qk_norm_rope_naive(q, k, v, q_w, k_w, cos, sin, 1e-5)):
             torch.testing.assert_close(a, b, **TOL[dtype])
+        v_slot, buf = torch.randperm(S + 5, device="cuda")[:S], nan((S + 5, H, D))  # v scattered by a row map
+        slotted = qk_norm_rope_triton(q, k, v, q_w, k_w, cos, sin, 1e-5, out=(nan((S, H, D)), nan((S, H, D)), buf),
+                                      v_slot=v_slot)
+        assert torch.equal(slotted[0], got[0]) and torch.equal(buf[v_slot], v)
     for S, C, R in ((1, 7, 1), (37, 48, 6), (129, 2500, 3), (3, 5376, 6)):
         x, table, row_index = cuda(*_rows(S, C, R, dtype, torch.int64, seed=S + C))
         weight = (1 + 0.1 * torch.randn(C, device="cuda")).to(dtype)

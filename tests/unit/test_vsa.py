@@ -320,3 +320,91 @@ def test_pool_kernel_with_several_heads_per_program_is_the_reference(heads_per_p
     x = wide[:, 1:heads + 1]  # [S, H, D] with row stride (H + 2) * D
     ours = pool_tiles_triton(x, plan, heads_per_program=heads_per_program)
     torch.testing.assert_close(ours, pool_tiles_naive(x, plan), rtol=1e-6, atol=1e-6)
+
+
+# ---------------------------------------------------------------- v in tile order (`v_tiles`, issue 26)
+
+
+def _v_tiles(v, plan, pad=0.0):
+    """v [S, H, D] -> its tile buffer [n * 64, H, D] as the DiT builds it (`empty_tiles`, rows written through
+    `plan.slot`); `pad` overwrites the pad slots (NaN: shows a reader that they are never read)."""
+    from h3render.kernels.vsa.tiles import empty_tiles
+
+    vt = empty_tiles(plan, v.shape[1], v.shape[2], v.dtype, v.device)
+    vt[plan.slot] = v
+    if pad != 0.0:
+        vt[plan.pad_slot] = pad
+    return vt
+
+
+def test_empty_tiles_zeroes_exactly_the_pad_slots(monkeypatch):
+    from h3render.kernels.vsa.tiles import empty_tiles
+
+    plan = tile_plan((70, 5), (5, 6, 9))  # partial prefix tiles (6, 5 rows) and ragged video tiles
+    assert plan.pad_slot.dtype == torch.int64
+    assert torch.equal(plan.pad_slot, (plan.row_of_slot < 0).nonzero().view(-1))
+    assert plan.pad_slot.numel() == plan.padded_len - plan.seq_len > 0
+    empty = torch.empty  # make "uninitialized" visible: every fresh buffer starts as NaN
+    monkeypatch.setattr(torch, "empty", lambda *a, **kw: empty(*a, **kw).fill_(float("nan")))
+    buf = empty_tiles(plan, 3, 16, torch.bfloat16, "cpu")
+    assert buf.shape == (plan.padded_len, 3, 16) and buf.dtype == torch.bfloat16 and buf.is_contiguous()
+    assert bool((buf[plan.pad_slot] == 0).all())
+    assert bool(buf[plan.slot].isnan().all())  # the valid slots are the caller's to write: left as allocated
+
+
+@pytest.mark.parametrize("heads_per_program, heads", [(None, 3), (1, 3), (2, 5)])
+def test_pool_kernel_reads_the_tile_buffer_like_the_packed_rows(heads_per_program, heads):
+    """`pool_tiles_triton(tiled=True)` over v in tile order (NaN pad slots) is the packed rows' pooling, bit for
+    bit: same values summed in the same slot order, pads never read. Partial prefix tiles, a grid not divisible by
+    4, a head count the head groups do not divide."""
+    from h3render.kernels.vsa.triton_impl import pool_tiles_triton
+
+    plan = tile_plan((70, 5), (5, 6, 9), FAST_DEVICE)
+    g = torch.Generator().manual_seed(heads)
+    x = torch.randn(plan.seq_len, heads, 32, generator=g).to(FAST_DEVICE)
+    packed = pool_tiles_triton(x, plan, heads_per_program=heads_per_program)
+    tiled = pool_tiles_triton(_v_tiles(x, plan, pad=float("nan")), plan, heads_per_program=heads_per_program,
+                              tiled=True)
+    torch.testing.assert_close(tiled, packed, rtol=1e-6, atol=1e-6)
+    assert torch.equal(tiled, packed)
+    with pytest.raises(ValueError, match="tile order"):
+        pool_tiles_triton(x, plan, tiled=True)
+
+
+# (fine, qk_int8, gate, dtype): both fine stages, int8 on and off, with and without the gated coarse branch.
+V_TILES_CASES = [("triton", False, True, F32), ("triton", True, True, BF16), ("triton", False, False, BF16),
+                 ("triton", True, False, F32), ("torch", False, True, F32), ("torch", True, True, F32)]
+
+
+@pytest.mark.parametrize("fine, qk_int8, with_gate, dtype", V_TILES_CASES)
+def test_vsa_attention_with_v_in_tile_order_is_the_packed_call(fine, qk_int8, with_gate, dtype):
+    """`vsa_attention(v_tiles=True)` equals the call on packed v bit for bit: the Triton stages read the same
+    values (pooled per tile, then the fine kernel's v tiles, whose pad slots get p = 0), the torch stages un-tile."""
+    prefix, grid, heads, dim, sparsity = ODD
+    plan = tile_plan(prefix, grid, FAST_DEVICE)
+    q, k, v, g = _rand(plan, heads, dim, seed=21, dtype=dtype)
+    gate = g if with_gate else None
+    ref = vsa_attention(q, k, v, gate, plan, sparsity, fine=fine, qk_int8=qk_int8)
+    out = vsa_attention(q, k, _v_tiles(v, plan), gate, plan, sparsity, fine=fine, qk_int8=qk_int8, v_tiles=True)
+    assert torch.equal(out, ref)
+    with pytest.raises(ValueError, match="v_tiles"):
+        vsa_attention(q, k, v, gate, plan, sparsity, fine=fine, v_tiles=True)  # packed v where tiles are due
+
+
+@pytest.mark.parametrize("tma", [False, True])
+def test_fine_kernels_take_v_in_tile_order(tma):
+    """Both fine kernels (pointer, TMA) with `v_tiles`: the packed call's output, bit for bit."""
+    from h3render.kernels.vsa.naive import coarse_attention_naive
+    from h3render.kernels.vsa.triton_impl import fine_attention_triton
+
+    prefix, grid, heads, dim, sparsity = ODD
+    plan = tile_plan(prefix, grid, FAST_DEVICE)
+    q, k, v, g = _rand(plan, heads, dim, seed=22, dtype=BF16)
+    sc = tile_scores(pool_tiles_naive(q, plan), pool_tiles_naive(k, plan))
+    coarse = coarse_attention_naive(sc, pool_tiles_naive(v, plan))
+    sel = select_tiles(sc, plan, sparsity)
+    ref = fine_attention_triton(q, k, v, plan, sel, g, coarse, tma=tma)
+    out = fine_attention_triton(q, k, _v_tiles(v, plan), plan, sel, g, coarse, tma=tma, v_tiles=True)
+    assert torch.equal(out, ref)
+    with pytest.raises(ValueError, match="tile order"):
+        fine_attention_triton(q, k, v, plan, sel, g, coarse, tma=tma, v_tiles=True)

@@ -12,6 +12,7 @@ from h3render.models.dit_config import DIT_TINY
 from h3render.packing import t2va_layout
 from h3render.sampling import schedule_timesteps, sigma_schedule
 from tests._diffusers_ref import random_dit
+from tests._markers import interpreted
 from tests._numerics import rel_err
 from tests._spawn import cpu_rank, put_result, run_ranks
 
@@ -130,3 +131,37 @@ def test_ulysses_two_ranks_equal_one():
     [(v, a)] = run_ranks(_worker, WORLD, results=1)
     ref_v, ref_a = _forward(_vsa_dit(0.75, gate_seed=2))
     assert rel_err(v, ref_v) <= 1e-5 and rel_err(a, ref_a) <= 1e-5
+
+
+@interpreted  # the Triton fine stage forced on CPU tensors: the interpreter only (a GPU run has no CPU Triton)
+@pytest.mark.parametrize("triton_norm", [False, True])
+def test_v_written_in_tile_order_equals_the_gathered_path(monkeypatch, triton_norm):
+    """`Attention.vsa_v_tiles` (qk_norm_rope writes v straight into the fine kernel's tile buffer) against the old
+    path (contiguous v, gathered into tile order by the kernel): the same output bit for bit, since both hand the
+    kernels the same v values in the same slots, the pad slots (zero here, a copy of row 0 there) only ever meet
+    p = 0 (their product is +-0 in the same place of the same sum), and the coarse pooling sums the same values in
+    the same order. The Triton fine stage is forced on CPU (interpreter), with the reference qk_norm_rope (what a CPU
+    run takes) and the Triton one."""
+    import functools
+
+    from h3render import kernels
+    from h3render.kernels.vsa import triton_impl
+    from h3render.models import dit as dit_module
+
+    for_layout = SparseAttention.for_layout.__func__
+    monkeypatch.setattr(SparseAttention, "for_layout",
+                        classmethod(lambda cls, *a, **kw: for_layout(cls, *a, **{**kw, "fine": "triton"})))
+    if triton_norm:
+        monkeypatch.setattr(dit_module, "qk_norm_rope", functools.partial(kernels.qk_norm_rope, use_triton=True))
+    gathers = []
+    gather = triton_impl.gather_tiles
+    monkeypatch.setattr(triton_impl, "gather_tiles", lambda x, plan: gathers.append(x.shape) or gather(x, plan))
+
+    dit = _vsa_dit(0.75, gate_seed=2)  # the gate: v's tile means enter through the coarse branch
+    tiled = _forward(dit)
+    assert len(gathers) == DIT_TINY.num_layers  # k only: v never gathered
+    monkeypatch.setattr(dit_module.Attention, "vsa_v_tiles", False)
+    gathered = _forward(dit)
+    assert len(gathers) == 3 * DIT_TINY.num_layers  # k and v
+    assert torch.equal(tiled[0], gathered[0]) and torch.equal(tiled[1], gathered[1])
+    assert rel_err(gathered[0], _forward(random_dit(DIT_TINY, seed=1))[0]) > 1e-3  # VSA and its gate did run

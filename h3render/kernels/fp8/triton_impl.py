@@ -44,10 +44,13 @@ def _max_propagate_nan(a, b):
 
 
 @triton.jit
-def row_scale(y):
-    """y: [BLOCK] fp32 row (masked lanes 0) -> scalar fp32 scale = max|y| / 448 (>= MIN_SCALE, NaN propagates)."""
-    # tl.max drops NaN on the GPU (max.f32); the reference's amax keeps it.
-    amax = tl.reduce(tl.abs(y), 0, _max_propagate_nan)
+def row_scale(y, AXIS: tl.constexpr = 0):
+    """y: [BLOCK] fp32 row (masked lanes 0) -> scalar fp32 scale = max|y| / 448 (>= MIN_SCALE, NaN propagates).
+
+    AXIS = 1: y is [ROWS, BLOCK], one row a line -> [ROWS] scales, each that of its row alone."""
+    # tl.max drops NaN on the GPU (max.f32); the reference's amax keeps it. (An explicit axis, not -1: the
+    # interpreter's reduce does not wrap negative axes, triton 3.9.)
+    amax = tl.reduce(tl.abs(y), AXIS, _max_propagate_nan)
     return tl.maximum(tl.math.div_rn(amax, _E4M3_MAX), _MIN_SCALE, propagate_nan=tl.PropagateNan.ALL)
 
 
@@ -77,6 +80,7 @@ def e4m3_codes(v):
 @triton.jit
 def quantize_codes(y, scale, HW_CVT: tl.constexpr):
     """y: fp32 block of one row, scale: its `row_scale` -> uint8 e4m3fn codes of RTNE(clamp(y * (1 / scale), +-448)).
+    A [ROWS, BLOCK] block takes its [ROWS] scales as [ROWS, 1]: one reciprocal a row, broadcast along it.
 
     HW_CVT (compiled kernels, `not kernels.utils.interpreting()`): the hardware conversion; else `e4m3_codes` (the interpreter's cast is not RTNE)."""
     v = y * tl.math.div_rn(1.0, scale)

@@ -50,6 +50,27 @@ def _check(q, k, v, q_weight, k_weight, cos, sin) -> None:
             check_last_dim_contiguous(name, t)
 
 
+def _check_v_slot(q, v, out, v_slot) -> None:
+    """The row map of v (`qk_norm_rope(..., v_slot=)`): [S] integers with out's v buffer [N >= S, H, D] contiguous.
+    Its values (distinct, in [0, N)) are the caller's promise: checking them would sync the host with the GPU."""
+    where = "qk_norm_rope: v_slot"
+    if q.ndim != 3:
+        raise ValueError(f"{where} takes [S, H, D] inputs (one item), got q of shape {tuple(q.shape)}")
+    if v is None or out is None or out[2] is None:
+        raise ValueError(f"{where} needs v and out=(q_out, k_out, v_out) with a v buffer to write into")
+    S, H, D = q.shape
+    if v_slot.ndim != 1 or v_slot.shape[0] != S or v_slot.dtype not in (torch.int32, torch.int64) \
+            or v_slot.device != q.device:
+        raise ValueError(f"{where} must be [S={S}] int32/int64 on {q.device}, got {tuple(v_slot.shape)} "
+                         f"{v_slot.dtype} on {v_slot.device}")
+    v_out = out[2]
+    if v_out.ndim != 3 or v_out.shape[0] < S or v_out.shape[1:] != (H, D) or v_out.dtype != v.dtype \
+            or v_out.device != v.device or not v_out.is_contiguous():
+        raise ValueError(f"{where}: the v buffer must be contiguous [N >= {S}, {H}, {D}] {v.dtype} on {v.device}, "
+                         f"got {tuple(v_out.shape)} {v_out.dtype} on {v_out.device}"
+                         f"{'' if v_out.is_contiguous() else ' (not contiguous)'}")
+
+
 def qk_norm_rope(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -61,9 +82,11 @@ def qk_norm_rope(
     eps: float = 1e-5,
     *,
     out: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None,
+    v_slot: torch.Tensor | None = None,
     use_triton: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """q, k -> RoPE(RMSNorm_heads(.)); v, if given, copied alongside into the same contiguous layout.
+    """q, k -> RoPE(RMSNorm_heads(.)); v, if given, copied alongside into the same contiguous layout (or, with
+    `v_slot`, row by row into a buffer of another row order).
 
     Args:
         q: [S, H, D] (the DiT) or [B, S, H, D] (B items of S rows: the video VAE decoder's batch of tiles),
@@ -77,7 +100,13 @@ def qk_norm_rope(
             None for no RoPE (the token refiner).
         sin: [S, R] float32 sines, None exactly when cos is None.
         eps: RMSNorm epsilon (released checkpoint: 1e-5).
-        out: optional preallocated contiguous outputs shaped like q (q, k, and v or None).
+        out: optional preallocated contiguous outputs shaped like q (q, k, and v or None); with v_slot the v entry
+            is any contiguous [N, H, D] buffer, N >= S.
+        v_slot: [S] int32/int64 or None (3-D inputs with `out` only): v row s is written to row `v_slot[s]` of
+            out[2] instead of row s, in the same pass (the DiT's VSA path: `TilePlan.slot`, so v lands in the fine
+            kernels' tile order, `kernels.vsa.tiles.empty_tiles`). Rows of out[2] not in v_slot are left as they
+            are. The entries must be distinct and in [0, N): not checked (that would sync with the GPU). Eager only:
+            the `torch.compile` op refuses it.
         use_triton: None = Triton on CUDA tensors, torch reference otherwise; True/False force one. Under
             `torch.compile` the Triton path is the `h3render::qk_norm_rope` op (`triton_impl.qk_norm_rope_op`),
             which Inductor launches as one kernel.
@@ -90,8 +119,12 @@ def qk_norm_rope(
         ValueError: shapes, dtypes or strides do not fit the above.
     """
     _check(q, k, v, q_weight, k_weight, cos, sin)
+    if v_slot is not None:
+        _check_v_slot(q, v, out, v_slot)
     if use_triton_for(q, use_triton):
         if torch.compiler.is_compiling():
+            if v_slot is not None:  # only the eager DiT scatters v; the op has no v at all
+                raise ValueError("qk_norm_rope: v_slot is not supported under torch.compile")
             # One opaque op (the video VAE decoder's compiled blocks): Dynamo traces none of the launcher's Python,
             # and Inductor launches this kernel as is instead of its own ~5 kernels (see triton_impl's docstring).
             from h3render.kernels.qk_norm_rope.triton_impl import qk_norm_rope_op
@@ -101,13 +134,14 @@ def qk_norm_rope(
         else:
             from h3render.kernels.qk_norm_rope.triton_impl import qk_norm_rope_triton
 
-            return qk_norm_rope_triton(q, k, v, q_weight, k_weight, cos, sin, eps, out=out)
+            return qk_norm_rope_triton(q, k, v, q_weight, k_weight, cos, sin, eps, out=out, v_slot=v_slot)
     else:
-        result = qk_norm_rope_naive(q, k, v, q_weight, k_weight, cos, sin, eps)
+        v_out = None if v_slot is None else out[2]
+        result = qk_norm_rope_naive(q, k, v, q_weight, k_weight, cos, sin, eps, v_out=v_out, v_slot=v_slot)
     if out is None:
         return result
     for dst, src in zip(out, result):
-        if dst is not None:
+        if dst is not None and dst is not src:  # with v_slot the reference already scattered v into out[2]
             dst.copy_(src)
     return out
 

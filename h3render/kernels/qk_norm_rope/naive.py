@@ -52,21 +52,30 @@ def qk_norm_rope_naive(
     cos: torch.Tensor | None,
     sin: torch.Tensor | None,
     eps: float,
+    *,
+    v_out: torch.Tensor | None = None,
+    v_slot: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Reference: q, k -> RoPE(RMSNorm(.)) in fp32 (no RoPE when cos is None), cast back; v copied contiguous.
+    """Reference: q, k -> RoPE(RMSNorm(.)) in fp32 (no RoPE when cos is None), cast back; v copied contiguous, or
+    scattered by row into `v_out` with `v_slot`.
 
     Args:
         q, k, v: [S, H, D] or [B, S, H, D] (views of the qkv projection are fine); v may be None.
         q_weight, k_weight: [D] per-head RMSNorm weights, or both None (no weight).
         cos, sin: [S, R] float32 shared by the B items, or None for no RoPE.
         eps: RMSNorm epsilon.
+        v_out: [N, H, D] with N >= S, given exactly with v_slot (3-D v only; checked by `qk_norm_rope`).
+        v_slot: [S] int32/int64, distinct rows of v_out: v row s goes to `v_out[v_slot[s]]`; other rows untouched.
 
     Returns:
-        (q, k, v): contiguous, shaped like q, in the input dtype; v is None when v was None.
+        (q, k, v): q, k contiguous, shaped like q, in the input dtype; v contiguous like q, or v_out itself with
+        v_slot, or None when v was None.
     """
     q_out, k_out = rms_norm_heads(q, q_weight, eps), rms_norm_heads(k, k_weight, eps)
     if cos is not None:
         q_out, k_out = rope_rotate_half(q_out, cos, sin), rope_rotate_half(k_out, cos, sin)
     q_out, k_out = q_out.to(q.dtype), k_out.to(k.dtype)
-    v_out = None if v is None else v.contiguous()
-    return q_out, k_out, v_out
+    if v_slot is not None:
+        v_out[v_slot] = v  # a row scatter, as the Triton kernel's v store with a row map
+        return q_out, k_out, v_out
+    return q_out, k_out, None if v is None else v.contiguous()

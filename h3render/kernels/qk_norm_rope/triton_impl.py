@@ -3,7 +3,9 @@
 One program handles one packed row and BLOCK_H heads: it reads q and k straight from the qkv projection's output
 (any item/row/head strides, unit stride along D), normalizes each head in fp32 (times the RMSNorm weight if
 HAS_WEIGHT), rotates the leading R channels, and writes q, k (and a copy of v) contiguously as [B, S, H, D], the
-layout FlashAttention and SDPA want.
+layout FlashAttention and SDPA want. With V_SLOT (B = 1) the copy of v row s goes to row `v_slot[s]` of its buffer
+instead: the DiT's sparse attention has v written straight into the fine kernels' tile order, saving them a second
+pass over v (`kernels.vsa.tiles.empty_tiles`).
 
 Two users: the DiT (one item, B = 1: q [S, H, D], weighted norm, R = 96 of D = 128) and the video VAE decoder
 (B tiles per batch sharing one cos/sin table of S rows, no norm weight, R = 48 of D = 64). The program of packed row
@@ -69,7 +71,8 @@ def _qk_norm_rope_kernel(
     v_ptr,  # [B, S, H, D] strides (stride_v_b, stride_v_s, stride_v_h, 1); unused unless HAS_V
     q_out_ptr,  # [B, S, H, D] contiguous
     k_out_ptr,
-    v_out_ptr,
+    v_out_ptr,  # [B, S, H, D] contiguous; with V_SLOT [N, H, D] contiguous, N >= S (B = 1)
+    v_slot_ptr,  # [S] int32/int64 output row of each v row; unused unless V_SLOT
     q_w_ptr,  # [D]; unused unless HAS_WEIGHT
     k_w_ptr,  # [D]; unused unless HAS_WEIGHT
     cos_ptr,  # [S, R] strides (stride_cos_s, 1), shared by the B items
@@ -91,6 +94,7 @@ def _qk_norm_rope_kernel(
     R,
     eps,
     HAS_V: tl.constexpr,
+    V_SLOT: tl.constexpr,  # v row s to row v_slot[s] of v_out (B = 1); False compiles the plain copy as before
     HAS_WEIGHT: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -118,7 +122,11 @@ def _qk_norm_rope_kernel(
     if HAS_V:
         v_row = v_ptr + b * stride_v_b + s * stride_v_s
         v = tl.load(v_row + heads[:, None] * stride_v_h + dims[None, :], mask=mask)
-        tl.store(v_out_ptr + out_row + heads[:, None] * D + dims[None, :], v, mask=mask)
+        if V_SLOT:  # one scalar load per program; int64: N * H * D may pass 2**31
+            v_out_row = tl.load(v_slot_ptr + s).to(tl.int64) * H * D
+        else:
+            v_out_row = out_row
+        tl.store(v_out_ptr + v_out_row + heads[:, None] * D + dims[None, :], v, mask=mask)
 
 
 def _as_4d(t: torch.Tensor) -> torch.Tensor:
@@ -126,9 +134,10 @@ def _as_4d(t: torch.Tensor) -> torch.Tensor:
     return t if t.ndim == 4 else t.unsqueeze(0)
 
 
-def _launch(kernel, q, k, v, q_weight, k_weight, cos, sin, eps, q_out, k_out, v_out) -> None:
+def _launch(kernel, q, k, v, q_weight, k_weight, cos, sin, eps, q_out, k_out, v_out, v_slot=None) -> None:
     """Run `kernel` (`_qk_norm_rope_kernel`, or its `wrap_triton` form inside the op) over q, k (v) [(B,) S, H, D]
-    into contiguous outputs of the same shape: one program per packed row and block of heads."""
+    into contiguous outputs of the same shape (v_out [N, H, D] with a v_slot [S] row map, B = 1): one program per
+    packed row and block of heads."""
     q, k, q_out, k_out = _as_4d(q), _as_4d(k), _as_4d(q_out), _as_4d(k_out)
     B, S, H, D = q.shape
     if B * S == 0:
@@ -139,7 +148,7 @@ def _launch(kernel, q, k, v, q_weight, k_weight, cos, sin, eps, q_out, k_out, v_
     _, num_warps = calculate_settings(block_h * block_d)
     has_v = v is not None
     v_in = _as_4d(v) if has_v else q  # placeholder pointer; never read when HAS_V is False
-    v_dst = _as_4d(v_out) if has_v else q_out
+    v_dst = _as_4d(v_out) if has_v else q_out  # only its pointer is passed: any row count with a row map
     has_weight = q_weight is not None
     if not has_weight:  # placeholder pointers; never read when HAS_WEIGHT is False
         q_weight = k_weight = q
@@ -147,11 +156,12 @@ def _launch(kernel, q, k, v, q_weight, k_weight, cos, sin, eps, q_out, k_out, v_
         cos = sin = q.new_zeros((1, 1), dtype=torch.float32)
     grid = (B * S, triton.cdiv(H, block_h))
     kernel[grid](
-        q, k, v_in, q_out, k_out, v_dst, q_weight, k_weight, cos, sin,
+        q, k, v_in, q_out, k_out, v_dst, q if v_slot is None else v_slot, q_weight, k_weight, cos, sin,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v_in.stride(0), v_in.stride(1), v_in.stride(2), cos.stride(0), sin.stride(0),
         S, H, D, R, eps,
-        HAS_V=has_v, HAS_WEIGHT=has_weight, BLOCK_H=block_h, BLOCK_D=block_d, num_warps=num_warps,
+        HAS_V=has_v, V_SLOT=v_slot is not None, HAS_WEIGHT=has_weight, BLOCK_H=block_h, BLOCK_D=block_d,
+        num_warps=num_warps,
     )
 
 
@@ -165,6 +175,7 @@ def qk_norm_rope_triton(
     sin: torch.Tensor | None,
     eps: float,
     out: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None,
+    v_slot: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Launch the fused kernel. Arguments as in `kernels.qk_norm_rope.qk_norm_rope`, already validated.
 
@@ -173,18 +184,22 @@ def qk_norm_rope_triton(
         q_weight, k_weight: [D], or both None (no norm weight).
         cos, sin: [S, R], unit stride along R, shared by the B items, or None (R = 0: norm only).
         eps: RMSNorm epsilon.
-        out: optional preallocated contiguous (q, k, v) outputs shaped like q (v entry None when v is None).
+        out: optional preallocated contiguous (q, k, v) outputs shaped like q (v entry None when v is None); with
+            v_slot the v entry is a contiguous [N, H, D] buffer, N >= S.
+        v_slot: [S] int32/int64 or None: v row s goes to row v_slot[s] of out[2] ([S, H, D] inputs, out given).
 
     Returns:
-        (q, k, v) contiguous, shaped like q, in q's dtype; v is None when v was None.
+        (q, k, v) contiguous, shaped like q, in q's dtype (v: out[2] itself with v_slot); v is None when v was None.
     """
+    if v_slot is not None and (out is None or q.ndim != 3):
+        raise ValueError("qk_norm_rope_triton: v_slot needs [S, H, D] inputs and out= with the v buffer")
     if out is None:
         q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
         v_out = None if v is None else torch.empty(v.shape, dtype=v.dtype, device=v.device)
     else:
         q_out, k_out, v_out = out
-    _launch(_qk_norm_rope_kernel, q, k, v, q_weight, k_weight, cos, sin, eps, q_out, k_out, v_out)
+    _launch(_qk_norm_rope_kernel, q, k, v, q_weight, k_weight, cos, sin, eps, q_out, k_out, v_out, v_slot)
     return q_out, k_out, v_out
 
 

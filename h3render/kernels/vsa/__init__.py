@@ -29,10 +29,10 @@ from h3render.kernels.vsa.naive import (
     vsa_attention_naive,
 )
 from h3render.kernels.vsa.quant import fine_attention_int8_naive, head_mean_from_pooled
-from h3render.kernels.vsa.tiles import TILE, TilePlan, tile_plan
+from h3render.kernels.vsa.tiles import TILE, TilePlan, empty_tiles, tile_plan
 
-__all__ = ["FINE_BACKENDS", "TILE", "TilePlan", "select_tiles", "tile_plan", "topk_budget", "vsa_attention",
-           "vsa_attention_naive"]
+__all__ = ["FINE_BACKENDS", "TILE", "TilePlan", "empty_tiles", "fine_backend", "select_tiles", "tile_plan",
+           "topk_budget", "vsa_attention", "vsa_attention_naive"]
 
 FINE_BACKENDS = ("triton", "flex", "torch")
 # The coarse output's GEMM (`softmax(scores) @ v̄`, [H, n, n] x [H, n, D]) in TF32 on CUDA: fp32 runs cuBLAS's FFMA
@@ -78,7 +78,9 @@ def select_tiles(scores: torch.Tensor, plan: TilePlan, sparsity: float, *, use_t
     return (idx.sort(dim=-1).values + p).to(torch.int32).contiguous()
 
 
-def _fine_backend(q: torch.Tensor, fine: str | None) -> str:
+def fine_backend(q: torch.Tensor, fine: str | None) -> str:
+    """The fine stage `vsa_attention(..., fine=fine)` runs on tensors like `q`: `fine`, or for None "triton" on
+    CUDA and "torch" elsewhere. Raises ValueError on an unknown name."""
     if fine is None:
         return "triton" if use_triton_for(q, None) else "torch"
     if fine not in FINE_BACKENDS:
@@ -97,6 +99,7 @@ def vsa_attention(
     *,
     fine: str | None = None,
     qk_int8: bool = False,
+    v_tiles: bool = False,
 ) -> torch.Tensor:
     """VSA-H3 attention over one packed sequence.
 
@@ -109,19 +112,26 @@ def vsa_attention(
         fine: "triton" | "flex" | "torch"; None = Triton on CUDA tensors, the torch reference elsewhere.
         qk_int8: the Triton fine stage computes QKᵀ from int8 codes (`quant.py`: smoothed keys, per-row scales);
             the torch fine stage then runs its reference `fine_attention_int8_naive`; flex refuses it.
+        v_tiles: v is `[plan.padded_len, H, D]` in tile order (`tiles.empty_tiles` written through `plan.slot`; pad
+            slots finite) instead of packed rows: the Triton stages read it as is (no `gather_tiles` copy), the torch
+            and flex ones take its valid rows back to packed order first (`v[plan.slot]`). Same result either way.
     Returns:
         `[S, H, D]` in q's dtype.
     Raises:
         ValueError: shapes that do not match the plan, or an unknown `fine`.
     """
-    if q.ndim != 3 or q.shape[0] != plan.seq_len or k.shape != q.shape or v.shape != q.shape:
-        raise ValueError(f"h3render/kernels/vsa: q, k, v must be [{plan.seq_len}, H, D] for this plan, got "
+    v_shape = (plan.padded_len, *q.shape[1:]) if v_tiles else q.shape
+    if q.ndim != 3 or q.shape[0] != plan.seq_len or k.shape != q.shape or v.shape != v_shape:
+        raise ValueError(f"h3render/kernels/vsa: q, k must be [{plan.seq_len}, H, D] for this plan and v "
+                         f"{'[' + str(plan.padded_len) + ', H, D] (v_tiles)' if v_tiles else 'like q'}, got "
                          f"{list(q.shape)}, {list(k.shape)}, {list(v.shape)}")
     if gate is not None and gate.shape != q.shape:
         raise ValueError(f"h3render/kernels/vsa: gate must be {list(q.shape)}, got {list(gate.shape)}")
-    backend = _fine_backend(q, fine)
+    backend = fine_backend(q, fine)
     if qk_int8 and backend == "flex":
         raise ValueError("h3render/kernels/vsa: qk_int8 runs on the triton or torch fine stage, not flex")
+    if v_tiles and backend != "triton":
+        v, v_tiles = v[plan.slot], False  # the torch / flex stages take packed rows
     if backend == "torch" and not q.is_cuda and not qk_int8:
         return vsa_attention_naive(q, k, v, gate, plan, sparsity)
 
@@ -131,14 +141,16 @@ def vsa_attention(
         pool = pool_tiles_naive
     k_pooled = pool(k, plan)
     scores = tile_scores(pool(q, plan), k_pooled)  # [H, n, n] fp32
-    coarse = None if gate is None else coarse_output(scores, pool(v, plan))  # [H, n, D] fp32
+    coarse = None  # [H, n, D] fp32 with a gate
+    if gate is not None:
+        coarse = coarse_output(scores, pool(v, plan, tiled=True) if v_tiles else pool(v, plan))
     k_mean = head_mean_from_pooled(k_pooled, plan) if qk_int8 else None
 
     if backend == "triton":
         from h3render.kernels.vsa.triton_impl import fine_attention_triton
 
         return fine_attention_triton(q, k, v, plan, select_tiles(scores, plan, sparsity), gate, coarse,
-                                     qk_int8=qk_int8, k_mean=k_mean)
+                                     qk_int8=qk_int8, k_mean=k_mean, v_tiles=v_tiles)
     if qk_int8:
         mask = block_mask(scores, plan.num_prefix, sparsity)
         out = fine_attention_int8_naive(q, k, v, mask, plan, k_mean)

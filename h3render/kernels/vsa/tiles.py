@@ -37,6 +37,8 @@ class TilePlan:
         slot: `[S]` int64, packed row -> `tile * 64 + offset` (S = prefix rows + video rows; no pad rows).
         row_of_slot: `[n * 64]` int32, the inverse: slot -> packed row, -1 on a pad slot.
         tile_of_row: `[S]` int64, `slot // 64`.
+        pad_slot: `[n * 64 - S]` int64, the pad slots (where `row_of_slot == -1`), ascending: `empty_tiles` zero-fills
+            them without a host sync.
         num_prefix: P, prefix tiles (text/condition/audio chunks).
         num_video: V, video tiles.
         prefix: the prefix segment lengths used (zero-length dropped).
@@ -47,6 +49,7 @@ class TilePlan:
     slot: torch.Tensor
     row_of_slot: torch.Tensor
     tile_of_row: torch.Tensor
+    pad_slot: torch.Tensor
     num_prefix: int
     num_video: int
     prefix: tuple[int, ...]
@@ -129,6 +132,7 @@ def tile_plan(prefix: tuple[int, ...], grid: tuple[int, int, int], device: str =
         slot=slot.to(device),
         row_of_slot=row_of_slot.to(device),
         tile_of_row=(slot // TILE).to(device),
+        pad_slot=(row_of_slot < 0).nonzero().view(-1).to(device),  # built on the CPU: no sync at call time
         num_prefix=num_prefix,
         num_video=int(video_sizes.numel()),
         prefix=prefix,
@@ -177,6 +181,25 @@ def gather_tiles(x: torch.Tensor, plan: TilePlan) -> torch.Tensor:
         raise ValueError(f"h3render/kernels/vsa/tiles.py: gather_tiles: {x.shape[0]} rows, "
                          f"the plan tiles {plan.seq_len}")
     return x.index_select(0, plan.row_of_slot.clamp(min=0))
+
+
+def empty_tiles(plan: TilePlan, heads: int, dim: int, dtype: torch.dtype, device: torch.device | str
+                ) -> torch.Tensor:
+    """An uninitialized tile buffer for the fine kernels' values whose pad slots alone are zeroed.
+
+    Its valid slots are meant to be written by the caller (`qk_norm_rope(..., v_slot=plan.slot)` writes v straight
+    into them); the pad slots must be finite, since a fine kernel gives a pad key p = 0 and 0 * NaN is NaN. Zeroing
+    only them writes `padded_len - seq_len` rows instead of the whole buffer (`to_tiles`' memset).
+
+    Args:
+        plan: the layout's plan (its `pad_slot` on `device`).
+        heads, dim: H and D of the buffer (any head subset).
+        dtype, device: the buffer's.
+    Returns:
+        `[plan.padded_len, heads, dim]` contiguous; pad slots 0, valid slots uninitialized.
+    """
+    out = torch.empty(plan.padded_len, heads, dim, dtype=dtype, device=device)
+    return out.index_fill_(0, plan.pad_slot, 0)
 
 
 def from_tiles(x_t: torch.Tensor, plan: TilePlan) -> torch.Tensor:

@@ -2,7 +2,8 @@
 
 The pool kernel and the fine kernel's queries read the packed rows `[S, H, D]` through the plan's `row_of_slot`
 (slot -> row, -1 on a pad slot); the fine kernel's keys and values come from tile-ordered copies `[n * 64, H, D]`
-(`tiles.gather_tiles`), so every key tile it visits is 64 consecutive slots at an address affine in the tile id,
+(`tiles.gather_tiles`, or for v a buffer the caller wrote in tile order: `v_tiles`, which the pool kernel reads as
+well with `tiled`), so every key tile it visits is 64 consecutive slots at an address affine in the tile id,
 which the Triton pipeliner can prefetch (per-row index loads measured 0.090 s per layer at 1344x768x243 on an H200,
 2026-12-01). The output is written in packed row order. On sm_90+ `fine_attention_triton` launches the
 same algorithm with TMA key/value loads by default (`triton_hopper.py`, 5 % faster on an H200; `TMA_BY_DEFAULT`).
@@ -35,15 +36,16 @@ LOG2E = 1.4426950408889634  # exp(x) = exp2(x * log2(e))
 
 @triton.jit
 def _pool_kernel(
-    x_ptr,  # [S, H, D] packed rows
+    x_ptr,  # [S, H, D] packed rows, or with TILED [n * TILE, H, D] in tile order
     out_ptr,  # [H, n, D] fp32 tile means
-    row_of_slot_ptr,  # [n * TILE] int32, -1 on pad slots
+    row_of_slot_ptr,  # [n * TILE] int32, -1 on pad slots (unused with TILED)
     sizes_ptr,  # [n] int32 valid rows per tile
     stride_xs, stride_xh,
     num_tiles, num_heads,
     HEAD_DIM: tl.constexpr,
     TILE_ROWS: tl.constexpr,
     HEADS: tl.constexpr,  # heads per program (a power of two)
+    TILED: tl.constexpr,  # x is the tile buffer: tile t's rows are slots t * TILE + 0 .. sizes[t] - 1
 ):
     # One program per (tile, group of HEADS heads), groups fastest: a program reads HEADS x 256 B of each of its 64
     # rows, so fewer, longer reads per row gather than one head at a time (`POOL_HEADS`).
@@ -53,15 +55,19 @@ def _pool_kernel(
     offs_c = tl.arange(0, HEADS * HEAD_DIM)
     h = g * HEADS + offs_c // HEAD_DIM  # [HEADS * D] head of each column
     d = offs_c % HEAD_DIM
-    rows = tl.load(row_of_slot_ptr + t * TILE_ROWS + offs_m)
-    valid = rows >= 0
-    rows = tl.where(valid, rows, 0).to(tl.int64)  # int64: S * H * D passes 2**31 at the released size
+    size = tl.load(sizes_ptr + t)
+    if TILED:  # the same values in the same slot order as the gather below: the same sums, bit for bit
+        valid = offs_m < size
+        rows = t.to(tl.int64) * TILE_ROWS + offs_m
+    else:
+        rows = tl.load(row_of_slot_ptr + t * TILE_ROWS + offs_m)
+        valid = rows >= 0
+        rows = tl.where(valid, rows, 0).to(tl.int64)  # int64: S * H * D passes 2**31 at the released size
     cols = h < num_heads
     x = tl.load(x_ptr + rows[:, None] * stride_xs + (h * stride_xh + d)[None, :], mask=valid[:, None] & cols[None, :],
                 other=0.0)
     total = tl.sum(x.to(tl.float32), axis=0)  # [HEADS * D]
-    size = tl.load(sizes_ptr + t).to(tl.float32)
-    tl.store(out_ptr + (h.to(tl.int64) * num_tiles + t) * HEAD_DIM + d, total / size, mask=cols)
+    tl.store(out_ptr + (h.to(tl.int64) * num_tiles + t) * HEAD_DIM + d, total / size.to(tl.float32), mask=cols)
 
 
 # Heads per program. One head per program was the only form until 2026-12-03: on an H200 (docs/performance.md §27.1)
@@ -277,17 +283,25 @@ def _check_head_dim(d: int) -> None:
         raise ValueError(f"h3render/kernels/vsa/triton_impl.py: head dim {d} must be a power of two in [16, 256]")
 
 
-def pool_tiles_triton(x: torch.Tensor, plan: TilePlan, *, heads_per_program: int | None = None) -> torch.Tensor:
+def pool_tiles_triton(x: torch.Tensor, plan: TilePlan, *, heads_per_program: int | None = None,
+                      tiled: bool = False) -> torch.Tensor:
     """fp32 tile means. `x [S, H, D]` (unit stride over D) -> `[H, n, D]` float32.
 
-    heads_per_program: heads a program sums (a power of two); None = `POOL_HEADS`."""
-    s, heads, d = x.shape
+    heads_per_program: heads a program sums (a power of two); None = `POOL_HEADS`.
+    tiled: x is `[n * 64, H, D]` in tile order (`tiles.empty_tiles` written through `TilePlan.slot`); tile j's rows
+        are its slots 64j .. 64j + sizes[j] - 1, the pad slots are not read. Bit-identical to pooling the packed
+        rows (the same values summed in the same slot order)."""
+    rows, heads, d = x.shape
     _check_head_dim(d)
+    want = plan.padded_len if tiled else plan.seq_len
+    if rows != want:
+        raise ValueError(f"h3render/kernels/vsa/triton_impl.py: pool_tiles_triton: {rows} rows, the plan wants {want}"
+                         f" ({'tile order' if tiled else 'packed rows'})")
     out = torch.empty(heads, plan.num_tiles, d, dtype=torch.float32, device=x.device)
     hb = heads_per_program or POOL_HEADS
     _pool_kernel[(triton.cdiv(heads, hb), plan.num_tiles)](
         x, out, plan.row_of_slot, plan.sizes, x.stride(0), x.stride(1), plan.num_tiles, heads,
-        HEAD_DIM=d, TILE_ROWS=TILE, HEADS=hb, num_warps=4,
+        HEAD_DIM=d, TILE_ROWS=TILE, HEADS=hb, TILED=tiled, num_warps=4,
     )
     return out
 
@@ -308,11 +322,13 @@ def fine_attention_triton(
     tma: bool | None = None,
     qk_int8: bool = False,
     k_mean: torch.Tensor | None = None,
+    v_tiles: bool = False,
 ) -> torch.Tensor:
     """Block-sparse fine attention (plus the gated coarse add when `gate` is given), packed rows in and out.
 
     Args:
-        q, k, v: `[S, H, D]`, one dtype, unit stride over D; D a power of two in [16, 256] (128 released).
+        q, k, v: `[S, H, D]`, one dtype, unit stride over D; D a power of two in [16, 256] (128 released). With
+            `v_tiles` v is `[n * 64, H, D]` in tile order instead (pad slots finite, e.g. `tiles.empty_tiles`).
         plan: the layout's `TilePlan` (its tensors on q's device).
         sel: `[H, V, K]` int32, absolute key tile ids (P..n-1) each video query tile keeps, ascending; None keeps
             every tile (k == V: all query tiles dense).
@@ -328,11 +344,18 @@ def fine_attention_triton(
         qk_int8: QK^T from int8 codes (`quant.py`: keys smoothed by `k_mean` and quantized per row in one pass,
             queries per row in the kernel); P·V stays in v's dtype.
         k_mean: `[H, D]` fp32 mean key per head for the smoothing (None: no smoothing); qk_int8 only.
+        v_tiles: v is already the tile-ordered value buffer (the DiT has `qk_norm_rope` write it so, `v_slot`):
+            its `gather_tiles` copy is skipped (0.64 ms of a ~105 ms layer at 1344x768x243 on an H200).
     Returns:
         `[S, H, D]` in q's dtype.
     """
     s, heads, d = q.shape
     _check_head_dim(d)
+    v_rows = plan.padded_len if v_tiles else s
+    if k.shape != q.shape or v.shape != (v_rows, heads, d) or k.dtype != q.dtype or v.dtype != q.dtype:
+        raise ValueError(f"h3render/kernels/vsa/triton_impl.py: k must be {list(q.shape)} and v "
+                         f"[{v_rows}, {heads}, {d}] ({'tile order' if v_tiles else 'packed rows'}), of q's dtype; "
+                         f"got {list(k.shape)} {k.dtype}, {list(v.shape)} {v.dtype}")
     if (gate is None) != (coarse is None):
         raise ValueError("h3render/kernels/vsa/triton_impl.py: gate and coarse go together")
     if out is None:
@@ -352,7 +375,9 @@ def fine_attention_triton(
         kt, ks = key_tiles_int8(k, plan, mean)
     else:
         kt = ks = gather_tiles(k, plan)  # ks unused
-    vt = gather_tiles(v, plan)
+    # The kernels read v at k's tile strides (and the TMA kernel views it as [n * 64, H * D]): contiguous, as
+    # `empty_tiles` makes it (a no-op then).
+    vt = v.contiguous() if v_tiles else gather_tiles(v, plan)
     launch: dict | None = {"num_warps": num_warps, "num_stages": num_stages}
     if maxnreg:
         launch["maxnreg"] = maxnreg
