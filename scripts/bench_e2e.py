@@ -62,8 +62,12 @@ def add_arguments(p) -> None:
                         "session17 (this tree with the eighteenth session's work off: the FP8 GEMMs' bias added in "
                         "a pass of its own after the bf16 rounding: main before the eighteenth session), "
                         "session18 (this tree with the nineteenth session's work off: the FP8 modulate kernel's "
-                        "one-row, 16-warp launch, kernels.modulate.triton_impl.LAUNCH = None, and the DiT's v copied "
-                        "to packed rows and gathered into tile order, models.dit.Attention.vsa_v_tiles = False)")
+                        "one-row, 16-warp launch, kernels.modulate.triton_impl.LAUNCH = None, the DiT's v copied "
+                        "to packed rows and gathered into tile order, models.dit.Attention.vsa_v_tiles = False, and "
+                        "VSA's tile means pooled apart, models.dit.Attention.vsa_fused_prep = False), unfused-prep "
+                        "(this tree with VSA's tile means pooled apart: qk_norm_rope, then three pool passes over q, "
+                        "k, v instead of the one kernels.vsa.vsa_prep pass, models.dit.Attention.vsa_fused_prep = "
+                        "False)")
     p.add_argument("--e2e-prof-decode", action="store_true",
                    help="e2e (with moving content): one more decode alone of each canvas under the profiler, its top "
                         "kernels recorded (against the same VAE built alone: the prof stage's --prof-vae)")
@@ -292,7 +296,7 @@ def vsa_variants(args) -> list[str]:
 
 
 VARIANTS = ("current", "bf16-qk", "session12", "uncapped", "head-order", "exact-accum", "vae-exact", "gate-exact",
-            "session16", "session17", "session18")
+            "session16", "session17", "session18", "unfused-prep")
 _UNCAPPED_PICKS: dict = {}  # the "uncapped" variant's autotuner picks, apart from the tree's own
 
 
@@ -310,11 +314,12 @@ def vsa_kernels(variant: str, engine):
     saved = dit.vsa_qk_int8, FeedForward.fused_fp8, triton_impl.LONG_FIRST
     saved16 = select_triton.SEARCH, vsa.COARSE_TF32, ViTAttention.use_triton, ViTBlock.fused_norm_fp8
     saved17 = fp8.BIAS_EPILOGUE
-    # session18: the nineteenth session's switches (the FP8 modulate launch, v written in tile order)
+    # session18: the nineteenth session's switches (the FP8 modulate launch, v written in tile order, the tile means
+    # from the prep pass); unfused-prep: the last alone
     from h3render.kernels.modulate import triton_impl as modulate_impl
     from h3render.models.dit import Attention
 
-    saved18 = modulate_impl.LAUNCH, Attention.vsa_v_tiles
+    saved18 = modulate_impl.LAUNCH, Attention.vsa_v_tiles, Attention.vsa_fused_prep
     dit.vsa_qk_int8 = saved[0] and variant != "bf16-qk"
     triton_impl.LONG_FIRST = saved[2] and variant != "head-order"
     if variant == "session16":  # (the compiled decoder blocks recompile on the first decode: `decode_alone` takes it)
@@ -323,7 +328,9 @@ def vsa_kernels(variant: str, engine):
     if variant == "session17":  # (the compiled decoder blocks recompile on the first decode: `decode_alone` takes it)
         fp8.BIAS_EPILOGUE = False
     if variant == "session18":  # (the DiT runs eager, no graphs: each call reads the switches)
-        modulate_impl.LAUNCH, Attention.vsa_v_tiles = None, False
+        modulate_impl.LAUNCH, Attention.vsa_v_tiles, Attention.vsa_fused_prep = None, False, False
+    if variant == "unfused-prep":
+        Attention.vsa_fused_prep = False
     if variant == "session12":  # (the compiled blocks recompile on the first decode: `decode_alone` takes it)
         FeedForward.fused_fp8 = False
     tuner = tuned = None
@@ -346,7 +353,7 @@ def vsa_kernels(variant: str, engine):
         dit.vsa_qk_int8, FeedForward.fused_fp8, triton_impl.LONG_FIRST = saved
         select_triton.SEARCH, vsa.COARSE_TF32, ViTAttention.use_triton, ViTBlock.fused_norm_fp8 = saved16
         fp8.BIAS_EPILOGUE = saved17
-        modulate_impl.LAUNCH, Attention.vsa_v_tiles = saved18
+        modulate_impl.LAUNCH, Attention.vsa_v_tiles, Attention.vsa_fused_prep = saved18
         if tuner is not None:
             tuner.configs, tuner.cache = tuned
 

@@ -8,7 +8,8 @@ and each of --vsa-tune-maxnreg) and program order (head by head, or the dense qu
 `triton_impl.program_tile`): seconds (median of 5), effective TFLOP/s,
 rel. error of the whole layer on 4 heads against the torch reference, and the compiled kernel's registers, spilled
 registers and shared memory, which decide how many programs share a multiprocessor (65,536 registers, 228 KB).
-Before those, per canvas, the coarse stage's rows (`_coarse`); `--vsa-tune-stages ""` runs only them.
+Before those, per canvas, the coarse stage's rows (`_coarse`, with the prep pass's: `_prep`); `--vsa-tune-stages ""`
+runs only them.
 """
 
 from __future__ import annotations
@@ -68,6 +69,83 @@ def _coarse(args, bench, canvas: tuple[int, int, int]) -> None:
         bench.rec(stage="vsa-tune", what=f"VSA coarse softmax @ v̄ {where} ({'TF32' if tf32 else 'fp32'})",
                   ours_s=round(t, 6), rel_err=bench.rel_err(out, exact),
                   rel_err_bf16=bench.rel_err(out.bfloat16(), exact.bfloat16()))
+    _prep(bench, canvas, where)
+
+
+# `vsa_prep` launch settings the bench times: (rows, heads, warps, pipeline stages); None = the module's default
+# (`prep_triton.ROWS, BLOCK_H, NUM_WARPS, STAGES`). All keep >= 8 elements a thread at H = 56, D = 128, the layout
+# under which q and k are `qk_norm_rope`'s bits (prep_triton.py's note on the default).
+PREP_LAUNCHES = ((None, None, None, None), (4, 8, 8, 1), (2, 8, 4, 1), (1, 16, 8, 1), (1, 8, 4, 1), (2, 4, 2, 1),
+                 (4, 4, 4, 1), (2, 8, 4, 2), (4, 8, 8, 2))
+
+
+def _prep(bench, canvas: tuple[int, int, int], where: str) -> None:
+    """The DiT's VSA prep at one canvas: (a) the unfused path, `qk_norm_rope` writing v through `plan.slot` into
+    `empty_tiles` then `pool_tiles_triton` of q, k, v (one timed function; and its norm pass alone), against (b) the
+    fused `vsa_prep` at each of `PREP_LAUNCHES`, each checked: q, k and v_tiles bit-equal to (a)'s (`torch.equal`),
+    and the largest difference of each tile mean from (a)'s pools relative to that mean's largest magnitude (fp32
+    summation order only: ~1e-7). Inputs: random bf16 qkv `[S, 56, 3, 128]` viewed as the DiT does, random bf16 norm
+    weights, the released DiT's RoPE tables of the layout (R = 96), seed 1."""
+    from h3render.kernels.qk_norm_rope import qk_norm_rope
+    from h3render.kernels.vsa import empty_tiles, prep_triton, vsa_prep
+    from h3render.kernels.vsa.triton_impl import pool_tiles_triton
+    from h3render.models.attention import SparseAttention
+    from h3render.models.dit_config import DiTConfig
+    from h3render.models.dit_embed import rope_tables
+    from h3render.packing import t2va_layout
+
+    width, height, frames = canvas
+    layout = t2va_layout(300, height, width, frames)  # as `released_vsa_case`
+    plan = SparseAttention.for_layout(layout, 0.9, "cuda").plan
+    cfg = DiTConfig()
+    heads, dim = cfg.num_attention_heads, cfg.attention_head_dim
+    g = torch.Generator(device="cuda").manual_seed(1)
+    qkv = torch.randn(plan.seq_len, heads, 3, dim, device="cuda", generator=g).bfloat16()
+    q, k, v = qkv.unbind(2)  # strided [S, H, D] views, as `Attention.forward`
+    q_w, k_w = ((1 + 0.1 * torch.randn(dim, device="cuda", generator=g)).bfloat16() for _ in range(2))
+    cos, sin = rope_tables(layout.positions.to("cuda"), cfg.rope_freq_dim, cfg.rope_theta)
+    eps = cfg.qk_norm_eps
+
+    def norm_only():
+        buffers = (torch.empty_like(q, memory_format=torch.contiguous_format),
+                   torch.empty_like(k, memory_format=torch.contiguous_format),
+                   empty_tiles(plan, heads, dim, v.dtype, v.device))
+        return qk_norm_rope(q, k, v, q_w, k_w, cos, sin, eps, out=buffers, v_slot=plan.slot)
+
+    def unfused():
+        q_out, k_out, v_tiles = norm_only()
+        return (q_out, k_out, v_tiles, pool_tiles_triton(q_out, plan), pool_tiles_triton(k_out, plan),
+                pool_tiles_triton(v_tiles, plan, tiled=True))
+
+    ref = unfused()
+    t_norm = bench.cuda_time(norm_only, reps=20, warm=3)
+    bench.rec(stage="vsa-tune", what=f"VSA prep {where}: qk_norm_rope + empty_tiles (v_slot), no pools",
+              ours_s=round(t_norm, 6))
+    t_ref = bench.cuda_time(unfused, reps=20, warm=3)
+    bench.rec(stage="vsa-tune", what=f"VSA prep {where}: unfused, qk_norm_rope + empty_tiles + 3 pools",
+              ours_s=round(t_ref, 6))
+    for rows, block_h, warps, stages in PREP_LAUNCHES:
+        launch = dict(rows=rows, block_h=block_h, num_warps=warps, stages=stages)
+        shown = [prep_triton.ROWS, prep_triton.BLOCK_H, prep_triton.NUM_WARPS, prep_triton.STAGES]
+        shown = [x if x is not None else d for x, d in zip((rows, block_h, warps, stages), shown)]
+        label = (f"VSA prep {where}: fused vsa_prep {shown[0]} rows x {shown[1]} heads, {shown[2]} warps, "
+                 f"{shown[3]} stage(s){' (default)' if rows is None else ''}")
+
+        def fn(launch=launch):
+            return vsa_prep(q, k, v, q_w, k_w, cos, sin, eps, plan, **launch)
+
+        try:
+            got = fn()
+            t = bench.cuda_time(fn, reps=20, warm=3)
+        except Exception as exc:  # noqa: BLE001  a row says why
+            bench.rec(stage="vsa-tune", what=label, failed=f"{type(exc).__name__}: {exc}"[:300])
+            continue
+        same = {f"same_{name}": bool(torch.equal(a, b)) for name, a, b in zip(("q", "k", "v_tiles"), got, ref)}
+        diffs = {f"mean_rel_diff_{name}": float((a - b).abs().max() / b.abs().max())
+                 for name, a, b in zip("qkv", got[3:], ref[3:])}
+        bench.rec(stage="vsa-tune", what=label, ours_s=round(t, 6), vs_unfused=round(t / t_ref, 3),
+                  saved_ms=round((t_ref - t) * 1e3, 3), **same, **diffs)
+        del got
 
 
 def _canvas(args, bench, canvas: tuple[int, int, int]) -> None:

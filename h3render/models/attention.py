@@ -377,8 +377,9 @@ class SparseAttention:
         return fine_backend(x, self.fine) == "triton"
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: torch.Tensor | None, *,
-                 v_tiles: bool = False) -> torch.Tensor:
+                 v_tiles: bool = False, pooled: tuple | None = None) -> torch.Tensor:
         """q, k, gate `[S, h, D]` packed rows; v the same, or with `v_tiles` `[plan.padded_len, h, D]` in tile order
-        (`kernels.vsa.empty_tiles` written through `plan.slot`) -> `[S, h, D]` in q's dtype."""
+        (`kernels.vsa.empty_tiles` written through `plan.slot`) -> `[S, h, D]` in q's dtype. `pooled`: the fp32 tile
+        means (q̄, k̄, v̄) `[h, n, D]` when the caller has them (`kernels.vsa.vsa_prep`): no pooling pass then."""
         return vsa_attention(q, k, v, gate, self.plan, self.sparsity, fine=self.fine, qk_int8=self.qk_int8,
-                             v_tiles=v_tiles)
+                             v_tiles=v_tiles, pooled=pooled)

@@ -22,7 +22,6 @@ switches the blocks (not the token refiner) to FastH3's video sparse attention a
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Callable
 
@@ -31,9 +30,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from h3render import kernels
-from h3render.kernels.vsa import TILE, empty_tiles
+from h3render.kernels.vsa import TILE, empty_tiles, vsa_prep
 from h3render.models.attention import SparseAttention, check_vsa_settings, gate_projection, sdpa_attention
 from h3render.models.dit_config import DiTConfig
+from h3render.models.dit_embed import rope_tables, timestep_sinusoid
 from h3render.models.fp8 import Fp8Linear, Fp8Rows
 from h3render.packing import PackedLayout
 
@@ -59,48 +59,6 @@ gated_residual = kernels.gated_residual  # (x, y [S, C], gate [R, C], row_index 
 swiglu = kernels.swiglu  # (h [S, 2F] gate-first) -> value * silu(gate) [S, F]
 
 
-def timestep_sinusoid(t: torch.Tensor, dim: int, max_period: float = 10000.0) -> torch.Tensor:
-    """Sinusoidal embedding of unscaled timesteps `t` in [0, 1], cos half first.
-
-    Args:
-        t: `[K]`.
-        dim: even embedding width (released: 256).
-    Returns:
-        `[K, dim]` float32: `[cos(t * f_i), sin(t * f_i)]` with `f_i = max_period ** (-i / (dim / 2))`.
-    """
-    half = dim // 2
-    exponent = -math.log(max_period) * torch.arange(half, dtype=torch.float32, device=t.device) / half
-    angles = t.float()[:, None] * torch.exp(exponent)[None, :]  # [K, half]
-    return torch.cat((torch.cos(angles), torch.sin(angles)), dim=-1)
-
-
-def rope_tables(
-    positions: torch.Tensor, freq_dim: int, theta: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin of the 3-axis RoPE of every packed row.
-
-    Positions are rounded to float32 before the angles are formed, as in the reference. The three axes share one set
-    of `freq_dim` inverse frequencies `theta ** (-2i / (2 * freq_dim))`; angles are laid out `[t | h | w]` and
-    repeated twice (rotate_half convention).
-
-    Args:
-        positions: `[S, 3]` (t, h, w), float64 from the layout.
-        freq_dim: frequencies per axis (released: 16).
-        theta: RoPE base (released: 1e4).
-    Returns:
-        `(cos, sin)`, each `[S, 6 * freq_dim]` float32 on `positions.device`.
-    """
-    if positions.ndim != 2 or positions.shape[-1] != 3:
-        raise ValueError(f"rope positions must be [S, 3], got {list(positions.shape)}")
-    inv_freq = 1.0 / (
-        theta ** (torch.arange(0, 2 * freq_dim, 2, dtype=torch.float32, device=positions.device) / (2 * freq_dim))
-    )
-    angles = positions.to(torch.float32)[:, :, None] * inv_freq[None, None, :]  # [S, 3, F]
-    angles = angles.flatten(1)  # [S, 3F]: t block, h block, w block
-    angles = torch.cat((angles, angles), dim=-1)  # [S, 6F]
-    return angles.cos(), angles.sin()
-
-
 # ---------------------------------------------------------------------------------------------------------------------
 # Modules (native parameter names).
 
@@ -116,6 +74,11 @@ class Attention(nn.Module):
     # kernel's tile order (`v_slot`), instead of packed rows the kernel then gathers into it: one pass over v fewer,
     # 0.64 ms of a ~105 ms layer at 1344x768x243 on an H200. A class setting, so a benchmark can time both.
     vsa_v_tiles = True
+    # On that path `kernels.vsa.vsa_prep` (one Triton pass on CUDA) writes q, k, v and the three fp32 tile means VSA's
+    # coarse stage needs (`vsa_attention(pooled=)`), so no pool re-reads q, k, v: ≈3.2 GB a layer at 1344x768x243,
+    # 3 x 0.30 ms on an H200 (docs/performance.md §27.1). Measured (§29.7): the prep 3.03 -> 2.51 ms a layer at
+    # 1344x768x243 (0.94 -> 0.74 at 960x544x124), each step of a render ~0.01 s shorter.
+    vsa_fused_prep = True
 
     def __init__(self, hidden_size: int, heads: int, head_dim: int, qk_norm_eps: float):
         super().__init__()
@@ -148,10 +111,15 @@ class Attention(nn.Module):
         v_tiles = sparse is not None and self.vsa_v_tiles and sparse.triton_fine(v)
         # With v_tiles v goes into the fine kernel's tile buffer [padded_len >= S, H, D] in place of a [S, H, D]
         # copy, which the kernel's own tile copy of v then no longer joins: the peak does not grow.
-        buffers = (q.new_empty(q.shape), k.new_empty(k.shape),
-                   empty_tiles(sparse.plan, self.heads, self.head_dim, v.dtype, v.device)) if v_tiles else None
-        q, k, v = qk_norm_rope(q, k, v, self.q_norm.weight, self.k_norm.weight, cos, sin, self.qk_norm_eps,
-                               out=buffers, v_slot=sparse.plan.slot if v_tiles else None)
+        pooled, norm_args = None, (self.q_norm.weight, self.k_norm.weight, cos, sin, self.qk_norm_eps)
+        # The means: 3 x [H, n, D] fp32, 0.10 GB at 1344x768x243, alive through the VSA call (the pools' k̄ alone
+        # was before): 0.07 GB more at the layer's peak, under 1 % of memplan's calibrated activations there.
+        if v_tiles and self.vsa_fused_prep:
+            q, k, v, *pooled = vsa_prep(q, k, v, *norm_args, sparse.plan)
+        else:
+            buffers = (q.new_empty(q.shape), k.new_empty(k.shape),
+                       empty_tiles(sparse.plan, self.heads, self.head_dim, v.dtype, v.device)) if v_tiles else None
+            q, k, v = qk_norm_rope(q, k, v, *norm_args, out=buffers, v_slot=sparse.plan.slot if v_tiles else None)
         # The projection output is dead once normalized: freed here, not when the call returns, it leaves attention
         # 4 hidden-widths per row more room (3.2 GB at 1344x768x243; the streamed plan's peak, memplan.py).
         del qkv
@@ -159,7 +127,7 @@ class Attention(nn.Module):
             out = self.attention(q[None], k[None], v[None])[0]
         else:  # the gate only now: alive through qk_norm_rope it was one [S, H, D] more at that moment, the VSA
             # layer's peak with int8 QKᵀ, which the v tile buffer's padded_len - S pad rows would otherwise raise
-            out = sparse(q, k, v, self._gate(x, s), v_tiles=v_tiles)
+            out = sparse(q, k, v, self._gate(x, s), v_tiles=v_tiles, pooled=pooled)
         return self.out_proj(out.reshape(s, self.heads * self.head_dim))
 
     def _gate(self, x: "torch.Tensor | Fp8Rows", s: int) -> torch.Tensor:

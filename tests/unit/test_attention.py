@@ -184,11 +184,12 @@ def test_a_signal_during_the_dits_attention_at_the_largest_tiny_canvas_is_handle
         signal.signal(signal.SIGALRM, previous)
 
 
-@pytest.mark.parametrize("sparse", [None, "packed v", "v in tile order"])
-def test_the_qkv_projection_output_is_freed_before_attending(sparse):
+@pytest.mark.parametrize("sparse", [None, "packed v", "v in tile order", "v in tile order, unfused"])
+def test_the_qkv_projection_output_is_freed_before_attending(sparse, monkeypatch):
     """The projection output `[S, 3 * heads * head_dim]` is dead once q, k, v are normalized; alive through the
     attention call it was the streamed plan's peak (3.2 GB at 1344x768x243, docs/performance.md §20). VSA too, with
-    v packed or written in the Triton fine stage's tile order (`Attention.vsa_v_tiles`)."""
+    v packed or written in the Triton fine stage's tile order (`Attention.vsa_v_tiles`), there with the tile means
+    from the same pass (`Attention.vsa_fused_prep`, `kernels.vsa.vsa_prep`) or not."""
     import weakref
 
     from h3render.kernels.vsa import tile_plan
@@ -211,20 +212,22 @@ def test_the_qkv_projection_output_is_freed_before_attending(sparse):
         plan = tile_plan((49,), (1, 1, 1))  # 50 rows in 2 tiles: v in tile order has 128 rows
 
         def triton_fine(self, x):
-            return sparse == "v in tile order"
+            return sparse.startswith("v in tile order")
 
-        def __call__(self, q, k, v, gate, *, v_tiles=False):
-            v_rows.append((v.shape[0], v_tiles))
+        def __call__(self, q, k, v, gate, *, v_tiles=False, pooled=None):
+            v_rows.append((v.shape[0], v_tiles, pooled is not None))
             return attend(q, k, q, gate)
 
     if sparse:  # VSA: the gate projection reads the same input
         module.gate_proj = torch.nn.Linear(64, 64, bias=False)
     module.qkv_proj.forward = tracked
     module.attention = attend
+    monkeypatch.setattr(Attention, "vsa_fused_prep", sparse != "v in tile order, unfused")
     with torch.no_grad():
         out = module(torch.randn(50, 64), None, StandIn() if sparse else None)
     assert out.shape == (50, 64) and alive == [False]
-    assert v_rows == ({None: [], "packed v": [(50, False)], "v in tile order": [(128, True)]}[sparse])
+    assert v_rows == ({None: [], "packed v": [(50, False, False)], "v in tile order": [(128, True, True)],
+                       "v in tile order, unfused": [(128, True, False)]}[sparse])
 
 
 def test_auto_choice_is_the_first_agreeing_backend_whatever_the_timing(monkeypatch):

@@ -214,10 +214,16 @@ def test_the_bf16_qk_variant_is_patched_in_and_restored(bench_fp8):
 
     from h3render.models.dit import Attention
 
-    assert modulate_impl.LAUNCH == (2, 4) and Attention.vsa_v_tiles is True
-    with bench_e2e.vsa_kernels("session18", engine):  # the nineteenth session's work off: one-row modulate, v gathered
-        assert modulate_impl.LAUNCH is None and Attention.vsa_v_tiles is False
+    shipped18 = (2, 4), True, True
+    assert (modulate_impl.LAUNCH, Attention.vsa_v_tiles, Attention.vsa_fused_prep) == shipped18
+    with bench_e2e.vsa_kernels("session18", engine):  # the nineteenth session's work off: one-row modulate, v gathered,
+        # the tile means pooled apart
+        assert (modulate_impl.LAUNCH, Attention.vsa_v_tiles, Attention.vsa_fused_prep) == (None, False, False)
         assert dit.vsa_qk_int8 is True and vae[0].fast_accum is True
-    assert modulate_impl.LAUNCH == (2, 4) and Attention.vsa_v_tiles is True
+    assert (modulate_impl.LAUNCH, Attention.vsa_v_tiles, Attention.vsa_fused_prep) == shipped18
+    with bench_e2e.vsa_kernels("unfused-prep", engine):  # the tile means pooled apart, the rest as shipped
+        assert (modulate_impl.LAUNCH, Attention.vsa_v_tiles, Attention.vsa_fused_prep) == ((2, 4), True, False)
+        assert dit.vsa_qk_int8 is True and vae[0].fast_accum is True and triton_impl.LONG_FIRST is True
+    assert (modulate_impl.LAUNCH, Attention.vsa_v_tiles, Attention.vsa_fused_prep) == shipped18
     with pytest.raises(ValueError, match="expected some of current, bf16-qk, session12"):
         bench_e2e.vsa_variants(type("A", (), {"e2e_vsa_kernels": "session10"})())

@@ -141,13 +141,15 @@ def test_v_written_in_tile_order_equals_the_gathered_path(monkeypatch, triton_no
     kernels the same v values in the same slots, the pad slots (zero here, a copy of row 0 there) only ever meet
     p = 0 (their product is +-0 in the same place of the same sum), and the coarse pooling sums the same values in
     the same order. The Triton fine stage is forced on CPU (interpreter), with the reference qk_norm_rope (what a CPU
-    run takes) and the Triton one."""
+    run takes) and the Triton one. The tile means come from the pools on both sides (`Attention.vsa_fused_prep`
+    off): `vsa_prep`'s sum in another fp32 order (tests/unit/test_vsa_prep.py)."""
     import functools
 
     from h3render import kernels
     from h3render.kernels.vsa import triton_impl
     from h3render.models import dit as dit_module
 
+    monkeypatch.setattr(dit_module.Attention, "vsa_fused_prep", False)
     for_layout = SparseAttention.for_layout.__func__
     monkeypatch.setattr(SparseAttention, "for_layout",
                         classmethod(lambda cls, *a, **kw: for_layout(cls, *a, **{**kw, "fine": "triton"})))

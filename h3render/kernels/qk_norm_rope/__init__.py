@@ -18,10 +18,12 @@ import torch
 from h3render.kernels.qk_norm_rope.naive import qk_norm_rope_naive
 from h3render.kernels.utils import check_last_dim_contiguous, use_triton_for
 
-__all__ = ["qk_norm_rope", "qk_norm_rope_qkv", "qk_norm_rope_naive"]
+__all__ = ["check_inputs", "qk_norm_rope", "qk_norm_rope_qkv", "qk_norm_rope_naive"]
 
 
-def _check(q, k, v, q_weight, k_weight, cos, sin) -> None:
+def check_inputs(q, k, v, q_weight, k_weight, cos, sin) -> None:
+    """Raise ValueError unless the arguments fit `qk_norm_rope` (shapes, dtypes, unit stride over D and R); also
+    `kernels.vsa.vsa_prep`'s check, which takes the same inputs."""
     if q.ndim not in (3, 4):
         raise ValueError(f"q must be [S, H, D] or [B, S, H, D], got shape {tuple(q.shape)}")
     S, H, D = q.shape[-3:]
@@ -118,7 +120,7 @@ def qk_norm_rope(
     Raises:
         ValueError: shapes, dtypes or strides do not fit the above.
     """
-    _check(q, k, v, q_weight, k_weight, cos, sin)
+    check_inputs(q, k, v, q_weight, k_weight, cos, sin)
     if v_slot is not None:
         _check_v_slot(q, v, out, v_slot)
     if use_triton_for(q, use_triton):

@@ -31,6 +31,26 @@ _TILE_ELEMENTS = 2048
 
 
 @triton.jit
+def norm_rope(x, xp, w, wp, cos, sin_signed, D, eps, HAS_WEIGHT: tl.constexpr):
+    """The fp32 math of one block of heads: RMSNorm over the last axis (times the weight with HAS_WEIGHT), then
+    rotate_half RoPE. Shared by this file's kernel (x [BLOCK_H, BLOCK_D], one packed row) and VSA's prep kernel
+    (`kernels.vsa.prep_triton`, x [ROWS, BLOCK_H, BLOCK_D]), so that both write the same bits.
+
+    x: [..., BLOCK_D] fp32, masked lanes 0; xp: x at each channel's rotate_half partner (same mask); w, wp: [BLOCK_D]
+    fp32 weight at the channel and at its partner (ignored unless HAS_WEIGHT); cos, sin_signed: fp32, broadcastable
+    to x (cos 1 and sin_signed 0 past the rotary part, sin_signed = -sin on the first R/2 channels). Returns fp32 like
+    x; the caller rounds it once to the output dtype."""
+    # Masked lanes load 0, so the sum over BLOCK_D equals the sum over the D real channels.
+    rstd = tl.expand_dims(tl.rsqrt(tl.sum(x * x, axis=-1) / D + eps), -1)  # [..., 1]
+    y = x * rstd
+    yp = xp * rstd
+    if HAS_WEIGHT:
+        y = y * w
+        yp = yp * wp
+    return y * cos + yp * sin_signed
+
+
+@triton.jit
 def _norm_rope_tile(
     x_ptr,  # row s of one input, [H, D] at (stride_h, 1)
     w_ptr,  # [D] RMSNorm weight (read only if HAS_WEIGHT)
@@ -48,18 +68,14 @@ def _norm_rope_tile(
 ):
     row_off = heads[:, None] * stride_h
     x = tl.load(x_ptr + row_off + dims[None, :], mask=mask, other=0.0).to(tl.float32)
-    # Masked lanes load 0, so the sum over BLOCK_D equals the sum over the D real channels.
-    rstd = tl.rsqrt(tl.sum(x * x, axis=1) / D + eps)  # [BLOCK_H]
     # The partner channel is re-read from memory (an L1 hit) instead of shuffled across lanes.
     xp = tl.load(x_ptr + row_off + partner[None, :], mask=mask, other=0.0).to(tl.float32)
-    y = x * rstd[:, None]
-    yp = xp * rstd[:, None]
+    w = cos  # placeholders: `norm_rope` reads the weights only with HAS_WEIGHT
+    wp = cos
     if HAS_WEIGHT:
         w = tl.load(w_ptr + dims, mask=dims < D, other=0.0).to(tl.float32)
         wp = tl.load(w_ptr + partner, mask=dims < D, other=0.0).to(tl.float32)
-        y = y * w[None, :]
-        yp = yp * wp[None, :]
-    out = y * cos[None, :] + yp * sin_signed[None, :]
+    out = norm_rope(x, xp, w, wp, cos[None, :], sin_signed[None, :], D, eps, HAS_WEIGHT)
     out_off = heads[:, None] * D + dims[None, :]
     tl.store(out_ptr + out_off, out.to(out_ptr.dtype.element_ty), mask=mask)
 

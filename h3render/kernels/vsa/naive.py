@@ -18,6 +18,7 @@ import math
 
 import torch
 
+from h3render.kernels.qk_norm_rope.naive import qk_norm_rope_naive
 from h3render.kernels.vsa.tiles import TILE, TilePlan, to_tiles
 
 # Elements of one fp32 score chunk in the fine stage: bounds the reference's memory (2**26 * 4 B = 256 MB).
@@ -43,6 +44,31 @@ def pool_tiles_naive(x: torch.Tensor, plan: TilePlan) -> torch.Tensor:
     x_t = to_tiles(x, plan).view(plan.num_tiles, TILE, *x.shape[1:])  # [n, 64, H, D]
     pooled = x_t.sum(dim=1, dtype=torch.float32) / plan.sizes.to(torch.float32)[:, None, None]
     return pooled.transpose(0, 1)  # [H, n, D]
+
+
+def vsa_prep_naive(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_weight: torch.Tensor | None,
+    k_weight: torch.Tensor | None,
+    cos: torch.Tensor | None,
+    sin: torch.Tensor | None,
+    eps: float,
+    plan: TilePlan,
+) -> tuple[torch.Tensor, ...]:
+    """Reference of `vsa_prep` (`prep_triton.py`): q, k normed and rotated, v in tile order, the three tile means.
+
+    Args:
+        q, k, v: `[S, H, D]` packed rows (views of the qkv projection are fine), S = plan.seq_len.
+        q_weight, k_weight, cos, sin, eps: as in `kernels.qk_norm_rope`.
+    Returns:
+        (q_out, k_out `[S, H, D]` contiguous in q's dtype, v_tiles `[n * 64, H, D]` with zero pad slots, then the fp32
+        tile means `[H, n, D]` of q_out, k_out (the values as stored, in q's dtype) and v).
+    """
+    q_out, k_out, _ = qk_norm_rope_naive(q, k, None, q_weight, k_weight, cos, sin, eps)
+    return (q_out, k_out, to_tiles(v, plan), pool_tiles_naive(q_out, plan), pool_tiles_naive(k_out, plan),
+            pool_tiles_naive(v, plan))
 
 
 def tile_scores(q_pooled: torch.Tensor, k_pooled: torch.Tensor) -> torch.Tensor:
