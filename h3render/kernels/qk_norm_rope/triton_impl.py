@@ -207,8 +207,6 @@ def qk_norm_rope_triton(
     Returns:
         (q, k, v) contiguous, shaped like q, in q's dtype (v: out[2] itself with v_slot); v is None when v was None.
     """
-    if v_slot is not None and (out is None or q.ndim != 3):
-        raise ValueError("qk_norm_rope_triton: v_slot needs [S, H, D] inputs and out= with the v buffer")
     if out is None:
         q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
