@@ -27,6 +27,7 @@ import torch
 from h3render.dit_swap import exchange, move_dit
 from h3render.errors import RenderError
 from h3render.graphs import ShapeGraphs
+from h3render.text_graph import text_graphs
 from h3render.models.attention import attention as fast_attention
 from h3render.models.attention import select_backend, vsa_qk_int8_pays
 from h3render.models.fp8 import fp8_problem, quantize_video_decoder_fp8_
@@ -88,6 +89,10 @@ class Engine(WarmUp):
         self.audio_decode = ShapeGraphs(components.audio_vae.decode, name="audio VAE decode",
                                         enabled=settings.graph_audio)  # eager off CUDA
         self._audio_lengths: set[int] = set()  # audio lengths captured (the same set on every rank)
+        # The t2va prompt encode, one graph per padded length (`h3render.text_graph`); None when the text phase
+        # encodes (phased / streamed plans: no text encoder here).
+        self.text_graphs = (text_graphs(components.text_encoder, enabled=settings.graph_text)
+                            if components.text_encoder is not None else None)
         t0 = time.perf_counter()
         if self.device.type == "cuda":
             # Measured choice among FA3 / cuDNN SDPA / SDPA; the probe is warm-up, never part of a job.

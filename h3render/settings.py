@@ -63,6 +63,9 @@ class RunSettings:
             `Engine.prepare` for the jobs' lengths; a new length is captured by the first job that has it, which
             records it in the sidecar's `extra.job_warmup`). Same output bit for bit as the eager decode
             (h3render/graphs.py).
+        graph_text: on CUDA, replay the t2va prompt encode from a CUDA graph captured per padded prompt length
+            (`h3render.text_graph`: in `Engine.prepare` for the jobs' prompts; a new length is captured by the
+            first job that has it). The padding is the same with or without the graph.
         save_latents: also write the final latents (`<name>.latents.pt`: video `[24, T, h, w]`, audio
             `[2, 32, Ta]`, float32) beside the MP4, for comparing runs (e.g. 1 vs N GPUs).
         memory_plan: "auto" (chosen from the GPU's memory, `h3render.memplan`), "resident", "phased" or
@@ -95,6 +98,7 @@ class RunSettings:
     vae_batch: int = 8
     compile_vae: bool = True
     graph_audio: bool = True
+    graph_text: bool = True
     save_latents: bool = False
     memory_plan: str = "auto"
     max_gpu_memory: float | None = None
@@ -134,7 +138,8 @@ class RunSettings:
         if cli.get("precision") is None and m is not None and precision != cls.precision:
             precision_from = str(m.path)  # only the defaults can set another precision than the default
         given = {name: cli[name] for name in ("gpus", "attention", "crf", "x264_preset", "vae_batch", "compile_vae",
-                                              "graph_audio", "save_latents", "memory_plan", "max_gpu_memory",
+                                              "graph_audio", "graph_text", "save_latents", "memory_plan",
+                                              "max_gpu_memory",
                                               "lora_mode", "vsa_sparsity")
                  if cli.get(name) is not None}
         adapter = pick("adapter", m and m.adapter)

@@ -31,8 +31,9 @@ class WarmUp:
         block by block from the AdaLN projections in host memory, ≈13 B parameters at release, or read from the
         table cache, `h3render.adaln_cache`); one text encode and two short
         DiT forwards; on CUDA the VAE decoder's attention backend measured at its own shape and its blocks
-        compiled for the jobs' tile shapes (`compile_vae`), the audio decoder's activations checked, and the audio
-        decode's CUDA graph captured for the jobs' audio lengths (`graph_audio`)."""
+        compiled for the jobs' tile shapes (`compile_vae`), the audio decoder's activations checked, the audio
+        decode's CUDA graph captured for the jobs' audio lengths (`graph_audio`) and the prompt encode's for their
+        padded prompt lengths (`graph_text`)."""
         t0 = time.perf_counter()
         if self.adapter is not None and self.student_attention is not None:
             from h3render.checkpoint.students import budgets  # VSA's top-k at each job shape, for the sidecar
@@ -55,6 +56,8 @@ class WarmUp:
             self.c.dit.offload_adaln_("cpu")
             torch.cuda.empty_cache()
         self.warmup["adaln_tables_s"] = time.perf_counter() - t0
+        if jobs and self.text_graphs is not None and self.text_graphs.graphs_on(self.device):
+            self._capture_text_graphs(jobs)
         if jobs:
             t0 = time.perf_counter()
             with torch.no_grad():
@@ -86,6 +89,21 @@ class WarmUp:
             self.warmup["audio_graph_latents"] = sorted(self._audio_lengths)
             if self.audio_decode.failure is not None:
                 self.warmup["audio_graph_failure"] = self.audio_decode.failure  # decoding eagerly instead
+
+    def _capture_text_graphs(self, jobs: list) -> None:
+        """The t2va prompt encode's CUDA graphs for the padded lengths of the jobs that encode a prompt alone (t2va
+        and keyframe-less windows; `h3render.text_graph`), recorded as `text_graph_tokens` (every length captured so
+        far) and `text_graph_capture_s`."""
+        from h3render.text_graph import capture_prompts
+
+        t0 = time.perf_counter()
+        prompts = [j.prompt for j in jobs if not j.keyframes and not j.references]
+        capture_prompts(self.text_graphs, self.c.text_encoder, prompts)
+        self.warmup["text_graph_capture_s"] = self.warmup.get("text_graph_capture_s", 0.0) + (
+            time.perf_counter() - t0)
+        self.warmup["text_graph_tokens"] = sorted(c["shape"][-1] for c in self.text_graphs.captures)
+        if self.text_graphs.failure is not None:
+            self.warmup["text_graph_failure"] = self.text_graphs.failure  # encoding eagerly instead
 
     @torch.no_grad()
     def _warm_vae(self, jobs: list) -> None:

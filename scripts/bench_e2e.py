@@ -67,7 +67,9 @@ def add_arguments(p) -> None:
                         "VSA's tile means pooled apart, models.dit.Attention.vsa_fused_prep = False), unfused-prep "
                         "(this tree with VSA's tile means pooled apart: qk_norm_rope, then three pool passes over q, "
                         "k, v instead of the one kernels.vsa.vsa_prep pass, models.dit.Attention.vsa_fused_prep = "
-                        "False)")
+                        "False), eager-text (this tree with the prompt encode run eagerly, not replayed from its CUDA "
+                        "graph: Engine.text_graphs disabled; the padding stays, main before the twenty-first session "
+                        "but for it)")
     p.add_argument("--e2e-prof-decode", action="store_true",
                    help="e2e (with moving content): one more decode alone of each canvas under the profiler, its top "
                         "kernels recorded (against the same VAE built alone: the prof stage's --prof-vae)")
@@ -296,7 +298,7 @@ def vsa_variants(args) -> list[str]:
 
 
 VARIANTS = ("current", "bf16-qk", "session12", "uncapped", "head-order", "exact-accum", "vae-exact", "gate-exact",
-            "session16", "session17", "session18", "unfused-prep")
+            "session16", "session17", "session18", "unfused-prep", "eager-text")
 _UNCAPPED_PICKS: dict = {}  # the "uncapped" variant's autotuner picks, apart from the tree's own
 
 
@@ -320,6 +322,10 @@ def vsa_kernels(variant: str, engine):
     from h3render.models.dit import Attention
 
     saved18 = modulate_impl.LAUNCH, Attention.vsa_v_tiles, Attention.vsa_fused_prep
+    graphs = getattr(engine, "text_graphs", None)  # (the bench's tests pass an engine without one)
+    saved21 = graphs.enabled if graphs is not None else None
+    if variant == "eager-text" and graphs is not None:
+        graphs.enabled = False
     dit.vsa_qk_int8 = saved[0] and variant != "bf16-qk"
     triton_impl.LONG_FIRST = saved[2] and variant != "head-order"
     if variant == "session16":  # (the compiled decoder blocks recompile on the first decode: `decode_alone` takes it)
@@ -354,6 +360,8 @@ def vsa_kernels(variant: str, engine):
         select_triton.SEARCH, vsa.COARSE_TF32, ViTAttention.use_triton, ViTBlock.fused_norm_fp8 = saved16
         fp8.BIAS_EPILOGUE = saved17
         modulate_impl.LAUNCH, Attention.vsa_v_tiles, Attention.vsa_fused_prep = saved18
+        if graphs is not None:
+            graphs.enabled = saved21
         if tuner is not None:
             tuner.configs, tuner.cache = tuned
 

@@ -11,6 +11,7 @@ from h3render.packing import patchify_video, t2va_layout
 from h3render.sampling import Schedule, draw_noise, schedule_timesteps
 from h3render.spec import FRAMES_REMAINDER
 from h3render.tasks.base import BASE_PARTITION, Encoded, Prepared
+from h3render.text_graph import encode_prompt
 
 NAME = "t2va"
 ENCODE_STAGE = "text encode"  # the progress line of `prepare`
@@ -51,7 +52,9 @@ def encode_text(host, job) -> Encoded:
     Raises:
         ValueError: an empty prompt or one with no tokens (`TextEncoder.tokenize`).
     """
-    return Encoded(host.c.text_encoder.encode(job.prompt))
+    # Padded to its token bucket and replayed from the engine's graph when it has one (`h3render.text_graph`); the
+    # text phase's host (`text_phase.TextHost`) has none and runs the same padded encode eagerly.
+    return Encoded(encode_prompt(host.c.text_encoder, job.prompt, getattr(host, "text_graphs", None)))
 
 
 def warm_job(job):

@@ -225,5 +225,13 @@ def test_the_bf16_qk_variant_is_patched_in_and_restored(bench_fp8):
         assert (modulate_impl.LAUNCH, Attention.vsa_v_tiles, Attention.vsa_fused_prep) == ((2, 4), True, False)
         assert dit.vsa_qk_int8 is True and vae[0].fast_accum is True and triton_impl.LONG_FIRST is True
     assert (modulate_impl.LAUNCH, Attention.vsa_v_tiles, Attention.vsa_fused_prep) == shipped18
+    from h3render.graphs import ShapeGraphs
+
+    engine.text_graphs = ShapeGraphs(lambda x: x, name="text encoder")
+    with bench_e2e.vsa_kernels("eager-text", engine):  # the prompt encode eager, the rest as shipped
+        assert engine.text_graphs.enabled is False and dit.vsa_qk_int8 is True
+    assert engine.text_graphs.enabled is True
+    with bench_e2e.vsa_kernels("current", engine):
+        assert engine.text_graphs.enabled is True
     with pytest.raises(ValueError, match="expected some of current, bf16-qk, session12"):
         bench_e2e.vsa_variants(type("A", (), {"e2e_vsa_kernels": "session10"})())

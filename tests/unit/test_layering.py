@@ -59,7 +59,7 @@ LAYERS: dict[int, tuple[str, ...]] = {
     6: ("h3render.engine", "h3render.warmup", "h3render.adaln_cache", "h3render.render", "h3render.tasks", "h3render.tasks.*", "h3render.sidecar",
         "h3render.keyframes", "h3render.references", "h3render.ref_packing", "h3render.media", "h3render.soundtrack",
         "h3render.staging", "h3render.colour",
-        "h3render.graphs", "h3render.timing", "h3render.outputs", "h3render.progress", "h3render.parallel",
+        "h3render.graphs", "h3render.text_graph", "h3render.timing", "h3render.outputs", "h3render.progress", "h3render.parallel",
         "h3render.parallel.*", "h3render.memplan", "h3render.text_phase", "h3render.block_stream", "h3render.seams",
         "h3render.dit_swap", "h3render.pinned", "h3render.compile_prefetch"),
     5: ("h3render.make_checkpoint", "h3render.make_checkpoint.*"),
