@@ -27,7 +27,6 @@ import torch
 from h3render.dit_swap import exchange, move_dit
 from h3render.errors import RenderError
 from h3render.graphs import ShapeGraphs
-from h3render.text_graph import text_graphs
 from h3render.models.attention import attention as fast_attention
 from h3render.models.attention import select_backend, vsa_qk_int8_pays
 from h3render.models.fp8 import fp8_problem, quantize_video_decoder_fp8_
@@ -38,6 +37,7 @@ from h3render.sampling import Schedule, dit_model_fn
 from h3render.staging import PinnedFrameStager
 from h3render.tasks import task_of
 from h3render.tasks.base import BASE_PARTITION, Prepared
+from h3render.text_graph import text_graphs
 from h3render.warmup import WarmUp, heads_first
 
 # Device bytes a partition swap leaves free beyond the incoming DiT's parameters: the activations of one forward at

@@ -58,7 +58,8 @@ def encode_prompt(text_encoder, prompt: str, graphs: ShapeGraphs | None = None) 
     ids = text_encoder.tokenize(prompt)
     x = padded_ids(ids, text_encoder.embed_tokens.weight.device)
     states = graphs(x) if graphs is not None else text_encoder(x)
-    return states[0, : ids.numel()]
+    # A copy of the real rows: a view would keep the padded tensor alive (and whole in a saved text store).
+    return states[0, : ids.numel()].clone()
 
 
 def capture_prompts(graphs: ShapeGraphs, text_encoder, prompts) -> list[int]:
