@@ -134,18 +134,27 @@ def _prep(bench, canvas: tuple[int, int, int], where: str) -> None:
         def fn(launch=launch):
             return vsa_prep(q, k, v, q_w, k_w, cos, sin, eps, plan, **launch)
 
-        try:
-            got = fn()
-            t = bench.cuda_time(fn, reps=20, warm=3)
-        except Exception as exc:  # noqa: BLE001  a row says why
-            bench.rec(stage="vsa-tune", what=label, failed=f"{type(exc).__name__}: {exc}"[:300])
+        timed = _timed(bench, label, fn, reps=20, warm=3)
+        if timed is None:
             continue
+        got, t = timed
         same = {f"same_{name}": bool(torch.equal(a, b)) for name, a, b in zip(("q", "k", "v_tiles"), got, ref)}
         diffs = {f"mean_rel_diff_{name}": float((a - b).abs().max() / b.abs().max())
                  for name, a, b in zip("qkv", got[3:], ref[3:])}
         bench.rec(stage="vsa-tune", what=label, ours_s=round(t, 6), vs_unfused=round(t / t_ref, 3),
                   saved_ms=round((t_ref - t) * 1e3, 3), **same, **diffs)
         del got
+
+
+def _timed(bench, label: str, fn, *, reps: int, warm: int):
+    """(fn()'s result, its median seconds), or None after recording a failed row with `label` (a launch setting that
+    does not compile or fit shares the table with the ones that do)."""
+    try:
+        result = fn()
+        return result, bench.cuda_time(fn, reps=reps, warm=warm)
+    except Exception as exc:  # noqa: BLE001  a row says why
+        bench.rec(stage="vsa-tune", what=label, failed=f"{type(exc).__name__}: {exc}"[:300])
+        return None
 
 
 def _canvas(args, bench, canvas: tuple[int, int, int]) -> None:
@@ -180,12 +189,10 @@ def _canvas(args, bench, canvas: tuple[int, int, int]) -> None:
 
                     label = (f"VSA fine+gate TMA {where} {'int8' if int8 else 'bf16'} QK 4w/{stages}st"
                              f"{f' maxnreg={cap}' if cap else ''}{', dense tiles first' if long_first else ''}")
-                    try:
-                        handle = fn()
-                        t = bench.cuda_time(fn, reps=5, warm=2)
-                    except Exception as exc:  # noqa: BLE001  a row says why
-                        bench.rec(stage="vsa-tune", what=label, failed=f"{type(exc).__name__}: {exc}"[:300])
+                    timed = _timed(bench, label, fn, reps=5, warm=2)
+                    if timed is None:
                         continue
+                    handle, t = timed
                     fn()
                     bench.rec(stage="vsa-tune", what=label, ours_s=round(t, 4), tflops=round(flop / t / 1e12, 1),
                               rel_err=bench.rel_err(out[:, sub], ref), n_regs=getattr(handle, "n_regs", None),
