@@ -394,7 +394,8 @@ def test_next_job_starts_while_the_previous_tail_runs(tmp_path):
     assert [j.status for j in report.jobs] == ["succeeded"] * 3 and report.exit_code == 0
     data = json.loads((tmp_path / "batch-report.json").read_text())
     assert data["format"] == 5 and data["state"] == "finished" and "overlap" not in data
-    assert all(j["seconds"] > 0 for j in data["jobs"])
+    # recorded for every job; rounded to the millisecond, a fake job's can be 0.0 (j2 releases itself at once)
+    assert all(isinstance(j["seconds"], float) and j["seconds"] >= 0 for j in data["jobs"])
     for i in range(3):
         assert (tmp_path / f"sub/j{i}.mp4").is_file() and (tmp_path / f"sub/j{i}.json").is_file()
 
