@@ -40,8 +40,11 @@ Stages (`--stages`, comma-separated):
   prepare   Engine.prepare of a first and a second run per --precision (bf16,fp8: one engine at a time) against
             one AdaLN table cache folder, and the load before it (scripts/bench_prepare.py; issue 26); `--e2e-model
             tiny --e2e-device cpu --e2e-canvases 160x128x22 --prepare-steps 3` is the CPU smoke run
-  te-fp8    FP8 text encoder, per-call dequantize vs the Triton weight-only GEMM vs w8a8 (mode "rows"), and that
-            GEMM's launch settings per linear shape and prompt length (scripts/bench_prepare.py; issue 26)
+  te-fp8    FP8 text encoder, eager and unpadded: per-call dequantize vs the Triton weight-only GEMM vs dequantize +
+            cuBLAS vs w8a8 (mode "rows") (scripts/bench_prepare.py; issue 26)
+  te-small  the FP8 text encoder as a t2va encode runs it (padded, replayed from a CUDA graph): bf16 vs FP8 "auto",
+            "dequant-fused" and "rows", and the weight-only GEMM's launch settings per linear shape at --te-small-rows
+            rows (scripts/bench_te_small.py; issue 26 item 3)
   vae-fp8   video VAE decode, bf16 vs FP8 decoder block linears (`--precision fp8`), eager and compiled, at
             --vae-fp8-latents (72x48x84: 243 frames of 1344x768): time, peak memory, PSNR / max abs of the FP8 frames
             vs the bf16 frames in uint8 (scripts/bench_vae_fp8.py; issue 26); `--vae-fp8-model tiny --vae-fp8-device
@@ -200,10 +203,18 @@ def stage_vae_fp8(args) -> None:
 
 
 def stage_te_fp8(args) -> None:
-    """FP8 text encoder: per-call dequantize vs the Triton weight-only GEMM (scripts/bench_prepare.py)."""
+    """FP8 text encoder, eager: per-call dequantize vs the Triton weight-only GEMM (scripts/bench_prepare.py)."""
     import bench_prepare
 
     bench_prepare.stage_te_fp8(args, bench_common)
+def stage_te_small(args) -> None:
+    """The FP8 text encoder at a prompt's row counts, replayed from graphs; the weight-only GEMM's sweep
+    (scripts/bench_te_small.py)."""
+    import bench_te_small
+
+    bench_te_small.run(args, bench_common)
+
+
 def stage_peers(args) -> None:
     """Peers' VSA and attention kernels beside ours (scripts/bench_peers.py)."""
     import bench_peers
@@ -230,7 +241,7 @@ STAGES = {f.__name__: f for f in (
     stage_ceil, stage_attn, stage_kernels, stage_dit, stage_vae, stage_audio, stage_te, stage_ulysses, stage_vsa,
     stage_prof, stage_compare, stage_e2e, stage_fp8_gemm, stage_fp8_quant, stage_fp8_dit, stage_fp8_memory,
     stage_fl2va, stage_ref2va, stage_batch, stage_media, stage_tables, stage_prepare, stage_te_fp8, stage_vae_fp8,
-    stage_memplans, stage_longclip, stage_lora, stage_peers, stage_vsa_tune)}
+    stage_memplans, stage_longclip, stage_lora, stage_peers, stage_vsa_tune, stage_te_small)}
 
 
 def main() -> None:
@@ -306,6 +317,9 @@ def main() -> None:
 
     bench_ref2va.add_arguments(p)
     bench_longclip.add_arguments(p)
+    import bench_te_small
+
+    bench_te_small.add_arguments(p)
     args = p.parse_args()
     args.vae_batches = [int(x) for x in args.vae_batches.split(",")]
     args.ulysses_chunks = [int(x) for x in args.ulysses_chunks.split(",")]

@@ -20,13 +20,12 @@ and inputs.
            runs in the warm process (kernels compiled, tokenizer loaded): its other warm-up parts are lower bounds
            of a second process's. CPU smoke: `--e2e-model tiny --e2e-device cpu --e2e-canvases 160x128x22
            --prepare-steps 3`.
-  te-fp8   the text encoder (50 of 64 Qwen3-VL-32B layers) at `--te-tokens` tokens: bf16, then quantized in place
-           to FP8 (`quantize_text_encoder_fp8_`) in each `Fp8WeightLinear.mode`: the old per-call torch dequantize,
-           the Triton weight-only GEMM, the Triton dequantize + cuBLAS, "auto", and "rows" (activations quantized
-           per row too, one `_scaled_mm`: w8a8); rel. error of the read states against bf16. Then every linear
-           shape of a layer at `--te-gemm-rows` rows: bf16 `F.linear`, torch and Triton dequantize + `F.linear`, and
-           the Triton GEMM at each `CANDIDATES` launch setting (the best per row count is what `CONFIGS` should
-           say).
+  te-fp8   the text encoder (50 of 64 Qwen3-VL-32B layers) at `--te-tokens` tokens, eager (unpadded, no graph):
+           bf16, then quantized in place to FP8 (`quantize_text_encoder_fp8_`) in each `Fp8WeightLinear.mode`: the
+           old per-call torch dequantize, the Triton weight-only GEMM, the Triton dequantize + cuBLAS, "auto", and
+           "rows" (activations quantized per row too, one `_scaled_mm`: w8a8); rel. error of the read states against
+           bf16. The GEMM's launch settings per linear shape, and the encode as the engine replays it: te-small
+           (scripts/bench_te_small.py).
 """
 
 from __future__ import annotations
@@ -35,7 +34,6 @@ import tempfile
 import time
 
 import torch
-import torch.nn.functional as F
 
 
 def add_arguments(p) -> None:
@@ -53,7 +51,6 @@ def add_arguments(p) -> None:
     p.add_argument("--prepare-profile", action="store_true",
                    help="prepare stage: the first run's host time under cProfile (top functions by cumulative time)")
     p.add_argument("--te-tokens", default="77,256,2000", help="te-fp8 stage: comma-separated prompt lengths")
-    p.add_argument("--te-gemm-rows", default="16,77,256,2000", help="te-fp8 stage: row counts of the GEMM sweep")
 
 
 def _sync_time(fn) -> tuple[float, object]:
@@ -214,12 +211,8 @@ def _te_linear_shapes(cfg) -> list[tuple[str, int, int]]:
 
 @torch.no_grad()
 def stage_te_fp8(args, bench) -> None:
-    import triton.testing
-
     from h3render.checkpoint.releases import QWEN3VL_RELEASED
-    from h3render.kernels.fp8_weight import fp8_weight_linear_naive
-    from h3render.kernels.fp8_weight.triton_impl import CANDIDATES, fp8_weight_linear_triton, pick_config
-    from h3render.models.fp8 import Fp8WeightLinear, _rows_scaled_mm, quantize_text_encoder_fp8_, quantize_weight
+    from h3render.models.fp8 import Fp8WeightLinear, quantize_text_encoder_fp8_
     from h3render.models.text_encoder import TextEncoder
 
     rec = bench.rec
@@ -243,8 +236,8 @@ def stage_te_fp8(args, bench) -> None:
     rec(stage="te-fp8", what="quantize the text encoder in place", seconds=round(t, 2), linears=count)
     labels = {"dequant": "torch dequantize per call (before)", "gemm": "Triton weight-only GEMM",
               "dequant-fused": "Triton dequantize + cuBLAS", "auto": f"auto (GEMM up to "
-              f"{Fp8WeightLinear.GEMM_MAX_ROWS} rows and K <= {Fp8WeightLinear.GEMM_MAX_K}, else dequantize + cuBLAS: "
-              "after)", "rows": "FP8 activations per row x FP8 weight, one _scaled_mm (w8a8)"}
+              f"{Fp8WeightLinear.GEMM_MAX_ROWS} rows, else dequantize + cuBLAS)",
+              "rows": "FP8 activations per row x FP8 weight, one _scaled_mm (w8a8)"}
     try:
         for mode, label in labels.items():
             Fp8WeightLinear.mode = mode
@@ -257,42 +250,3 @@ def stage_te_fp8(args, bench) -> None:
     del te, ref
     bench.peak_reset()
 
-    # One layer's linears at each token count: which launch setting wins (CONFIGS) and the error at the real shape.
-    g = torch.Generator("cuda").manual_seed(0)
-    from h3render.kernels.fp8_weight import fp8_dequantize
-
-    def bench_ms(fn):
-        return triton.testing.do_bench(fn, warmup=5, rep=25, return_mode="median")
-
-    for name, k, n_out in _te_linear_shapes(cfg):
-        w16 = (torch.randn(n_out, k, device="cuda", generator=g) * k ** -0.5).bfloat16()
-        w8, s = quantize_weight(w16)
-        exact = torch.equal(fp8_dequantize(w8, s), (w8.float() * s.t()).to(torch.bfloat16))
-        for m in [int(n) for n in args.te_gemm_rows.split(",")]:
-            x = torch.randn(m, k, device="cuda", generator=g).bfloat16()
-            ref = fp8_weight_linear_naive(x.float(), w8, s)
-            flop = 2 * m * k * n_out
-            t_bf16 = bench_ms(lambda: F.linear(x, w16)) / 1e3
-            t_old = bench_ms(lambda: F.linear(x, (w8.float() * s.t()).to(torch.bfloat16))) / 1e3
-            t_fused = bench_ms(lambda: F.linear(x, fp8_dequantize(w8, s))) / 1e3
-            # mode "rows" (w8a8): the per-row quantization of x and one _scaled_mm, device time
-            t_rows = bench_ms(lambda: _rows_scaled_mm(x, w8, s.reshape(1, -1), None)) / 1e3
-            timings = {}
-            for config in CANDIDATES:
-                try:
-                    timings[config] = bench_ms(lambda: fp8_weight_linear_triton(x, w8, s, config=config)) / 1e3
-                except Exception as exc:  # noqa: BLE001  (out of shared memory for one setting: skip it)
-                    rec(stage="te-fp8", what=f"config {config} failed", error=str(exc)[:120])
-            best = min(timings, key=timings.get)
-            picked = pick_config(m)
-            err = bench.rel_err(fp8_weight_linear_triton(x, w8, s, config=picked), ref)
-            rec(stage="te-fp8", what=f"GEMM {name} {k}->{n_out}, {m} rows", bf16_ms=round(t_bf16 * 1e3, 4),
-                dequant_ms=round(t_old * 1e3, 4), dequant_fused_ms=round(t_fused * 1e3, 4),
-                rows_w8a8_ms=round(t_rows * 1e3, 4),
-                rows_rel_err_vs_fp32=bench.rel_err(_rows_scaled_mm(x, w8, s.reshape(1, -1), None), ref),
-                dequant_bit_exact=exact, picked=list(picked),
-                picked_ms=round(timings.get(picked, float("nan")) * 1e3, 4), best=list(best),
-                best_ms=round(timings[best] * 1e3, 4), best_tflops=round(flop / timings[best] / 1e12, 1),
-                rel_err_vs_fp32=err, all_ms={str(c): round(v * 1e3, 4) for c, v in timings.items()})
-        del w16, w8, s
-    bench.peak_reset()

@@ -279,27 +279,28 @@ class Fp8WeightLinear(_Fp8Weight):
     against 0.127 with `Fp8Linear` (activations quantized per row as well; torch 2.13 CPU, first measured as 0.088 vs
     0.115); hence weight-only. The dequantized weight [N, K] exists only during the call (released: at most 25600 x
     5120, 0.5 GB fp32 + 0.26 GB bf16 transient) on the CPU. On CUDA with bf16 / fp16 activations (`kernels.fp8_weight`,
-    issue 26; neither needs FP8 hardware, so Ampere runs them too): up to `GEMM_MAX_ROWS` rows and `GEMM_MAX_K` input
-    features one Triton GEMM that decodes the e4m3 codes in registers (1 byte read per weight, the scale on the fp32
-    accumulator: the weight enters the dot exactly), otherwise one Triton pass dequantizes the weight to bf16 bit for
-    bit as on the CPU (3 bytes per weight instead of 11) and cuBLAS multiplies: per GEMM the faster of the two on an
-    H200 (docs/performance.md §11). Both cost more than a bf16 GEMM (the weight must reach the tensor cores as bf16):
-    the encoder's GEMMs take 0.03-0.15 s per prompt against bf16's 0.016-0.12 s and the old path's 0.20-0.31 s.
+    issue 26): up to `GEMM_MAX_ROWS` rows (a t2va prompt's padded 64-256 tokens) one Triton GEMM that decodes the e4m3
+    codes in registers (1 byte read per weight, the scale on the fp32 accumulator: the weight enters the dot exactly),
+    otherwise one Triton pass dequantizes the weight to bf16 bit for bit as on the CPU (3 bytes per weight instead of
+    11) and cuBLAS multiplies. Measured on an H200 (docs/performance.md §32, the 50-layer encode replayed from a CUDA
+    graph): 0.0175 / 0.0230 / 0.0365 s at 64 / 128 / 256 rows against bf16's 0.0213 / 0.0228 / 0.0317 s and the
+    0.20 s a prompt of the per-call torch dequantize before issue 26.
 
-    Mode "rows" (issue 26 item 3; measured on an H200, docs/performance.md §22.4: GEMM device time no more than
-    bf16's, but two launches a linear leave a short prompt's launch-bound encode 16-23 % slower than bf16 and the
-    error 0.12 against 0.104; not the default) trades that accuracy for FP8 tensor cores: the activations are
-    rounded to e4m3 too, one scale per row (`kernels.fp8.quantize_rows`), and one `torch._scaled_mm` multiplies
-    them with the weight as is, the product `Fp8Linear` computes (`_rows_scaled_mm`; the 0.127 above) with the
-    output in x's dtype. On CUDA it needs compute capability >= `FP8_MIN_CAPABILITY`.
+    Mode "rows" (issue 26 item 3; measured on an H200, docs/performance.md §22.4 and §32: replayed from a CUDA graph
+    0.020 / 0.020 / 0.026 s at 64 / 128 / 256 rows, below bf16, but the read states' error against bf16 0.114-0.122
+    where the weight-only product's is 0.096-0.103 on random weights; not the default) trades that accuracy for FP8
+    tensor cores: the activations are rounded to e4m3 too, one scale per row (`kernels.fp8.quantize_rows`), and one
+    `torch._scaled_mm` multiplies them with the weight as is, the product `Fp8Linear` computes (`_rows_scaled_mm`; the
+    0.127 above) with the output in x's dtype. On CUDA it needs compute capability >= `FP8_MIN_CAPABILITY`.
     """
 
-    # "auto" (above), "gemm", "dequant-fused", "dequant" (the torch expression: the path before issue 26) or "rows"
-    # (w8a8, above); a class setting so that the benchmark measures each in one process (scripts/bench_prepare.py
-    # `te-fp8`).
+    # "auto" (above), "gemm" (the Triton GEMM at any row count), "dequant-fused", "dequant" (the torch expression: the
+    # path before issue 26) or "rows" (w8a8, above); a class setting so that the benchmark measures each in one
+    # process (scripts/bench_prepare.py `te-fp8`, bench_te_small.py).
     mode = "auto"
-    GEMM_MAX_ROWS = 128  # measured: the GEMM wins at 16 and 77 rows, dequantize + cuBLAS at 256 and 2000
-    GEMM_MAX_K = 16384  # the 25600-wide down projection: dequantize + cuBLAS won at every row count measured
+    # §32: the GEMM beat dequantize + cuBLAS at every linear of the encoder at 64, 128 and 256 rows (the whole encode
+    # at 256: 0.0365 against 0.051 s); §11: dequantize + cuBLAS won at 2000.
+    GEMM_MAX_ROWS = 256
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [..., K] float -> [..., N] in x's dtype."""
@@ -316,8 +317,7 @@ class Fp8WeightLinear(_Fp8Weight):
         bias = None if self.bias is None else self.bias.to(x.dtype)
         if mode != "dequant" and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16):
             rows = x.numel() // max(x.shape[-1], 1)
-            small = rows <= self.GEMM_MAX_ROWS and self.in_features <= self.GEMM_MAX_K
-            if mode == "gemm" or (mode == "auto" and small):
+            if mode == "gemm" or (mode == "auto" and rows <= self.GEMM_MAX_ROWS):
                 from h3render.kernels.fp8_weight import fp8_weight_linear
 
                 return fp8_weight_linear(x.contiguous(), self.weight, self.weight_scale, bias)

@@ -1,14 +1,19 @@
-"""The weight-only FP8 GEMM (`kernels.fp8_weight`, issue 26) against its torch reference, and `Fp8WeightLinear`'s
-mode "rows" (w8a8: `Fp8Linear`'s product) against `Fp8Linear` and, on CUDA, the dequantized product.
+"""The weight-only FP8 GEMM (`kernels.fp8_weight`, issue 26: y^T = w x^T, K split across programs) against its torch
+reference, and `Fp8WeightLinear`'s modes: "auto" / "gemm" on CUDA, "rows" (w8a8: `Fp8Linear`'s product) against
+`Fp8Linear` and, on CUDA, the dequantized product.
 
-Triton runs under TRITON_INTERPRET=1 on CPU tensors; the outputs are NaN-poisoned first, so an element the kernel
-does not write fails. Bounds: every e4m3 code decodes exactly (bit-exact through an identity product); on odd shapes
-the kernel differs from the fp32 reference by two bf16 / fp16 roundings, the dequantized weight `w * scale` (it
-reaches the dot product in the activation dtype) and the output, plus fp32 summation order: rel. error <= 6e-3
-(bf16's half-ulp is 2**-9 = 2e-3 per rounding; with 24 outputs and the bias partly cancelling the sum, 60 seeds of
-the 1x40x24 case gave 2.3e-3 .. 4.9e-3, median 3.2e-3; the output rounding alone is 1.6e-3). The inputs are seeded:
-an unseeded draw once gave 4.3e-3 against the former 4e-3 bound.
+Triton runs under TRITON_INTERPRET=1 on CPU tensors (the integer decode, by pointers; the sm_89+ `cvt` decodes are
+inline PTX and tensor descriptors want a GPU: the CUDA cases run those, and `rows_to_f16` runs in both). Outputs are
+NaN-poisoned first, so an element no program writes fails. Bounds: every e4m3 code decodes exactly (bit-exact through
+an identity product); on odd shapes the kernel differs from the fp32 reference by two bf16 / fp16 roundings, the
+dequantized weight `w * scale` (it reaches the dot product in the activation dtype) and the output, plus fp32
+summation order: rel. error <= 6e-3 (bf16's half-ulp is 2**-9 = 2e-3 per rounding; with 24 outputs and the bias partly
+cancelling the sum, 60 seeds of the 1x40x24 case gave 2.3e-3 .. 4.9e-3, median 3.2e-3; the output rounding alone is
+1.6e-3). A split's partial sums are fp32 and add in split order: the same fp32 terms in another order. The inputs are
+seeded: an unseeded draw once gave 4.3e-3 against the former 4e-3 bound.
 """
+
+import itertools
 
 import pytest
 import torch
@@ -38,33 +43,46 @@ def _linear(k, n, device="cpu", seed=0):
     return lin
 
 
-def _run(x, w, s, b):
+def _run(x, w, s, b=None, config=None):
     from h3render.kernels.fp8_weight.triton_impl import fp8_weight_linear_triton
 
     out = torch.full((x.shape[0], w.shape[0]), float("nan"), dtype=x.dtype, device=x.device)
-    return fp8_weight_linear_triton(x, w, s, b, out=out)
+    return fp8_weight_linear_triton(x, w, s, b, config=config, out=out)
+
+
+def _every_code(n_rows):
+    """All 254 finite e4m3 codes (the two NaN codes set to 0: quantize_weight never writes them) as [n_rows, 256 /
+    n_rows]; the identity reads them back: y = eye @ w^T = w^T, one exact term per output."""
+    codes = torch.arange(256, dtype=torch.int32)
+    codes[(codes & 0x7F) == 0x7F] = 0
+    return codes.to(torch.uint8).view(torch.float8_e4m3fn).reshape(n_rows, 256 // n_rows)
 
 
 @interpreted
-def test_every_e4m3_code_decodes_exactly():
-    codes = torch.arange(256, dtype=torch.int32)
-    codes[(codes & 0x7F) == 0x7F] = 0  # the two NaN codes: never written by quantize_weight
-    w = codes.to(torch.uint8).view(torch.float8_e4m3fn).reshape(16, 16)
-    x = torch.eye(16, dtype=torch.bfloat16)
-    got = _run(x, w, torch.ones(1, 16), None)  # y[i, n] = w[n, i]: one exact term per output
+@pytest.mark.parametrize("split", [1, 2])
+def test_every_e4m3_code_decodes_exactly(split):
+    w = _every_code(8)  # [8, 32]
+    x = torch.eye(32, dtype=torch.bfloat16)
+    got = _run(x, w, torch.ones(1, 8), config=(64, 16, 16, split, 4, 1, 0, 0))  # two 16-token tiles, K split in 2
     assert torch.equal(got.float(), w.float().t()), "an e4m3 code decoded wrong"
 
 
 @interpreted
-@pytest.mark.parametrize("m,k,n,dtype,bias", [(1, 40, 24, torch.bfloat16, True), (77, 200, 136, torch.float16, False),
-                                              (130, 96, 72, torch.bfloat16, True)])
-def test_triton_matches_reference_on_odd_shapes(m, k, n, dtype, bias):
-    w, s = _weights(n, k)
+@pytest.mark.parametrize("m,k,n,dtype,bias,config", [
+    (1, 40, 24, torch.bfloat16, True, None),  # the default setting, one token, K below one block
+    (77, 200, 136, torch.float16, False, None),
+    (130, 96, 72, torch.bfloat16, True, None),
+    (130, 1000, 72, torch.bfloat16, True, (64, 64, 128, 3, 4, 1, 0, 0)),  # 3 token tiles, K split 3 (the last short)
+    (64, 520, 200, torch.bfloat16, True, (128, 128, 128, 8, 8, 1, 0, 0)),  # split 8 -> 5 (520 = 4 x 128 + 8)
+    (200, 300, 70, torch.float16, True, (128, 128, 64, 2, 8, 1, 2, 1)),  # DECODE 2, TMA asked on the CPU: integers
+])
+def test_triton_matches_reference_on_odd_shapes(m, k, n, dtype, bias, config):
+    w, s = _weights(n, k, seed=m)
     g = torch.Generator().manual_seed(m * 1000 + k)
     x = torch.randn(m, k, generator=g).to(dtype)
     b = torch.randn(n, generator=g).to(dtype) if bias else None
-    got = _run(x, w, s, b)
-    assert not got.isnan().any(), "an output element was not written"
+    got = _run(x, w, s, b, config)
+    assert got.dtype == dtype and not got.isnan().any(), "an output element was not written"
     assert rel_err(got, fp8_weight_linear_naive(x.float(), w, s, b)) <= TOL
 
 
@@ -75,6 +93,117 @@ def test_fused_dequantize_is_the_torch_expression_bit_for_bit():
 
     w, s = _weights(37, 300, seed=4)
     assert torch.equal(dequantize_triton(w, s), (w.float() * s.t()).to(torch.bfloat16))
+
+
+@interpreted
+def test_rows_to_f16_is_exact_and_scales_only_large_rows():
+    from h3render.kernels.fp8_weight.triton_impl import rows_to_f16
+
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(5, 1500, generator=g)
+    x[1] *= 1e4  # largest ~4e4 > 32768: scaled by 2
+    x[2] *= 3e9  # far past fp16
+    x[3] = 0.0
+    x[4, 7] = -30000.0  # under 2**15 (bf16 29952): kept as is
+    x = x.bfloat16()
+    out, rs = rows_to_f16(x)
+    assert out.dtype == torch.float16 and out.isfinite().all()
+    assert out.float().abs().amax() < 2 ** 15
+    assert rs[0] == rs[3] == rs[4] == 1.0 and rs[1] == 2.0 and rs[2] > 2 ** 16
+    assert torch.equal(torch.log2(rs), torch.log2(rs).round())  # powers of two: the epilogue's product is exact
+    # bf16's 8 significant bits fit fp16's 11: exact wherever x / rs is an fp16 normal (>= 2**-14), and within
+    # fp16's subnormal step (2**-24) of it below that (a few of the normal draws' smallest)
+    back = out.float() * rs[:, None]
+    assert ((back - x.float()).abs() <= 2 ** -24 * rs[:, None]).all()
+    assert torch.equal(back[1:3], x[1:3].float())
+
+
+def test_default_config_fills_the_gpu_and_keeps_depth():
+    from h3render.kernels.fp8_weight.triton_impl import _default_config
+
+    # The released text encoder's linears at a 77-token prompt (128 rows) on an H200's 132 multiprocessors.
+    for n, k in ((8192, 5120), (1024, 5120), (5120, 8192), (25600, 5120), (5120, 25600)):
+        bn, _, _, split, *_ = _default_config(128, n, k, 132)
+        tiles = -(-n // bn)
+        assert k // split >= 512, (n, k, split)  # a split keeps the pipeline's depth
+        assert tiles * split >= 264 or split == 8 or k // (2 * split) < 512, (n, k, split)  # or could not split more
+    assert _default_config(128, 25600, 5120, 132)[3] == 1  # 400 weight tiles fill the GPU alone
+    assert _default_config(128, 1024, 5120, 132)[3] == 8  # 16 weight tiles: split as far as it goes
+
+
+_SASS_SCRIPT = """
+import subprocess, sys, tempfile
+from pathlib import Path
+import torch, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from triton.runtime.jit import mangle_type
+from triton.tools.tensor_descriptor import TensorDescriptor
+from h3render.kernels.fp8_weight import triton_impl as ti
+
+fn = ti._wfp8_kernel
+constexprs = {"HAS_BIAS": False, "PARTIAL": False, "BLOCK_N": 64, "BLOCK_T": 128, "BLOCK_K": 128, "DECODE": 1,
+              "TMA": True, "DRAIN": sys.argv[1] == "1", "UPCAST": False}
+desc = lambda dtype, block: mangle_type(TensorDescriptor.from_tensor(torch.empty(256, 512, dtype=dtype), block))
+types = {"x_ptr": "*bf16", "w_ptr": "*u8", "y_ptr": "*bf16", "desc_x": desc(torch.bfloat16, [128, 128]),
+         "desc_w": desc(torch.uint8, [64, 128])}
+signature = {n: "constexpr" if n in constexprs else types.get(n, "*fp32" if n.endswith("_ptr") else "i32")
+             for n in fn.arg_names}
+src = ASTSource(fn, signature, {(fn.arg_names.index(n),): v for n, v in constexprs.items()})
+kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 3})
+with tempfile.TemporaryDirectory() as folder:
+    cubin = Path(folder) / "kernel.cubin"
+    cubin.write_bytes(kernel.asm["cubin"])
+    cuobjdump = Path(triton.__file__).parent / "backends/nvidia/bin/cuobjdump"
+    print(subprocess.run([str(cuobjdump), "-sass", str(cubin)], capture_output=True, text=True, check=True).stdout)
+"""
+
+
+def _sass_of_kernel(drain: bool) -> str:
+    """The sm_90a machine code of the weight-only GEMM in its shipped form for few rows (the bf16 `cvt` decode, tiles by
+    tensor descriptors, 64 weight rows x 128 tokens x 128 of K), compiled without a GPU by Triton's own ptxas and
+    disassembled by its cuobjdump, in a child process: this one runs Triton's interpreter, which compiles nothing."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    run = subprocess.run([sys.executable, "-c", _SASS_SCRIPT, "1" if drain else "0"], capture_output=True, text=True,
+                         env=env, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    return run.stdout
+
+
+def _first_a_register_write_before_drain(sass: str) -> str | None:
+    """Walk the K loop from its head (the target of the branch back over the HGMMAs) to its first HGMMA: the first
+    instruction that writes a register some HGMMA reads its A operand from, if it comes before a
+    `WARPGROUP.DEPBAR.LE gsb0, 0x0` (all MMAs done); None when the wait comes first."""
+    import re
+
+    code = [(int(a, 16), text.strip()) for a, text in re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
+    a_regs = set()
+    for _, text in code:
+        if m := re.match(r"HGMMA\.\S+ R\d+, R(\d+),", text):
+            a_regs |= set(range(int(m[1]), int(m[1]) + 4))
+    head = next(int(m[1], 16) for addr, text in code if (m := re.search(r"BRA 0x([0-9a-f]+)", text))
+                and int(m[1], 16) < addr and any("HGMMA" in t for a, t in code if int(m[1], 16) <= a < addr))
+    for _, text in (c for c in code if c[0] >= head):
+        text = re.sub(r"^@!?U?P\w+\s+", "", text)
+        if text.startswith("WARPGROUP.DEPBAR.LE gsb0, 0x0") or text.startswith("HGMMA"):
+            return None
+        if (m := re.match(r"\S+ R(\d+)\b", text)) and int(m[1]) in a_regs:
+            return text
+    return None
+
+
+def test_the_k_loop_waits_for_its_mmas_before_rewriting_their_operands():
+    """Regression (H200, 2026-12-04, docs/performance.md §32): Triton 3.6 (and 3.9, checked here) leaves up to seven of
+    a K step's warpgroup MMAs in flight into the next step, whose decode then loads the next codes into the registers
+    those MMAs read their A operand from: sums of 1e13 on some settings. `_wgmma_drain` must come first."""
+    pytest.importorskip("triton.backends.nvidia")
+    assert _first_a_register_write_before_drain(_sass_of_kernel(drain=True)) is None
+    # the premise: without the drain the compiled loop does write them first (if this fails, Triton now waits itself)
+    assert _first_a_register_write_before_drain(_sass_of_kernel(drain=False)) is not None
 
 
 def test_public_api_dispatch_and_checks(monkeypatch):
@@ -128,41 +257,48 @@ def test_rows_mode_on_cuda_against_the_dequantized_product(monkeypatch):
 
 
 @compiled_cuda
-def test_triton_on_cuda_matches_reference_and_the_linear():
-    # Odd shapes, then the released text encoder's widths (k/v 5120 -> 1024, down 25600 -> 5120) at prompt lengths.
-    for m, k, n in ((1, 40, 24), (77, 200, 136), (300, 5120, 1024), (2000, 25600, 5120)):
-        w, s = _weights(n, k, "cuda")
-        x = torch.randn(m, k, device="cuda").bfloat16()
-        b = torch.randn(n, device="cuda").bfloat16()
-        got = _run(x, w, s, b)
-        assert not got.isnan().any() and rel_err(got, fp8_weight_linear_naive(x.float(), w, s, b)) <= TOL, (m, k, n)
+def test_triton_on_cuda_at_the_released_shapes():
     from h3render.kernels.fp8_weight import fp8_dequantize
-    from h3render.kernels.fp8_weight.triton_impl import CANDIDATES
+    from h3render.kernels.fp8_weight import triton_impl as ti
 
+    # Every decode (integers, the conversion instruction to bf16, to fp16 with the fp16 product) reads every code back
+    # exactly, split or not, by pointers or by tensor copies.
+    w = _every_code(8).cuda()
+    x = torch.eye(32, dtype=torch.bfloat16, device="cuda")
+    for split, decode, tma in itertools.product((1, 2), (0, 1, 2), (0, 1)):
+        got = _run(x, w, torch.ones(1, 8, device="cuda"), config=(64, 16, 16, split, 4, 2, decode, tma))
+        assert torch.equal(got.float(), w.float().t()), (split, decode, tma)
+    # k/v 5120 -> 1024 and down 25600 -> 5120 at a padded prompt's rows, and a longer presentation: the kept setting
+    # for the shape, the default, and each decode with and without a split; two runs give the same bits.
+    for m, k, n in ((64, 5120, 1024), (128, 5120, 1024), (256, 25600, 5120), (77, 200, 136), (300, 5120, 1024)):
+        w, s = _weights(n, k, "cuda", seed=n)
+        x = torch.randn(m, k, device="cuda", generator=torch.Generator("cuda").manual_seed(k)).bfloat16()
+        x[1] *= 3e5  # a row past fp16's range: DECODE 2 scales it down and back up (the error bound is relative)
+        b = torch.randn(n, device="cuda").bfloat16()
+        ref = fp8_weight_linear_naive(x.float(), w, s, b)
+        configs = {ti.CONFIGS.get(ti.config_key(m, n, k)), ti._default_config(m, n, k, 132),
+                   (64, 128, 128, 1, 4, 3, 0, 0), (64, 128, 128, 4, 4, 3, 1, 1), (128, 64, 64, 2, 8, 4, 2, 0),
+                   (256, 128, 64, 1, 8, 3, 2, 1), (64, 64, 128, 8, 4, 3, 0, 1)} - {None}
+        for config in configs:
+            got = _run(x, w, s, b, config)
+            assert not got.isnan().any() and rel_err(got, ref) <= TOL, (m, k, n, config)
+            assert rel_err(got[2:], ref[2:]) <= TOL, (m, k, n, config)  # not hidden under row 1's norm
+            assert torch.equal(got, _run(x, w, s, b, config)), (m, k, n, config)
     w, s = _weights(1000, 3000, "cuda")
     assert torch.equal(fp8_dequantize(w, s), (w.float() * s.t()).to(torch.bfloat16))
-    x = torch.randn(77, 3000, device="cuda").bfloat16()
-    for config in CANDIDATES:  # every launch setting the benchmark may pick
-        got = _run_config(x, w, s, config)
-        assert not got.isnan().any() and rel_err(got, fp8_weight_linear_naive(x.float(), w, s)) <= TOL, config
-    linear = torch.nn.Linear(256, 96, device="cuda").bfloat16()
-    q = Fp8WeightLinear.from_linear(linear)
-    outputs = {}
-    for rows in (5, 300):  # below and above GEMM_MAX_ROWS (K = 256: below GEMM_MAX_K)
-        x = torch.randn(rows, 256, device="cuda").bfloat16()
+
+
+@compiled_cuda
+def test_linear_modes_on_cuda(monkeypatch):
+    q = Fp8WeightLinear.from_linear(_linear(512, 96, "cuda", seed=5))
+    g = torch.Generator("cuda").manual_seed(6)
+    for rows in (5, 256, 300):  # up to GEMM_MAX_ROWS the Triton GEMM, above it dequantize + cuBLAS
+        x = torch.randn(rows, 512, device="cuda", generator=g).bfloat16()
+        outputs = {}
         for mode in ("dequant", "gemm", "dequant-fused", "auto"):
-            Fp8WeightLinear.mode = mode
-            try:
-                outputs[mode] = q(x)
-            finally:
-                Fp8WeightLinear.mode = "auto"
+            monkeypatch.setattr(Fp8WeightLinear, "mode", mode)
+            outputs[mode] = q(x)
         assert torch.equal(outputs["dequant-fused"], outputs["dequant"])  # the same bf16 weight, the same GEMM
         assert rel_err(outputs["gemm"], outputs["dequant"]) <= TOL
-        assert torch.equal(outputs["auto"], outputs["gemm" if rows <= q.GEMM_MAX_ROWS else "dequant-fused"])
-
-
-def _run_config(x, w, s, config):
-    from h3render.kernels.fp8_weight.triton_impl import fp8_weight_linear_triton
-
-    out = torch.full((x.shape[0], w.shape[0]), float("nan"), dtype=x.dtype, device=x.device)
-    return fp8_weight_linear_triton(x, w, s, config=config, out=out)
+        assert torch.equal(outputs["gemm"], fp8_weight_linear(x, q.weight, q.weight_scale, q.bias.to(x.dtype)))
+        assert torch.equal(outputs["auto"], outputs["gemm" if rows <= q.GEMM_MAX_ROWS else "dequant-fused"]), rows

@@ -2,8 +2,9 @@
 
 What the FP8 text encoder runs (`models.fp8.Fp8WeightLinear`, issue 26 item 3): before this kernel every call
 dequantized its weight to fp32 and then bf16 (11 bytes moved per weight) and ran a bf16 GEMM; the Triton kernel reads
-the e4m3 codes once (1 byte per weight) and decodes them in registers with integer operations, so it also runs where
-there are no FP8 tensor cores (Ampere sm_80; a weight-only FP8 DiT there needs the same product).
+the e4m3 codes once (1 byte per weight) and decodes them in registers (with the sm_89+ conversion instruction, or with
+integer operations where there is none: Ampere sm_80, whose weight-only FP8 DiT would need the same product). It is
+built for a prompt's few rows (`triton_impl`); `Fp8WeightLinear` multiplies more rows by `fp8_dequantize` + cuBLAS.
 """
 
 from __future__ import annotations

@@ -1,24 +1,27 @@
-"""Triton weight-only FP8 GEMM: bf16/fp16 activations x e4m3 weight (per-output-channel fp32 scale), fp32
-accumulation, the scale and bias in the epilogue.
+"""Triton weight-only FP8 GEMM for few rows (a prompt's 64-256 tokens): bf16/fp16 activations x e4m3 weight
+(per-output-channel fp32 scale), fp32 accumulation, the scale and bias in the epilogue.
 
-The weight tile is read as bytes (one byte per weight: half the bytes of a bf16 GEMM's weight) and decoded in
-registers with integer operations, no FP8 instruction: the e4m3 code's low 7 bits shifted left by 7 (and the sign
-bit moved to bit 15) are the fp16 bit pattern of `code_value * 2**-8`, exactly, subnormals included (e4m3's
-exponent bias 7 against fp16's 15: a power-of-two factor; its 3 mantissa bits fit fp16's 10 and bf16's 7), so the
-dot sees the exact codes and the epilogue multiplies by `scale * 256`. Because nothing in it needs FP8 hardware,
-the same kernel serves Ampere (sm_80: no e4m3 tensor cores, and Triton refuses e4m3 types below sm_89), Ada and
-Hopper, and the CPU interpreter (TRITON_INTERPRET=1: the tests). NaN codes (0x7F / 0xFF) never occur: the weights
-are clamped to ±448 when quantized.
+Computed as y^T = w x^T: the weight's rows are the warpgroup MMA's M side (64 or 128 a program) and the tokens its
+N side (16-128), so the weight is read once, as bytes (half a bf16 GEMM's weight bytes), decoded in registers and fed
+to the MMA from there as its A operand, and a 64-row prompt wastes no MMA rows. When the weight's rows alone give
+too few programs to fill the GPU (the k / v projections: 1024 rows), SPLIT_K programs share one tile's K and write
+fp32 partial sums that a second launch adds in split order (the same bits every run). Three decodes (`DECODE`):
+integer operations, exact on any GPU and in the CPU interpreter (the e4m3 code's low 7 bits shifted left by 7, the
+sign moved to bit 15, are the fp16 bits of `code_value * 2**-8`, subnormals included; the epilogue multiplies the
+scale by 2**8); on sm_89+ the conversion instruction `cvt.rn.f16x2.e4m3x2` to bf16 (two codes an instruction); or to
+fp16 with the product in fp16, the activations' rows first brought to fp16 exactly by a power of two each
+(`_rows_to_f16_kernel`). On sm_90+ the tiles arrive by tensor descriptors (TMA: no per-thread address arithmetic,
+zeros past the edges). NaN codes (0x7F / 0xFF) never occur: the weights are clamped to +-448 when quantized.
 
-One program per (BLOCK_M x BLOCK_N) output tile, grouped along M (GROUP_M) so programs in flight share weight tiles
-in L2; the launch settings come from `pick_config` (a table per size of M, measured on an H200: see
-docs/performance.md §11). Measured there at 16-77 rows: 0.04-0.26 ms per released text-encoder GEMM, 1.3-3x a
-bf16 cuBLAS GEMM of the same shape (it runs at 100-380 TFLOP/s where cuBLAS bf16 runs near 650) and 2-12x faster
-than dequantizing with torch first; from 256 rows on, and for the 25600-wide down projection at any row count,
-`dequantize_triton` + cuBLAS is faster. A variant computing y^T = w x^T (the decoded weight as the dot's register
-operand) was measured and dropped: faster than this kernel at 256 and 2000 rows, slower than dequantize + cuBLAS.
+Measured on an H200 (docs/performance.md §32; every setting of `CANDIDATES` at the released text encoder's shapes
+within 1.66e-3 of the fp32 product, the bf16 output rounding): per GEMM 0.007-0.155 ms, at 64-128 rows 0.75-1.1x a
+bf16 cuBLAS GEMM's time; the 50-layer encode replayed from a CUDA graph 0.0175 / 0.0230 / 0.0365 s at 64 / 128 / 256
+rows against bf16's 0.0213 / 0.0228 / 0.0317 and the row-tiled kernel this replaced (the decoded weight as the
+MMA's shared-memory B operand, M tiled by 64-128 rows) 0.0456 / 0.0466 / 0.051 s (its dequantize + cuBLAS above 128
+rows). Triton 3.6 lets up to seven of an iteration's MMAs run into the next, whose decode then overwrote their A
+registers (seen in the SASS; sums of 1e13 on the H200): `_wgmma_drain` waits for them at the top of each K step.
 
-`dequantize_triton` is the other half: one pass writes the bf16 weight bit for bit as the torch expression
+`dequantize_triton` is the large-row path: one pass writes the bf16 weight bit for bit as the torch expression
 (`(code * 2**-8) * (scale * 2**8)`: both factors exact, one fp32 rounding), then cuBLAS multiplies.
 """
 
@@ -30,61 +33,171 @@ import triton.language as tl
 
 from h3render.kernels.utils import interpreting, next_power_of_2
 
-# The decoded fp16 values are the codes times 2**-8: the epilogue multiplies the scale back by 2**8.
+# The integer decode's fp16 values are the codes times 2**-8: the epilogue multiplies the scale back by 2**8.
 DECODE_FACTOR = 256.0
 
 
 @triton.jit
+def _e4m3x2_to_bf16(code):
+    """e4m3 codes (uint8) -> their bf16 values, two a call: `cvt.rn.f16x2.e4m3x2` (sm_89+; exact: every e4m3 value is
+    an fp16), then fp16 -> fp32 -> bf16x2 (exact: 3 mantissa bits). The pair reaches the asm as one 16-bit load."""
+    return tl.inline_asm_elementwise(
+        """{
+        .reg .b32 h;
+        .reg .f16 a0, a1;
+        .reg .f32 f0, f1;
+        cvt.rn.f16x2.e4m3x2 h, $1;
+        mov.b32 {a0, a1}, h;
+        cvt.f32.f16 f0, a0;
+        cvt.f32.f16 f1, a1;
+        cvt.rn.bf16x2.f32 $0, f1, f0;
+        }""",
+        "=r,h", [code], dtype=tl.bfloat16, is_pure=True, pack=2)
+
+
+@triton.jit
+def _e4m3x2_to_f16(code):
+    """e4m3 codes (uint8) -> their fp16 values, two an instruction (sm_89+, exact)."""
+    return tl.inline_asm_elementwise("cvt.rn.f16x2.e4m3x2 $0, $1;", "=r,h", [code], dtype=tl.float16, is_pure=True,
+                                     pack=2)
+
+
+@triton.jit
+def _wgmma_drain():
+    """`wgmma.wait_group 0`: every pending warpgroup MMA has read its operands. Triton 3.6 (and 3.9) leaves up to 7 of
+    an iteration's MMAs in flight into the next, whose decode then writes the registers they read their A operand
+    from (the SASS loads the next codes into an in-flight HGMMA's A registers; wrong sums of 1e13 on an H200 for some
+    settings). tests/unit/test_fp8_weight.py checks the compiled loop waits first."""
+    tl.inline_asm_elementwise("wgmma.wait_group.sync.aligned 0;", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def _rows_to_f16_kernel(
+    x_ptr,  # [M, K] bf16, unit stride over K
+    out_ptr,  # [M, K] fp16
+    rs_ptr,  # [M] fp32: out[m] * rs[m] == x[m]
+    K, stride_xm,
+    BLOCK: tl.constexpr,
+):
+    """One row: its largest magnitude picks a power of two 2**e (e >= 0) that brings it under 2**15, and the row
+    divided by it is written in fp16: exact for every bf16 value from 2**-14 up (bf16's 8 significant bits fit fp16's
+    11, and a power of two only moves the exponent); smaller values round to fp16's subnormal grid of 2**-24, far
+    below the sum's own rounding. e = 0 for any row under 32768 (an encoder's normed activations)."""
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    amax = tl.zeros([BLOCK], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK):
+        v = tl.load(x_ptr + row * stride_xm + k0 + offs, mask=k0 + offs < K, other=0.0).to(tl.float32)
+        amax = tl.maximum(amax, tl.abs(v))
+    exponent = (tl.max(amax, 0).to(tl.int32, bitcast=True) >> 23) & 0xFF  # biased: amax in [2**(e-127), 2**(e-126))
+    shift = tl.maximum(exponent - 127 - 14, 0)
+    inv = ((127 - shift) << 23).to(tl.float32, bitcast=True)
+    tl.store(rs_ptr + row, ((127 + shift) << 23).to(tl.float32, bitcast=True))
+    for k0 in range(0, K, BLOCK):
+        ok = k0 + offs < K
+        v = tl.load(x_ptr + row * stride_xm + k0 + offs, mask=ok, other=0.0).to(tl.float32)
+        tl.store(out_ptr + row * K + k0 + offs, (v * inv).to(tl.float16), mask=ok)
+
+
+@triton.jit
 def _wfp8_kernel(
-    x_ptr,  # [M, K] bf16 / fp16, unit stride over K
+    x_ptr,  # [M, K] bf16 / fp16, unit stride over K (DECODE 2: `_rows_to_f16_kernel`'s fp16 rows)
     w_ptr,  # [N, K] uint8 (the e4m3 codes), row-major
-    s_ptr,  # [N] fp32 per-channel scale, times DECODE_FACTOR
+    s_ptr,  # [N] fp32 per-channel scale (DECODE 0: times DECODE_FACTOR)
     b_ptr,  # [N] bias (HAS_BIAS)
-    y_ptr,  # [M, N] out, unit stride over N
-    M, N, K,
+    rs_ptr,  # [M] fp32 row scale (DECODE 2)
+    y_ptr,  # [M, N] out, unit stride over N (PARTIAL: unused)
+    part_ptr,  # [SPLIT_K, M, N] fp32 partial sums (PARTIAL)
+    desc_x, desc_w,  # TMA: TensorDescriptors of x (block [BLOCK_T, BLOCK_K]) and of the codes ([BLOCK_N, BLOCK_K])
+    M, N, K, SPLIT_K,
+    K_SPLIT,  # the K range of one split: a multiple of BLOCK_K
     stride_xm, stride_wn, stride_ym,
     HAS_BIAS: tl.constexpr,
-    BLOCK_M: tl.constexpr,
+    PARTIAL: tl.constexpr,  # SPLIT_K > 1: write fp32 partials, `_split_sum_kernel` finishes
     BLOCK_N: tl.constexpr,
+    BLOCK_T: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr,
+    DECODE: tl.constexpr,  # 0 integer operations, 1 `cvt` to bf16, 2 `cvt` to fp16 (fp16 dot): `CANDIDATES`
+    TMA: tl.constexpr,  # tiles by bulk tensor copies (sm_90+): no per-thread addresses or masks, zeros past the edges
+    DRAIN: tl.constexpr,  # sm_90+ (warpgroup MMAs): `_wgmma_drain` at the top of each K step
     UPCAST: tl.constexpr,  # interpreter only: its bf16 dot is wrong, an fp32 dot of the same values is exact
 ):
+    """y^T tile [BLOCK_N, BLOCK_T] = decoded w [BLOCK_N, K range] @ x^T: the weight rows are the dot's M side (64 or
+    128: a full wgmma) and the few tokens its N side, so a 64-row prompt wastes nothing, the decoded weight stays in
+    registers as the dot's A operand (no shared-memory round trip), and SPLIT_K programs share one weight tile's K
+    when N alone gives too few programs to fill the GPU (the k / v projections: 1024 rows)."""
     pid = tl.program_id(0)
-    num_m = tl.cdiv(M, BLOCK_M)
-    num_n = tl.cdiv(N, BLOCK_N)
-    group = GROUP_M * num_n
-    first_m = (pid // group) * GROUP_M
-    size_m = tl.minimum(num_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % group) % size_m
-    pid_n = (pid % group) // size_m
-
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    t_tiles = tl.cdiv(M, BLOCK_T)
+    pid_t = pid % t_tiles  # the token tiles of one weight tile run side by side: its bytes come from L2 after the first
+    pid_k = (pid // t_tiles) % SPLIT_K
+    pid_n = pid // (t_tiles * SPLIT_K)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
     offs_k = tl.arange(0, BLOCK_K)
-    x_ptrs = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm + offs_k[None, :]
-    w_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
-    m_ok = offs_m < M
+    k_lo = pid_k * K_SPLIT
+    k_hi = tl.minimum(k_lo + K_SPLIT, K)
+    w_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + (k_lo + offs_k)[None, :]
+    x_ptrs = x_ptr + offs_t.to(tl.int64)[:, None] * stride_xm + (k_lo + offs_k)[None, :]
     n_ok = offs_n < N
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k_ok = (offs_k + k0) < K
-        x = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-        code = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0).to(tl.uint16)
-        bits = ((code & 0x7F) << 7) | ((code & 0x80) << 8)
-        w = bits.to(tl.float16, bitcast=True).to(x.dtype)  # exact: code value * 2**-8
-        if UPCAST:
-            acc += tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
+    t_ok = offs_t < M
+    acc = tl.zeros([BLOCK_N, BLOCK_T], dtype=tl.float32)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        if DRAIN:
+            _wgmma_drain()
+        if TMA:  # a split's K range is whole blocks but for the last split, which ends at K: the copy zero-fills
+            x = desc_x.load([pid_t * BLOCK_T, k0])
+            code = desc_w.load([pid_n * BLOCK_N, k0])
         else:
-            acc += tl.dot(x, tl.trans(w))
-        x_ptrs += BLOCK_K
+            k_ok = (k0 + offs_k) < k_hi
+            x = tl.load(x_ptrs, mask=t_ok[:, None] & k_ok[None, :], other=0.0)
+            code = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0)
+        if DECODE == 1:
+            w = _e4m3x2_to_bf16(code)
+        elif DECODE == 2:
+            w = _e4m3x2_to_f16(code)
+        else:
+            bits = ((code.to(tl.uint16) & 0x7F) << 7) | ((code.to(tl.uint16) & 0x80) << 8)
+            w = bits.to(tl.float16, bitcast=True).to(x.dtype)  # exact: code value * 2**-8
+        if UPCAST:
+            acc += tl.dot(w.to(tl.float32), tl.trans(x.to(tl.float32)), input_precision="ieee")
+        else:
+            acc += tl.dot(w, tl.trans(x))
         w_ptrs += BLOCK_K
-    scale = tl.load(s_ptr + offs_n, mask=n_ok, other=0.0)
-    acc = acc * scale[None, :]
+        x_ptrs += BLOCK_K
+    if DECODE == 2:  # a power of two a token: exact, and the same factor for every split
+        acc = acc * tl.load(rs_ptr + offs_t, mask=t_ok, other=1.0)[None, :]
+    if PARTIAL:
+        p_ptrs = part_ptr + (pid_k * M + offs_t.to(tl.int64))[None, :] * N + offs_n[:, None]
+        tl.store(p_ptrs, acc, mask=n_ok[:, None] & t_ok[None, :])
+    else:
+        acc = acc * tl.load(s_ptr + offs_n, mask=n_ok, other=0.0)[:, None]
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
+        y_ptrs = y_ptr + offs_t.to(tl.int64)[None, :] * stride_ym + offs_n[:, None]
+        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=n_ok[:, None] & t_ok[None, :])
+
+
+@triton.jit
+def _split_sum_kernel(
+    part_ptr,  # [SPLIT_K, M, N] fp32
+    s_ptr, b_ptr, y_ptr,
+    M, N, stride_ym,
+    SPLIT_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """y[m, :] = (sum over the splits, in split order: the same bits every run) * scale + bias, in y's dtype."""
+    m = tl.program_id(0)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < N
+    row = part_ptr + m.to(tl.int64) * N + offs
+    acc = tl.load(row, mask=ok, other=0.0)
+    for s in tl.static_range(1, SPLIT_K):
+        acc += tl.load(row + s * M * N, mask=ok, other=0.0)
+    acc = acc * tl.load(s_ptr + offs, mask=ok, other=0.0)
     if HAS_BIAS:
-        acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    y_ptrs = y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
-    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+        acc += tl.load(b_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+    tl.store(y_ptr + m.to(tl.int64) * stride_ym + offs, acc.to(y_ptr.dtype.element_ty), mask=ok)
 
 
 @triton.jit
@@ -127,46 +240,132 @@ def dequantize_triton(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dt
     return out
 
 
-# (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages) by the smallest power of two >= M: the setting with the
-# least summed time over a released text-encoder layer's q, k, v, o, gate and up GEMMs, on an H200 (2026-12-02,
-# docs/performance.md §11), at 16 rows (buckets up to 32) and at 77 rows (buckets 64 and 128). Above 128 rows
-# `models.fp8.Fp8WeightLinear` dequantizes and calls cuBLAS instead (faster there); DEFAULT serves a forced call.
-CONFIGS: dict[int, tuple[int, int, int, int, int, int]] = {
-    1: (64, 64, 128, 8, 4, 4), 2: (64, 64, 128, 8, 4, 4), 4: (64, 64, 128, 8, 4, 4), 8: (64, 64, 128, 8, 4, 4),
-    16: (64, 64, 128, 8, 4, 4), 32: (64, 64, 128, 8, 4, 4), 64: (128, 128, 64, 8, 8, 3), 128: (128, 128, 64, 8, 8, 3),
+# The launch settings (BLOCK_N, T_MAX, BLOCK_K, SPLIT_K, num_warps, num_stages, DECODE, TMA): BLOCK_T is the smallest
+# power of two >= M (at least 16: the MMA's least N), capped at T_MAX. DECODE 0 integer operations (any GPU, the
+# interpreter), 1 `cvt` to bf16, 2 `cvt` to fp16 and the product in fp16 (1 and 2: bf16 activations on sm_89+,
+# elsewhere 0 runs); TMA 1 tensor descriptors (sm_90+, K a multiple of 16; elsewhere pointers). `CONFIGS`: the
+# fastest of `CANDIDATES` per (N, K, rows rounded up to a power of two) for the released Qwen3-VL-32B text encoder's
+# linears (q, k / v, o, gate / up, down) at the padded prompt lengths of 64, 128 and 256 rows, measured on an H200
+# (2026-12-04, scripts/bench_te_small.py, CUDA-graph replays; docs/performance.md §32); other shapes get
+# `_default_config`.
+CONFIGS: dict[tuple[int, int, int], tuple[int, ...]] = {
+    (8192, 5120, 64): (64, 64, 128, 2, 4, 3, 1, 1),
+    (8192, 5120, 128): (64, 128, 128, 2, 4, 3, 1, 1),
+    (8192, 5120, 256): (64, 128, 128, 1, 4, 3, 1, 1),
+    (1024, 5120, 64): (64, 64, 128, 8, 4, 3, 1, 1),
+    (1024, 5120, 128): (64, 128, 128, 8, 4, 3, 1, 1),
+    (1024, 5120, 256): (64, 128, 128, 4, 4, 3, 1, 1),
+    (5120, 8192, 64): (64, 64, 128, 4, 4, 3, 1, 1),
+    (5120, 8192, 128): (64, 64, 128, 2, 4, 3, 1, 1),
+    (5120, 8192, 256): (64, 128, 128, 1, 4, 3, 1, 1),
+    (25600, 5120, 64): (128, 64, 128, 1, 8, 3, 2, 1),
+    (25600, 5120, 128): (64, 128, 128, 1, 4, 3, 2, 1),
+    (25600, 5120, 256): (64, 128, 128, 1, 4, 3, 2, 1),
+    (5120, 25600, 64): (64, 64, 128, 4, 4, 3, 1, 1),
+    (5120, 25600, 128): (64, 128, 64, 4, 4, 3, 1, 1),
+    (5120, 25600, 256): (64, 128, 128, 4, 4, 3, 2, 1),
 }
-DEFAULT = (128, 128, 64, 8, 8, 3)
-# What the benchmark (scripts/bench_prepare.py `te-fp8`) sweeps per linear shape and row count.
-CANDIDATES = (
-    (64, 64, 128, 8, 4, 4), (64, 128, 128, 8, 4, 4), (64, 128, 64, 8, 4, 4), (64, 256, 64, 8, 8, 3),
-    (128, 128, 64, 8, 8, 3), (128, 128, 64, 8, 4, 4), (128, 256, 64, 8, 8, 3), (128, 128, 128, 8, 8, 3),
-)
+# What the benchmark (scripts/bench_te_small.py) sweeps per linear shape and row count. TMA only: the pointer form won
+# no shape in the sweep that had both; 3 stages only: with pointers 4 stages won 3 of 15 shapes, by at most 1 %
+# (§32). SPLIT_K is a runtime argument: one compiled kernel per (BLOCK_N, BLOCK_T, BLOCK_K, warps, DECODE, split or
+# not).
+CANDIDATES = tuple(
+    (bn, tmax, bk, split, warps, 3, decode, 1)
+    for bn, bk, warps in ((64, 128, 4), (64, 64, 4), (128, 64, 8), (128, 128, 8))
+    for tmax in (64, 128) for split in (1, 2, 4, 8) for decode in (1, 2))
 
 
-def pick_config(m: int) -> tuple[int, int, int, int, int, int]:
-    return CONFIGS.get(next_power_of_2(m), DEFAULT)
+def _multiprocessors(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 132  # the interpreter: any count gives the same values; an H200's
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _default_config(m: int, n: int, k: int, sms: int) -> tuple[int, ...]:
+    """64 weight rows a program; K split in two, four or eight while the programs number under two per
+    multiprocessor and each split keeps at least 512 of K."""
+    tiles = triton.cdiv(n, 64) * triton.cdiv(m, 128)
+    split = 1
+    while split < 8 and tiles * split < 2 * sms and k // (2 * split) >= 512:
+        split *= 2
+    return (64, 128, 128 if m <= 64 else 64, split, 4, 3, 2, 1)
+
+
+def block_t(m: int, t_max: int) -> int:
+    return min(t_max, max(16, next_power_of_2(m)))
+
+
+def config_key(m: int, n: int, k: int) -> tuple[int, int, int]:
+    return (n, k, next_power_of_2(max(m, 16)))
+
+
+def pick_config(m: int, n: int, k: int, device: torch.device) -> tuple[int, ...]:
+    return CONFIGS.get(config_key(m, n, k)) or _default_config(m, n, k, _multiprocessors(device))
+
+
+def _has_e4m3_cvt(x: torch.Tensor) -> bool:
+    """`cvt.rn.f16x2.e4m3x2` exists from sm_89 (Ada, Hopper); DECODE 1 and 2 take bf16 activations."""
+    return (x.is_cuda and x.dtype == torch.bfloat16 and not interpreting()
+            and torch.cuda.get_device_capability(x.device) >= (8, 9))
+
+
+def rows_to_f16(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x `[M, K]` bf16 (unit stride over K) -> (`[M, K]` fp16, `[M]` fp32 powers of two) with `out * rs[:, None] ==
+    x` for every element from 2**-14 of its row's largest up (`_rows_to_f16_kernel`)."""
+    m, k = x.shape
+    out = torch.empty(m, k, dtype=torch.float16, device=x.device)
+    rs = torch.empty(m, dtype=torch.float32, device=x.device)
+    if m:
+        _rows_to_f16_kernel[(m,)](x, out, rs, k, x.stride(0), BLOCK=1024, num_warps=4)
+    return out, rs
 
 
 def fp8_weight_linear_triton(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
                              bias: torch.Tensor | None = None, *, config=None,
                              out: torch.Tensor | None = None) -> torch.Tensor:
-    """x `[M, K]` bf16/fp16 (unit stride over K), weight `[N, K]` float8_e4m3fn contiguous, scale `[1, N]` fp32,
-    bias `[N]` or None -> `[M, N]` in x's dtype (into `out` when given: `[M, N]`, unit stride over N).
-    `config`: a `CANDIDATES` entry (the benchmark's sweep); default `pick_config(M)`."""
+    """The weight-only FP8 product for few rows (a prompt's 64-256 tokens), computed as y^T = w x^T: x `[M, K]`
+    bf16/fp16 (unit stride over K), weight `[N, K]` float8_e4m3fn contiguous, scale `[1, N]` fp32, bias `[N]` or None
+    -> `[M, N]` in x's dtype (into `out` when given). With SPLIT_K > 1 each split writes fp32 partial sums
+    (`[SPLIT_K, M, N]`, M * N * 4 bytes a split) and one more launch adds them in split order, so the result is the
+    same bits on every run. `config`: a `CANDIDATES` entry (the benchmark's sweep); default `pick_config`."""
     m, k = x.shape
     n = weight.shape[0]
     y = torch.empty(m, n, dtype=x.dtype, device=x.device) if out is None else out
     if m == 0 or n == 0:
         return y
-    bm, bn, bk, group, warps, stages = config or pick_config(m)
-    if interpreting():  # the interpreter runs one program at a time: fewer, larger k steps cost nothing there
-        warps, stages = 4, 1
+    bn, t_max, bk, split, warps, stages, decode, tma = config or pick_config(m, n, k, x.device)
+    decode = decode if _has_e4m3_cvt(x) else 0
+    # TMA: 16-byte aligned rows and base (K % 16: the codes' row stride) on an sm_90+ GPU; the interpreter: pointers
+    hopper = x.is_cuda and not interpreting() and torch.cuda.get_device_capability(x.device)[0] >= 9
     codes = weight.view(torch.uint8)
-    s = (scale.reshape(-1).float() * DECODE_FACTOR).contiguous()
-    grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
+    tma = tma and k % 16 == 0 and codes.data_ptr() % 16 == 0 and hopper
+    bt = block_t(m, t_max)
+    k_split = triton.cdiv(triton.cdiv(k, split), bk) * bk
+    split = triton.cdiv(k, k_split)  # a split that would start past K is dropped
+    if interpreting():
+        warps, stages = 4, 1
+    s = scale.reshape(-1)
+    if decode == 0 or s.dtype != torch.float32 or not s.is_contiguous():  # the cvt decodes: no launch for the scale
+        s = (s.float() * (DECODE_FACTOR if decode == 0 else 1.0)).contiguous()
+    xk, rs = rows_to_f16(x) if decode == 2 else (x, s)
+    b = bias if bias is not None else s
+    part = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else s
+    desc_x, desc_w = xk, codes
+    if tma:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        if xk.stride(0) != k or xk.data_ptr() % 16:  # a descriptor wants 16-byte aligned rows and base
+            xk = xk.contiguous() if xk.stride(0) != k else xk.clone()
+        desc_x = TensorDescriptor.from_tensor(xk, [bt, bk])
+        desc_w = TensorDescriptor.from_tensor(codes, [bn, bk])
+    grid = (triton.cdiv(n, bn) * split * triton.cdiv(m, bt),)
     _wfp8_kernel[grid](
-        x, codes, s, bias if bias is not None else s, y, m, n, k, x.stride(0), codes.stride(0), y.stride(0),
-        HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=group,
-        UPCAST=not x.is_cuda and interpreting(), num_warps=warps, num_stages=stages,
+        xk, codes, s, b, rs, y, part, desc_x, desc_w, m, n, k, split, k_split, xk.stride(0), codes.stride(0),
+        y.stride(0), HAS_BIAS=bias is not None, PARTIAL=split > 1, BLOCK_N=bn, BLOCK_T=bt, BLOCK_K=bk, DECODE=decode,
+        TMA=bool(tma), DRAIN=hopper, UPCAST=not x.is_cuda and interpreting(), num_warps=warps, num_stages=stages,
     )
+    if split > 1:
+        block = 1024
+        _split_sum_kernel[(m, triton.cdiv(n, block))](
+            part, s, b, y, m, n, y.stride(0), SPLIT_K=split, HAS_BIAS=bias is not None, BLOCK=block, num_warps=4)
     return y
