@@ -14,7 +14,7 @@ fp16 with the product in fp16, the activations' rows first brought to fp16 exact
 zeros past the edges). NaN codes (0x7F / 0xFF) never occur: the weights are clamped to +-448 when quantized.
 
 Measured on an H200 (docs/performance.md §32; every setting of `CANDIDATES` at the released text encoder's shapes
-within 1.66e-3 of the fp32 product, the bf16 output rounding): per GEMM 0.007-0.155 ms, at 64-128 rows 0.75-1.1x a
+within 1.66e-3 of the fp32 product, the bf16 output rounding): per GEMM 0.007-0.155 ms, at 64-128 rows 0.69-1.17x a
 bf16 cuBLAS GEMM's time; the 50-layer encode replayed from a CUDA graph 0.0175 / 0.0230 / 0.0365 s at 64 / 128 / 256
 rows against bf16's 0.0213 / 0.0228 / 0.0317 and the row-tiled kernel this replaced (the decoded weight as the
 MMA's shared-memory B operand, M tiled by 64-128 rows) 0.0456 / 0.0466 / 0.051 s (its dequantize + cuBLAS above 128
