@@ -64,10 +64,11 @@ def _e4m3x2_to_f16(code):
 
 @triton.jit
 def _wgmma_drain():
-    """`wgmma.wait_group 0`: every pending warpgroup MMA has read its operands. Triton 3.6 (and 3.9) leaves up to 7 of
-    an iteration's MMAs in flight into the next, whose decode then writes the registers they read their A operand
-    from (the SASS loads the next codes into an in-flight HGMMA's A registers; wrong sums of 1e13 on an H200 for some
-    settings). tests/unit/test_fp8_weight.py checks the compiled loop waits first."""
+    """`wgmma.wait_group 0`: every pending warpgroup MMA has read its operands. Triton 3.6 (torch 2.11's) leaves up to
+    7 of an iteration's MMAs in flight into the next, whose decode then writes the registers they read their A
+    operand from (the SASS loads the next codes into an in-flight HGMMA's A registers; wrong sums of 1e13 on an H200
+    for some settings); Triton 3.9 waits correctly, and there this costs one wait a K step.
+    tests/unit/test_wgmma_hazards.py checks the compiled loop."""
     tl.inline_asm_elementwise("wgmma.wait_group.sync.aligned 0;", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
 
 
