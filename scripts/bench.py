@@ -207,6 +207,8 @@ def stage_te_fp8(args) -> None:
     import bench_prepare
 
     bench_prepare.stage_te_fp8(args, bench_common)
+
+
 def stage_te_small(args) -> None:
     """The FP8 text encoder at a prompt's row counts, replayed from graphs; the weight-only GEMM's sweep
     (scripts/bench_te_small.py)."""

@@ -6,8 +6,8 @@ K loop writes a register that an in-flight warpgroup MMA still reads its A opera
 loop's MMAs one commit group each with `DEPBAR.LE 7`, so up to seven run into the next iteration, and ptxas places the
 next iteration's loads into their A registers (docs/performance.md §32.3: wrong sums on an H200). The check simulates
 the loop body twice in program order: each `HGMMA` / `IGMMA` joins the open group, one carrying `gsb0` closes it, a
-`DEPBAR.LE k` retires all but the k newest groups, and any other instruction whose destination is an A register of a
-group still in flight is reported.
+`DEPBAR.LE k` retires all but the k newest groups, and any other instruction whose destination is an A register of an
+issued MMA not yet retired is reported. Predicates are ignored (a predicated wait counts as taken).
 """
 
 from __future__ import annotations
@@ -31,7 +31,13 @@ def _written(instruction: str) -> set[int]:
     m = re.match(r"(\S+)\s+R(\d+)\b", instruction)
     if not m or "GMMA" in m[1]:
         return set()
-    width = 4 if ".128" in m[1] else 2 if (".64" in m[1] or ".WIDE" in m[1]) else 1
+    op = m[1]
+    if ".128" in op or (op.startswith("LDSM") and op.endswith(".4")):
+        width = 4
+    elif ".64" in op or ".WIDE" in op or op.startswith("CS2R") or (op.startswith("LDSM") and op.endswith(".2")):
+        width = 2
+    else:
+        width = 1
     return set(range(int(m[2]), int(m[2]) + width))
 
 
@@ -52,16 +58,30 @@ def a_register_hazards(sass: str) -> list[str]:
             for t in body:
                 if t.startswith("WARPGROUP.DEPBAR.LE"):
                     keep = int(re.search(r"0x([0-9a-f]+)", t)[1], 16)
-                    in_flight = in_flight[len(in_flight) - keep:] if keep else []
+                    in_flight = in_flight[max(0, len(in_flight) - keep):] if keep else []
                 elif "GMMA" in t.split(" ")[0]:
                     if m := _MMA.match(t):
                         open_group |= set(range(int(m[1]), int(m[1]) + 4))
                     if "gsb0" in t:
                         in_flight.append(open_group)
                         open_group = set()
-                elif any(_written(t) & group for group in in_flight):
+                elif any(_written(t) & group for group in (*in_flight, open_group)):  # committed or not: reading
                     found.append(t)
     return found
+
+
+def waits_for_all_before_loading(sass: str) -> bool:
+    """Whether the first K loop with warpgroup MMAs retires all of them (`DEPBAR.LE gsb0, 0x0`) before its first
+    shared-memory load: `_wgmma_drain`'s mark, whatever the Triton version does around it."""
+    code = _code(sass)
+    for addr, text in code:
+        back = re.search(r"BRA 0x([0-9a-f]+)", text)
+        if back and int(back[1], 16) < addr:
+            body = [t for a, t in code if int(back[1], 16) <= a <= addr]
+            if any("GMMA" in t for t in body):
+                first = next(t for t in body if t.startswith(("LDS", "WARPGROUP.DEPBAR.LE gsb0, 0x0")))
+                return first.startswith("WARPGROUP.DEPBAR")
+    raise ValueError("no loop with warpgroup MMAs in this SASS")
 
 
 def compile_sass(script: str, *args: str) -> str:
@@ -89,11 +109,11 @@ def desc(dtype, shape, block):
     return mangle_type(TensorDescriptor.from_tensor(torch.empty(*shape, dtype=dtype), block))
 
 
-def sass(fn, types, constexprs, options):
+def sass(fn, types, constexprs, options, arch=90):
     signature = {n: "constexpr" if n in constexprs else types.get(n, "*fp32" if n.endswith("_ptr") else "i32")
                  for n in fn.arg_names}
     src = ASTSource(fn, signature, {(fn.arg_names.index(n),): v for n, v in constexprs.items()})
-    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+    kernel = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
     with tempfile.TemporaryDirectory() as folder:
         cubin = Path(folder) / "kernel.cubin"
         cubin.write_bytes(kernel.asm["cubin"])
@@ -104,14 +124,14 @@ def sass(fn, types, constexprs, options):
 FP8_WEIGHT_GEMM = _COMPILE + """
 from h3render.kernels.fp8_weight import triton_impl as ti
 
-decode, drain = int(sys.argv[1]), sys.argv[2] == "1"
+decode, drain, arch = int(sys.argv[1]), sys.argv[2] == "1", int(sys.argv[3]) if len(sys.argv) > 3 else 90
 x = torch.float16 if decode == 2 else torch.bfloat16
 print(sass(ti._wfp8_kernel,
            {"x_ptr": "*fp16" if decode == 2 else "*bf16", "w_ptr": "*u8", "y_ptr": "*bf16",
             "desc_x": desc(x, (256, 512), [128, 128]), "desc_w": desc(torch.uint8, (256, 512), [64, 128])},
            {"HAS_BIAS": False, "PARTIAL": False, "BLOCK_N": 64, "BLOCK_T": 128, "BLOCK_K": 128, "DECODE": decode,
             "TMA": True, "DRAIN": drain, "UPCAST": False},
-           {"num_warps": 4, "num_stages": 3}))
+           {"num_warps": 4, "num_stages": 3}, arch))
 """
 
 VSA_FINE_TMA = _COMPILE + """

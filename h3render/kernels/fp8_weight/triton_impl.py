@@ -80,10 +80,10 @@ def _rows_to_f16_kernel(
     K, stride_xm,
     BLOCK: tl.constexpr,
 ):
-    """One row: its largest magnitude picks a power of two 2**e (e >= 0) that brings it under 2**15, and the row
-    divided by it is written in fp16: exact for every bf16 value from 2**-14 up (bf16's 8 significant bits fit fp16's
-    11, and a power of two only moves the exponent); smaller values round to fp16's subnormal grid of 2**-24, far
-    below the sum's own rounding. e = 0 for any row under 32768 (an encoder's normed activations)."""
+    """One row: its largest magnitude picks the power of two 2**e that brings it into [2**14, 2**15), and the row
+    divided by it is written in fp16: exact for every bf16 value from 2**-28 of the row's largest up (bf16's 8
+    significant bits fit fp16's 11, and a power of two only moves the exponent); smaller ones round to fp16's
+    subnormal grid, far below the sum's own rounding. e stays in [-126, 113]: 2**e and 2**-e are normal fp32."""
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     amax = tl.zeros([BLOCK], dtype=tl.float32)
@@ -91,7 +91,7 @@ def _rows_to_f16_kernel(
         v = tl.load(x_ptr + row * stride_xm + k0 + offs, mask=k0 + offs < K, other=0.0).to(tl.float32)
         amax = tl.maximum(amax, tl.abs(v))
     exponent = (tl.max(amax, 0).to(tl.int32, bitcast=True) >> 23) & 0xFF  # biased: amax in [2**(e-127), 2**(e-126))
-    shift = tl.maximum(exponent - 127 - 14, 0)
+    shift = tl.minimum(tl.maximum(exponent - 127 - 14, -126), 113)
     inv = ((127 - shift) << 23).to(tl.float32, bitcast=True)
     tl.store(rs_ptr + row, ((127 + shift) << 23).to(tl.float32, bitcast=True))
     for k0 in range(0, K, BLOCK):
@@ -194,7 +194,7 @@ def _split_sum_kernel(
     row = part_ptr + m.to(tl.int64) * N + offs
     acc = tl.load(row, mask=ok, other=0.0)
     for s in tl.static_range(1, SPLIT_K):
-        acc += tl.load(row + s * M * N, mask=ok, other=0.0)
+        acc += tl.load(row + s * M.to(tl.int64) * N, mask=ok, other=0.0)
     acc = acc * tl.load(s_ptr + offs, mask=ok, other=0.0)
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs, mask=ok, other=0.0).to(tl.float32)
@@ -310,9 +310,23 @@ def _has_e4m3_cvt(x: torch.Tensor) -> bool:
             and torch.cuda.get_device_capability(x.device) >= (8, 9))
 
 
+def drain_for(major: int) -> bool:
+    """`_wgmma_drain` where the MMAs are warpgroup MMAs: sm_90 only (sm_100 / sm_120 have no `wgmma`: ptxas refuses
+    it there; 0 = no GPU compile)."""
+    return major == 9
+
+
+def _dense(t: torch.Tensor) -> torch.Tensor:
+    """`t` `[R, K]` as a tensor descriptor wants it: rows K apart and a 16-byte aligned base (a fresh copy otherwise;
+    torch calls a one-row view contiguous whatever its row stride)."""
+    if t.stride(0) == t.shape[1] and t.stride(1) == 1 and t.data_ptr() % 16 == 0:
+        return t
+    return torch.empty(t.shape, dtype=t.dtype, device=t.device).copy_(t)
+
+
 def rows_to_f16(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x `[M, K]` bf16 (unit stride over K) -> (`[M, K]` fp16, `[M]` fp32 powers of two) with `out * rs[:, None] ==
-    x` for every element from 2**-14 of its row's largest up (`_rows_to_f16_kernel`)."""
+    x` for every element from 2**-28 of its row's largest up (`_rows_to_f16_kernel`)."""
     m, k = x.shape
     out = torch.empty(m, k, dtype=torch.float16, device=x.device)
     rs = torch.empty(m, dtype=torch.float32, device=x.device)
@@ -337,9 +351,9 @@ def fp8_weight_linear_triton(x: torch.Tensor, weight: torch.Tensor, scale: torch
     bn, t_max, bk, split, warps, stages, decode, tma = config or pick_config(m, n, k, x.device)
     decode = decode if _has_e4m3_cvt(x) else 0
     # TMA: 16-byte aligned rows and base (K % 16: the codes' row stride) on an sm_90+ GPU; the interpreter: pointers
-    hopper = x.is_cuda and not interpreting() and torch.cuda.get_device_capability(x.device)[0] >= 9
-    codes = weight.view(torch.uint8)
-    tma = tma and k % 16 == 0 and codes.data_ptr() % 16 == 0 and hopper
+    major = torch.cuda.get_device_capability(x.device)[0] if x.is_cuda and not interpreting() else 0
+    tma = tma and k % 16 == 0 and major >= 9
+    codes = _dense(weight.view(torch.uint8)) if tma else weight.view(torch.uint8)
     bt = block_t(m, t_max)
     k_split = triton.cdiv(triton.cdiv(k, split), bk) * bk
     split = triton.cdiv(k, k_split)  # a split that would start past K is dropped
@@ -355,15 +369,15 @@ def fp8_weight_linear_triton(x: torch.Tensor, weight: torch.Tensor, scale: torch
     if tma:
         from triton.tools.tensor_descriptor import TensorDescriptor
 
-        if xk.stride(0) != k or xk.data_ptr() % 16:  # a descriptor wants 16-byte aligned rows and base
-            xk = xk.contiguous() if xk.stride(0) != k else xk.clone()
+        xk = _dense(xk)
         desc_x = TensorDescriptor.from_tensor(xk, [bt, bk])
         desc_w = TensorDescriptor.from_tensor(codes, [bn, bk])
     grid = (triton.cdiv(n, bn) * split * triton.cdiv(m, bt),)
     _wfp8_kernel[grid](
         xk, codes, s, b, rs, y, part, desc_x, desc_w, m, n, k, split, k_split, xk.stride(0), codes.stride(0),
         y.stride(0), HAS_BIAS=bias is not None, PARTIAL=split > 1, BLOCK_N=bn, BLOCK_T=bt, BLOCK_K=bk, DECODE=decode,
-        TMA=bool(tma), DRAIN=hopper, UPCAST=not x.is_cuda and interpreting(), num_warps=warps, num_stages=stages,
+        TMA=bool(tma), DRAIN=drain_for(major), UPCAST=not x.is_cuda and interpreting(), num_warps=warps,
+        num_stages=stages,
     )
     if split > 1:
         block = 1024
