@@ -121,7 +121,7 @@ def test_dense_copies_what_a_tensor_descriptor_cannot_take():
 
     base = torch.arange(3 * 40, dtype=torch.bfloat16).view(3, 40)
     assert _dense(base) is base  # rows K apart, aligned: as is
-    one_row = base[1:2, :32]  # torch calls it contiguous, but its rows are 40 apart and its base 80 bytes in
+    one_row = base[1:2, :32]  # torch calls it contiguous, but its row stride is 40
     assert one_row.is_contiguous() and one_row.stride(0) == 40
     got = _dense(one_row)
     assert got.stride() == (32, 1) and got.data_ptr() % 16 == 0 and torch.equal(got, one_row)
