@@ -139,8 +139,7 @@ class RunSettings:
             precision_from = str(m.path)  # only the defaults can set another precision than the default
         given = {name: cli[name] for name in ("gpus", "attention", "crf", "x264_preset", "vae_batch", "compile_vae",
                                               "graph_audio", "graph_text", "save_latents", "memory_plan",
-                                              "max_gpu_memory",
-                                              "lora_mode", "vsa_sparsity")
+                                              "max_gpu_memory", "lora_mode", "vsa_sparsity")
                  if cli.get(name) is not None}
         adapter = pick("adapter", m and m.adapter)
         return cls(checkpoint=checkpoint,

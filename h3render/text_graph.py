@@ -3,8 +3,9 @@
 A short prompt's encode is launch-bound: 50 Qwen3-VL decoder layers are ≈ 2,000 kernel launches, and the GPU waits on
 Python between them (docs/performance.md §22.4). Replayed from a CUDA graph (`h3render.graphs.ShapeGraphs`), the
 released encoder at 77 tokens took 0.046 s against 0.10-0.14 s eager in FP8, 0.023 s against 0.060-0.075 s in bf16
-(1x H200, random weights; §31); with §32's few-row FP8 GEMM, 0.023 s in FP8 too. A graph is captured per input shape, so the token ids are padded at the end to a
-multiple of `TOKEN_BUCKET`: a queue's prompts share a few shapes, captured in `Engine.prepare`.
+(1x H200, random weights; §31); with §32's few-row FP8 GEMM, 0.023 s in FP8 too. A graph is captured per input
+shape, so the token ids are padded at the end to a multiple of `TOKEN_BUCKET`: a queue's prompts share a few shapes,
+captured in `Engine.prepare`.
 
 The padding does not change what the real rows compute: the stack is causal (a row attends to itself and the rows
 before it), its rotary positions are the token indices, and its norms and MLPs work row by row, so rows 0..Nt-1 of the

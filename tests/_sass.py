@@ -41,17 +41,21 @@ def _written(instruction: str) -> set[int]:
     return set(range(int(m[2]), int(m[2]) + width))
 
 
-def a_register_hazards(sass: str) -> list[str]:
-    """Instructions of a loop that contains warpgroup MMAs which write an in-flight MMA's A registers (empty: none)."""
+def _mma_loops(sass: str):
+    """The instructions of each loop (head to its branch back) that contains warpgroup MMAs, in program order."""
     code = _code(sass)
-    found = []
     for addr, text in code:
         back = re.search(r"BRA 0x([0-9a-f]+)", text)
-        if not back or int(back[1], 16) >= addr:
-            continue
-        body = [t for a, t in code if int(back[1], 16) <= a <= addr]
-        if not any("GMMA" in t for t in body):
-            continue
+        if back and int(back[1], 16) < addr:
+            body = [t for a, t in code if int(back[1], 16) <= a <= addr]
+            if any("GMMA" in t for t in body):
+                yield body
+
+
+def a_register_hazards(sass: str) -> list[str]:
+    """Instructions of a loop that contains warpgroup MMAs which write an in-flight MMA's A registers (empty: none)."""
+    found = []
+    for body in _mma_loops(sass):
         in_flight: list[set[int]] = []
         open_group: set[int] = set()
         for _ in range(2):  # the second pass starts with what the first left in flight: the loop's back edge
@@ -73,14 +77,9 @@ def a_register_hazards(sass: str) -> list[str]:
 def waits_for_all_before_loading(sass: str) -> bool:
     """Whether the first K loop with warpgroup MMAs retires all of them (`DEPBAR.LE gsb0, 0x0`) before its first
     shared-memory load: `_wgmma_drain`'s mark, whatever the Triton version does around it."""
-    code = _code(sass)
-    for addr, text in code:
-        back = re.search(r"BRA 0x([0-9a-f]+)", text)
-        if back and int(back[1], 16) < addr:
-            body = [t for a, t in code if int(back[1], 16) <= a <= addr]
-            if any("GMMA" in t for t in body):
-                first = next(t for t in body if t.startswith(("LDS", "WARPGROUP.DEPBAR.LE gsb0, 0x0")))
-                return first.startswith("WARPGROUP.DEPBAR")
+    for body in _mma_loops(sass):
+        first = next(t for t in body if t.startswith(("LDS", "WARPGROUP.DEPBAR.LE gsb0, 0x0")))
+        return first.startswith("WARPGROUP.DEPBAR")
     raise ValueError("no loop with warpgroup MMAs in this SASS")
 
 

@@ -304,12 +304,6 @@ def pick_config(m: int, n: int, k: int, device: torch.device) -> tuple[int, ...]
     return CONFIGS.get(config_key(m, n, k)) or _default_config(m, n, k, _multiprocessors(device))
 
 
-def _has_e4m3_cvt(x: torch.Tensor) -> bool:
-    """`cvt.rn.f16x2.e4m3x2` exists from sm_89 (Ada, Hopper); DECODE 1 and 2 take bf16 activations."""
-    return (x.is_cuda and x.dtype == torch.bfloat16 and not interpreting()
-            and torch.cuda.get_device_capability(x.device) >= (8, 9))
-
-
 def drain_for(major: int) -> bool:
     """`_wgmma_drain` where the MMAs are warpgroup MMAs: sm_90 only (sm_100 / sm_120 have no `wgmma`: ptxas refuses
     it there; 0 = no GPU compile)."""
@@ -349,9 +343,12 @@ def fp8_weight_linear_triton(x: torch.Tensor, weight: torch.Tensor, scale: torch
     if m == 0 or n == 0:
         return y
     bn, t_max, bk, split, warps, stages, decode, tma = config or pick_config(m, n, k, x.device)
-    decode = decode if _has_e4m3_cvt(x) else 0
-    # TMA: 16-byte aligned rows and base (K % 16: the codes' row stride) on an sm_90+ GPU; the interpreter: pointers
-    major = torch.cuda.get_device_capability(x.device)[0] if x.is_cuda and not interpreting() else 0
+    # (0, 0): no GPU compile (CPU tensors, the interpreter): the integer decode by pointers
+    cap = torch.cuda.get_device_capability(x.device) if x.is_cuda and not interpreting() else (0, 0)
+    # `cvt.rn.f16x2.e4m3x2` exists from sm_89 (Ada, Hopper); DECODE 1 and 2 take bf16 activations
+    decode = decode if cap >= (8, 9) and x.dtype == torch.bfloat16 else 0
+    major = cap[0]
+    # TMA: 16-byte aligned rows and base (K % 16: the codes' row stride) on an sm_90+ GPU
     tma = tma and k % 16 == 0 and major >= 9
     codes = _dense(weight.view(torch.uint8)) if tma else weight.view(torch.uint8)
     bt = block_t(m, t_max)
