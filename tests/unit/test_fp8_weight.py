@@ -75,6 +75,7 @@ def test_every_e4m3_code_decodes_exactly(split):
     (130, 1000, 72, torch.bfloat16, True, (64, 64, 128, 3, 4, 1, 0, 0)),  # 3 token tiles, K split 3 (the last short)
     (64, 520, 200, torch.bfloat16, True, (128, 128, 128, 8, 8, 1, 0, 0)),  # split 8 -> 5 (520 = 4 x 128 + 8)
     (200, 300, 70, torch.float16, True, (128, 128, 64, 2, 8, 1, 2, 1)),  # DECODE 2, TMA asked on the CPU: integers
+    (190, 150, 40, torch.bfloat16, False, (64, 256, 64, 2, 4, 1, 1, 1)),  # one 256-token tile, 66 of its rows past M
 ])
 def test_triton_matches_reference_on_odd_shapes(m, k, n, dtype, bias, config):
     w, s = _weights(n, k, seed=m)
@@ -127,6 +128,15 @@ def test_dense_copies_what_a_tensor_descriptor_cannot_take():
     assert got.stride() == (32, 1) and got.data_ptr() % 16 == 0 and torch.equal(got, one_row)
     wide = base[:, :32]  # rows 40 apart
     assert _dense(wide).stride() == (32, 1) and torch.equal(_dense(wide), wide)
+
+
+def test_config_key_buckets_rows_as_the_prompt_padding_does():
+    from h3render.kernels.fp8_weight.triton_impl import CONFIGS, config_key
+
+    # up to 64 rows BLOCK_T's powers of two; above, text_graph's 64-token buckets, so 192 is not 256's setting
+    assert [config_key(m, 8, 16)[2] for m in (1, 16, 17, 40, 64, 65, 128, 129, 150, 192, 193, 256, 300)] == \
+        [16, 16, 32, 64, 64, 128, 128, 192, 192, 192, 256, 256, 320]
+    assert all(rows in (64, 128, 192, 256) for _, _, rows in CONFIGS)  # the table holds only padded prompt lengths
 
 
 def test_default_config_fills_the_gpu_and_keeps_depth():
@@ -206,7 +216,8 @@ def test_triton_on_cuda_at_the_released_shapes():
         assert torch.equal(got.float(), w.float().t()), (split, decode, tma)
     # k/v 5120 -> 1024 and down 25600 -> 5120 at a padded prompt's rows, and a longer presentation: the kept setting
     # for the shape, the default, and each decode with and without a split; two runs give the same bits.
-    for m, k, n in ((64, 5120, 1024), (128, 5120, 1024), (256, 25600, 5120), (77, 200, 136), (300, 5120, 1024)):
+    for m, k, n in ((64, 5120, 1024), (128, 5120, 1024), (192, 5120, 8192), (256, 25600, 5120), (77, 200, 136),
+                    (300, 5120, 1024)):
         w, s = _weights(n, k, "cuda", seed=n)
         x = torch.randn(m, k, device="cuda", generator=torch.Generator("cuda").manual_seed(k)).bfloat16()
         x[1] *= 3e5  # a row past fp16's range: DECODE 2 scales it down and back up (the error bound is relative)
@@ -214,7 +225,8 @@ def test_triton_on_cuda_at_the_released_shapes():
         ref = fp8_weight_linear_naive(x.float(), w, s, b)
         configs = {ti.CONFIGS.get(ti.config_key(m, n, k)), ti._default_config(m, n, k, 132),
                    (64, 128, 128, 1, 4, 3, 0, 0), (64, 128, 128, 4, 4, 3, 1, 1), (128, 64, 64, 2, 8, 4, 2, 0),
-                   (256, 128, 64, 1, 8, 3, 2, 1), (64, 64, 128, 8, 4, 3, 0, 1)} - {None}
+                   (256, 128, 64, 1, 8, 3, 2, 1), (64, 64, 128, 8, 4, 3, 0, 1), (64, 256, 64, 1, 4, 3, 1, 1),
+                   (64, 256, 128, 2, 4, 3, 2, 1), (128, 256, 64, 4, 8, 3, 1, 1)} - {None}
         for config in configs:
             got = _run(x, w, s, b, config)
             assert not got.isnan().any() and rel_err(got, ref) <= TOL, (m, k, n, config)

@@ -273,7 +273,7 @@ CONFIGS: dict[tuple[int, int, int], tuple[int, ...]] = {
 CANDIDATES = tuple(
     (bn, tmax, bk, split, warps, 3, decode, 1)
     for bn, bk, warps in ((64, 128, 4), (64, 64, 4), (128, 64, 8), (128, 128, 8))
-    for tmax in (64, 128) for split in (1, 2, 4, 8) for decode in (1, 2))
+    for tmax in (64, 128, 256) for split in (1, 2, 4, 8) for decode in (1, 2))
 
 
 def _multiprocessors(device: torch.device) -> int:
@@ -297,7 +297,10 @@ def block_t(m: int, t_max: int) -> int:
 
 
 def config_key(m: int, n: int, k: int) -> tuple[int, int, int]:
-    return (n, k, next_power_of_2(max(m, 16)))
+    """`CONFIGS`' key: (N, K, rows bucketed) -- up to 64 rows the next power of two (16, 32, 64: BLOCK_T's own
+    steps), above it the next multiple of 64 (`text_graph.TOKEN_BUCKET`: a t2va prompt's padded lengths 128, 192,
+    256 each get their own measured setting)."""
+    return (n, k, next_power_of_2(max(m, 16)) if m <= 64 else -(-m // 64) * 64)
 
 
 def pick_config(m: int, n: int, k: int, device: torch.device) -> tuple[int, ...]:
