@@ -10,7 +10,7 @@ it (ids padded to h3render.text_graph.TOKEN_BUCKET, replayed from a CUDA graph).
             2. The 50-layer encoder at `--te-small-tokens` tokens, padded as a t2va encode, replayed from a CUDA
                graph per mode: bf16, then FP8 "auto" (the GEMM), "dequant-fused" (dequantize + cuBLAS at every row
                count) and "rows" (w8a8); a replay's seconds (median of 9, synchronized), the read states' error
-               against bf16 and against "auto".
+               against bf16 and against "auto", and the memory the captured graphs keep (their pool, reserved).
 """
 
 from __future__ import annotations
@@ -116,12 +116,20 @@ def _whole_encoder(args, bench, cfg) -> None:
     def replayed(label):
         graphs = ShapeGraphs(te, name=f"te {label}")
         out = {}
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()  # the last mode's freed pool would hide this one's growth
+        before = torch.cuda.memory_reserved(), torch.cuda.memory_allocated()
+        capture_s = {n: graphs.capture(ids[n]) for n in tokens}
+        torch.cuda.synchronize()
+        # what the graphs keep: their shared private pool (reserved) and the static inputs / outputs (allocated)
+        rec(stage="te-small", what=f"text graphs {label}: memory kept by {len(tokens)} captured lengths",
+            pool_reserved_gb=round((torch.cuda.memory_reserved() - before[0]) / 1e9, 3),
+            allocated_gb=round((torch.cuda.memory_allocated() - before[1]) / 1e9, 3))
         for n in tokens:
-            capture_s = graphs.capture(ids[n])
             t = bench.cuda_time(lambda: graphs(ids[n]), reps=9, warm=2)
             out[n] = graphs(ids[n])[0, :n].clone()
             rec(stage="te-small", what=f"text encoder {n} tokens (padded to {ids[n].shape[1]}), {label}, replayed",
-                seconds=round(t, 4), capture_s=round(capture_s, 3),
+                seconds=round(t, 4), capture_s=round(capture_s[n], 3),
                 **({} if label == "bf16" else {"rel_err_vs_bf16": bench.rel_err(out[n], states["bf16"][n])}),
                 **({} if "fp8 auto" not in states or label == "fp8 auto" else
                    {"rel_err_vs_auto": bench.rel_err(out[n], states["fp8 auto"][n])}))

@@ -273,7 +273,7 @@ CONFIGS: dict[tuple[int, int, int], tuple[int, ...]] = {
 CANDIDATES = tuple(
     (bn, tmax, bk, split, warps, 3, decode, 1)
     for bn, bk, warps in ((64, 128, 4), (64, 64, 4), (128, 64, 8), (128, 128, 8))
-    for tmax in (64, 128, 256) for split in (1, 2, 4, 8) for decode in (1, 2))
+    for tmax in (64, 128, 256) for split in (1, 2, 3, 4, 6, 8) for decode in (1, 2))
 
 
 def _multiprocessors(device: torch.device) -> int:
