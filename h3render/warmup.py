@@ -129,15 +129,28 @@ class WarmUp:
                 if self.ctx.is_main:
                     print(f"h3render: warning: {problem}; compiling the VAE imports it again", file=sys.stderr)
             vae.compile_blocks_(dynamic=False)
-        for width, height in sorted({(j.width, j.height) for j in jobs}):
+        for width, height, batch in sorted(self._vae_batches(jobs)):
             # one decoder batch of one window of the canvas: every item of a plan shares one tile shape
             ratio = vae.config.spatial_ratio  # pixels per latent (16 at release)
             plan = vae.plan_decode(vae.config.geometry.window_latents, height // ratio, width // ratio)
             z = torch.zeros(vae.config.latent_channels, plan.latent_frames, plan.latent_height, plan.latent_width,
                             device=self.device)
-            vae.decode_items(z, plan.items[: self.settings.vae_batch], self.settings.vae_batch)
+            vae.decode_items(z, plan.items[:batch], batch)
         torch.cuda.synchronize(self.device)
         self.warmup["vae_compile_s" if self.settings.compile_vae else "vae_warmup_s"] = time.perf_counter() - t0
+
+    def _vae_batches(self, jobs: list) -> set[tuple[int, int, int]]:
+        """(width, height, items per decoder forward) of every window the jobs decode: a compiled decoder
+        specializes on the batch size and `VideoVAE.batch_for` picks it from this rank's item count."""
+        from h3render.parallel.vae import assign_items
+
+        vae, ratio, out = self.c.video_vae, self.c.video_vae.config.spatial_ratio, set()
+        for job in jobs:
+            for window in windows_of(job)[0]:
+                plan = vae.plan_decode(spec.latent_frames(window.frames), job.height // ratio, job.width // ratio)
+                mine = plan.num_windows * len(assign_items(plan.tiles_per_window, self.ctx.rank, self.ctx.world_size))
+                out.add((job.width, job.height, vae.batch_for(mine, self.settings.vae_batch)))
+        return out
 
     @torch.no_grad()
     def _choose_audio_activations(self, probe_latents: int = spec.AUDIO_LATENTS_PER_SECOND) -> None:

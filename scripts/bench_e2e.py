@@ -69,7 +69,9 @@ def add_arguments(p) -> None:
                         "k, v instead of the one kernels.vsa.vsa_prep pass, models.dit.Attention.vsa_fused_prep = "
                         "False), eager-text (this tree with the prompt encode run eagerly, not replayed from its CUDA "
                         "graph: Engine.text_graphs disabled; the padding stays, main before the twenty-first session "
-                        "but for it)")
+                        "but for it), padded-vae (this tree with the compiled video decoder running --vae-batch items "
+                        "a forward, the last batch padded: VideoVAE.batch_for off, main before the twenty-third "
+                        "session)")
     p.add_argument("--e2e-prof-decode", action="store_true",
                    help="e2e (with moving content): one more decode alone of each canvas under the profiler, its top "
                         "kernels recorded (against the same VAE built alone: the prof stage's --prof-vae)")
@@ -298,7 +300,7 @@ def vsa_variants(args) -> list[str]:
 
 
 VARIANTS = ("current", "bf16-qk", "session12", "uncapped", "head-order", "exact-accum", "vae-exact", "gate-exact",
-            "session16", "session17", "session18", "unfused-prep", "eager-text")
+            "session16", "session17", "session18", "unfused-prep", "eager-text", "padded-vae")
 _UNCAPPED_PICKS: dict = {}  # the "uncapped" variant's autotuner picks, apart from the tree's own
 
 
@@ -310,7 +312,7 @@ def vsa_kernels(variant: str, engine):
     from h3render.kernels import vsa
     from h3render.kernels.vsa import select_triton, triton_impl
     from h3render.models import fp8
-    from h3render.models.video_vae import FeedForward, ViTAttention, ViTBlock
+    from h3render.models.video_vae import FeedForward, VideoVAE, ViTAttention, ViTBlock
 
     dit = engine.c.dit
     saved = dit.vsa_qk_int8, FeedForward.fused_fp8, triton_impl.LONG_FIRST
@@ -322,6 +324,9 @@ def vsa_kernels(variant: str, engine):
     from h3render.models.dit import Attention
 
     saved18 = modulate_impl.LAUNCH, Attention.vsa_v_tiles, Attention.vsa_fused_prep
+    saved23 = VideoVAE.batch_for
+    if variant == "padded-vae":
+        VideoVAE.batch_for = lambda self, num_items, batch_size: batch_size
     graphs = getattr(engine, "text_graphs", None)  # (the bench's tests pass an engine without one)
     saved21 = graphs.enabled if graphs is not None else None
     if variant == "eager-text" and graphs is not None:
@@ -360,6 +365,7 @@ def vsa_kernels(variant: str, engine):
         select_triton.SEARCH, vsa.COARSE_TF32, ViTAttention.use_triton, ViTBlock.fused_norm_fp8 = saved16
         fp8.BIAS_EPILOGUE = saved17
         modulate_impl.LAUNCH, Attention.vsa_v_tiles, Attention.vsa_fused_prep = saved18
+        VideoVAE.batch_for = saved23
         if graphs is not None:
             graphs.enabled = saved21
         if tuner is not None:

@@ -29,7 +29,8 @@ from h3render.kernels.swiglu import swiglu
 from h3render.kernels.utils import use_triton_for
 from h3render.models.fp8 import Fp8Linear
 from h3render.models.vae_blend import assemble_frames, stitch_tiles, stitch_window
-from h3render.models.vae_tiling import RELEASED_TILING, DecodeItem, DecodePlan, TilingConfig, plan_decode, split_axis
+from h3render.models.vae_tiling import (RELEASED_TILING, DecodeItem, DecodePlan, TilingConfig, even_batch, plan_decode,
+                                        split_axis)
 from h3render.models.video_vae_config import VideoVAEConfig
 from h3render.models.video_vae_encoder import Encoder3d
 
@@ -394,6 +395,11 @@ class VideoVAE(nn.Module):
             block.attn.fuse_qkv_()
         return self
 
+    def batch_for(self, num_items: int, batch_size: int) -> int:
+        """Items per forward for a decode of `num_items` at most `batch_size` at a time: compiled blocks pad a short
+        batch, so they get `vae_tiling.even_batch`'s size (the fewest padded slots); eager ones run `batch_size`."""
+        return even_batch(num_items, batch_size) if getattr(self, "pad_batches", False) else batch_size
+
     def attention_shape(self, plan: DecodePlan, batch_size: int) -> tuple[int, int, int, int]:
         """`[B, S, H, D]` of the decoder's attention for one batch of `plan`'s items (tokens: latent voxels of a
         tile, the register tokens and the zero token)."""
@@ -497,6 +503,7 @@ class VideoVAE(nn.Module):
         pending: dict[int, torch.Tensor] = {}
         next_window = 0
         per_window = plan.tiles_per_window
+        batch_size = self.batch_for(len(plan.items), batch_size)
         for start in range(0, len(plan.items), batch_size):
             batch = plan.items[start : start + batch_size]
             for item, out in zip(batch, self.decode_items(latent, batch, batch_size)):

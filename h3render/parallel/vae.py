@@ -63,6 +63,7 @@ def _stitched_windows(vae, latent, plan, ctx: ParallelContext, batch_size: int) 
     windows = [plan.window_items(w) for w in range(plan.num_windows)]
     shares = [[items[i] for i in assign_items(len(items), ctx.rank, ctx.world_size)] for items in windows]
     queue = [it for share in shares for it in share]  # this rank's items, window-major
+    batch_size = vae.batch_for(len(queue), batch_size)
     decoded: dict[int, torch.Tensor] = {}
     position = 0
     for w, (items, share) in enumerate(zip(windows, shares)):

@@ -102,6 +102,23 @@ def test_decode_stream_concatenates_to_decode(models, decoded):
     assert_close(torch.cat([frames for _, frames in chunks], dim=1), video, 1e-6, "stream vs decode")
 
 
+def test_a_padding_decoder_runs_even_batches_and_decodes_the_same(models, decoded, monkeypatch):
+    # Compiled blocks pad every short batch: 8 items (2 windows x 4 tiles) at most 5 a forward run as 4 + 4, not 5 + 3
+    # padded to 5 (2 idle slots); the frames are the same.
+    _, _, ours = models
+    latent, _, video = decoded
+    seen = []
+    forward = ours.decoder.forward
+    monkeypatch.setattr(ours.decoder, "forward", lambda z: seen.append(z.shape[0]) or forward(z))
+    monkeypatch.setattr(ours, "pad_batches", True, raising=False)
+    assert_close(ours.decode(latent, batch_size=5), video, 1e-6, "even padded batches vs decode")
+    assert seen == [4, 4]
+    monkeypatch.setattr(ours, "pad_batches", False)
+    seen.clear()
+    ours.decode(latent, batch_size=5)
+    assert seen == [5, 3]  # eager: the plain batches, the last short
+
+
 def test_blend_of_shuffled_items_equals_decode(models, decoded):
     _, _, ours = models
     latent, _, video = decoded

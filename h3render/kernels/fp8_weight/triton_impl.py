@@ -2,7 +2,7 @@
 (per-output-channel fp32 scale), fp32 accumulation, the scale and bias in the epilogue.
 
 Computed as y^T = w x^T: the weight's rows are the warpgroup MMA's M side (64 or 128 a program) and the tokens its
-N side (16-128), so the weight is read once, as bytes (half a bf16 GEMM's weight bytes), decoded in registers and fed
+N side (16-256), so the weight is read once, as bytes (half a bf16 GEMM's weight bytes), decoded in registers and fed
 to the MMA from there as its A operand, and a 64-row prompt wastes no MMA rows. When the weight's rows alone give
 too few programs to fill the GPU (the k / v projections: 1024 rows), SPLIT_K programs share one tile's K and write
 fp32 partial sums that a second launch adds in split order (the same bits every run). Three decodes (`DECODE`):
@@ -13,12 +13,12 @@ fp16 with the product in fp16, the activations' rows first brought to fp16 exact
 (`_rows_to_f16_kernel`). On sm_90+ the tiles arrive by tensor descriptors (TMA: no per-thread address arithmetic,
 zeros past the edges). NaN codes (0x7F / 0xFF) never occur: the weights are clamped to +-448 when quantized.
 
-Measured on an H200 (docs/performance.md §32; every setting of `CANDIDATES` at the released text encoder's shapes
-within 1.66e-3 of the fp32 product, the bf16 output rounding): per GEMM 0.007-0.155 ms, at 64-128 rows 0.69-1.17x a
-bf16 cuBLAS GEMM's time; the 50-layer encode replayed from a CUDA graph 0.0175 / 0.0230 / 0.0365 s at 64 / 128 / 256
-rows against bf16's 0.0213 / 0.0228 / 0.0317 and the row-tiled kernel this replaced (the decoded weight as the
-MMA's shared-memory B operand, M tiled by 64-128 rows) 0.0456 / 0.0466 / 0.051 s (its dequantize + cuBLAS above 128
-rows). Triton 3.6 lets up to seven of an iteration's MMAs run into the next, whose decode then overwrote their A
+Measured on an H200 (docs/performance.md §32-33; every setting of `CANDIDATES` at the released text encoder's shapes
+within 1.66e-3 of the fp32 product, the bf16 output rounding): per GEMM 0.007-0.123 ms, 0.69-1.2x a bf16 cuBLAS
+GEMM's time; the 50-layer encode replayed from a CUDA graph 0.0175 / 0.0229 / 0.0312 / 0.0327 s at 64 / 128 / 192 /
+256 rows against bf16's 0.0213 / 0.0228 / 0.0316 / 0.0320 and the row-tiled kernel this replaced (the decoded weight
+as the MMA's shared-memory B operand, M tiled by 64-128 rows) 0.0456 / 0.0466 / - / 0.051 s (its dequantize + cuBLAS
+above 128 rows). Triton 3.6 lets up to seven of an iteration's MMAs run into the next, whose decode then overwrote their A
 registers (seen in the SASS; sums of 1e13 on the H200): `_wgmma_drain` waits for them at the top of each K step (sm_90).
 
 `dequantize_triton` is the large-row path: one pass writes the bf16 weight bit for bit as the torch expression
@@ -245,26 +245,31 @@ def dequantize_triton(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dt
 # power of two >= M (at least 16: the MMA's least N), capped at T_MAX. DECODE 0 integer operations (any GPU, the
 # interpreter), 1 `cvt` to bf16, 2 `cvt` to fp16 and the product in fp16 (1 and 2: bf16 activations on sm_89+,
 # elsewhere 0 runs); TMA 1 tensor descriptors (sm_90+, K a multiple of 16; elsewhere pointers). `CONFIGS`: the
-# fastest of `CANDIDATES` per (N, K, rows rounded up to a power of two) for the released Qwen3-VL-32B text encoder's
-# linears (q, k / v, o, gate / up, down) at the padded prompt lengths of 64, 128 and 256 rows, measured on an H200
-# (2026-12-04, scripts/bench_te_small.py, CUDA-graph replays; docs/performance.md §32); other shapes get
-# `_default_config`.
+# fastest setting per `config_key` for the released Qwen3-VL-32B text encoder's linears (q, k / v, o, gate / up, down)
+# at the padded prompt lengths of 64, 128, 192 and 256 rows, measured on an H200 (2026-12-04, scripts/bench_te_small.py,
+# CUDA-graph replays): 64 and 128 rows over §32's sweep set (T_MAX 64 / 128, splits 1, 2, 4, 8), 192 and 256 rows over
+# `CANDIDATES` (docs/performance.md §33); other shapes get `_default_config`.
 CONFIGS: dict[tuple[int, int, int], tuple[int, ...]] = {
     (8192, 5120, 64): (64, 64, 128, 2, 4, 3, 1, 1),
     (8192, 5120, 128): (64, 128, 128, 2, 4, 3, 1, 1),
-    (8192, 5120, 256): (64, 128, 128, 1, 4, 3, 1, 1),
+    (8192, 5120, 192): (64, 64, 128, 1, 4, 3, 2, 1),
+    (8192, 5120, 256): (64, 256, 128, 1, 4, 3, 1, 1),
     (1024, 5120, 64): (64, 64, 128, 8, 4, 3, 1, 1),
     (1024, 5120, 128): (64, 128, 128, 8, 4, 3, 1, 1),
+    (1024, 5120, 192): (64, 64, 128, 8, 4, 3, 1, 1),
     (1024, 5120, 256): (64, 128, 128, 4, 4, 3, 1, 1),
     (5120, 8192, 64): (64, 64, 128, 4, 4, 3, 1, 1),
     (5120, 8192, 128): (64, 64, 128, 2, 4, 3, 1, 1),
-    (5120, 8192, 256): (64, 128, 128, 1, 4, 3, 1, 1),
+    (5120, 8192, 192): (128, 64, 128, 2, 8, 3, 1, 1),
+    (5120, 8192, 256): (128, 256, 128, 3, 8, 3, 1, 1),
     (25600, 5120, 64): (128, 64, 128, 1, 8, 3, 2, 1),
     (25600, 5120, 128): (64, 128, 128, 1, 4, 3, 2, 1),
-    (25600, 5120, 256): (64, 128, 128, 1, 4, 3, 2, 1),
+    (25600, 5120, 192): (64, 64, 64, 1, 4, 3, 2, 1),
+    (25600, 5120, 256): (64, 256, 64, 1, 4, 3, 1, 1),
     (5120, 25600, 64): (64, 64, 128, 4, 4, 3, 1, 1),
     (5120, 25600, 128): (64, 128, 64, 4, 4, 3, 1, 1),
-    (5120, 25600, 256): (64, 128, 128, 4, 4, 3, 2, 1),
+    (5120, 25600, 192): (128, 256, 128, 3, 8, 3, 1, 1),
+    (5120, 25600, 256): (128, 256, 128, 3, 8, 3, 1, 1),
 }
 # What the benchmark (scripts/bench_te_small.py) sweeps per linear shape and row count. TMA only: the pointer form won
 # no shape in the sweep that had both; 3 stages only: with pointers 4 stages won 3 of 15 shapes, by at most 1 %
