@@ -56,7 +56,7 @@ class RunSettings:
         device: "cuda" or "cpu"; gpus: ranks asked for (None: every visible GPU; on CPU one process).
         attention: "fa3", "cudnn", "sdpa", or None to choose by measurement (CUDA only).
         crf, x264_preset: H.264 quality (x264 CRF 1..51: `spec.X264_CRF`) and speed preset.
-        vae_batch: video VAE decode work items (window x tile) per decoder forward.
+        vae_batch: video VAE decode work items (window x tile) per decoder forward, at most (`VideoVAE.batch_for`).
         compile_vae: on CUDA, `torch.compile` the video VAE decoder blocks (1x H200: 11.0 s -> 7.2 s for 72 latent
             frames at 1344x768; compiled in `Engine.prepare`, outside job timings).
         graph_audio: on CUDA, replay the audio VAE decode from a CUDA graph captured per audio length (in

@@ -29,10 +29,10 @@ class WarmUp:
     def prepare(self, jobs: list) -> None:
         """Warm-up outside job timings, for the jobs about to run: the AdaLN tables of their schedules (on CUDA built
         block by block from the AdaLN projections in host memory, ≈13 B parameters at release, or read from the
-        table cache, `h3render.adaln_cache`); one text encode and two short
-        DiT forwards; on CUDA the VAE decoder's attention backend measured at its own shape and its blocks
-        compiled for the jobs' tile shapes (`compile_vae`), the audio decoder's activations checked, the audio
-        decode's CUDA graph captured for the jobs' audio lengths (`graph_audio`) and the prompt encode's for their
+        table cache, `h3render.adaln_cache`); one text encode and two short DiT forwards; on CUDA the VAE decoder's
+        attention backend measured at its own shape and its blocks compiled for the jobs' tile shapes and batch
+        sizes (`compile_vae`, `_vae_batches`), the audio decoder's activations checked, the audio decode's CUDA
+        graph captured for the jobs' audio lengths (`graph_audio`) and the prompt encode's for their
         padded prompt lengths (`graph_text`)."""
         t0 = time.perf_counter()
         if self.adapter is not None and self.student_attention is not None:
@@ -149,7 +149,8 @@ class WarmUp:
             for window in windows_of(job)[0]:
                 plan = vae.plan_decode(spec.latent_frames(window.frames), job.height // ratio, job.width // ratio)
                 mine = plan.num_windows * len(assign_items(plan.tiles_per_window, self.ctx.rank, self.ctx.world_size))
-                out.add((job.width, job.height, vae.batch_for(mine, self.settings.vae_batch)))
+                if mine:  # (a rank with no tile of this canvas decodes nothing)
+                    out.add((job.width, job.height, vae.batch_for(mine, self.settings.vae_batch)))
         return out
 
     @torch.no_grad()

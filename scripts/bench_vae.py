@@ -56,7 +56,9 @@ def stage_vae(args) -> None:
         if not compiled:
             t0 = time.perf_counter()
             ours.compile_blocks_(dynamic=False)
-            ours.decode_items(z, ours.plan_decode(*z.shape[1:]).items[: args.vae_batches[-1]], args.vae_batches[-1])
+            items = ours.plan_decode(*z.shape[1:]).items
+            size = ours.batch_for(len(items), args.vae_batches[-1])  # the size `decode` then runs
+            ours.decode_items(z, items[:size], size)
             torch.cuda.synchronize()
             rec(stage="vae", what="video VAE compile warm-up", seconds=round(time.perf_counter() - t0, 1))
             compiled = True

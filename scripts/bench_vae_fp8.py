@@ -130,7 +130,8 @@ def stage_vae_fp8(args, bench) -> None:
         if mode == "compiled" and not getattr(vae, "pad_batches", False):
             vae.compile_blocks_(dynamic=False)  # as Engine._warm_vae does
         t0 = time.perf_counter()
-        vae.decode_items(z, plan.items[:batch], batch)  # the Engine's warm-up batch (compiles in compiled mode)
+        size = vae.batch_for(len(plan.items), batch)  # the size `decode` runs (compiled: the fewest padded slots)
+        vae.decode_items(z, plan.items[:size], size)  # the Engine's warm-up batch (compiles in compiled mode)
         sync()
         warm_s = time.perf_counter() - t0
         runs, frames, peak = [], None, (None, None)

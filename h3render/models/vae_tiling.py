@@ -43,7 +43,13 @@ def even_batch(items: int, most: int) -> int:
     size (a compiled decoder pads a short batch rather than compile for it): the size with the fewest slots,
     ceil(items / b) * b, from ceil(most / 2) to `most`, the larger on a tie (fewer forwards). `items <= most`: one
     forward of exactly `items`. 960x544x124 (105 items) at 8: 7 (15 forwards, no slot padded; 8 pads 7 of 112);
-    1344x768x243 (392 items): 8. Sizes under half of `most` are not tried: each size is one more compile."""
+    1344x768x243 (392 items): 8. Sizes under half of `most` are not tried: each size is one more compile.
+
+    Raises:
+        ValueError: `most` < 1.
+    """
+    if most < 1:
+        raise ValueError(f"batch size must be >= 1, got {most}")
     if items <= most:
         return max(items, 1)
     return min(range((most + 1) // 2, most + 1), key=lambda b: (-(-items // b) * b, -b))

@@ -336,6 +336,11 @@ class ViTDecoder3d(nn.Module):
 # ---------------------------------------------------------------------------------------------------------------
 
 
+# Compiled decoder shapes (tile shape x batch size) a process may hold before Dynamo falls back to eager: 8 batch
+# sizes for each of 8 tile shapes (a canvas side under 256 px is a tile shape of its own).
+COMPILED_SHAPES = 64
+
+
 class VideoVAE(nn.Module):
     """MiniMax-H3 video VAE with the released windowed + tiled decode, batched.
 
@@ -383,10 +388,15 @@ class VideoVAE(nn.Module):
         eager 11.0 s, compiled 7.2 s (diffusers all-bf16: 15.2 s); the first window pays ~8 s of compilation.
         bf16 results differ from eager by rounding only (rel. 2e-3). Peak memory 14-19 GB, weights included.
         """
+        import torch._dynamo
+
         for block in self.decoder.transformer_blocks:
             block.compile(**compile_kwargs)
         # Compiled blocks specialize on the batch size: pad short batches so a decode never recompiles mid-job.
         self.pad_batches = True
+        # Every block shares one Dynamo cache with an entry per (tile shape, batch size) (`batch_for`: up to
+        # `vae_batch` sizes a shape); past the limit (8) Dynamo runs the blocks eagerly, silently.
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, COMPILED_SHAPES)
         return self
 
     def fuse_qkv_(self) -> "VideoVAE":

@@ -113,7 +113,14 @@ def test_a_padding_decoder_runs_even_batches_and_decodes_the_same(models, decode
     monkeypatch.setattr(ours, "pad_batches", True, raising=False)
     assert_close(ours.decode(latent, batch_size=5), video, 1e-6, "even padded batches vs decode")
     assert seen == [4, 4]
+    # a short batch runs padded to its size; its real items decode as they do alone
+    seen.clear()
+    items = ours.plan_decode(*latent.shape[1:]).items[:3]
+    padded = ours.decode_items(latent, items, batch_size=4)
+    assert seen == [4] and len(padded) == 3
     monkeypatch.setattr(ours, "pad_batches", False)
+    for got, want in zip(padded, ours.decode_items(latent, items, batch_size=3)):
+        assert_close(got, want, 1e-6, "padded batch vs unpadded")
     seen.clear()
     ours.decode(latent, batch_size=5)
     assert seen == [5, 3]  # eager: the plain batches, the last short

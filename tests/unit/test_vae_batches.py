@@ -6,10 +6,14 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+import h3render.models.video_vae as video_vae
+import h3render.parallel.vae as parallel_vae
 from h3render import spec
 from h3render.jobs import Job
 from h3render.models.vae_tiling import even_batch
-from h3render.models.video_vae import VideoVAE
+from h3render.models.video_vae import COMPILED_SHAPES, VideoVAE
+from h3render.models.video_vae_config import VIDEO_VAE_TINY
+from h3render.runner import distinct_setups
 from h3render.models.video_vae_config import VideoVAEConfig
 from h3render.settings import RunSettings
 from h3render.warmup import WarmUp
@@ -26,10 +30,16 @@ def _slots(items: int, b: int) -> int:
     (5, 8, 5),  # under one batch: one forward of exactly the items
     (1, 8, 1),
     (9, 1, 1),
-    (17, 4, 3),  # 18 slots; 2 is under half of 4, not tried (it would be 18 too)
+    (17, 4, 3),  # 18 slots, as 2 gives: the larger on a tie
+    (0, 8, 1),
 ])
 def test_even_batch_takes_the_fewest_slots(items, most, expected):
     assert even_batch(items, most) == expected
+
+
+def test_even_batch_refuses_a_batch_size_under_one():
+    with pytest.raises(ValueError, match="batch size must be >= 1, got 0"):
+        even_batch(5, 0)
 
 
 def test_even_batch_never_pads_more_than_the_largest_size():
@@ -61,3 +71,70 @@ def test_the_warm_up_compiles_the_sizes_the_decode_runs():
     assert sizes(0, 2) == {(960, 544, 8), (1344, 768, 7)}
     assert sizes(1, 2) == {(960, 544, 7), (1344, 768, 7)}
     assert vae.batch_for(105, 8) == 7
+
+
+def _decoded_sizes(vae, plan, monkeypatch, rank=0, world=1):
+    """The batch sizes the decode of `plan` runs on `rank` of `world` (one GPU: `VideoVAE`'s own stream; several:
+    `parallel.vae`'s), with the decoder, the stitch and the gather stubbed."""
+    sizes = []
+
+    def decode_items(latent, items, batch_size):
+        sizes.append(batch_size)
+        return [None] * len(items)
+
+    monkeypatch.setattr(vae, "decode_items", decode_items)
+    monkeypatch.setattr(video_vae, "stitch_window", lambda *a: None)
+    monkeypatch.setattr(parallel_vae, "stitch_window", lambda *a: None)
+    monkeypatch.setattr(parallel_vae, "_gather_tiles", lambda outs, n, shape, ctx: [None] * n)
+    if world == 1:
+        list(vae._stitched_windows(None, plan, 8))
+    else:
+        ctx = SimpleNamespace(rank=rank, world_size=world, is_main=rank == 0)
+        list(parallel_vae._stitched_windows(vae, None, plan, ctx, 8))
+    return set(sizes)
+
+
+def test_the_decode_runs_the_sizes_the_warm_up_compiles(monkeypatch):
+    with torch.device("meta"):
+        vae = VideoVAE(VideoVAEConfig())
+    vae.pad_batches = True
+    jobs = [Job(id="a", prompt="p", width=960, height=544, frames=124, seed=0, steps=4, mode="t2va", output="a.mp4"),
+            Job(id="b", prompt="p", width=1344, height=768, frames=243, seed=0, steps=4, mode="t2va", output="b.mp4")]
+    for world in (1, 2, 3):
+        for rank in range(world):
+            owner = SimpleNamespace(c=SimpleNamespace(video_vae=vae), ctx=SimpleNamespace(rank=rank, world_size=world),
+                                    settings=RunSettings(vae_batch=8))
+            warmed = WarmUp._vae_batches(owner, jobs)
+            for job in jobs:
+                plan = vae.plan_decode(spec.latent_frames(job.frames), job.height // 16, job.width // 16)
+                run = _decoded_sizes(vae, plan, monkeypatch, rank, world)
+                # every forward but the last runs the size; the last runs it padded (`decode_items`)
+                assert run == {b for w, h, b in warmed if (w, h) == (job.width, job.height)}, (world, rank, job.id)
+
+
+def test_distinct_setups_keeps_a_job_per_window_plan():
+    # the windows' lengths set the decode's batch sizes and the audio graphs' lengths: two window plans of one
+    # canvas and length are two setups to warm
+    base = dict(prompt="p", width=960, height=544, frames=498, seed=0, steps=4, mode="t2va")
+    jobs = [Job(id="a", output="a.mp4", window=124, overlap=22, **base),
+            Job(id="b", output="b.mp4", window=158, overlap=22, **base),
+            Job(id="c", output="c.mp4", window=158, overlap=22, **base), Job(id="d", output="d.mp4", **base)]
+    with torch.device("meta"):
+        vae = VideoVAE(VideoVAEConfig())
+    vae.pad_batches = True
+    owner = SimpleNamespace(c=SimpleNamespace(video_vae=vae), ctx=SimpleNamespace(rank=0, world_size=1),
+                            settings=RunSettings(vae_batch=8))
+    assert WarmUp._vae_batches(owner, jobs[:1]) != WarmUp._vae_batches(owner, jobs[1:2])  # the premise
+    assert [j.id for j in distinct_setups(jobs)] == ["a", "b", "d"]
+
+
+def test_compiling_the_blocks_makes_room_for_every_batch_size():
+    import torch._dynamo
+
+    saved = torch._dynamo.config.recompile_limit
+    try:
+        torch._dynamo.config.recompile_limit = 8  # Dynamo's default
+        VideoVAE(VIDEO_VAE_TINY).compile_blocks_(dynamic=False)  # (compiles lazily: nothing runs here)
+        assert torch._dynamo.config.recompile_limit == COMPILED_SHAPES >= 8 * 8
+    finally:
+        torch._dynamo.config.recompile_limit = saved

@@ -17,9 +17,10 @@ Measured on an H200 (docs/performance.md §32-33; every setting of `CANDIDATES` 
 within 1.66e-3 of the fp32 product, the bf16 output rounding): per GEMM 0.007-0.123 ms, 0.69-1.2x a bf16 cuBLAS
 GEMM's time; the 50-layer encode replayed from a CUDA graph 0.0175 / 0.0229 / 0.0312 / 0.0327 s at 64 / 128 / 192 /
 256 rows against bf16's 0.0213 / 0.0228 / 0.0316 / 0.0320 and the row-tiled kernel this replaced (the decoded weight
-as the MMA's shared-memory B operand, M tiled by 64-128 rows) 0.0456 / 0.0466 / - / 0.051 s (its dequantize + cuBLAS
-above 128 rows). Triton 3.6 lets up to seven of an iteration's MMAs run into the next, whose decode then overwrote their A
-registers (seen in the SASS; sums of 1e13 on the H200): `_wgmma_drain` waits for them at the top of each K step (sm_90).
+as the MMA's shared-memory B operand, M tiled by 64-128 rows) 0.0456 / 0.0466 / - / 0.051 s (its dequantize +
+cuBLAS above 128 rows). Triton 3.6 lets up to seven of an iteration's MMAs run into the next, whose decode then
+overwrote their A registers (seen in the SASS; sums of 1e13 on the H200): `_wgmma_drain` waits for them at the top of
+each K step (sm_90).
 
 `dequantize_triton` is the large-row path: one pass writes the bf16 weight bit for bit as the torch expression
 (`(code * 2**-8) * (scale * 2**8)`: both factors exact, one fp32 rounding), then cuBLAS multiplies.
