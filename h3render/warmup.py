@@ -142,13 +142,13 @@ class WarmUp:
     def _vae_batches(self, jobs: list) -> set[tuple[int, int, int]]:
         """(width, height, items per decoder forward) of every window the jobs decode: a compiled decoder
         specializes on the batch size and `VideoVAE.batch_for` picks it from this rank's item count."""
-        from h3render.parallel.vae import assign_items
+        from h3render.parallel.vae import items_on_rank
 
         vae, ratio, out = self.c.video_vae, self.c.video_vae.config.spatial_ratio, set()
         for job in jobs:
             for window in windows_of(job)[0]:
                 plan = vae.plan_decode(spec.latent_frames(window.frames), job.height // ratio, job.width // ratio)
-                mine = plan.num_windows * len(assign_items(plan.tiles_per_window, self.ctx.rank, self.ctx.world_size))
+                mine = items_on_rank(plan, self.ctx.rank, self.ctx.world_size)
                 if mine:  # (a rank with no tile of this canvas decodes nothing)
                     out.add((job.width, job.height, vae.batch_for(mine, self.settings.vae_batch)))
         return out

@@ -282,9 +282,9 @@ class Fp8WeightLinear(_Fp8Weight):
     issue 26): up to `GEMM_MAX_ROWS` rows (a t2va prompt's padded 64-256 tokens) one Triton GEMM that decodes the e4m3
     codes in registers (1 byte read per weight, the scale on the fp32 accumulator: the weight enters the dot exactly),
     otherwise one Triton pass dequantizes the weight to bf16 bit for bit as on the CPU (3 bytes per weight instead of
-    11) and cuBLAS multiplies. Measured on an H200 (docs/performance.md §32, the 50-layer encode replayed from a CUDA
-    graph): 0.0175 / 0.0230 / 0.0365 s at 64 / 128 / 256 rows against bf16's 0.0213 / 0.0228 / 0.0317 s and the
-    0.20 s a prompt of the per-call torch dequantize before issue 26.
+    11) and cuBLAS multiplies. Measured on an H200: at bf16's speed or better up to 192 rows (the figures:
+    `kernels.fp8_weight.triton_impl`, docs/performance.md §32-33), against 0.20 s a prompt for the per-call torch
+    dequantize before issue 26.
 
     Mode "rows" (issue 26 item 3; measured on an H200, docs/performance.md §22.4 and §32: replayed from a CUDA graph
     0.020 / 0.020 / 0.026 s at 64 / 128 / 256 rows, below bf16, but the read states' error against bf16 0.114-0.122
@@ -298,8 +298,8 @@ class Fp8WeightLinear(_Fp8Weight):
     # path before issue 26) or "rows" (w8a8, above); a class setting so that the benchmark measures each in one
     # process (scripts/bench_prepare.py `te-fp8`, bench_te_small.py).
     mode = "auto"
-    # §32: the GEMM beat dequantize + cuBLAS at every linear of the encoder at 64, 128 and 256 rows (the whole encode
-    # at 256: 0.0365 against 0.051 s); §11: dequantize + cuBLAS won at 2000.
+    # §32-33: the GEMM beat dequantize + cuBLAS at every linear of the encoder at 64-256 rows; §11: dequantize +
+    # cuBLAS won at 2000.
     GEMM_MAX_ROWS = 256
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -25,6 +25,12 @@ def assign_items(num_items: int, rank: int, world_size: int) -> list[int]:
     return list(range(rank, num_items, world_size))
 
 
+def items_on_rank(plan, rank: int, world_size: int) -> int:
+    """How many of `plan`'s items `rank` decodes (`assign_items` in every window): the length of its queue in
+    `_stitched_windows`, from which `VideoVAE.batch_for` picks its batch size."""
+    return plan.num_windows * len(assign_items(plan.tiles_per_window, rank, world_size))
+
+
 def item_shape(vae, plan) -> tuple[int, int, int, int]:
     """`[3, frames_per_item, tile_h_px, tile_w_px]`: the raw output of every item of `plan`."""
     it = plan.items[0]
