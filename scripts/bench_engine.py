@@ -46,29 +46,34 @@ def released_engine(args, ctx):
 
 
 def stage_compare(args) -> None:
-    """1 GPU vs N GPUs, same seed: the e2e stage's saved latents and MP4s (/tmp/e2e-w1.* and /tmp/e2e-w<N>.*)."""
+    """1 GPU vs N GPUs, same seed: the e2e stage's saved latents and MP4s, per precision's stem (/tmp/e2e-w1.* against
+    /tmp/e2e-w<N>.* for bf16, /tmp/e2e-fp8-w1.* against /tmp/e2e-fp8-w<N>.* for fp8). Each stem keeps the last canvas
+    its e2e run rendered: run one canvas for a comparison."""
     import av
     import numpy as np
 
-    runs = sorted(Path("/tmp").glob("e2e-w*.latents.pt"))
-    if len(runs) < 2:
+    stems: dict[str, list[Path]] = {}
+    for path in sorted(Path("/tmp").glob("e2e*-w*.latents.pt")):
+        stems.setdefault(path.name.rsplit("-w", 1)[0], []).append(path)
+    pairs = [(runs[0], other) for runs in stems.values() if runs[0].name.endswith("-w1.latents.pt")
+             for other in runs[1:]]
+    if not pairs:
         raise RuntimeError("run the e2e stage with --save-latents on 1 GPU and under torchrun first")
-    base = torch.load(runs[0])
-    for other in runs[1:]:
-        b = torch.load(other)
+    for one, other in pairs:
+        base, b = torch.load(one), torch.load(other)
         for key in ("video", "audio"):
             d = (base[key] - b[key]).double()
-            rec(stage="compare", what=f"{runs[0].name} vs {other.name}: {key} latents", max_abs=d.abs().max().item(),
+            rec(stage="compare", what=f"{one.name} vs {other.name}: {key} latents", max_abs=d.abs().max().item(),
                 rel_err=float(d.norm() / base[key].double().norm()), max_ref=base[key].abs().max().item())
 
         def frames(path):
             with av.open(str(path)) as c:
                 return np.stack([f.to_ndarray(format="rgb24") for f in c.decode(video=0)]).astype(np.int16)
 
-        x = frames(runs[0].with_name(runs[0].name.replace(".latents.pt", ".mp4")))
+        x = frames(one.with_name(one.name.replace(".latents.pt", ".mp4")))
         y = frames(other.with_name(other.name.replace(".latents.pt", ".mp4")))
         diff = np.abs(x - y)
-        rec(stage="compare", what=f"{runs[0].name} vs {other.name}: decoded frames (8-bit RGB)", frames=len(x),
+        rec(stage="compare", what=f"{one.name} vs {other.name}: decoded frames (8-bit RGB)", frames=len(x),
             max_abs=int(diff.max()), mean_abs=float(diff.mean()), frac_equal=float((diff == 0).mean()))
 
 
