@@ -57,16 +57,18 @@ class ParallelPlan:
             return decode_stream_split(vae, latent, self.ctx, batch_size)
         return vae.decode_stream(latent, batch_size=batch_size)
 
-    def share_waveform(self, waveform: torch.Tensor | None, shape: tuple[int, int]) -> torch.Tensor | None:
-        """Hand the audio rank's waveform `[2, samples]` to the writing rank (identity on one rank)."""
+    def share_waveform(self, waveform: torch.Tensor | None, shape: tuple[int, int], seconds: float
+                       ) -> tuple[torch.Tensor | None, float]:
+        """Hand the audio rank's waveform `[2, samples]` and its decode's `seconds` to the writing rank (identity on
+        one rank)."""
         if not self.ctx.distributed:
-            return waveform
+            return waveform, seconds
         from h3render.parallel.vae import share_waveform
 
-        return share_waveform(waveform, shape, self.ctx)
+        return share_waveform(waveform, shape, self.ctx, seconds)
 
     def warm_up(self) -> None:
         """Create the point-to-point communicator of the audio hand-over before the first job (several ranks)."""
         if self.ctx.distributed:
             tiny = torch.zeros(2, 8, device=self.ctx.device) if self.decodes_audio else None
-            self.share_waveform(tiny, (2, 8))
+            self.share_waveform(tiny, (2, 8), 0.0)

@@ -109,15 +109,24 @@ def audio_rank(ctx: ParallelContext) -> int:
     return ctx.world_size - 1
 
 
-def share_waveform(waveform: torch.Tensor | None, samples_shape: tuple[int, int], ctx: ParallelContext
-                   ) -> torch.Tensor | None:
-    """Send the audio rank's waveform `[2, samples]` float32 to rank 0 (returns it there, None elsewhere)."""
+def share_waveform(waveform: torch.Tensor | None, samples_shape: tuple[int, int], ctx: ParallelContext,
+                   seconds: float = 0.0) -> tuple[torch.Tensor | None, float]:
+    """Send the audio rank's waveform `[2, samples]` float32 and the `seconds` its decode took to rank 0; returns
+    both there, (None, `seconds`) elsewhere. The seconds go too so that rank 0's sidecar has a `vae_audio` stage."""
     src = audio_rank(ctx)
     if src == 0:
-        return waveform
+        return waveform, seconds
+    timing = torch.tensor([seconds], dtype=torch.float64, device=ctx.device)
     if ctx.rank == src:
         dist.send(waveform.contiguous(), dst=_global_rank(ctx, 0), group=ctx.group)
-        return None
+        dist.send(timing, dst=_global_rank(ctx, 0), group=ctx.group)
+        return None, seconds
+    if ctx.is_main:
+        out = torch.empty(samples_shape, dtype=torch.float32, device=ctx.device)
+        dist.recv(out, src=_global_rank(ctx, src), group=ctx.group)
+        dist.recv(timing, src=_global_rank(ctx, src), group=ctx.group)
+        return out, float(timing.item())
+    return None, seconds
     if ctx.is_main:
         out = torch.empty(samples_shape, dtype=torch.float32, device=ctx.device)
         dist.recv(out, src=_global_rank(ctx, src), group=ctx.group)

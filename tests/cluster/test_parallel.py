@@ -87,9 +87,15 @@ def test_multi_rank_gloo_matches_one_process(nproc, launcher, one_rank, tmp_path
     np.testing.assert_array_equal(frames_of(single), frames_of(multi))
     import json
 
-    world = json.loads(multi.with_suffix(".json").read_text())["extra"]["world_size"]
+    side = json.loads(multi.with_suffix(".json").read_text())
     # The tiny model has 8 heads: 2 ranks take four heads each.
-    assert world == largest_dividing_world(nproc, 8) == nproc
+    assert side["extra"]["world_size"] == largest_dividing_world(nproc, 8) == nproc
+    # Rank 0 writes the sidecar but the last rank decodes the audio: its seconds come with the waveform (the sidecar
+    # of a 2-GPU render had no vae_audio stage).
+    stages = side["timings"]["stages"]
+    one = json.loads(single.with_suffix(".json").read_text())["timings"]["stages"]
+    assert set(stages) == set(one) and "vae_audio" in stages
+    assert all(stage["seconds"] > 0 for stage in stages.values()), stages
 
 
 def test_split_decode_batches_across_windows(one_rank, tmp_path):
