@@ -74,6 +74,7 @@ def test_every_e4m3_code_decodes_exactly(split):
     (130, 96, 72, torch.bfloat16, True, None),
     (130, 1000, 72, torch.bfloat16, True, (64, 64, 128, 3, 4, 1, 0, 0)),  # 3 token tiles, K split 3 (the last short)
     (64, 520, 200, torch.bfloat16, True, (128, 128, 128, 8, 8, 1, 0, 0)),  # split 8 -> 5 (520 = 4 x 128 + 8)
+    (50, 1000, 130, torch.bfloat16, True, (128, 64, 128, 6, 8, 1, 0, 0)),  # split 6 -> 4 (1000 = 3 x 256 + 232)
     (200, 300, 70, torch.float16, True, (128, 128, 64, 2, 8, 1, 2, 1)),  # DECODE 2, TMA asked on the CPU: integers
     (190, 150, 40, torch.bfloat16, False, (64, 256, 64, 2, 4, 1, 1, 1)),  # one 256-token tile, 66 of its rows past M
 ])
@@ -216,8 +217,8 @@ def test_triton_on_cuda_at_the_released_shapes():
         assert torch.equal(got.float(), w.float().t()), (split, decode, tma)
     # k/v 5120 -> 1024 and down 25600 -> 5120 at a padded prompt's rows, and a longer presentation: the kept setting
     # for the shape, the default, and each decode with and without a split; two runs give the same bits.
-    for m, k, n in ((64, 5120, 1024), (128, 5120, 1024), (192, 5120, 8192), (256, 25600, 5120), (77, 200, 136),
-                    (300, 5120, 1024)):
+    for m, k, n in ((64, 5120, 1024), (128, 5120, 1024), (192, 5120, 8192), (64, 25600, 5120), (256, 25600, 5120),
+                    (77, 200, 136), (300, 5120, 1024)):
         w, s = _weights(n, k, "cuda", seed=n)
         x = torch.randn(m, k, device="cuda", generator=torch.Generator("cuda").manual_seed(k)).bfloat16()
         x[1] *= 3e5  # a row past fp16's range: DECODE 2 scales it down and back up (the error bound is relative)
