@@ -188,16 +188,17 @@ def deliver(engine, job, latents: Latents, sink: "_Sink | None", timer: StageTim
         MediaError: the writer refused a chunk.
     """
     c, plan = engine.c, engine.plan
-    t_audio, before = timer.now(), timer.total("vae_audio")
+    before = timer.total("vae_audio")
     waveform, job_warmup = engine.decode_audio(latents.audio, timer)  # [2, samples] fp32 (None: another rank's)
     audio_s = timer.total("vae_audio") - before  # 0 where another rank decodes the audio
     audio_shape = (latents.audio.shape[0], latents.audio.shape[-1] * c.audio_vae.hop_length)
     frames = plan.decode_stream(c.video_vae, latents.video, engine.settings.vae_batch)
     waveform, audio_s = plan.share_waveform(waveform, audio_shape, audio_s)
     if sink is not None and not plan.decodes_audio:
-        # The audio rank's decode, placed from when this rank began delivering: every rank leaves the last forward's
-        # collectives together, and the audio rank starts its decode right after, beside this rank's video decode.
-        timer.add_interval("vae_audio", t_audio, t_audio + audio_s)
+        # The audio rank's decode, as ending when its waveform arrived here: this rank waits for the soundtrack
+        # before its own video decode, so on several ranks the stage runs just before vae_video, not beside it.
+        t_received = timer.now()
+        timer.add_interval("vae_audio", t_received - audio_s, t_received)
     if sink is None:
         with timer.stage("vae_video"):
             for _ in frames:

@@ -23,8 +23,16 @@ from tests._env import REPO, repo_pythonpath
 
 
 def invoke(*args: str, env: dict | None = None):
-    """`h3render ARGS` in this process (no H3RENDER_CHECKPOINT unless `env` sets it); the click Result."""
-    return CliRunner().invoke(cli, list(args), env={"H3RENDER_CHECKPOINT": None, **(env or {})})
+    """`h3render ARGS` in this process (no H3RENDER_CHECKPOINT unless `env` sets it); the click Result.
+
+    A render here runs on one rank (`--gpus 1` unless ARGS name a count): the CLI uses every visible GPU by default,
+    and on a multi-GPU host it then spawned ranks whose output and warnings this runner could not capture (the GPU
+    suite on two H200s, 2026-12-04). Forked and subprocess renders keep the default, so such a host still runs them
+    on every GPU over NCCL."""
+    args = list(args)
+    if args[:1] in (["prompt"], ["batch"]) and not any(a == "--gpus" or a.startswith("--gpus=") for a in args):
+        args += ["--gpus", "1"]
+    return CliRunner().invoke(cli, args, env={"H3RENDER_CHECKPOINT": None, **(env or {})})
 
 
 def one_error_line(result) -> str:

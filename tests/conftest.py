@@ -3,13 +3,6 @@ import os
 # Triton kernels run under the interpreter on CPU-only machines (CI has no GPU).
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
-# One GPU for the suite and the renders it starts: the CLI uses every visible GPU by default, and on a multi-GPU host
-# that spawned ranks for renders the tests run in this process (tests/_cli.run_here), whose output and exit they then
-# could not see (the GPU suite on two H200s, 2026-12-04: four failures, none of them on one GPU). The multi-rank
-# paths are tested on gloo CPU ranks (tests/cluster) and on GPUs by scripts/bench.py's compare stage.
-_gpus = os.environ.get("CUDA_VISIBLE_DEVICES")
-os.environ["CUDA_VISIBLE_DEVICES"] = "0" if _gpus is None else _gpus.split(",")[0]
-
 # The AdaLN table cache (h3render.adaln_cache) of this test process and the renders it starts: a fresh folder, never
 # the user's ~/.cache.
 if "H3RENDER_ADALN_CACHE" not in os.environ:

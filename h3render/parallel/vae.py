@@ -127,8 +127,3 @@ def share_waveform(waveform: torch.Tensor | None, samples_shape: tuple[int, int]
         dist.recv(timing, src=_global_rank(ctx, src), group=ctx.group)
         return out, float(timing.item())
     return None, seconds
-    if ctx.is_main:
-        out = torch.empty(samples_shape, dtype=torch.float32, device=ctx.device)
-        dist.recv(out, src=_global_rank(ctx, src), group=ctx.group)
-        return out
-    return None

@@ -96,6 +96,8 @@ def test_multi_rank_gloo_matches_one_process(nproc, launcher, one_rank, tmp_path
     one = json.loads(single.with_suffix(".json").read_text())["timings"]["stages"]
     assert set(stages) == set(one) and "vae_audio" in stages
     assert all(stage["seconds"] > 0 for stage in stages.values()), stages
+    # ... placed as ending when rank 0 had the waveform, which it waits for before its own video decode
+    assert stages["vae_audio"]["intervals"][-1][1] <= stages["vae_video"]["intervals"][0][0], stages
 
 
 def test_split_decode_batches_across_windows(one_rank, tmp_path):

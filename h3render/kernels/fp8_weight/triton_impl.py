@@ -248,15 +248,15 @@ def dequantize_triton(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dt
 # elsewhere 0 runs); TMA 1 tensor descriptors (sm_90+, K a multiple of 16; elsewhere pointers). `CONFIGS`: the
 # fastest setting per `config_key` for the released Qwen3-VL-32B text encoder's linears (q, k / v, o, gate / up, down)
 # at the padded prompt lengths of 64, 128, 192 and 256 rows, measured on an H200 (2026-12-04, scripts/bench_te_small.py,
-# CUDA-graph replays) over `CANDIDATES`: 192 and 256 rows in docs/performance.md §33, 64 and 128 rows in §34 (splits 3
-# and 6 won o and down there); other shapes get `_default_config`.
+# CUDA-graph replays) over `CANDIDATES`: 192 and 256 rows in docs/performance.md §33, 64 and 128 rows in §34.4 (split 3
+# won q at 64 rows and o and down at 128, split 6 down at 64); other shapes get `_default_config`.
 CONFIGS: dict[tuple[int, int, int], tuple[int, ...]] = {
     (8192, 5120, 64): (64, 64, 128, 3, 4, 3, 1, 1),
     (8192, 5120, 128): (64, 128, 128, 2, 4, 3, 1, 1),
     (8192, 5120, 192): (64, 64, 128, 1, 4, 3, 2, 1),
     (8192, 5120, 256): (64, 256, 128, 1, 4, 3, 1, 1),
     (1024, 5120, 64): (64, 64, 128, 8, 4, 3, 1, 1),
-    (1024, 5120, 128): (64, 64, 128, 8, 4, 3, 1, 1),
+    (1024, 5120, 128): (64, 128, 128, 8, 4, 3, 1, 1),
     (1024, 5120, 192): (64, 64, 128, 8, 4, 3, 1, 1),
     (1024, 5120, 256): (64, 128, 128, 4, 4, 3, 1, 1),
     (5120, 8192, 64): (64, 64, 128, 4, 4, 3, 1, 1),
