@@ -46,14 +46,14 @@ def released_engine(args, ctx):
 
 
 def stage_compare(args) -> None:
-    """1 GPU vs N GPUs, same seed: the e2e stage's saved latents and MP4s, per precision's stem (/tmp/e2e-w1.* against
-    /tmp/e2e-w<N>.* for bf16, /tmp/e2e-fp8-w1.* against /tmp/e2e-fp8-w<N>.* for fp8). Each stem keeps the last canvas
-    its e2e run rendered: run one canvas for a comparison."""
+    """1 GPU vs N GPUs, same seed: the e2e stage's saved latents and MP4s in `--e2e-dir`, per precision's stem
+    (e2e-w1.* against e2e-w<N>.* for bf16, e2e-fp8-w1.* against e2e-fp8-w<N>.* for fp8). Each stem keeps the last
+    canvas its e2e run rendered: run one canvas for a comparison."""
     import av
     import numpy as np
 
     stems: dict[str, list[Path]] = {}
-    for path in sorted(Path("/tmp").glob("e2e*-w*.latents.pt")):
+    for path in sorted(Path(getattr(args, "e2e_dir", "/tmp")).glob("e2e*-w*.latents.pt")):
         stems.setdefault(path.name.rsplit("-w", 1)[0], []).append(path)
     pairs = [(runs[0], other) for runs in stems.values() if runs[0].name.endswith("-w1.latents.pt")
              for other in runs[1:]]

@@ -3,7 +3,7 @@ fp8-memory and e2e with `--precision bf16,fp8` (scripts/bench_e2e.py): one in-pr
 flags the device calls use, at the tiny model's shapes, so the functions the GPU runs are the ones that ran here.
 Every timed row must be finite, every error below a loose bound and, for an FP8 variant, above zero (the FP8 path
 really ran); plus the random-gate fill of an FP8 DiT (bench.py's old `gate_proj.weight.copy_` would write raw values
-into an e4m3 buffer).
+into an e4m3 buffer), and the compare stage's pairing of the e2e stage's saved runs.
 """
 
 from __future__ import annotations
@@ -38,10 +38,16 @@ def bench_fp8():
 
 
 @pytest.fixture(scope="module")
-def rows(bench_fp8, tmp_path_factory):
+def bench_out(tmp_path_factory) -> Path:
+    """Where the module's bench run writes its rows and the e2e stage its MP4s (`--e2e-dir`)."""
+    return tmp_path_factory.mktemp("bench-fp8")
+
+
+@pytest.fixture(scope="module")
+def rows(bench_fp8, bench_out):
     import bench
 
-    out = tmp_path_factory.mktemp("bench-fp8")
+    out = bench_out
     argv = ["bench.py", "--stages", "fp8-gemm,fp8-quant,fp8-dit,fp8-memory,e2e", "--fp8-model", "tiny",
             "--fp8-device", "cpu", "--fp8-canvas", CANVAS, "--fp8-text", "6", "--fp8-gemm-reps", "1",
             "--fp8-reps", "1", "--vsa-sparsity", "0.75", "--precision", "bf16,fp8", "--e2e-model", "tiny",
@@ -235,3 +241,26 @@ def test_the_bf16_qk_variant_is_patched_in_and_restored(bench_fp8):
         assert engine.text_graphs.enabled is True
     with pytest.raises(ValueError, match="expected some of current, bf16-qk, session12"):
         bench_e2e.vsa_variants(type("A", (), {"e2e_vsa_kernels": "session10"})())
+
+
+
+def test_compare_pairs_each_precisions_one_gpu_run_with_its_multi_gpu_runs(rows, bench_out, tmp_path):
+    """`--stages compare` in `--e2e-dir`: each stem's -w1 files against its -w<N> ones (it read bf16's e2e-w* only, in
+    /tmp only). The e2e stage's MP4s stand in for both runs (frames equal); the latents differ by a known factor."""
+    import shutil
+
+    from tests._bench import run_bench
+
+    g = torch.Generator().manual_seed(0)
+    base = {"video": torch.randn(24, 3, 4, 5, generator=g), "audio": torch.randn(2, 32, 7, generator=g)}
+    for stem, world, scale in (("e2e", 1, 1.0), ("e2e", 4, 1.002), ("e2e-fp8", 1, 1.0), ("e2e-fp8", 2, 1.01)):
+        shutil.copy(bench_out / f"{stem}-w1.mp4", tmp_path / f"{stem}-w{world}.mp4")  # bf16's, fp8's last render
+        torch.save({k: v * scale for k, v in base.items()}, tmp_path / f"{stem}-w{world}.latents.pt")
+    found = {r["what"]: r for r in run_bench(["--stages", "compare", "--e2e-dir", str(tmp_path)], tmp_path / "c.json")
+             if r["stage"] == "compare" and r["what"] != "stage wall"}
+    for stem, world, err in (("e2e", 4, 0.002), ("e2e-fp8", 2, 0.01)):
+        pair = f"{stem}-w1.latents.pt vs {stem}-w{world}.latents.pt"
+        for key in ("video", "audio"):
+            assert found[f"{pair}: {key} latents"]["rel_err"] == pytest.approx(err, rel=1e-4)
+        assert found[f"{pair}: decoded frames (8-bit RGB)"]["max_abs"] == 0
+    assert len(found) == 6
