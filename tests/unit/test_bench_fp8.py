@@ -243,7 +243,6 @@ def test_the_bf16_qk_variant_is_patched_in_and_restored(bench_fp8):
         bench_e2e.vsa_variants(type("A", (), {"e2e_vsa_kernels": "session10"})())
 
 
-
 def test_compare_pairs_each_precisions_one_gpu_run_with_its_multi_gpu_runs(rows, bench_out, tmp_path):
     """`--stages compare` in `--e2e-dir`: each stem's -w1 files against its -w<N> ones (it read bf16's e2e-w* only, in
     /tmp only). The e2e stage's MP4s stand in for both runs (frames equal); the latents differ by a known factor."""
