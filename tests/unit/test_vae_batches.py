@@ -12,15 +12,21 @@ from h3render import spec
 from h3render.jobs import Job
 from h3render.models.vae_tiling import even_batch
 from h3render.models.video_vae import COMPILED_SHAPES, VideoVAE
-from h3render.models.video_vae_config import VIDEO_VAE_TINY
+from h3render.models.video_vae_config import VIDEO_VAE_TINY, VideoVAEConfig
 from h3render.runner import distinct_setups
-from h3render.models.video_vae_config import VideoVAEConfig
 from h3render.settings import RunSettings
 from h3render.warmup import WarmUp
 
 
 def _slots(items: int, b: int) -> int:
     return -(-items // b) * b
+
+
+def _warmed(vae, jobs, rank=0, world=1) -> set[tuple[int, int, int]]:
+    """The (width, height, batch size) that `WarmUp` compiles for `jobs` on `rank` of `world` at `--vae-batch 8`."""
+    owner = SimpleNamespace(c=SimpleNamespace(video_vae=vae), ctx=SimpleNamespace(rank=rank, world_size=world),
+                            settings=RunSettings(vae_batch=8))
+    return WarmUp._vae_batches(owner, jobs)
 
 
 @pytest.mark.parametrize("items,most,expected", [
@@ -58,9 +64,7 @@ def test_the_warm_up_compiles_the_sizes_the_decode_runs():
 
     def sizes(rank, world, compiled=True):
         vae.pad_batches = compiled
-        owner = SimpleNamespace(c=SimpleNamespace(video_vae=vae), ctx=SimpleNamespace(rank=rank, world_size=world),
-                                settings=RunSettings(vae_batch=8))
-        return WarmUp._vae_batches(owner, jobs)
+        return _warmed(vae, jobs, rank, world)
 
     plans = [vae.plan_decode(spec.latent_frames(f), h // 16, w // 16) for w, h, f in ((960, 544, 124),
                                                                                       (1344, 768, 243))]
@@ -102,9 +106,7 @@ def test_the_decode_runs_the_sizes_the_warm_up_compiles(monkeypatch):
             Job(id="b", prompt="p", width=1344, height=768, frames=243, seed=0, steps=4, mode="t2va", output="b.mp4")]
     for world in (1, 2, 3):
         for rank in range(world):
-            owner = SimpleNamespace(c=SimpleNamespace(video_vae=vae), ctx=SimpleNamespace(rank=rank, world_size=world),
-                                    settings=RunSettings(vae_batch=8))
-            warmed = WarmUp._vae_batches(owner, jobs)
+            warmed = _warmed(vae, jobs, rank, world)
             for job in jobs:
                 plan = vae.plan_decode(spec.latent_frames(job.frames), job.height // 16, job.width // 16)
                 run = _decoded_sizes(vae, plan, monkeypatch, rank, world)
@@ -122,9 +124,7 @@ def test_distinct_setups_keeps_a_job_per_window_plan():
     with torch.device("meta"):
         vae = VideoVAE(VideoVAEConfig())
     vae.pad_batches = True
-    owner = SimpleNamespace(c=SimpleNamespace(video_vae=vae), ctx=SimpleNamespace(rank=0, world_size=1),
-                            settings=RunSettings(vae_batch=8))
-    assert WarmUp._vae_batches(owner, jobs[:1]) != WarmUp._vae_batches(owner, jobs[1:2])  # the premise
+    assert _warmed(vae, jobs[:1]) != _warmed(vae, jobs[1:2])  # the premise
     assert [j.id for j in distinct_setups(jobs)] == ["a", "b", "d"]
 
 
