@@ -235,10 +235,10 @@ def stage_e2e(args, bench) -> None:
         bench.rec(stage="e2e", what=f"{precision}: resident after AdaLN offload", precision=precision,
                   gb=allocated_gb(bench, device), world=ctx.world_size,
                   **_memory_fields(bench, engine.c, device))
-        # random weights encode as noise: too big to bring back; the bf16 name is the one `compare` reads
+        # random weights encode as noise: too big to bring back. `compare` pairs the files of one stem (precision
+        # and canvas) across world sizes: `e2e[-fp8]-<W>x<H>x<F>-w<N>.*`, one set per canvas.
         stem = "e2e" if precision == "bf16" else f"e2e-{precision}"
-        out = Path(args.e2e_dir) / f"{stem}-w{ctx.world_size}.mp4"
-        out.parent.mkdir(parents=True, exist_ok=True)
+        Path(args.e2e_dir).mkdir(parents=True, exist_ok=True)
         floors: dict = {}
         runs = [(a, kernels) for a in attentions for kernels in (vsa_variants(args) if a == "vsa" else ["current"])]
         for attention, kernels in runs:
@@ -251,6 +251,7 @@ def stage_e2e(args, bench) -> None:
                 engine.c.dit.vsa_sparsity = None  # dense (gates, if made earlier, stay unused)
             for job in jobs:
                 canvas = (job.width, job.height, job.frames)  # every job's id is "bench"
+                out = Path(args.e2e_dir) / f"{stem}-{job.width}x{job.height}x{job.frames}-w{ctx.world_size}.mp4"
                 if scenes is not None and (canvas, kernels) not in floors:
                     with vsa_kernels(kernels, engine):
                         # Twice: a variant's first decode may recompile the decoder blocks; the second is the floor.

@@ -41,14 +41,14 @@ def released_engine(args, ctx):
     comps = Components(dit, vae, avae, te, info)
     settings = RunSettings(checkpoint="random-released", device=ctx.device.type, dtype="bf16",
                            vae_batch=args.vae_batches[-1], attention=args.attention, progress=False,
-                           save_latents=getattr(args, "save_latents", False))  # /tmp/e2e-w<N>.latents.pt
+                           save_latents=getattr(args, "save_latents", False))  # <e2e-dir>/e2e-<canvas>-w<N>.latents.pt
     return Engine(comps, ctx, settings, load_seconds=build_s)
 
 
 def stage_compare(args) -> None:
-    """1 GPU vs N GPUs, same seed: the e2e stage's saved latents and MP4s in `--e2e-dir`, per precision's stem
-    (e2e-w1.* against e2e-w<N>.* for bf16, e2e-fp8-w1.* against e2e-fp8-w<N>.* for fp8). Each stem keeps the last
-    canvas its e2e run rendered: run one canvas for a comparison."""
+    """1 GPU vs N GPUs, same seed: the e2e stage's saved latents and MP4s in `--e2e-dir`, per stem (precision and
+    canvas): e2e-<canvas>-w1.* against e2e-<canvas>-w<N>.* for bf16, e2e-fp8-<canvas>-w1.* against
+    e2e-fp8-<canvas>-w<N>.* for fp8."""
     import av
     import numpy as np
 

@@ -244,22 +244,25 @@ def test_the_bf16_qk_variant_is_patched_in_and_restored(bench_fp8):
 
 
 def test_compare_pairs_each_precisions_one_gpu_run_with_its_multi_gpu_runs(rows, bench_out, tmp_path):
-    """`--stages compare` in `--e2e-dir`: each stem's -w1 files against its -w<N> ones (it read bf16's e2e-w* only, in
-    /tmp only). The e2e stage's MP4s stand in for both runs (frames equal); the latents differ by a known factor."""
+    """`--stages compare` in `--e2e-dir`: each stem's (precision and canvas) -w1 files against its -w<N> ones. It read
+    bf16's e2e-w* only, in /tmp only, and a stem held the last canvas alone. The e2e stage's MP4s stand in for every
+    run (frames equal); the latents differ by a known factor per (stem, world)."""
     import shutil
 
     from tests._bench import run_bench
 
     g = torch.Generator().manual_seed(0)
     base = {"video": torch.randn(24, 3, 4, 5, generator=g), "audio": torch.randn(2, 32, 7, generator=g)}
-    for stem, world, scale in (("e2e", 1, 1.0), ("e2e", 4, 1.002), ("e2e-fp8", 1, 1.0), ("e2e-fp8", 2, 1.01)):
-        shutil.copy(bench_out / f"{stem}-w1.mp4", tmp_path / f"{stem}-w{world}.mp4")  # bf16's, fp8's last render
-        torch.save({k: v * scale for k, v in base.items()}, tmp_path / f"{stem}-w{world}.latents.pt")
+    canvases = (CANVAS, "64x32x5")  # the second stands for another canvas of the same e2e run
+    runs = {("e2e", CANVAS, 4): 0.002, ("e2e-fp8", CANVAS, 2): 0.01, ("e2e-fp8", canvases[1], 2): 0.03}
+    for (stem, canvas, world), err in [((s, c, 1), 0.0) for s, c in {(s, c) for s, c, _ in runs}] + list(runs.items()):
+        shutil.copy(bench_out / f"{stem}-{CANVAS}-w1.mp4", tmp_path / f"{stem}-{canvas}-w{world}.mp4")
+        torch.save({k: v * (1 + err) for k, v in base.items()}, tmp_path / f"{stem}-{canvas}-w{world}.latents.pt")
     found = {r["what"]: r for r in run_bench(["--stages", "compare", "--e2e-dir", str(tmp_path)], tmp_path / "c.json")
              if r["stage"] == "compare" and r["what"] != "stage wall"}
-    for stem, world, err in (("e2e", 4, 0.002), ("e2e-fp8", 2, 0.01)):
-        pair = f"{stem}-w1.latents.pt vs {stem}-w{world}.latents.pt"
+    for (stem, canvas, world), err in runs.items():
+        pair = f"{stem}-{canvas}-w1.latents.pt vs {stem}-{canvas}-w{world}.latents.pt"
         for key in ("video", "audio"):
             assert found[f"{pair}: {key} latents"]["rel_err"] == pytest.approx(err, rel=1e-4)
         assert found[f"{pair}: decoded frames (8-bit RGB)"]["max_abs"] == 0
-    assert len(found) == 6
+    assert len(found) == 9
