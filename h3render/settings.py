@@ -57,8 +57,9 @@ class RunSettings:
         attention: "fa3", "cudnn", "sdpa", or None to choose by measurement (CUDA only).
         crf, x264_preset: H.264 quality (x264 CRF 1..51: `spec.X264_CRF`) and speed preset.
         vae_batch: video VAE decode work items (window x tile) per decoder forward, at most (`VideoVAE.batch_for`).
-        compile_vae: on CUDA, `torch.compile` the video VAE decoder blocks (1x H200: 11.0 s -> 7.2 s for 72 latent
-            frames at 1344x768; compiled in `Engine.prepare`, outside job timings).
+        compile_vae: on CUDA, `torch.compile` the video VAE decoder blocks where it pays (`VideoVAE.compile_pays`:
+            bf16 blocks, 1x H200: 8.5 s -> 7.1 s for 72 latent frames at 1344x768; FP8 blocks run their fused
+            kernels eagerly, 2 % faster than compiled); compiled in `Engine.prepare`, outside job timings.
         graph_audio: on CUDA, replay the audio VAE decode from a CUDA graph captured per audio length (in
             `Engine.prepare` for the jobs' lengths; a new length is captured by the first job that has it, which
             records it in the sidecar's `extra.job_warmup`). Same output bit for bit as the eager decode

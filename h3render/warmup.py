@@ -30,10 +30,11 @@ class WarmUp:
         """Warm-up outside job timings, for the jobs about to run: the AdaLN tables of their schedules (on CUDA built
         block by block from the AdaLN projections in host memory, ≈13 B parameters at release, or read from the
         table cache, `h3render.adaln_cache`); one text encode and two short DiT forwards; on CUDA the VAE decoder's
-        attention backend measured at its own shape and its blocks compiled for the jobs' tile shapes and batch
-        sizes (`compile_vae`, `_vae_batches`), the audio decoder's activations checked, the audio decode's CUDA
-        graph captured for the jobs' audio lengths (`graph_audio`) and the prompt encode's for their
-        padded prompt lengths (`graph_text`)."""
+        attention backend measured at its own shape, one decoder batch per canvas, its blocks compiled (where it
+        pays: bf16 blocks, `VideoVAE.compile_pays`) for the jobs' tile shapes and batch sizes (`compile_vae`,
+        `_vae_batches`), the audio decoder's activations checked, the audio decode's CUDA graph captured for the
+        jobs' audio lengths (`graph_audio`) and the prompt encode's for their padded prompt lengths
+        (`graph_text`)."""
         t0 = time.perf_counter()
         if self.adapter is not None and self.student_attention is not None:
             from h3render.checkpoint.students import budgets  # VSA's top-k at each job shape, for the sidecar
@@ -118,7 +119,8 @@ class WarmUp:
             self.warmup["vae_attention_backend"] = name
             self.warmup["vae_attention_probe_rel_err"] = probe
         t0 = time.perf_counter()
-        if self.settings.compile_vae and not getattr(vae, "pad_batches", False):
+        compiled = self.settings.compile_vae and vae.compile_pays  # FP8 blocks: eager is faster (`compile_pays`)
+        if compiled and not getattr(vae, "pad_batches", False):
             from h3render import compile_prefetch
 
             t_wait = time.perf_counter()
@@ -137,7 +139,7 @@ class WarmUp:
                             device=self.device)
             vae.decode_items(z, plan.items[:batch], batch)
         torch.cuda.synchronize(self.device)
-        self.warmup["vae_compile_s" if self.settings.compile_vae else "vae_warmup_s"] = time.perf_counter() - t0
+        self.warmup["vae_compile_s" if compiled else "vae_warmup_s"] = time.perf_counter() - t0
 
     def _vae_batches(self, jobs: list) -> set[tuple[int, int, int]]:
         """(width, height, items per decoder forward) of every window the jobs decode: a compiled decoder

@@ -301,7 +301,7 @@ def vsa_variants(args) -> list[str]:
 
 
 VARIANTS = ("current", "bf16-qk", "session12", "uncapped", "head-order", "exact-accum", "vae-exact", "gate-exact",
-            "session16", "session17", "session18", "unfused-prep", "eager-text", "padded-vae")
+            "session16", "session17", "session18", "unfused-prep", "eager-text", "padded-vae", "compiled-vae")
 _UNCAPPED_PICKS: dict = {}  # the "uncapped" variant's autotuner picks, apart from the tree's own
 
 
@@ -345,6 +345,11 @@ def vsa_kernels(variant: str, engine):
         Attention.vsa_fused_prep = False
     if variant == "session12":  # (the compiled blocks recompile on the first decode: `decode_alone` takes it)
         FeedForward.fused_fp8 = False
+    # compiled-vae: the decoder blocks compiled, as every engine did before `VideoVAE.compile_pays` left FP8 blocks
+    # eager (the first decode compiles: `decode_alone` takes it)
+    recompiled = variant == "compiled-vae" and not getattr(engine.c.video_vae, "pad_batches", False)
+    if recompiled:
+        engine.c.video_vae.compile_blocks_(dynamic=False)
     tuner = tuned = None
     if variant == "uncapped":  # timed on the variant's first call (the untimed warm-up forward), then kept apart
         import triton
@@ -371,6 +376,10 @@ def vsa_kernels(variant: str, engine):
             graphs.enabled = saved21
         if tuner is not None:
             tuner.configs, tuner.cache = tuned
+        if recompiled:
+            for block in engine.c.video_vae.decoder.transformer_blocks:
+                block._compiled_call_impl = None  # `nn.Module.compile`'s hook: the block runs eagerly again
+            engine.c.video_vae.pad_batches = False
 
 
 def content_scenes(args, device: torch.device, canvases) -> tuple[list[str], "MovingScenes | None"]:

@@ -399,6 +399,16 @@ class VideoVAE(nn.Module):
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, COMPILED_SHAPES)
         return self
 
+    @property
+    def compile_pays(self) -> bool:
+        """Whether `compile_blocks_` makes the decode faster: not when every block runs the fused FP8 kernels
+        (`ViTBlock.fuses_norm_fp8`: `--precision fp8`), which leave Inductor nothing to fuse. Measured (1x H200,
+        random weights, median of 3, one machine start): FP8 blocks eager 4.679 s against compiled 4.767 s for 72
+        latents at 1344x768, 1.256 against 1.274 s for 37 at 960x544, without the compile's 1.7-2.1 s in every new
+        process's prepare (8-15 s with Inductor's caches cold); bf16 blocks eager 8.47 s against compiled 7.14 s
+        (docs/performance.md §35.3)."""
+        return not all(block.fuses_norm_fp8 for block in self.decoder.transformer_blocks)
+
     def fuse_qkv_(self) -> "VideoVAE":
         """Fuse every decoder block's q/k/v projections into one GEMM (`ViTAttention.fuse_qkv_`); after loading."""
         for block in self.decoder.transformer_blocks:

@@ -209,6 +209,38 @@ def test_fp8_blocks_fuse_the_norms_and_hand_rows_on(vaes, monkeypatch):
                                                bf16.decoder.transformer_blocks[1].norm1.weight, 1e-5)
 
 
+def test_the_warm_up_compiles_bf16_decoder_blocks_and_leaves_fp8_ones_eager(vaes, monkeypatch):
+    """FP8 blocks with the fused kernels decode faster eagerly than compiled (docs/performance.md §35.3), so the
+    warm-up compiles only blocks that still run torch's element-wise ops (`VideoVAE.compile_pays`), and records which
+    it did (`vae_compile_s` / `vae_warmup_s`). Both warm one decoder batch per canvas; `compile_vae=False` never
+    compiles."""
+    from types import SimpleNamespace
+
+    from h3render.jobs import Job
+    from h3render.settings import RunSettings
+    from h3render.warmup import WarmUp
+
+    bf16, fp8, _ = vaes
+    assert bf16.compile_pays and not fp8.compile_pays
+    with monkeypatch.context() as m:
+        m.setattr(ViTBlock, "fused_norm_fp8", False)  # FP8 blocks without the fused kernels: Inductor fuses them
+        assert fp8.compile_pays
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)  # (the warm-up runs on CUDA)
+    job = Job(id="a", prompt="p", width=64, height=64, frames=22, seed=0, steps=2, mode="t2va", output="a.mp4")
+    for vae, compile_vae, compiles in ((bf16, True, True), (fp8, True, False), (bf16, False, False)):
+        compiled, decoded = [], []
+        monkeypatch.setattr(vae, "compile_blocks_", lambda **kw: compiled.append(kw), raising=False)
+        monkeypatch.setattr(vae, "decode_items", lambda z, items, batch: decoded.append(batch), raising=False)
+        owner = SimpleNamespace(c=SimpleNamespace(video_vae=vae), device=torch.device("cpu"), warmup={},
+                                settings=RunSettings(attention="sdpa", vae_batch=2, compile_vae=compile_vae),
+                                _vae_batches=lambda jobs: {(64, 64, 2)})
+        WarmUp._warm_vae(owner, [job])
+        assert (len(compiled), decoded) == (int(compiles), [2])
+        assert set(owner.warmup) - {"compile_import_wait_s"} == {"vae_compile_s" if compiles else "vae_warmup_s"}
+        monkeypatch.undo()
+        monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+
+
 @interpreted
 def test_fp8_decoder_with_the_fused_kernel_matches_unfused(vaes, monkeypatch):
     """The Triton kernel (interpreted) in the decoder against the unfused blocks: its x_new is the reference's bit
