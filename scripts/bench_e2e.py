@@ -301,7 +301,7 @@ def vsa_variants(args) -> list[str]:
 
 
 VARIANTS = ("current", "bf16-qk", "session12", "uncapped", "head-order", "exact-accum", "vae-exact", "gate-exact",
-            "session16", "session17", "session18", "unfused-prep", "eager-text", "padded-vae", "compiled-vae")
+            "session16", "session17", "session18", "unfused-prep", "eager-text", "padded-vae")
 _UNCAPPED_PICKS: dict = {}  # the "uncapped" variant's autotuner picks, apart from the tree's own
 
 
@@ -334,22 +334,19 @@ def vsa_kernels(variant: str, engine):
         graphs.enabled = False
     dit.vsa_qk_int8 = saved[0] and variant != "bf16-qk"
     triton_impl.LONG_FIRST = saved[2] and variant != "head-order"
-    if variant == "session16":  # (the compiled decoder blocks recompile on the first decode: `decode_alone` takes it)
+    # session16 and session12 switch decoder kernels off: the FP8 decoder then runs the torch forms eagerly (it is not
+    # compiled since docs/performance.md §35.3), not compiled as when those sessions measured their before-rows
+    if variant == "session16":
         select_triton.SEARCH, vsa.COARSE_TF32, ViTAttention.use_triton, ViTBlock.fused_norm_fp8 = (
             "radix", False, False, False)
-    if variant == "session17":  # (the compiled decoder blocks recompile on the first decode: `decode_alone` takes it)
+    if variant == "session17":
         fp8.BIAS_EPILOGUE = False
     if variant == "session18":  # (the DiT runs eager, no graphs: each call reads the switches)
         modulate_impl.LAUNCH, Attention.vsa_v_tiles, Attention.vsa_fused_prep = None, False, False
     if variant == "unfused-prep":
         Attention.vsa_fused_prep = False
-    if variant == "session12":  # (the compiled blocks recompile on the first decode: `decode_alone` takes it)
+    if variant == "session12":
         FeedForward.fused_fp8 = False
-    # compiled-vae: the decoder blocks compiled, as every engine did before `VideoVAE.compile_pays` left FP8 blocks
-    # eager (the first decode compiles: `decode_alone` takes it)
-    recompiled = variant == "compiled-vae" and not getattr(engine.c.video_vae, "pad_batches", False)
-    if recompiled:
-        engine.c.video_vae.compile_blocks_(dynamic=False)
     tuner = tuned = None
     if variant == "uncapped":  # timed on the variant's first call (the untimed warm-up forward), then kept apart
         import triton
@@ -376,10 +373,6 @@ def vsa_kernels(variant: str, engine):
             graphs.enabled = saved21
         if tuner is not None:
             tuner.configs, tuner.cache = tuned
-        if recompiled:
-            for block in engine.c.video_vae.decoder.transformer_blocks:
-                block._compiled_call_impl = None  # `nn.Module.compile`'s hook: the block runs eagerly again
-            engine.c.video_vae.pad_batches = False
 
 
 def content_scenes(args, device: torch.device, canvases) -> tuple[list[str], "MovingScenes | None"]:

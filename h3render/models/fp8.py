@@ -16,8 +16,8 @@ encoder's weights.
 * `quantize_video_decoder_fp8_`: the video VAE decoder's block linears as `Fp8Linear`. q/k/v and fc1 read `Fp8Rows`
   from the fused residual add + RMSNorm + e4m3 kernel (`kernels.residual_norm_fp8`, `models.video_vae.ViTBlock`),
   fc2 from the fused SwiGLU kernel (`models.video_vae.FeedForward`: fc1 bias + value * silu(gate) + row scale +
-  e4m3 in one pass), the attention output projection from `quantize_rows` (under `torch.compile`, which the Engine
-  applies to those blocks on CUDA, its torch reference, fused by Inductor).
+  e4m3 in one pass), the attention output projection from `quantize_rows` (one Triton pass on CUDA). The Engine
+  runs these blocks eagerly: compiled they decoded 2 % slower (`VideoVAE.compile_pays`).
 * `precision_report`: what precision each loaded component runs in, for the sidecar.
 
 Weight scales are per output channel, `amax(|w[n, :]|) / 448` (448 = largest finite e4m3, `kernels.fp8.E4M3_MAX`),
@@ -144,8 +144,8 @@ def _rows_scaled_mm(x: "torch.Tensor | Fp8Rows", weight: torch.Tensor, weight_sc
         of accumulation). The caller casts to its output dtype.
     """
     if not isinstance(x, Fp8Rows):
-        # Under torch.compile (the video VAE decoder's blocks) the torch reference, which Inductor fuses into the op
-        # that writes x; eager CUDA runs the one-pass Triton kernel. Same math (the kernels' tests).
+        # Eager CUDA runs the one-pass Triton kernel; under torch.compile (the Engine compiles no FP8 module) the
+        # torch reference, which Inductor fuses into the op that writes x. Same math (the kernels' tests).
         x = quantize_rows(x.contiguous(), use_triton=False if torch.compiler.is_compiling() else None)
     if x.data.shape[0] == 0:  # a rank's empty shard: cuBLASLt takes no M = 0 problem
         out = torch.empty(0, weight.shape[0], dtype=torch.bfloat16, device=x.data.device)

@@ -179,7 +179,7 @@ class FeedForward(nn.Module):
     """SwiGLU FFN: fc1 `net[0].proj` [2 * inner, dim] (value rows, then gate rows), fc2 `net[2]` [dim, inner]."""
 
     # Whether FP8 linears take the fused SwiGLU kernel below; a class setting so that the benchmark measures the
-    # Inductor-fused form beside it in one process (scripts/bench_e2e.py's session12 variant).
+    # unfused form beside it in one process (scripts/bench_e2e.py's session12 variant).
     fused_fp8 = True
 
     def __init__(self, dim: int, mult: int) -> None:
@@ -194,8 +194,7 @@ class FeedForward(nn.Module):
         if not (self.fused_fp8 and isinstance(fc1, Fp8Linear) and isinstance(fc2, Fp8Linear)):
             return fc2(self.net[0](x))
         # FP8 (`models.fp8.quantize_video_decoder_fp8_`): fc1's GEMM without its bias, then one kernel adds the bias
-        # in fp32, takes value * silu(gate) and writes fc2's e4m3 rows and scales (a Triton op Inductor keeps whole
-        # under the Engine's torch.compile: docs/performance.md §21.7).
+        # in fp32, takes value * silu(gate) and writes fc2's e4m3 rows and scales (docs/performance.md §23).
         flat = isinstance(x, Fp8Rows)
         h = fc1(x if flat else x.reshape(-1, x.shape[-1]), with_bias=False)  # [B*S, 2 * inner] bf16
         rows = swiglu(h, fp8=True, value_first=True, bias=fc1.bias)  # Fp8Rows: [B*S, inner] e4m3, [B*S, 1] fp32
@@ -219,7 +218,7 @@ class ViTBlock(nn.Module):
     """
 
     # Whether FP8 blocks take the fused residual + norm + e4m3 kernel; a class setting so that a benchmark measures
-    # the Inductor-fused form beside it in one process (as `FeedForward.fused_fp8`).
+    # the unfused form beside it in one process (as `FeedForward.fused_fp8`).
     fused_norm_fp8 = True
 
     def __init__(self, dim: int, heads: int, head_dim: int, ffn_mult: int, eps: float) -> None:

@@ -239,15 +239,6 @@ def test_the_bf16_qk_variant_is_patched_in_and_restored(bench_fp8):
     assert engine.text_graphs.enabled is True
     with bench_e2e.vsa_kernels("current", engine):
         assert engine.text_graphs.enabled is True
-    from h3render.models.video_vae import VideoVAE
-    from h3render.models.video_vae_config import VIDEO_VAE_TINY
-
-    engine.c.video_vae = decoder = VideoVAE(VIDEO_VAE_TINY)  # eager, as an FP8 engine's (`compile_pays`)
-    blocks = decoder.decoder.transformer_blocks
-    with bench_e2e.vsa_kernels("compiled-vae", engine):  # compiled as before (lazily: nothing compiles here)
-        assert decoder.pad_batches is True and all(b._compiled_call_impl is not None for b in blocks)
-    assert decoder.pad_batches is False and all(b._compiled_call_impl is None for b in blocks)
-    assert decoder.batch_for(105, 8) == 8  # eager again: a short batch runs short
     with pytest.raises(ValueError, match="expected some of current, bf16-qk, session12"):
         bench_e2e.vsa_variants(type("A", (), {"e2e_vsa_kernels": "session10"})())
 

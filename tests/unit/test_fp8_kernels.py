@@ -21,7 +21,6 @@ from h3render.kernels.modulate.triton_impl import modulate_fp8_triton
 from h3render.kernels.swiglu import swiglu, swiglu_naive
 from h3render.kernels.swiglu.triton_impl import swiglu_fp8_triton
 from tests._markers import compiled_cuda, interpreted
-from tests._triton_trace import traced_launches
 
 DTYPES = [torch.float32, torch.bfloat16]
 SCALE_RTOL = 1e-6
@@ -297,33 +296,6 @@ def test_swiglu_reference_layouts_against_float64(value_first, with_bias):
     err = (data.double() - v).abs()
     assert (err <= step / 2 + 4e-6 * v.abs()).all(), float((err / step).max())
     assert (data[-1].float() == 0).all() and scale[-1].item() == MIN_SCALE
-
-
-@interpreted
-def test_swiglu_fp8_op_traces_to_one_triton_kernel(monkeypatch):
-    """Under torch.compile(fullgraph=True) the FP8 front becomes the `h3render::swiglu_fp8` op, whose AOT graph
-    (what Inductor lowers) is one user-defined Triton kernel launch, not the reference's reduction and casts.
-
-    Traced on the CPU (`tests._triton_trace`)."""
-    from h3render.kernels.fp8 import triton_impl as fp8_impl
-    from h3render.kernels.swiglu import triton_impl
-
-    def front(h, bias):
-        rows = swiglu(h, fp8=True, value_first=True, bias=bias, use_triton=True)
-        return rows.data, rows.scale
-
-    h, bias = torch.randn(37, 80).bfloat16(), torch.randn(80).bfloat16()
-    gm, launched = traced_launches(monkeypatch, (fp8_impl, triton_impl), front, h, bias)
-    kernel = triton_impl._swiglu_fp8_kernel
-    calls = [n for n in gm.graph.nodes if n.op == "call_function"]
-    launches = [n for n in calls if n.target is torch.ops.higher_order.triton_kernel_wrapper_functional]
-    # (torch wraps a kernel launched with num_warps in a one-config Autotuner: `.fn` is the kernel)
-    assert len(launches) == 1 and [getattr(k, "fn", k) for k in launched] == [kernel]
-    args = launches[0].kwargs["kwargs"]
-    assert args["VALUE_FIRST"] is True and args["HAS_BIAS"] is True and args["F"] == 40
-    # The rest only allocates the outputs and views the e4m3 bytes: no arithmetic left for Inductor to fuse.
-    others = {str(n.target) for n in calls} - {str(launches[0].target)}
-    assert others <= {"aten.empty.memory_format", "aten.view.dtype", "<built-in function getitem>"}, others
 
 
 # ---------------------------------------------------------------- CUDA (compiled kernels, a medium shape)

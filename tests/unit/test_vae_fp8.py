@@ -119,47 +119,18 @@ def test_fp8_feed_forward_runs_the_fused_swiglu(vaes, monkeypatch):
 @compiled_cuda
 @pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability() < (8, 9),
                     reason="torch._scaled_mm e4m3 needs CUDA compute capability >= 8.9")
-def test_fp8_block_compiled_fullgraph_runs_the_swiglu_kernel_on_cuda(vaes):
-    """A compiled FP8 decoder block (fullgraph, as the Engine compiles them) launches the fused SwiGLU Triton kernel
-    itself (Inductor keeps the `h3render::swiglu_fp8` op whole) and matches the eager block, which launches the
-    same kernel directly, up to the rounding order of the rest of the block."""
-    from torch._inductor.utils import run_and_get_code
-
-    block = copy.deepcopy(vaes[1].decoder.transformer_blocks[0]).cuda()
-    assert isinstance(block, ViTBlock) and isinstance(block.ff.net[2], Fp8Linear)
-    g = torch.Generator(device="cuda").manual_seed(4)
-    x = torch.randn(2, 37, block.norm1.weight.shape[0], device="cuda", generator=g)
-    angles = torch.randn(37, 6, device="cuda", generator=g)
-    torch._dynamo.reset()
-    with torch.no_grad():  # as the Engine decodes (the op has no autograd formula)
-        eager = block(x, angles.cos(), angles.sin())
-        compiled, code = run_and_get_code(torch.compile(block, dynamic=False, fullgraph=True), x, angles.cos(),
-                                          angles.sin())
-    assert "_swiglu_fp8_kernel" in "\n".join(code)
-    # A few e4m3 codes may move one step where the fp32 rounding order differs; a wrong half or bias is O(1).
-    assert (compiled - eager).norm() <= 3e-2 * (eager - x).norm()
-
-
-@compiled_cuda
-@pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability() < (8, 9),
-                    reason="torch._scaled_mm e4m3 needs CUDA compute capability >= 8.9")
-def test_fp8_decoder_compiled_matches_eager_on_cuda():
-    """On the GPU the Engine compiles the decoder blocks; there `Fp8Linear` quantizes with the torch reference
-    (fused by Inductor) instead of the Triton kernel, and the FFN's SwiGLU runs as the `h3render::swiglu_fp8` op,
-    traced whole (fullgraph: no break around the quantization):
-    the compiled FP8 decode must equal the eager one up to rounding order (and both stay close to bf16). (Dynamo
-    alone, backend "eager" with fullgraph, traces an FP8 block on the CPU too: checked once, 23 s, too slow for CI.)"""
+def test_fp8_decoder_on_cuda_stays_close_to_bf16():
+    """On the GPU the Engine runs FP8 decoder blocks eagerly (`VideoVAE.compile_pays`): the Triton kernels (fused
+    residual + norm + e4m3, SwiGLU + e4m3, the attention output's row quantizer) and cuBLASLt's FP8 GEMMs. Their
+    frames stay close to the bf16 decoder's (eager here: compiling it changes its frames by rounding only)."""
     bf16 = random_vae().cuda().apply_precision_(torch.bfloat16).fuse_qkv_()
     fp8 = copy.deepcopy(bf16)
     quantize_video_decoder_fp8_(fp8)
+    assert bf16.compile_pays and not fp8.compile_pays
     latent = torch.randn(24, 7, 4, 4, generator=torch.Generator().manual_seed(1)).cuda()
-    want, eager = to_uint8(bf16.decode(latent)), to_uint8(fp8.decode(latent))
-    fp8.compile_blocks_(dynamic=False, fullgraph=True)
-    compiled = to_uint8(fp8.decode(latent))
-    psnr_ce, _ = psnr_and_max(compiled, eager)
-    psnr_fb, _ = psnr_and_max(eager, want)
-    assert psnr_ce >= 45.0 and psnr_fb >= 44.0, (psnr_ce, psnr_fb)
-
+    want, got = to_uint8(bf16.decode(latent)), to_uint8(fp8.decode(latent))
+    psnr, _ = psnr_and_max(got, want)
+    assert psnr >= 44.0, psnr
 
 
 # ------------------------------------------------------------ fused residual + norm + e4m3 (ViTBlock.fused_norm_fp8)
@@ -261,55 +232,3 @@ def test_fp8_decoder_with_the_fused_kernel_matches_unfused(vaes, monkeypatch):
                             functools.partial(video_vae.residual_norm_fp8, use_triton=True))
         got = fp8.decoder(z)
     assert (got - want).norm() <= 1e-2 * want.norm(), float((got - want).norm() / want.norm())
-
-
-def test_fp8_decoder_fused_blocks_trace_fullgraph(vaes):
-    """Each fused FP8 block compiles with `fullgraph=True` (as the Engine compiles them): the rows it receives
-    (`Fp8Rows`), the next block's norm (a module argument) and the (x, rows) it returns all trace without a graph
-    break. Dynamo only (backend "eager", the torch reference on the CPU: Inductor and the Triton op are the CUDA
-    tests'); the compiled decode equals the eager one."""
-    fp8 = copy.deepcopy(vaes[1])
-    z = decoder_input()
-    torch._dynamo.reset()
-    try:
-        with torch.no_grad():
-            want = fp8.decoder(z)
-            fp8.compile_blocks_(backend="eager", fullgraph=True, dynamic=False)
-            got = fp8.decoder(z)
-    finally:
-        torch._dynamo.reset()
-    assert torch.equal(got, want)
-
-
-@compiled_cuda
-@pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability() < (8, 9),
-                    reason="torch._scaled_mm e4m3 needs CUDA compute capability >= 8.9")
-def test_fp8_block_compiled_fullgraph_runs_the_residual_norm_kernel_on_cuda(vaes, monkeypatch):
-    """A compiled FP8 decoder block handed rows and the next norm (a middle block as the decoder runs it) launches
-    the fused residual + norm + e4m3 kernel itself (Inductor keeps `h3render::residual_norm_fp8` whole) and matches
-    the eager fused block and the eager unfused one up to rounding order (the same bound as the SwiGLU test above)."""
-    from torch._inductor.utils import run_and_get_code
-
-    from h3render.kernels.residual_norm_fp8 import residual_norm_fp8
-
-    blocks = copy.deepcopy(vaes[1].decoder.transformer_blocks).cuda()
-    block, after = blocks
-    assert block.fuses_norm_fp8 and after.fuses_norm_fp8
-    g = torch.Generator(device="cuda").manual_seed(5)
-    x = torch.randn(2, 37, block.norm1.weight.shape[0], device="cuda", generator=g)
-    angles = torch.randn(37, 6, device="cuda", generator=g)
-    cos, sin = angles.cos(), angles.sin()
-    torch._dynamo.reset()
-    with torch.no_grad():
-        rows = residual_norm_fp8(x.view(74, -1), None, None, block.norm1.weight, block.norm1.eps)[1]
-        eager_x, eager_rows = block(x, cos, sin, rows, after.norm1.weight, after.norm1.eps)
-        (compiled_x, compiled_rows), code = run_and_get_code(
-            torch.compile(block, dynamic=False, fullgraph=True), x, cos, sin, rows, after.norm1.weight,
-            after.norm1.eps)
-        monkeypatch.setattr(ViTBlock, "fused_norm_fp8", False)
-        unfused_x = block(x, cos, sin)
-    assert "_residual_norm_fp8_kernel" in "\n".join(code)
-    for got in (compiled_x, unfused_x):
-        assert (got - eager_x).norm() <= 3e-2 * (eager_x - x).norm()
-    eager_h, compiled_h = eager_rows.dequantize(), compiled_rows.dequantize()
-    assert (compiled_h - eager_h).norm() <= 3e-2 * eager_h.norm()

@@ -46,9 +46,7 @@ def residual_norm_fp8(
             first block's norm1 input), x is normalized as is.
         gain: [N] float32 residual gain (the block's scale1 / scale2), contiguous; None with y None.
         weight: [N] float32 RMSNorm weight, contiguous; eps: its epsilon (`nn.RMSNorm.eps`).
-        use_triton: None = Triton on CUDA tensors, torch reference otherwise; True/False force one. Under
-            `torch.compile` on CUDA the Triton path is one kernel (`triton_impl.residual_norm_fp8_op` /
-            `norm_fp8_op`) that Inductor launches as is.
+        use_triton: None = Triton on CUDA tensors, torch reference otherwise; True/False force one.
 
     Returns:
         (x_new, rows): x_new [M, N] float32, a new tensor (x itself when y is None); rows = `Fp8Rows`
@@ -64,13 +62,6 @@ def residual_norm_fp8(
     """
     _check(x, y, gain, weight)
     if use_triton_for(x, use_triton):
-        if torch.compiler.is_compiling():
-            from h3render.kernels.residual_norm_fp8.triton_impl import norm_fp8_op, residual_norm_fp8_op
-
-            if y is None:
-                return x, Fp8Rows(*norm_fp8_op(x, weight, eps))
-            x_new, data, scale = residual_norm_fp8_op(x, y, gain, weight, eps)
-            return x_new, Fp8Rows(data, scale)
         from h3render.kernels.residual_norm_fp8.triton_impl import residual_norm_fp8_triton
 
         x_new, data, scale = residual_norm_fp8_triton(x, y, gain, weight, eps)

@@ -16,9 +16,6 @@ cascade in torch (and the CPU's `torch.rsqrt` is not the IEEE 1/sqrt: 0.6 % of f
 AVX-512); r then moves by an ulp or two, which changes a bf16 h (and maybe its e4m3 code, or the row scale when it is
 the row's abs-max) only where the fp32 h lies within a few ulps of a bf16 rounding midpoint
 (tests/unit/test_residual_norm_fp8.py checks codes and scales bit for bit everywhere else).
-
-`residual_norm_fp8_op` / `norm_fp8_op` are the launchers as `torch.library.triton_op`s: under `torch.compile` (the
-decoder's blocks) Inductor sees one user-defined Triton kernel and launches it as is (as `swiglu_fp8_op`).
 """
 
 from __future__ import annotations
@@ -26,7 +23,6 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from torch.library import triton_op, wrap_triton
 from triton.language.extra import libdevice
 
 from h3render.kernels.fp8.triton_impl import fp8_rows_out, quantize_codes, row_scale
@@ -89,8 +85,9 @@ def _residual_norm_fp8_kernel(
         x = x + _times(y, g, HW_CVT)
         tl.store(x_out_ptr + m * stride_xo + cols, x, mask=mask)
     w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    # fp32 as torch's norm: Inductor hands a kernel it launches (the ops below) Python floats as fp64 scalars, which
-    # would promote the sum and fail libdevice's fp32 signatures (CUDA, torch 2.11, 2026-12-03).
+    # fp32 as torch's norm, whatever the launcher passes: Inductor, which launched this kernel inside compiled
+    # decoder blocks until 2026-12-04, passed Python floats as fp64 scalars, which promoted the sum and failed
+    # libdevice's fp32 signatures (CUDA, torch 2.11).
     mean_sq = tl.math.div_rn(tl.sum(x * x, axis=0), tl.cast(n_float, tl.float32))  # masked lanes add 0
     r = tl.math.div_rn(1.0, tl.math.sqrt_rn(mean_sq + tl.cast(eps, tl.float32)))
     # Masked lanes must be 0 for `row_scale` (they are, unless r is NaN: then the whole row is NaN anyway).
@@ -100,20 +97,19 @@ def _residual_norm_fp8_kernel(
     tl.store(scale_ptr + m, scale)
 
 
-def _launch(kernel, x: torch.Tensor, y: torch.Tensor | None, gain: torch.Tensor | None, weight: torch.Tensor,
-            eps: float, x_out: torch.Tensor | None, data: torch.Tensor, scale: torch.Tensor) -> None:
-    """Run `kernel` (`_residual_norm_fp8_kernel`, or its `wrap_triton` form inside the ops) over x [M, N]: one
-    program per row. y, gain, x_out: all three or none (the no-residual form)."""
+def _launch(x: torch.Tensor, y: torch.Tensor | None, gain: torch.Tensor | None, weight: torch.Tensor, eps: float,
+            x_out: torch.Tensor | None, data: torch.Tensor, scale: torch.Tensor) -> None:
+    """Run `_residual_norm_fp8_kernel` over x [M, N]: one program per row. y, gain, x_out: all three or none (the
+    no-residual form)."""
     M, N = x.shape
     if M == 0:
         return
     block_n, num_warps = calculate_settings(N)
     has_residual = y is not None
     if not has_residual:
-        # Placeholder tensors, never read or written without HAS_RESIDUAL: a None argument of a kernel that
-        # Inductor launches (`wrap_triton` in the ops below) failed to compile on CUDA (torch 2.11, 2026-12-03).
+        # Placeholder tensors, never read or written without HAS_RESIDUAL: both forms keep one signature.
         y, gain, x_out = x, weight, scale
-    kernel[(M,)](
+    _residual_norm_fp8_kernel[(M,)](
         x, y, gain, weight, x_out, data.view(torch.uint8), scale,
         x.stride(0), y.stride(0) if has_residual else 0, x_out.stride(0) if has_residual else 0, data.stride(0),
         N, float(N), eps, BLOCK_N=block_n, HAS_RESIDUAL=has_residual, HW_CVT=not interpreting(), num_warps=num_warps,
@@ -145,44 +141,5 @@ def residual_norm_fp8_triton(
     elif x_out.shape != (M, N) or x_out.dtype != torch.float32 or (N > 1 and x_out.stride(1) != 1):
         raise ValueError(f"out x_new must be [M={M}, N={N}] float32 with unit column stride, got "
                          f"{tuple(x_out.shape)} {x_out.dtype}")
-    _launch(_residual_norm_fp8_kernel, x, y, gain, weight, eps, None if y is None else x_out, data, scale)
+    _launch(x, y, gain, weight, eps, None if y is None else x_out, data, scale)
     return x_out, data, scale
-
-
-@triton_op("h3render::residual_norm_fp8", mutates_args=())
-def residual_norm_fp8_op(
-    x: torch.Tensor, y: torch.Tensor, gain: torch.Tensor, weight: torch.Tensor, eps: float
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`residual_norm_fp8_triton` with a residual (new outputs) as one operator that `torch.compile(fullgraph=True)`
-    traces to one Triton kernel launch (`wrap_triton`); eager callers launch `residual_norm_fp8_triton` directly.
-
-    Args:
-        x: [M, N] float32; y: [M, N] (bf16 on GPU); both unit column stride; gain, weight: [N] contiguous; eps: float.
-
-    Returns:
-        (x_new [M, N] float32, data [M, N] float8_e4m3fn, scale [M, 1] float32).
-    """
-    M, N = x.shape
-    x_out = torch.empty((M, N), dtype=torch.float32, device=x.device)
-    data, scale = fp8_rows_out(None, M, N, x.device)
-    # `wrap_triton(<kernel name>)` spelled out here: torch finds the op's kernels by reading this source, and their
-    # code then keys the AOTAutograd cache (an edited kernel is not served from a stale compiled graph).
-    _launch(wrap_triton(_residual_norm_fp8_kernel), x, y, gain, weight, eps, x_out, data, scale)
-    return x_out, data, scale
-
-
-@triton_op("h3render::norm_fp8", mutates_args=())
-def norm_fp8_op(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """The no-residual form (RMSNorm + bf16 + e4m3 of x as is) as one operator, for the first decoder block's norm1
-    under `torch.compile` (an op's output may not alias its input: x is not returned).
-
-    Args:
-        x: [M, N] float32, unit column stride; weight: [N] contiguous; eps: float.
-
-    Returns:
-        (data [M, N] float8_e4m3fn, scale [M, 1] float32).
-    """
-    M, N = x.shape
-    data, scale = fp8_rows_out(None, M, N, x.device)
-    _launch(wrap_triton(_residual_norm_fp8_kernel), x, None, None, weight, eps, None, data, scale)
-    return data, scale

@@ -26,8 +26,7 @@ def swiglu(
         h: [S, 2F] fc1 output (bf16 on GPU), gate half first unless value_first, unit stride over the last axis.
         out: optional [S, F] output buffer (not with fp8).
         fp8: return `Fp8Rows` (e4m3 [S, F] + per-row fp32 scale [S, 1]) quantized from the fp32 result in the same
-            pass, for the FP8 fc2 (`--precision fp8`). Under `torch.compile` on CUDA this is one Triton kernel
-            (`triton_impl.swiglu_fp8_op`) that Inductor launches as is.
+            pass, for the FP8 fc2 (`--precision fp8`).
         value_first: h = [value | gate] (the video VAE decoder, diffusers' `SwiGLU`).
         bias: optional [2F] fc1 bias in h's column order, added to h in fp32 before the activation (fc1's GEMM then
             skips it: the VAE decoder's FP8 FFN).
@@ -47,10 +46,6 @@ def swiglu(
     if fp8 and out is not None:
         raise ValueError("out= is for the bf16 result; fp8=True allocates its Fp8Rows")
     if use_triton_for(h, use_triton):
-        if fp8 and torch.compiler.is_compiling():
-            from h3render.kernels.swiglu.triton_impl import swiglu_fp8_op
-
-            return Fp8Rows(*swiglu_fp8_op(h, bias, value_first))
         if fp8:
             from h3render.kernels.swiglu.triton_impl import swiglu_fp8_triton
 

@@ -5,10 +5,9 @@ The FP8 form needs the whole row's abs-max before it can write a byte, so one pr
 result (`kernels.fp8.triton_impl`), with no bf16 intermediate.
 
 Both kernels take two constexpr variants: VALUE_FIRST (h = [value | gate], the video VAE decoder's FFN; the DiT's
-is gate first) and HAS_BIAS (fc1's bias [2F] added in fp32 here, so its GEMM runs without one). `swiglu_fp8_op` is
-the FP8 launcher as a `torch.library.triton_op`: under `torch.compile` (the video VAE decoder's blocks) Inductor
-sees one user-defined Triton kernel and launches it as is, instead of tracing the torch reference into its own
-looped two-pass reduction (docs/performance.md §21.7: 1.5 TB/s there, 3.8 TB/s for this kernel, §9.2).
+is gate first) and HAS_BIAS (fc1's bias [2F] added in fp32 here, so its GEMM runs without one). The FP8 kernel
+moves 3.8 TB/s (docs/performance.md §9.2), where Inductor's looped two-pass reduction of the torch reference moved
+1.5 TB/s (§21.7).
 """
 
 from __future__ import annotations
@@ -16,7 +15,6 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from torch.library import triton_op, wrap_triton
 
 from h3render.kernels.fp8.triton_impl import fp8_rows_out, quantize_codes, row_scale
 from h3render.kernels.utils import calculate_settings, interpreting
@@ -106,10 +104,10 @@ def _swiglu_fp8_kernel(
     tl.store(scale_ptr + s, scale)
 
 
-def _launch_fp8(kernel, h: torch.Tensor, bias: torch.Tensor | None, value_first: bool, data: torch.Tensor,
+def _launch_fp8(h: torch.Tensor, bias: torch.Tensor | None, value_first: bool, data: torch.Tensor,
                 scale: torch.Tensor) -> None:
-    """Run `kernel` (`_swiglu_fp8_kernel`, or its `wrap_triton` form inside the op) over h [S, 2F] into
-    data [S, F] float8_e4m3fn, scale [S, 1] float32: one program per row."""
+    """Run `_swiglu_fp8_kernel` over h [S, 2F] into data [S, F] float8_e4m3fn, scale [S, 1] float32: one program
+    per row."""
     S, two_f = h.shape
     if S == 0:
         return
@@ -117,7 +115,7 @@ def _launch_fp8(kernel, h: torch.Tensor, bias: torch.Tensor | None, value_first:
     block_f, _ = calculate_settings(F)
     # Warps sized for the 2F values a program loads (gate + value), not the F it writes.
     _, num_warps = calculate_settings(2 * block_f)
-    kernel[(S,)](
+    _swiglu_fp8_kernel[(S,)](
         h, bias, data.view(torch.uint8), scale, h.stride(0), data.stride(0), F, BLOCK_F=block_f,
         VALUE_FIRST=value_first, HAS_BIAS=bias is not None, HW_CVT=not interpreting(), num_warps=num_warps
     )
@@ -138,23 +136,5 @@ def swiglu_fp8_triton(
         (data [S, F] float8_e4m3fn, scale [S, 1] float32), as `swiglu_naive(h, fp8=True, ...)`.
     """
     data, scale = fp8_rows_out(out, h.shape[0], h.shape[1] // 2, h.device)
-    _launch_fp8(_swiglu_fp8_kernel, h, bias, value_first, data, scale)
-    return data, scale
-
-
-@triton_op("h3render::swiglu_fp8", mutates_args=())
-def swiglu_fp8_op(h: torch.Tensor, bias: torch.Tensor | None, value_first: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """`swiglu_fp8_triton` (new outputs) as one operator that `torch.compile(fullgraph=True)` traces to one Triton
-    kernel launch (`wrap_triton`); eager callers launch `swiglu_fp8_triton` directly (no dispatcher on the way).
-
-    Args:
-        h: [S, 2F] (bf16 on GPU), unit column stride; bias: [2F] contiguous or None; value_first: h = [value | gate].
-
-    Returns:
-        (data [S, F] float8_e4m3fn, scale [S, 1] float32).
-    """
-    data, scale = fp8_rows_out(None, h.shape[0], h.shape[1] // 2, h.device)
-    # `wrap_triton(<kernel name>)` spelled out here: torch finds the op's kernels by reading this source, and their
-    # code then keys the AOTAutograd cache (an edited kernel is not served from a stale compiled graph).
-    _launch_fp8(wrap_triton(_swiglu_fp8_kernel), h, bias, value_first, data, scale)
+    _launch_fp8(h, bias, value_first, data, scale)
     return data, scale
