@@ -72,9 +72,9 @@ def engine_options(f):
                      help="Force a memory plan (default auto: the fastest that fits; the log and the sidecar's "
                           "run.memory say which ran and why)."),
         click.option("--vae-batch", type=click.IntRange(1, 256), default=RunSettings.vae_batch, show_default=True,
-                     help="Video VAE work items (window x tile) per decoder forward, at most (the compiled decoder "
-                          "runs the size up to it that pads the fewest slots for the clip). A speed setting; another "
-                          "value can move a few pixels by one 8-bit code value (float rounding), which the lossy "
+                     help="Video VAE work items (window x tile) per decoder forward, at most (a compiled, bf16, "
+                          "decoder runs the size up to it that pads the fewest slots for the clip). A speed setting; "
+                          "another value can move a few pixels by one 8-bit code value (float rounding), which the lossy "
                           "encode may spread."),
     ]
     for option in reversed(options):

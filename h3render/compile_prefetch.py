@@ -1,12 +1,13 @@
 """Import torch's compile stack on a background thread while the weights load (issue 26, item 4).
 
-The first `torch.compile` of a process (the video VAE decoder's blocks, in `Engine.prepare`) imports Dynamo's and
-Inductor's modules and registers Inductor's ops before it traces anything: most of the 4.2 s the VAE compile took in
-a new process on the H200 host with every on-disk cache warm (cProfile of that prepare: `torch.library` definitions
-and `inductor_prims`, docs/performance.md §22). A SLURM array task pays it on every start. `Engine.load` starts the
-import once its own imports are done (they share many modules with this one, and two threads importing the same
-modules only take turns), just before the weights stream, which is file reads and device copies; the warm-up waits
-for it and records what went wrong, if anything.
+The first `torch.compile` of a process (the video VAE decoder's bf16 blocks, in `Engine.prepare`; FP8 blocks run
+eagerly, `VideoVAE.compile_pays`) imports Dynamo's and Inductor's modules and registers Inductor's ops before it
+traces anything: most of the 4.2 s the VAE compile took in a new process on the H200 host with every on-disk cache
+warm (cProfile of that prepare: `torch.library` definitions and `inductor_prims`, docs/performance.md §22). A SLURM
+array task pays it on every start. `Engine.load` of a non-fp8 run starts the import once its own imports are done
+(they share many modules with this one, and two threads importing the same modules only take turns), just before the
+weights stream, which is file reads and device copies; the warm-up waits for it and records what went wrong, if
+anything.
 """
 
 from __future__ import annotations
@@ -30,6 +31,12 @@ def _import(device: torch.device | None) -> None:
         __import__(MODULE)
     except BaseException as exc:  # noqa: BLE001  kept for `wait`, which reports it; the compile imports again
         _error = exc
+
+
+def wanted(device_type: str, compile_vae: bool, precision: str) -> bool:
+    """Whether a load should start the import: on CUDA, with `compile_vae`, and not for fp8, whose video decoder
+    blocks run their fused kernels eagerly (`models.video_vae.VideoVAE.compile_pays`), so nothing compiles."""
+    return device_type == "cuda" and compile_vae and precision != "fp8"
 
 
 def start(device: torch.device | None = None) -> bool:

@@ -188,12 +188,10 @@ class Engine(WarmUp):
             # `fuse_student` adds the adapter to the blocks' parameters in place; streamed ones are host copies.
             raise ValueError("the streamed memory plan cannot render a mixed queue (t2va jobs beside a FastH3 "
                              "adapter): render the t2va and the fasth3 jobs in two runs")
-        if ctx.device.type == "cuda" and run.compile_vae and precision != "fp8":
-            from h3render import compile_prefetch
+        from h3render import compile_prefetch
 
-            # beside the weights' load; `Engine.prepare` compiles the VAE blocks, except FP8 ones, which run their
-            # fused kernels eagerly (`VideoVAE.compile_pays`)
-            compile_prefetch.start(ctx.device)
+        if compile_prefetch.wanted(ctx.device.type, run.compile_vae, precision):
+            compile_prefetch.start(ctx.device)  # beside the weights' load; `Engine.prepare` compiles the VAE blocks
         if precision == "fp8" and deferred is not None:
             # `fuse_student` adds the adapter to nn.Parameters in place, which FP8 buffers are not: the DiT loads in
             # bf16 (the other parts in fp8) and is quantized right after the fusion.

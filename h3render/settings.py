@@ -59,7 +59,7 @@ class RunSettings:
         vae_batch: video VAE decode work items (window x tile) per decoder forward, at most (`VideoVAE.batch_for`).
         compile_vae: on CUDA, `torch.compile` the video VAE decoder blocks where it pays (`VideoVAE.compile_pays`:
             bf16 blocks, 1x H200: 8.5 s -> 7.1 s for 72 latent frames at 1344x768; FP8 blocks run their fused
-            kernels eagerly, 2 % faster than compiled); compiled in `Engine.prepare`, outside job timings.
+            kernels eagerly, 1.4-1.9 % faster than compiled); compiled in `Engine.prepare`, outside job timings.
         graph_audio: on CUDA, replay the audio VAE decode from a CUDA graph captured per audio length (in
             `Engine.prepare` for the jobs' lengths; a new length is captured by the first job that has it, which
             records it in the sidecar's `extra.job_warmup`). Same output bit for bit as the eager decode

@@ -399,7 +399,8 @@ def _fine_in_forward(forward, what: str) -> None:
 
 
 def _prof_vae(args) -> None:
-    """One compiled video-VAE decode batch under the profiler (`--prof-vae`: bf16 or FP8 decoder linears)."""
+    """One video-VAE decode batch under the profiler (`--prof-vae`: bf16 or FP8 decoder linears), as the Engine runs
+    it: bf16 blocks compiled, FP8 ones eager (`VideoVAE.compile_pays`)."""
     from torch.profiler import ProfilerActivity, profile
 
     from h3render.checkpoint.releases import RELEASES
@@ -414,7 +415,9 @@ def _prof_vae(args) -> None:
 
         quantize_video_decoder_fp8_(vae)
     vae_attention(vae, args.vae_batches[-1], "prof")
-    vae.compile_blocks_(dynamic=False)
+    mode = "compiled" if vae.compile_pays else "eager"
+    if vae.compile_pays:
+        vae.compile_blocks_(dynamic=False)
     z = torch.randn(24, 72, 48, 84, device="cuda")
     vb = args.vae_batches[-1]
     items = vae.plan_decode(*z.shape[1:]).items[:vb]
@@ -424,28 +427,28 @@ def _prof_vae(args) -> None:
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         vae.decode_items(z, items, vb)
         torch.cuda.synchronize()
-    rec(stage="prof", what=f"video VAE {args.prof_vae} compiled, one batch of {vb} items", seconds=round(t, 4),
+    rec(stage="prof", what=f"video VAE {args.prof_vae} {mode}, one batch of {vb} items", seconds=round(t, 4),
         launches=sum(e.count for e in prof.key_averages() if getattr(e, "self_device_time_total", 0) > 0),
         kernels=_top_kernels(prof, 25))
     # Four batches in a row: the gaps between batches count (against one batch's wall and its kernels' sum).
     many = vae.plan_decode(*z.shape[1:]).items[:4 * vb]
     t_many = cuda_time(lambda: vae.decode_items(z, many, vb), reps=3)
-    rec(stage="prof", what=f"video VAE {args.prof_vae} compiled, {len(many)} items", seconds=round(t_many, 4))
+    rec(stage="prof", what=f"video VAE {args.prof_vae} {mode}, {len(many)} items", seconds=round(t_many, 4))
     if args.prof_vae != "fp8":
         return
     from h3render.models import fp8
     from h3render.models.video_vae import FeedForward
 
-    # Each earlier form with this tree's other parts (the compiled blocks recompile for each: warm-up 2): the FP8
-    # FFN with Inductor's own SwiGLU quantization (session 13's start), the GEMMs' bias in a pass of its own
-    # (before session 18).
-    for owner, name, label in ((FeedForward, "fused_fp8", "Inductor's SwiGLU quantization (no fused kernel)"),
+    # Each earlier form with this tree's other parts (warm-up 2): the FP8 FFN with the SwiGLU quantization in torch
+    # ops (session 13's start, when Inductor fused them; eager since session 25), the GEMMs' bias in a pass of its
+    # own (before session 18).
+    for owner, name, label in ((FeedForward, "fused_fp8", "the SwiGLU quantization in torch ops (no fused kernel)"),
                                (fp8, "BIAS_EPILOGUE", "the GEMMs' bias added apart (no epilogue)")):
         setattr(owner, name, False)
         try:
             t_before = cuda_time(lambda: vae.decode_items(z, many, vb), reps=3, warm=2)
         finally:
             setattr(owner, name, True)
-        rec(stage="prof", what=f"video VAE fp8 compiled, {len(many)} items, {label}", seconds=round(t_before, 4),
+        rec(stage="prof", what=f"video VAE fp8 {mode}, {len(many)} items, {label}", seconds=round(t_before, 4),
             current_s=round(t_many, 4))
 

@@ -58,7 +58,9 @@ def add_arguments(p) -> None:
                         "gate-exact (this tree with the VSA gates' FP8 GEMMs promoting to fp32: the same), "
                         "session16 (this tree with the seventeenth session's work off: the radix tile selection, the "
                         "coarse output GEMM in fp32, the video VAE decoder's q/k norm + RoPE and residual + norm + "
-                        "FP8 quantization as Inductor fuses them: main before the seventeenth session), "
+                        "FP8 quantization in torch ops (as Inductor fused them then; since the twenty-fifth "
+                        "session the FP8 decoder runs eagerly, so these run unfused): main before the seventeenth "
+                        "session), "
                         "session17 (this tree with the eighteenth session's work off: the FP8 GEMMs' bias added in "
                         "a pass of its own after the bf16 rounding: main before the eighteenth session), "
                         "session18 (this tree with the nineteenth session's work off: the FP8 modulate kernel's "
@@ -69,9 +71,9 @@ def add_arguments(p) -> None:
                         "k, v instead of the one kernels.vsa.vsa_prep pass, models.dit.Attention.vsa_fused_prep = "
                         "False), eager-text (this tree with the prompt encode run eagerly, not replayed from its CUDA "
                         "graph: Engine.text_graphs disabled; the padding stays, main before the twenty-first session "
-                        "but for it), padded-vae (this tree with the compiled video decoder running --vae-batch items "
-                        "a forward, the last batch padded: VideoVAE.batch_for off, main before the twenty-third "
-                        "session)")
+                        "but for it), padded-vae (this tree with a compiled (bf16) video decoder running --vae-batch "
+                        "items a forward, the last batch padded: VideoVAE.batch_for off, main before the twenty-third "
+                        "session; an eager FP8 decoder never pads)")
     p.add_argument("--e2e-prof-decode", action="store_true",
                    help="e2e (with moving content): one more decode alone of each canvas under the profiler, its top "
                         "kernels recorded (against the same VAE built alone: the prof stage's --prof-vae)")
@@ -155,6 +157,14 @@ def _precisions(args) -> list[str]:
     return [check_precision(p.strip()) for p in args.precision.split(",") if p.strip()]
 
 
+def compile_prefetch_for(args, device, precision: str) -> bool:
+    """Whether a random-weight engine starts the compile stack's import beside its load, as `Engine.load` does
+    (`compile_prefetch.wanted`), unless `--no-compile-prefetch`."""
+    from h3render import compile_prefetch
+
+    return compile_prefetch.wanted(device.type, True, precision) and not getattr(args, "no_compile_prefetch", False)
+
+
 def _build(args, bench, ctx, precision: str, stage: str):
     """An Engine of `precision` (random components, or `--e2e-checkpoint` through `Engine.load`), with its load
     time and peak recorded."""
@@ -173,8 +183,9 @@ def _build(args, bench, ctx, precision: str, stage: str):
     if args.e2e_checkpoint:
         engine = Engine.load(settings, ctx)
     else:
-        # as Engine.load does, after the loader's imports (`random_components`), beside the weights' making
-        prefetch = device.type == "cuda" and not getattr(args, "no_compile_prefetch", False)
+        # as Engine.load does, after the loader's imports (`random_components`), beside the weights' making; not for
+        # fp8, whose decoder blocks are not compiled (`VideoVAE.compile_pays`)
+        prefetch = compile_prefetch_for(args, device, precision)
         components = random_components(args.e2e_model, device, settings.torch_dtype, precision, prefetch=prefetch)
         sync(device)
         engine = Engine(components, ctx, settings, load_seconds=time.perf_counter() - t0)

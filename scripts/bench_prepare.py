@@ -145,7 +145,7 @@ def stage_prepare(args, bench) -> None:
                 wall = time.perf_counter() - t0
                 caches = engine.warmup.get("adaln_cache", [])
                 row = dict(stage="prepare", precision=precision, seconds=round(wall, 2),
-                           compile_prefetch=not args.no_compile_prefetch,
+                           compile_prefetch=bench_e2e.compile_prefetch_for(args, device, precision),
                            adaln_tables_s=round(engine.warmup["adaln_tables_s"], 3),
                            cache=[r["cache"] for r in caches], cache_io_s=[r.get("seconds") for r in caches],
                            peak_gb=peak_gb(bench, device), warmup=dict(engine.warmup),

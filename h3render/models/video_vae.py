@@ -251,8 +251,7 @@ class ViTBlock(nn.Module):
             rows: (`fuses_norm_fp8` blocks only) `Fp8Rows` [B*S, dim] of norm1(x) rounded to bf16, handed on by the
                 previous block; None: computed here.
             next_weight, next_eps: (`fuses_norm_fp8` blocks only) the next block's norm1 weight [dim] fp32 and
-                epsilon: the rows of its input are returned too, written by this block's last residual add. (Tensors,
-                not the module: the compiled blocks then share their graphs.)
+                epsilon: the rows of its input are returned too, written by this block's last residual add.
 
         Returns:
             x [B, S, dim] float32; with next_weight, (x, `Fp8Rows` [B*S, dim] e4m3 + [B*S, 1] fp32 scales).
@@ -383,8 +382,10 @@ class VideoVAE(nn.Module):
     def compile_blocks_(self, **compile_kwargs) -> "VideoVAE":
         """`torch.compile` every decoder block in place (fuses the fp32 norms, RoPE and residual element-wise work).
 
-        Opt-in GPU fast path. Measured (1x H200, release size, bf16 block linears, 72 latent frames at 1344x768):
-        eager 11.0 s, compiled 7.2 s (diffusers all-bf16: 15.2 s); the first window pays ~8 s of compilation.
+        Opt-in GPU fast path, for bf16 blocks (`compile_pays`). Measured (1x H200, release size, bf16 block linears,
+        72 latent frames at 1344x768): eager 11.0 s, compiled 7.2 s (diffusers all-bf16: 15.2 s) when first built;
+        8.47 s against 7.14 s with today's kernels (docs/performance.md §35.3); the first window pays 5-9 s of
+        compilation with Inductor's cache cold.
         bf16 results differ from eager by rounding only (rel. 2e-3). Peak memory 14-19 GB, weights included.
         """
         import torch._dynamo
@@ -404,7 +405,7 @@ class VideoVAE(nn.Module):
         (`ViTBlock.fuses_norm_fp8`: `--precision fp8`), which leave Inductor nothing to fuse. Measured (1x H200,
         random weights, median of 3, one machine start): FP8 blocks eager 4.679 s against compiled 4.767 s for 72
         latents at 1344x768, 1.256 against 1.274 s for 37 at 960x544, without the compile's 1.7-2.1 s in every new
-        process's prepare (8-15 s with Inductor's caches cold); bf16 blocks eager 8.47 s against compiled 7.14 s
+        process's prepare (5-9 s with Inductor's cache cold); bf16 blocks eager 8.47 s against compiled 7.14 s
         (docs/performance.md §35.3)."""
         return not all(block.fuses_norm_fp8 for block in self.decoder.transformer_blocks)
 

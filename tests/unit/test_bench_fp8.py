@@ -251,6 +251,8 @@ def test_compare_pairs_each_precisions_one_gpu_run_with_its_multi_gpu_runs(rows,
 
     from tests._bench import run_bench
 
+    # the e2e stage's own files carry their canvas (the run above renders one)
+    assert {p.name for p in bench_out.glob("e2e*-w1.mp4")} == {f"e2e-{CANVAS}-w1.mp4", f"e2e-fp8-{CANVAS}-w1.mp4"}
     g = torch.Generator().manual_seed(0)
     base = {"video": torch.randn(24, 3, 4, 5, generator=g), "audio": torch.randn(2, 32, 7, generator=g)}
     canvases = (CANVAS, "64x32x5")  # the second stands for another canvas of the same e2e run

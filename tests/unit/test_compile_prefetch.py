@@ -64,3 +64,12 @@ def test_a_stuck_import_is_reported_after_the_timeout(fresh, monkeypatch):
         "the compile stack's background import was still running after 0 s")
     release.set()
     assert compile_prefetch.wait() is None
+
+
+def test_a_load_wants_the_import_only_where_the_video_decoder_compiles():
+    """`Engine.load` starts the import on CUDA with `compile_vae`, for bf16 runs only: FP8 decoder blocks run their
+    fused kernels eagerly (`VideoVAE.compile_pays`), so an FP8 load would import the stack for nothing."""
+    assert compile_prefetch.wanted("cuda", True, "bf16")
+    assert not compile_prefetch.wanted("cuda", True, "fp8")
+    assert not compile_prefetch.wanted("cuda", False, "bf16")
+    assert not compile_prefetch.wanted("cpu", True, "bf16")
