@@ -74,8 +74,8 @@ def engine_options(f):
         click.option("--vae-batch", type=click.IntRange(1, 256), default=RunSettings.vae_batch, show_default=True,
                      help="Video VAE work items (window x tile) per decoder forward, at most (a compiled, bf16, "
                           "decoder runs the size up to it that pads the fewest slots for the clip). A speed setting; "
-                          "another value can move a few pixels by one 8-bit code value (float rounding), which the lossy "
-                          "encode may spread."),
+                          "another value can move a few pixels by one 8-bit code value (float rounding), which the "
+                          "lossy encode may spread."),
     ]
     for option in reversed(options):
         f = option(f)
