@@ -218,8 +218,8 @@ def to_render(jobs, queue: Queue | None) -> list:
 def distinct_setups(jobs):
     """One representative job per distinct (schedule, canvas, length, window plan): AdaLN tables are built, the VAE
     warmed (a bf16 one compiled) for its batch sizes and the audio decode's CUDA graphs captured for each before the
-    first job, outside
-    job timings. The window and overlap set the windows' lengths, which set those batch sizes and graph lengths."""
+    first job, outside job timings. The window and overlap set the windows' lengths, which set those batch sizes and
+    graph lengths."""
     seen, out = set(), []
     for job in jobs:
         key = (job.mode, job.task, job.steps, job.width, job.height, job.frames, job.window, job.overlap)

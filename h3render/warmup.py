@@ -1,8 +1,8 @@
 """The engine's warm-up (`Engine.prepare`, a mixin of `h3render.engine.Engine`): before the queue, outside job
 timings, the AdaLN tables of the jobs' schedules, short DiT forwards on each task's own path, and on CUDA the VAE
 decoder's attention backend and its first batch (bf16 blocks compiled), the audio decoder's activation check and
-its CUDA graphs, so no
-first-call cost (Triton compilation, communicator set-up, tokenizer load, kernel selection) lands in a job.
+its CUDA graphs, so no first-call cost (Triton compilation, communicator set-up, tokenizer load, kernel selection)
+lands in a job.
 """
 
 from __future__ import annotations

@@ -144,9 +144,7 @@ def _rows_scaled_mm(x: "torch.Tensor | Fp8Rows", weight: torch.Tensor, weight_sc
         of accumulation). The caller casts to its output dtype.
     """
     if not isinstance(x, Fp8Rows):
-        # Eager CUDA runs the one-pass Triton kernel; under torch.compile (the Engine compiles no FP8 module) the
-        # torch reference, which Inductor fuses into the op that writes x. Same math (the kernels' tests).
-        x = quantize_rows(x.contiguous(), use_triton=False if torch.compiler.is_compiling() else None)
+        x = quantize_rows(x.contiguous())  # one Triton pass on CUDA (the Engine compiles no FP8 module)
     if x.data.shape[0] == 0:  # a rank's empty shard: cuBLASLt takes no M = 0 problem
         out = torch.empty(0, weight.shape[0], dtype=torch.bfloat16, device=x.data.device)
     elif x.data.device.type == "cuda":
